@@ -1,0 +1,1 @@
+"""halo-agent: the daemon each edge device runs. Installed as halo.edge_agent."""

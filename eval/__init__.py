@@ -1,0 +1,1 @@
+"""Benchmarks, accuracy runs and reports. Installed as halo.eval."""

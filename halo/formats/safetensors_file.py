@@ -1,0 +1,84 @@
+"""A memory-mapped, validating reader for .safetensors files (F32, F16, BF16).
+
+Hand-written rather than `safetensors.numpy` because numpy has no bfloat16 (that loader refuses
+BF16 files) and because agents slice rows/columns of a memory map to load only their neuron
+groups, reading only those pages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelFormatError
+
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+MAX_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(self.path, "no such safetensors file")
+        size = os.path.getsize(self.path)
+        if size < 8:
+            raise ModelFormatError(self.path, f"truncated: {size} bytes, shorter than the 8-byte header length")
+        with open(self.path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > min(MAX_HEADER, size - 8):
+                raise ModelFormatError(self.path, f"header length {header_len} exceeds the file ({size} bytes): "
+                                       "truncated or not a safetensors file")
+            try:
+                header = json.loads(f.read(header_len))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelFormatError(self.path, f"header is not valid JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise ModelFormatError(self.path, "header is not a JSON object")
+        self.metadata = header.pop("__metadata__", {}) or {}
+        self.data_start = 8 + header_len
+        data_len = size - self.data_start
+        self.entries: dict[str, tuple[str, tuple[int, ...], int]] = {}  # name -> (dtype, shape, offset)
+        for name, entry in header.items():
+            try:
+                dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            except (KeyError, TypeError, ValueError) as e:
+                raise ModelFormatError(self.path, f"tensor {name}: malformed header entry {entry!r}") from e
+            if dtype_name not in DTYPES:
+                raise ModelFormatError(self.path, f"tensor {name}: dtype {dtype_name} is not supported",
+                                       "halo reads F32, F16 and BF16 checkpoints")
+            dtype = DTYPES[dtype_name]
+            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            if end - begin != expected or begin < 0 or end > data_len:
+                raise ModelFormatError(self.path, f"tensor {name}: data_offsets [{begin}, {end}) do not fit shape "
+                                       f"{shape} {dtype_name} ({expected} bytes) inside {data_len} data bytes "
+                                       "(truncated file?)")
+            self.entries[name] = (dtype_name, shape, begin)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor as a read-only memory map (bfloat16 shows as uint16)."""
+        dtype_name, shape, begin = self.entries[name]
+        stored = DTYPES[dtype_name]
+        count = int(np.prod(shape, dtype=np.int64))
+        start = self.data_start + begin
+        return self._map[start:start + count * stored.itemsize].view(stored).reshape(shape)
+
+    def is_bf16(self, name: str) -> bool:
+        return self.entries[name][0] == "BF16"
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor as float32: zero-copy for F32, converted for F16/BF16."""
+        raw = self.raw(name)
+        if self.is_bf16(name):
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        if raw.dtype == np.float32:
+            return raw
+        return raw.astype(np.float32)

@@ -1,0 +1,96 @@
+"""The generation loop: prefill the prompt, then decode one token at a time.
+
+Works with any model that has `forward(tokens) -> logits of the last token`, `reset()` and
+`max_seq_len`: the single-process reference or the distributed master.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from .errors import ConfigError
+from .sampling import Sampler, SamplingSettings
+from .tokenizer import Tokenizer
+
+
+class LanguageModel(Protocol):
+    max_seq_len: int
+
+    def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the generated continuation (without the prompt)
+    token_ids: list[int]  # generated ids
+    prompt_ids: list[int]
+    stop_reason: str  # "eos", "max_new_tokens" or "context_full"
+    prefill_ms: float
+    decode_ms: list[float] = field(default_factory=list)  # per generated token after the first
+
+    @property
+    def ms_per_token(self) -> float:
+        return float(np.mean(self.decode_ms)) if self.decode_ms else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_token_ids": self.prompt_ids,
+            "stop_reason": self.stop_reason,
+            "timings": {"prefill_ms": round(self.prefill_ms, 3), "mean_ms_per_output_token": round(self.ms_per_token, 3),
+                        "output_tokens": len(self.token_ids)},
+        }
+
+
+def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
+             sampling: SamplingSettings = SamplingSettings(), on_text: Callable[[str], None] | None = None,
+             stop_at_eos: bool = True) -> GenerationResult:
+    """Generate up to max_new_tokens after the prompt (BOS is prepended). on_text receives each new
+    piece of text as soon as it is decoded."""
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    prompt_ids = tokenizer.encode(prompt, bos=True)
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens and the tokenizer has no BOS token: give a prompt")
+    if len(prompt_ids) >= model.max_seq_len:
+        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the context holds {model.max_seq_len}")
+    sample = Sampler(sampling)
+    # the continuation's first piece keeps its leading space unless the prompt was empty
+    emit = tokenizer.stream(at_start=len(prompt_ids) == 1 and prompt_ids[0] == tokenizer.bos_id)
+    model.reset()
+
+    t0 = time.perf_counter()
+    logits = model.forward(prompt_ids)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    result = GenerationResult("", [], prompt_ids, "max_new_tokens", prefill_ms)
+    pieces: list[str] = []
+    for step in range(max_new_tokens):
+        token = sample(logits)
+        if stop_at_eos and token in tokenizer.eos_ids:
+            result.stop_reason = "eos"
+            break
+        result.token_ids.append(token)
+        piece = emit(token)
+        pieces.append(piece)
+        if on_text and piece:
+            on_text(piece)
+        if step == max_new_tokens - 1:
+            break
+        if len(prompt_ids) + len(result.token_ids) >= model.max_seq_len:
+            result.stop_reason = "context_full"
+            break
+        t = time.perf_counter()
+        logits = model.forward([token])
+        result.decode_ms.append((time.perf_counter() - t) * 1e3)
+    tail = emit(None)
+    if on_text and tail:
+        on_text(tail)
+    result.text = "".join(pieces) + tail
+    return result

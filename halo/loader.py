@@ -1,0 +1,38 @@
+"""Find the format of a model path and load weights and tokenizer from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import BUNDLED_MODEL, BUNDLED_TOKENIZER
+from .errors import ModelFormatError
+from .formats import hf, llama2c
+from .tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
+from .weights import ModelWeights
+
+
+def load_weights(path: str | os.PathLike | None = None) -> ModelWeights:
+    """A Hugging Face directory (has config.json) or a llama2.c checkpoint file; None: the bundled model."""
+    path = Path(path) if path is not None else Path(str(BUNDLED_MODEL))
+    if path.is_dir():
+        return hf.read_checkpoint(path)
+    if path.is_file():
+        return llama2c.read_checkpoint(path)
+    raise ModelFormatError(path, "no such file or directory",
+                           "pass a llama2.c .bin file or a Hugging Face directory with config.json")
+
+
+def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer that belongs to the weights: tokenizer.json in a HF directory, else a llama2.c
+    tokenizer.bin given explicitly, found beside the checkpoint (tok*.bin / tokenizer.bin), or bundled."""
+    config, source = weights.config, Path(weights.source)
+    if source.is_dir():
+        path = Path(tokenizer_path) if tokenizer_path else source / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFormatError(source, "no tokenizer.json in the model directory", "pass --tokenizer PATH")
+        return HFTokenizer(path, config.vocab_size, config.bos_id, config.eos_ids)
+    if tokenizer_path is None:
+        candidates = sorted(source.parent.glob("tok*.bin")) + [Path(str(BUNDLED_TOKENIZER))]
+        tokenizer_path = candidates[0]
+    return Llama2cTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids[0])

@@ -1,0 +1,227 @@
+"""Neuron groups: the unit of work that halo distributes, and the partial outputs they produce.
+
+Every block of a Llama layer is a sum over independent neuron groups:
+
+- attention: one group per query head h, holding its rows of W_q and its columns of W_o. The head
+  needs K/V of KV head `h // (n_heads / n_kv_heads)`. Decision: every device computes (and
+  caches) the K/V projections of each KV head that one of its query heads uses. K/V projections
+  are small (n_kv_heads * head_dim rows), so duplicating them where a KV head's query heads are
+  split across devices costs little compute and saves a synchronization round per layer; each
+  device's KV cache then holds exactly what its own heads read.
+- MLP: groups of `mlp_group_size` intermediate neurons (rows of W_gate and W_up, columns of
+  W_down); 256 by default as in HALO; the last group holds the remainder when the size does not
+  divide the intermediate size.
+- LM head: groups of `vocab_group_size` vocabulary rows; a group's output is its logits slice.
+
+A *shard* is one device's set of groups of one block. Its `forward` returns the block's
+partial output; the sum over shards of a partition equals the whole block's output. The
+single-process reference model is built from shards holding every group, so the reference and
+the distributed runtime run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+from .linear import DenseProjection, make_projection
+from .ops import Rotary, silu, softmax
+from .weights import LayerWeights
+
+DEFAULT_MLP_GROUP_SIZE = 256
+DEFAULT_VOCAB_GROUP_SIZE = 256
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """How a model's blocks divide into neuron groups."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int
+    vocab_size: int
+    mlp_group_size: int = DEFAULT_MLP_GROUP_SIZE
+    vocab_group_size: int = DEFAULT_VOCAB_GROUP_SIZE
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, mlp_group_size: int = DEFAULT_MLP_GROUP_SIZE,
+                  vocab_group_size: int = DEFAULT_VOCAB_GROUP_SIZE) -> "GroupLayout":
+        if mlp_group_size <= 0 or vocab_group_size <= 0:
+            raise ValueError("group sizes must be positive")
+        return cls(config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim, config.vocab_size,
+                   mlp_group_size, vocab_group_size)
+
+    @property
+    def n_attention_groups(self) -> int:
+        return self.n_heads
+
+    @property
+    def n_mlp_groups(self) -> int:
+        return math.ceil(self.hidden_dim / self.mlp_group_size)
+
+    @property
+    def n_vocab_groups(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_group_size)
+
+    def kv_head(self, head: int) -> int:
+        return head // (self.n_heads // self.n_kv_heads)
+
+    def mlp_neurons(self, group: int) -> range:
+        return range(group * self.mlp_group_size, min((group + 1) * self.mlp_group_size, self.hidden_dim))
+
+    def vocab_rows(self, group: int) -> range:
+        return range(group * self.vocab_group_size, min((group + 1) * self.vocab_group_size, self.vocab_size))
+
+
+def _check_groups(groups: Sequence[int], total: int, kind: str) -> tuple[int, ...]:
+    groups = tuple(int(g) for g in groups)
+    if not groups:
+        raise ValueError(f"a {kind} shard needs at least one group")
+    if len(set(groups)) != len(groups) or min(groups) < 0 or max(groups) >= total:
+        raise ValueError(f"{kind} groups {groups} must be distinct and within 0..{total - 1}")
+    return groups
+
+
+def take_rows(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Rows of w: a view when they are one contiguous run (no copy of a memory-mapped model)."""
+    if len(rows) and rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1):
+        return w[rows[0]:rows[-1] + 1]
+    return np.ascontiguousarray(w[rows])
+
+
+def take_cols(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    if len(cols) and cols[-1] - cols[0] + 1 == len(cols) and np.all(np.diff(cols) == 1):
+        return w[:, cols[0]:cols[-1] + 1]
+    return np.ascontiguousarray(w[:, cols])
+
+
+class AttentionShard:
+    """A set of query heads of one layer, with the K/V heads they read and their KV cache."""
+
+    def __init__(self, layer: LayerWeights, layout: GroupLayout, heads: Sequence[int], max_seq_len: int,
+                 fmt: str = "fp32", threads: int = 1):
+        self.heads = _check_groups(heads, layout.n_heads, "attention")
+        self.kv_heads = tuple(sorted({layout.kv_head(h) for h in self.heads}))
+        hd = self.head_dim = layout.head_dim
+        q_rows = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in self.heads])
+        kv_rows = np.concatenate([np.arange(k * hd, (k + 1) * hd) for k in self.kv_heads])
+        wo = take_cols(layer.wo, q_rows)
+        self.qkv = make_projection([take_rows(layer.wq, q_rows), take_rows(layer.wk, kv_rows),
+                                    take_rows(layer.wv, kv_rows)], fmt, threads)
+        self.out = make_projection([wo], fmt, threads)
+        self._wo_dense = wo if isinstance(self.out, DenseProjection) else None
+        # local query heads grouped by the local KV head they read
+        local_kv = {k: i for i, k in enumerate(self.kv_heads)}
+        self.heads_of_kv = [[i for i, h in enumerate(self.heads) if local_kv[layout.kv_head(h)] == j]
+                            for j in range(len(self.kv_heads))]
+        self.cache_k = np.zeros((len(self.kv_heads), max_seq_len, hd), dtype=np.float32)
+        self.cache_v = np.zeros_like(self.cache_k)
+
+    def forward(self, x: np.ndarray, start_pos: int, rotary: Rotary, with_norms: bool = False):
+        """x: [T, D] normed input at positions start_pos.. -> partial output [T, D] (and head norms [T, H])."""
+        T, hd = x.shape[0], self.head_dim
+        end = start_pos + T
+        if end > self.cache_k.shape[1]:
+            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[1]}")
+        q, k, v = self.qkv(x)
+        q = rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
+        self.cache_k[:, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos).transpose(1, 0, 2)
+        self.cache_v[:, start_pos:end] = v.reshape(T, -1, hd).transpose(1, 0, 2)
+        # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t
+        mask = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None]  # [T, S]
+        attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
+        scale = 1.0 / math.sqrt(hd)
+        for j, local_heads in enumerate(self.heads_of_kv):
+            qj = q[:, local_heads, :]  # [T, r, hd]
+            scores = np.einsum("trd,sd->trs", qj, self.cache_k[j, :end]) * scale
+            scores = np.where(mask[:, None, :], -np.inf, scores)
+            attended[:, local_heads, :] = np.einsum("trs,sd->trd", softmax(scores), self.cache_v[j, :end])
+        attended = attended.reshape(T, -1)
+        if not with_norms:
+            return self.out(attended)[0]
+        return self._grouped_output(attended, [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
+
+    def _grouped_output(self, act: np.ndarray, slices: list[slice]):
+        if self._wo_dense is None:
+            raise ValueError("per-group activation norms need the fp32 weight format")
+        return grouped_output(act, self._wo_dense, slices)
+
+    def reset(self) -> None:
+        self.cache_k[:] = 0
+        self.cache_v[:] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.out.nbytes
+
+    @property
+    def cache_nbytes(self) -> int:
+        return self.cache_k.nbytes + self.cache_v.nbytes
+
+
+def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]):
+    """Partial output as a sum of per-group contributions W_out[:, g] @ act[g], plus each one's L2 norm.
+
+    The norm of a group's contribution is exactly what dropping that group removes from the block
+    output: the importance signal the predictors learn.
+    """
+    partial = np.zeros((act.shape[0], w_out.shape[0]), dtype=np.float32)
+    norms = np.empty((act.shape[0], len(slices)), dtype=np.float32)
+    for i, s in enumerate(slices):
+        contribution = act[:, s] @ w_out[:, s].T
+        norms[:, i] = np.linalg.norm(contribution, axis=-1)
+        partial += contribution
+    return partial, norms
+
+
+class MlpShard:
+    """A set of MLP neuron groups of one layer: SwiGLU over its neurons, then its W_down columns."""
+
+    def __init__(self, layer: LayerWeights, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
+                 threads: int = 1):
+        self.groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
+        neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, self.groups)])
+        self.gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads)
+        w_down = take_cols(layer.w_down, neurons)
+        self.down = make_projection([w_down], fmt, threads)
+        self._down_dense = w_down if isinstance(self.down, DenseProjection) else None
+        sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def forward(self, x: np.ndarray, with_norms: bool = False):
+        """x: [T, D] normed input -> partial output [T, D] (and group norms [T, G])."""
+        gate, up = self.gate_up(x)
+        act = silu(gate) * up
+        if not with_norms:
+            return self.down(act)[0]
+        if self._down_dense is None:
+            raise ValueError("per-group activation norms need the fp32 weight format")
+        return grouped_output(act, self._down_dense, self.slices)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+class LmHeadShard:
+    """A set of vocabulary groups: the logits of its rows."""
+
+    def __init__(self, lm_head: np.ndarray, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
+                 threads: int = 1):
+        self.groups = _check_groups(groups, layout.n_vocab_groups, "LM-head")
+        self.token_ids = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, self.groups)])
+        self.proj = make_projection([take_rows(lm_head, self.token_ids)], fmt, threads)
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """x: [T, D] final-normed hidden state -> logits [T, len(token_ids)] for self.token_ids."""
+        return self.proj(x)[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.proj.nbytes

@@ -1,0 +1,1 @@
+"""Semantic-aware predictors (SAPs): profile, train, export, run. Installed as halo.predictors."""

@@ -1,0 +1,1 @@
+"""Scheduler: neuron-group plans for tensor-parallel and pipeline mode. Installed as halo.scheduler."""

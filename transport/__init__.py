@@ -1,0 +1,1 @@
+"""Transport: reliable control plane, lossy deadline sync, fast reliable UDP path. Installed as halo.transport."""
