@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ConfigError
+from .linear import DenseProjection
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from .ops import Rotary, rmsnorm
 from .weights import ModelWeights
@@ -74,7 +75,11 @@ class Transformer:
     def weight_nbytes(self) -> int:
         shards = [*self.attention, *self.mlp, self.lm_head]
         norms = sum(n.nbytes for n in [*self.attn_norms, *self.mlp_norms, self.final_norm])
-        return sum(s.nbytes for s in shards) + norms + self.tok_embeddings.nbytes
+        total = sum(s.nbytes for s in shards) + norms + self.tok_embeddings.nbytes
+        head = self.lm_head.proj
+        if isinstance(head, DenseProjection) and np.shares_memory(head.matrices[0], self.tok_embeddings):
+            total -= head.nbytes  # tied head: the embedding table counted once
+        return total
 
     def kv_cache_nbytes(self) -> int:
         return sum(s.cache_nbytes for s in self.attention)

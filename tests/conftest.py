@@ -1,0 +1,26 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as hf_models
+
+from halo import BUNDLED_MODEL  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def known_answer() -> str:
+    """The greedy text from ../shared/models/stories260K/README.md (bundled copy in halo/assets)."""
+    readme = Path(str(BUNDLED_MODEL)).parent / "README.md"
+    text = readme.read_text()
+    block = text.split("## Known answer", 1)[1].split("```", 2)[1]
+    return block.strip("\n")
+
+
+@pytest.fixture(scope="session")
+def stories_weights():
+    from halo.loader import load_weights
+
+    return load_weights()

@@ -1,0 +1,121 @@
+"""The sum of partial outputs over any partition of neuron groups equals the whole block's output."""
+
+import numpy as np
+import pytest
+
+from halo.loader import load_weights
+from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+from halo.ops import Rotary
+
+MAX_SEQ = 32
+
+
+def random_partition(rng, n_groups: int, n_sets: int) -> list[list[int]]:
+    n_sets = min(n_sets, n_groups)
+    owner = np.concatenate([np.arange(n_sets), rng.integers(0, n_sets, n_groups - n_sets)])
+    rng.shuffle(owner)
+    return [sorted(np.flatnonzero(owner == s).tolist()) for s in range(n_sets)]
+
+
+def relative_error(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module", params=["stories260K", "random-hf-gqa"])
+def weights(request, tmp_path_factory):
+    if request.param == "stories260K":
+        return load_weights()
+    pytest.importorskip("transformers")
+    from hf_models import make_checkpoint
+
+    directory = tmp_path_factory.mktemp("gqa")
+    make_checkpoint(directory, seed=1, num_attention_heads=8, num_key_value_heads=2, hidden_size=64,
+                    intermediate_size=200, vocab_size=300)
+    return load_weights(directory)
+
+
+@pytest.mark.parametrize("n_sets", range(1, 9))
+def test_attention_partial_outputs_sum_to_the_block(weights, n_sets):
+    rng = np.random.default_rng(n_sets)
+    c = weights.config
+    layout = GroupLayout.for_model(c)
+    layer = weights.layers[rng.integers(c.n_layers)]
+    rotary = Rotary(c, MAX_SEQ)
+    full = AttentionShard(layer, layout, range(layout.n_attention_groups), MAX_SEQ)
+    shards = [AttentionShard(layer, layout, s, MAX_SEQ) for s in random_partition(rng, layout.n_attention_groups, n_sets)]
+    prefill = rng.standard_normal((5, c.dim)).astype(np.float32)
+    expected = full.forward(prefill, 0, rotary)
+    assert relative_error(sum(s.forward(prefill, 0, rotary) for s in shards), expected) <= 1e-5
+    for pos in range(5, 8):  # decode steps read each shard's own KV cache
+        x = rng.standard_normal((1, c.dim)).astype(np.float32)
+        expected = full.forward(x, pos, rotary)
+        assert relative_error(sum(s.forward(x, pos, rotary) for s in shards), expected) <= 1e-5
+
+
+@pytest.mark.parametrize("group_size", [16, 25, 256])
+@pytest.mark.parametrize("n_sets", [1, 2, 3, 5, 8])
+def test_mlp_partial_outputs_sum_to_the_block(weights, n_sets, group_size):
+    rng = np.random.default_rng(n_sets + group_size)
+    c = weights.config
+    layout = GroupLayout.for_model(c, mlp_group_size=group_size)
+    layer = weights.layers[rng.integers(c.n_layers)]
+    x = rng.standard_normal((4, c.dim)).astype(np.float32)
+    expected = MlpShard(layer, layout, range(layout.n_mlp_groups)).forward(x)
+    parts = random_partition(rng, layout.n_mlp_groups, n_sets)
+    total = sum(MlpShard(layer, layout, s).forward(x) for s in parts)
+    assert relative_error(total, expected) <= 1e-5
+
+
+def test_remainder_group_holds_the_leftover_neurons():
+    layout = GroupLayout(n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=172, vocab_size=512, mlp_group_size=16)
+    assert layout.n_mlp_groups == 11
+    assert list(layout.mlp_neurons(10)) == list(range(160, 172))
+    assert sum(len(layout.mlp_neurons(g)) for g in range(11)) == 172
+
+
+@pytest.mark.parametrize("n_sets", [1, 3, 8])
+def test_lm_head_groups_concatenate_to_the_logits(weights, n_sets):
+    rng = np.random.default_rng(n_sets)
+    c = weights.config
+    layout = GroupLayout.for_model(c, vocab_group_size=37)
+    x = rng.standard_normal((2, c.dim)).astype(np.float32)
+    expected = LmHeadShard(weights.lm_head, layout, range(layout.n_vocab_groups)).forward(x)
+    merged = np.zeros_like(expected)
+    for s in random_partition(rng, layout.n_vocab_groups, n_sets):
+        shard = LmHeadShard(weights.lm_head, layout, s)
+        merged[:, shard.token_ids] = shard.forward(x)
+    np.testing.assert_allclose(merged, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_group_norms_are_the_norms_of_each_groups_contribution(weights):
+    rng = np.random.default_rng(0)
+    c = weights.config
+    layout = GroupLayout.for_model(c, mlp_group_size=32)
+    layer = weights.layers[0]
+    x = rng.standard_normal((3, c.dim)).astype(np.float32)
+    full = MlpShard(layer, layout, range(layout.n_mlp_groups))
+    partial, norms = full.forward(x, with_norms=True)
+    assert relative_error(partial, full.forward(x)) <= 1e-5
+    for g in range(layout.n_mlp_groups):
+        alone = MlpShard(layer, layout, [g]).forward(x)
+        np.testing.assert_allclose(norms[:, g], np.linalg.norm(alone, axis=-1), rtol=1e-4)
+    rotary = Rotary(c, MAX_SEQ)
+    attention = AttentionShard(layer, layout, range(c.n_heads), MAX_SEQ)
+    out, head_norms = attention.forward(x, 0, rotary, with_norms=True)
+    for h in range(c.n_heads):
+        alone = AttentionShard(layer, layout, [h], MAX_SEQ).forward(x, 0, rotary)
+        np.testing.assert_allclose(head_norms[:, h], np.linalg.norm(alone, axis=-1), rtol=1e-4, atol=1e-6)
+
+
+def test_kv_heads_follow_the_query_heads(stories_weights):
+    layout = GroupLayout.for_model(stories_weights.config)
+    shard = AttentionShard(stories_weights.layers[0], layout, [1, 4, 5], MAX_SEQ)
+    assert shard.kv_heads == (0, 2)  # 8 query heads over 4 KV heads: head h reads KV head h // 2
+    assert shard.cache_k.shape == (2, MAX_SEQ, 8)
+
+
+@pytest.mark.parametrize("groups", [[], [0, 0], [99]])
+def test_invalid_group_sets_are_refused(stories_weights, groups):
+    layout = GroupLayout.for_model(stories_weights.config)
+    with pytest.raises(ValueError, match="group"):
+        AttentionShard(stories_weights.layers[0], layout, groups, MAX_SEQ)

@@ -1,0 +1,44 @@
+import numpy as np
+import pytest
+
+from halo.errors import ConfigError
+from halo.sampling import Sampler, SamplingSettings
+
+LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+
+
+def draws(settings, n=2000):
+    sample = Sampler(settings)
+    return np.bincount([sample(LOGITS) for _ in range(n)], minlength=len(LOGITS))
+
+
+def test_greedy_takes_the_argmax():
+    assert Sampler(SamplingSettings(temperature=0))(LOGITS) == 0
+
+
+def test_top_k_keeps_only_the_k_likeliest():
+    counts = draws(SamplingSettings(temperature=1.0, top_k=2, seed=1))
+    assert counts[2:].sum() == 0 and counts[0] > counts[1] > 0
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    counts = draws(SamplingSettings(temperature=1.0, top_p=0.75, seed=2))  # 0.5 + 0.2 < 0.75 <= 0.85
+    assert counts[3:].sum() == 0 and counts[2] > 0
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = draws(SamplingSettings(temperature=1.0, seed=3), n=20000)
+    np.testing.assert_allclose(counts / counts.sum(), np.exp(LOGITS), atol=0.015)
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    a = [Sampler(SamplingSettings(1.0, seed=7))(LOGITS) for _ in range(1)]
+    s1, s2, s3 = (Sampler(SamplingSettings(1.0, seed=s)) for s in (7, 7, 8))
+    seq1, seq2, seq3 = ([s(LOGITS) for _ in range(50)] for s in (s1, s2, s3))
+    assert seq1 == seq2 != seq3 and a[0] == seq1[0]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        SamplingSettings(**kwargs)
