@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import ModelConfig
-from .linear import DenseProjection, make_projection
+from .linear import DenseProjection, int8_block_for, make_projection
 from .ops import Rotary, silu, softmax
 from .weights import LayerWeights
 
@@ -113,7 +113,7 @@ class AttentionShard:
         wo = take_cols(layer.wo, q_rows)
         self.qkv = make_projection([take_rows(layer.wq, q_rows), take_rows(layer.wk, kv_rows),
                                     take_rows(layer.wv, kv_rows)], fmt, threads)
-        self.out = make_projection([wo], fmt, threads)
+        self.out = make_projection([wo], fmt, threads, int8_block_for(hd))
         self._wo_dense = wo if isinstance(self.out, DenseProjection) else None
         # local query heads grouped by the local KV head they read
         local_kv = {k: i for i, k in enumerate(self.kv_heads)}
@@ -132,15 +132,18 @@ class AttentionShard:
         q = rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
         self.cache_k[:, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos).transpose(1, 0, 2)
         self.cache_v[:, start_pos:end] = v.reshape(T, -1, hd).transpose(1, 0, 2)
-        # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t
-        mask = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None]  # [T, S]
         attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
-        scale = 1.0 / math.sqrt(hd)
+        scale = np.float32(1.0 / math.sqrt(hd))
+        # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t; a single token sees all
+        mask = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None] if T > 1 else None  # [T, S]
         for j, local_heads in enumerate(self.heads_of_kv):
-            qj = q[:, local_heads, :]  # [T, r, hd]
-            scores = np.einsum("trd,sd->trs", qj, self.cache_k[j, :end]) * scale
-            scores = np.where(mask[:, None, :], -np.inf, scores)
-            attended[:, local_heads, :] = np.einsum("trs,sd->trd", softmax(scores), self.cache_v[j, :end])
+            r = len(local_heads)
+            qj = q[:, local_heads, :].reshape(T * r, hd)
+            scores = (qj @ self.cache_k[j, :end].T).reshape(T, r, end) * scale  # [T, r, S]
+            if mask is not None:
+                scores = np.where(mask[:, None, :], -np.inf, scores)
+            probs = softmax(scores).reshape(T * r, end)
+            attended[:, local_heads, :] = (probs @ self.cache_v[j, :end]).reshape(T, r, hd)
         attended = attended.reshape(T, -1)
         if not with_norms:
             return self.out(attended)[0]

@@ -3,7 +3,7 @@
 import numpy as np
 
 from halo.generate import generate
-from halo.linear import dequantize_int8, make_projection, quantize_int8
+from halo.linear import INT8_BLOCK, dequantize_int8, make_projection, quantize_int8
 from halo.loader import load_tokenizer
 from halo.model import Transformer
 
@@ -13,7 +13,7 @@ def test_quantization_error_is_within_half_a_step():
     w = rng.standard_normal((50, 70)).astype(np.float32)  # 70 is not a multiple of the block
     codes, scales = quantize_int8(w, rows_per_chunk=16)
     restored = dequantize_int8(codes, scales, 70)
-    step = np.repeat(scales, 32, axis=1)[:, :70]
+    step = np.repeat(scales, INT8_BLOCK, axis=1)[:, :70]
     assert np.all(np.abs(restored - w) <= step / 2 + 1e-6)
 
 

@@ -1,0 +1,64 @@
+"""Process memory: peak RSS, and dropping pages of memory-mapped weights once converted.
+
+A checkpoint is memory-mapped; converting it to int8 touches every float32 page, and touched pages
+of a mapping count in this process's RSS until released. `release_pages` hands them back (the
+file stays in the kernel's page cache and re-reads transparently), so converting a model never
+holds its float32 copy and its int8 copy at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import resource
+import sys
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
+
+def _mapping_of(array: np.ndarray):
+    base = array
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "_mmap", None) or base.base
+    return base
+
+
+def release_pages(array: np.ndarray) -> None:
+    """madvise(DONTNEED) the whole pages that a memory-mapped array spans; no-op for ordinary arrays."""
+    mapping = _mapping_of(array)
+    if mapping is None or not hasattr(mapping, "madvise") or array.size == 0:
+        return
+    start_address = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+    begin = array.ctypes.data - start_address
+    span = array.strides[0] * (array.shape[0] - 1) + array.strides[-1] * array.shape[-1] if array.ndim else array.nbytes
+    first = -(-begin // PAGE) * PAGE
+    last = (begin + span) // PAGE * PAGE
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
+def release_freed_heap() -> None:
+    """Return freed heap memory to the OS (glibc keeps large freed blocks otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far.
+
+    Reads VmHWM on Linux: getrusage's ru_maxrss survives exec, so a child started by a big parent
+    would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
