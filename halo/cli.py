@@ -6,13 +6,20 @@ import argparse
 import json
 import sys
 
-from .errors import HaloError
+from .errors import ConfigError, HaloError
 from .linear import FORMATS
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+"""
+
+
+EPILOG_PLAN = """examples:
+  halo-master plan --cluster home.toml --model-config llama-3.1-8b            who computes what, Min-Max
+  halo-master plan --cluster home.toml --model-config llama-2-13b --algorithm galaxy --all-devices
+  halo-master plan --cluster gpus.toml --mode pipeline --model ./Llama-3.2-1B --out plan.json
 """
 
 
@@ -40,6 +47,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Split a model over the devices of a cluster file and print the plan. "
+                                   "Tensor-parallel plans (--mode tp) give every device a share of every block's "
+                                   "neuron groups, the most important to the most reliable links; pipeline plans "
+                                   "(--mode pipeline) give GPU/WebGPU workers contiguous layer ranges.")
+    p.add_argument("--cluster", required=True, metavar="CLUSTER.toml", help="devices: memory, compute, link loss "
+                   "(format: python -c 'import halo.scheduler.profiles as p; print(p.__doc__)')")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", help="model file or directory to plan for (default: bundled stories260K)")
+    source.add_argument("--model-config", metavar="NAME", help="a named shape for what-if planning: "
+                        "llama-3.1-8b, llama-2-13b, llama-2-7b, tinyllama-1.1b, stories260k")
+    p.add_argument("--mode", choices=("tp", "pipeline"), default="tp")
+    p.add_argument("--algorithm", choices=("minmax", "greedy", "galaxy", "vanilla", "memory", "exact"), default="minmax",
+                   help="ratio algorithm for tp (default minmax, which also chooses the participating devices)")
+    p.add_argument("--all-devices", action="store_true", help="tp: make every device take part (no device selection)")
+    p.add_argument("--mlp-group-size", type=int, default=256, help="MLP neurons per group (default 256)")
+    p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 
@@ -75,6 +102,82 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .loader import load_config
+    from .scheduler import plan_io
+    from .scheduler.cost import SYNC_MODES, estimate
+    from .scheduler.milp import solve_exact
+    from .scheduler.pipeline import plan_pipeline
+    from .scheduler.profiles import load_cluster, model_profile, named_config
+    from .scheduler.tp_plan import plan_tp
+
+    cluster = load_cluster(args.cluster)
+    if args.model_config:
+        config, name = named_config(args.model_config), args.model_config
+    else:
+        config = load_config(args.model)
+        name = args.model or "stories260K"
+    model = model_profile(config, cluster.weights, name, mlp_group_size=args.mlp_group_size)
+    console = Console()
+    if args.mode == "pipeline":
+        plan = plan_pipeline(cluster, model)
+        table = Table(title=f"pipeline plan: {name}, {cluster.weights}, context {cluster.context}")
+        for column in ("worker", "units", "layers", "memory (MB)", "budget (MB)"):
+            table.add_column(column)
+        from .scheduler.pipeline import model_units
+        units = model_units(model, cluster.context)
+        for w, a, b in plan.stages:
+            d = plan.workers[w]
+            table.add_row(d.name, f"[{a}, {b})", f"{units.names[a]} .. {units.names[b - 1]}",
+                          f"{units.memory[a:b].sum() / 1e6:.0f}", f"{d.memory_bytes / 1e6:.0f}")
+        console.print(table)
+        if plan.complete:
+            console.print(f"estimated {plan.cost_s * 1e3:.2f} ms per token")
+        else:
+            console.print(f"[yellow]partial plan: the workers hold units 0..{plan.covered - 1} of {plan.n_units}; "
+                          f"add workers or memory to cover the rest[/yellow]")
+        document = plan_io.pipeline_plan_json(plan, cluster, model)
+    else:
+        if args.algorithm == "exact":
+            result = solve_exact(cluster, model)
+            if result.plan is None:
+                raise ConfigError(f"the exact solver found no plan: {result.message}")
+            plan = result.plan
+        else:
+            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices)
+        used = plan.memory_used()
+        ranks = plan.priority_ranks("attention")
+        table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
+        for column in ("device", "heads/layer", "MLP groups/layer", "vocab groups", "memory used / budget (MB)", "PLR",
+                       "head ranks (layer 0)", "compute ms/token"):
+            table.add_column(column)
+        for j, d in enumerate(plan.profiles()):
+            flops = sum(getattr(model, k).flops * plan.counts[k][j].sum() for k in ("attention", "mlp"))
+            flops += model.lm_head.flops * plan.counts["lm_head"][j]
+            over = " [red]OOM[/red]" if d.name in plan.oom else ""
+            table.add_row(d.name + (" (master)" if plan.devices[j] == cluster.master else ""),
+                          f"{plan.counts['attention'][j].mean():.2f}", f"{plan.counts['mlp'][j].mean():.2f}",
+                          str(plan.counts["lm_head"][j]), f"{used[j] / 1e6:.0f} / {d.memory_bytes / 1e6:.0f}{over}",
+                          f"{d.plr:.3f}", f"{ranks[j, 0, 0]}..{ranks[j, 0, 1] - 1}" if ranks[j, 0, 1] > ranks[j, 0, 0] else "-",
+                          f"{flops / d.compute_flops * 1e3:.1f}")
+        left_out = [d.name for i, d in enumerate(cluster.devices) if i not in plan.devices]
+        console.print(table)
+        if left_out:
+            console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
+        for mode in SYNC_MODES:
+            e = estimate(plan, mode)
+            console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "
+                          f"(compute {e.compute_s * 1e3:.2f}, comm {e.comm_s * 1e3:.2f}, loss {e.loss_s * 1e3:.2f})")
+        document = plan_io.tp_plan_json(plan)
+    if args.out:
+        plan_io.save(document, args.out)
+        console.print(f"wrote {args.out}")
     return 0
 
 

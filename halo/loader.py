@@ -36,3 +36,14 @@ def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | No
         candidates = sorted(source.parent.glob("tok*.bin")) + [Path(str(BUNDLED_TOKENIZER))]
         tokenizer_path = candidates[0]
     return Llama2cTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids[0])
+
+
+def load_config(path: str | os.PathLike | None = None):
+    """Only the model's shape (no weights read): for planning."""
+    path = Path(path) if path is not None else Path(str(BUNDLED_MODEL))
+    if path.is_dir():
+        return hf.read_config(path)
+    if path.is_file():
+        return llama2c.read_config(path)[0]
+    raise ModelFormatError(path, "no such file or directory",
+                           "pass a llama2.c .bin file or a Hugging Face directory with config.json")

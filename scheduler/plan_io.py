@@ -1,0 +1,155 @@
+"""Versioned JSON plans for both modes, and loading them back with validation.
+
+Schema (version 1), common fields: {"format": "halo-plan", "version": 1, "mode": "tp" | "pipeline",
+"model": {...profile...}, "cluster": {"context", "weights", "devices": [{name, address, memory_bytes,
+compute_flops, plr, bandwidth_bps, latency_s, master}]}}.
+
+mode "tp" adds: "algorithm"; "participants": [device names, master first]; "counts": {"attention":
+[[groups per layer] per participant], "mlp": same, "lm_head": [groups per participant]};
+"priority": {"attention" | "mlp": [[[start, stop] per layer] per participant], "lm_head":
+[[start, stop] per participant]} (Algorithm 3 rank ranges, rank 0 = most important);
+"estimate": {sync mode: {ms_per_token, compute_ms, comm_ms, loss_ms}}.
+
+mode "pipeline" adds: "units": [unit names]; "stages": [{"worker": name, "start": i, "stop": j}]
+(half-open unit ranges in order); "complete": bool; "cost_ms".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from halo.errors import ConfigError
+
+from .cost import SYNC_MODES, estimate
+from .pipeline import PipelinePlan
+from .profiles import BlockProfile, Cluster, DeviceProfile, ModelProfile
+from .tp_plan import TP_KINDS, TensorParallelPlan
+
+FORMAT, VERSION = "halo-plan", 1
+
+
+def _cluster_json(cluster: Cluster) -> dict:
+    return {"context": cluster.context, "weights": cluster.weights, "devices": [
+        {"name": d.name, "address": d.address, "memory_bytes": d.memory_bytes, "compute_flops": d.compute_flops,
+         "plr": d.plr, "bandwidth_bps": d.bandwidth_bps, "latency_s": d.latency_s,
+         "master": i == cluster.master} for i, d in enumerate(cluster.devices)]}
+
+
+def _model_json(model: ModelProfile) -> dict:
+    blocks = {b.kind: {"count": b.count, "bytes": b.bytes, "flops": b.flops, "kv_bytes_per_token": b.kv_bytes_per_token}
+              for b in (model.attention, model.mlp, model.lm_head)}
+    return {"name": model.name, "n_layers": model.n_layers, "dim": model.dim, "blocks": blocks,
+            "embedding_bytes": model.embedding_bytes, "predictor_bytes": model.predictor_bytes}
+
+
+def tp_plan_json(plan: TensorParallelPlan) -> dict:
+    names = [d.name for d in plan.profiles()]
+    priority = {kind: plan.priority_ranks(kind).tolist() for kind in TP_KINDS}
+    priority["lm_head"] = plan.priority_ranks("lm_head")[:, 0].tolist()
+    return {"format": FORMAT, "version": VERSION, "mode": "tp", "algorithm": plan.algorithm,
+            "model": _model_json(plan.model), "cluster": _cluster_json(plan.cluster), "participants": names,
+            "counts": {k: v.tolist() for k, v in plan.counts.items()}, "priority": priority,
+            "memory_used_bytes": plan.memory_used().tolist(), "oom": plan.oom,
+            "estimate": {mode: estimate(plan, mode).to_json() for mode in SYNC_MODES}}
+
+
+def pipeline_plan_json(plan: PipelinePlan, cluster: Cluster, model: ModelProfile) -> dict:
+    return {"format": FORMAT, "version": VERSION, "mode": "pipeline", "model": _model_json(model),
+            "cluster": _cluster_json(cluster), "units": plan.unit_names,
+            "stages": [{"worker": plan.workers[w].name, "start": a, "stop": b} for w, a, b in plan.stages],
+            "complete": plan.complete, "cost_ms": 1e3 * plan.cost_s if plan.complete else None}
+
+
+def save(document: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _require(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{where}: {message}")
+
+
+def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, ModelProfile]:
+    """Read a plan file back; every inconsistency is an error naming the field."""
+    where = str(path)
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"{where}: no such plan file") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from e
+    _require(isinstance(doc, dict) and doc.get("format") == FORMAT, where, f"not a {FORMAT} file")
+    _require(doc.get("version") == VERSION, where,
+             f"plan version {doc.get('version')!r} is not supported (this halo reads version {VERSION}); re-run halo-master plan")
+    try:
+        cluster = Cluster(tuple(DeviceProfile(d["name"], d["memory_bytes"], d["compute_flops"], d["plr"], d["bandwidth_bps"],
+                                              d["latency_s"], d.get("address", ""), bool(d.get("master")))
+                                for d in doc["cluster"]["devices"]),
+                          int(doc["cluster"]["context"]), doc["cluster"]["weights"])
+        mj = doc["model"]
+        blocks = {k: BlockProfile(k, int(b["count"]), float(b["bytes"]), float(b["flops"]), float(b["kv_bytes_per_token"]))
+                  for k, b in mj["blocks"].items()}
+        model = ModelProfile(mj["name"], int(mj["n_layers"]), int(mj["dim"]), blocks["attention"], blocks["mlp"],
+                             blocks["lm_head"], float(mj["embedding_bytes"]), float(mj["predictor_bytes"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: malformed model or cluster section ({e!r})") from e
+    if doc.get("mode") == "tp":
+        return _load_tp(doc, cluster, model, where)
+    if doc.get("mode") == "pipeline":
+        return _load_pipeline(doc, cluster, model, where), cluster, model
+    raise ConfigError(f"{where}: mode {doc.get('mode')!r} is neither 'tp' nor 'pipeline'")
+
+
+def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> TensorParallelPlan:
+    index = {d.name: i for i, d in enumerate(cluster.devices)}
+    names = doc.get("participants", [])
+    _require(len(set(names)) == len(names) and all(n in index for n in names), where,
+             f"participants {names} must be distinct devices of the cluster")
+    _require(bool(names) and index[names[0]] == cluster.master, where, "the master must be the first participant")
+    counts = {}
+    for kind in TP_KINDS + ("lm_head",):
+        block = getattr(model, kind)
+        try:
+            array = np.asarray(doc["counts"][kind], dtype=np.int64)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: counts.{kind} is missing or not integers") from e
+        shape = (len(names), model.n_layers) if kind != "lm_head" else (len(names),)
+        _require(array.shape == shape, where, f"counts.{kind} has shape {array.shape}, expected {shape}")
+        _require((array >= 0).all(), where, f"counts.{kind} has negative entries")
+        sums = array.sum(axis=0)
+        _require(np.all(sums == block.count), where,
+                 f"counts.{kind} do not sum to the {block.count} groups per layer (found {sorted(set(np.atleast_1d(sums).tolist()))})")
+        counts[kind] = array
+    plan = TensorParallelPlan(cluster, model, str(doc.get("algorithm", "")), [index[n] for n in names], counts)
+    for kind in TP_KINDS + ("lm_head",):
+        expected = plan.priority_ranks(kind)
+        given = np.asarray(doc.get("priority", {}).get(kind, []))
+        if kind == "lm_head":
+            given = given[:, None] if given.ndim == 2 else given
+        _require(given.shape == expected.shape and np.array_equal(given, expected), where,
+                 f"priority.{kind} ranges do not match the counts and link loss rates (overlapping or missing ranks)")
+    return plan
+
+
+def _load_pipeline(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> PipelinePlan:
+    index = {d.name: i for i, d in enumerate(cluster.devices)}
+    units = doc.get("units", [])
+    _require(len(units) == model.n_layers + 2, where, f"expected {model.n_layers + 2} units, found {len(units)}")
+    stages, position, seen = [], 0, set()
+    for k, stage in enumerate(doc.get("stages", [])):
+        try:
+            worker, start, stop = stage["worker"], int(stage["start"]), int(stage["stop"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: stage {k} is malformed ({e!r})") from e
+        _require(worker in index, where, f"stage {k}: unknown worker {worker!r}")
+        _require(worker not in seen, where, f"stage {k}: worker {worker!r} appears twice")
+        _require(start == position, where, f"stage {k}: range [{start}, {stop}) overlaps or leaves a gap after unit {position}")
+        _require(start < stop <= len(units), where, f"stage {k}: range [{start}, {stop}) is empty or beyond {len(units)} units")
+        seen.add(worker)
+        stages.append((index[worker], start, stop))
+        position = stop
+    cost = doc.get("cost_ms")
+    return PipelinePlan(stages, len(units), cost / 1e3 if cost is not None else float("inf"), list(cluster.devices), units)

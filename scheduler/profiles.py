@@ -1,0 +1,203 @@
+"""What the scheduler plans with: device profiles (from a cluster file or measured) and model profiles.
+
+Units: bytes, FLOP/s, seconds, bits/s. A cluster file is TOML:
+
+    [cluster]
+    context = 2048          # tokens of KV cache every plan must hold
+    weights = "int4"        # weight format the devices store (fp32, fp16, int8, int4)
+
+    [[device]]
+    name = "pi-1"
+    address = "192.168.1.20:7070"   # optional
+    memory_mb = 3000                # budget halo may use on the device
+    compute_gflops = 14.4           # effective FLOP/s on matrix-vector work
+    plr = 0.01                      # packet loss rate of its link, 0..1
+    bandwidth_mbps = 100
+    latency_ms = 1.0
+    master = true                   # exactly one device coordinates; default: the first
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from halo.config import ModelConfig
+from halo.errors import ConfigError
+
+MB = 1_000_000
+
+#: bytes per weight for each storage format (int8/int4: one fp32 scale per block of 128 / 32)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32}
+KV_BYTES = 4  # halo keeps the KV cache in fp32
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: float
+    compute_flops: float
+    plr: float = 0.0
+    bandwidth_bps: float = 1e9
+    latency_s: float = 0.5e-3
+    address: str = ""
+    is_master: bool = False
+
+    def __post_init__(self):
+        where = f"device {self.name!r}"
+        if self.memory_bytes <= 0:
+            raise ConfigError(f"{where}: memory budget must be positive, got {self.memory_bytes}")
+        if self.compute_flops <= 0:
+            raise ConfigError(f"{where}: compute power must be positive, got {self.compute_flops}")
+        if not 0 <= self.plr < 1:
+            raise ConfigError(f"{where}: plr is a loss rate in [0, 1), got {self.plr}")
+        if self.bandwidth_bps <= 0 or self.latency_s < 0:
+            raise ConfigError(f"{where}: bandwidth must be positive and latency non-negative")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    devices: tuple[DeviceProfile, ...]
+    context: int = 2048
+    weights: str = "int8"
+
+    def __post_init__(self):
+        if not self.devices:
+            raise ConfigError("the cluster has no devices")
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"device names must be unique, got {names}")
+        if sum(d.is_master for d in self.devices) > 1:
+            raise ConfigError("more than one device says master = true")
+        if self.weights not in BYTES_PER_WEIGHT:
+            raise ConfigError(f"weights = {self.weights!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
+        if self.context <= 0:
+            raise ConfigError(f"context must be positive, got {self.context}")
+
+    @property
+    def master(self) -> int:
+        """Index of the coordinating device (it holds the embeddings and samples tokens)."""
+        for i, d in enumerate(self.devices):
+            if d.is_master:
+                return i
+        return 0
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: no such cluster file") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    settings = raw.get("cluster", {})
+    devices = []
+    allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master"}
+    for i, d in enumerate(raw.get("device", [])):
+        unknown = set(d) - allowed
+        if unknown:
+            raise ConfigError(f"{path}: device #{i + 1} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        try:
+            devices.append(DeviceProfile(
+                name=str(d.get("name", f"device-{i}")), memory_bytes=float(d["memory_mb"]) * MB,
+                compute_flops=float(d["compute_gflops"]) * 1e9, plr=float(d.get("plr", 0.0)),
+                bandwidth_bps=float(d.get("bandwidth_mbps", 1000)) * 1e6, latency_s=float(d.get("latency_ms", 0.5)) / 1e3,
+                address=str(d.get("address", "")), is_master=bool(d.get("master", False))))
+        except KeyError as e:
+            raise ConfigError(f"{path}: device #{i + 1} lacks the required key {e.args[0]}") from e
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: device #{i + 1}: {e}") from e
+    if not devices:
+        raise ConfigError(f"{path}: no [[device]] tables; see `halo-master plan --help` for the format")
+    return Cluster(tuple(devices), int(settings.get("context", 2048)), str(settings.get("weights", "int8")))
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One kind of neuron group: how many per layer, and what one group costs."""
+
+    kind: str  # "attention", "mlp" or "lm_head"
+    count: int  # groups per layer (lm_head: in the whole model)
+    bytes: float  # weight bytes of one group
+    flops: float  # FLOPs of one group per token
+    kv_bytes_per_token: float = 0.0  # attention: KV-cache bytes one head needs per token of context
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    name: str
+    n_layers: int
+    dim: int
+    attention: BlockProfile
+    mlp: BlockProfile
+    lm_head: BlockProfile
+    embedding_bytes: float  # held by the master only
+    predictor_bytes: float = 0.0  # every participant holds all predictors
+
+    @property
+    def tp_blocks(self) -> tuple[BlockProfile, BlockProfile]:
+        return self.attention, self.mlp
+
+    def total_bytes(self, context: int) -> float:
+        """Everything the cluster must hold: weights, KV cache for `context` tokens, embeddings."""
+        per_layer = sum(b.count * (b.bytes + b.kv_bytes_per_token * context) for b in self.tp_blocks)
+        return self.n_layers * per_layer + self.lm_head.count * self.lm_head.bytes + self.embedding_bytes
+
+    def group_bytes(self, block: BlockProfile, context: int) -> float:
+        return block.bytes + block.kv_bytes_per_token * context
+
+
+def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", mlp_group_size: int = 256,
+                  vocab_group_size: int = 256, predictor_hidden: int = 0) -> ModelProfile:
+    """Per-group costs of a model; the same decomposition as halo.neuron_groups."""
+    if weights not in BYTES_PER_WEIGHT:
+        raise ConfigError(f"unknown weight format {weights!r}; choose one of {', '.join(BYTES_PER_WEIGHT)}")
+    bpw = BYTES_PER_WEIGHT[weights]
+    c = config
+    rep = c.n_heads // c.n_kv_heads
+    # one head: its q rows and o columns, plus its share of the K/V rows of its KV head
+    head_params = 2 * c.head_dim * c.dim + 2 * c.head_dim * c.dim / rep
+    neuron_params = 3 * c.dim
+    n_mlp = math.ceil(c.hidden_dim / mlp_group_size)
+    n_vocab = math.ceil(c.vocab_size / vocab_group_size)
+    mlp_params = neuron_params * c.hidden_dim / n_mlp  # the mean group (a remainder group is smaller)
+    vocab_params = c.dim * c.vocab_size / n_vocab
+    predictor = 0.0
+    if predictor_hidden:
+        per_layer = c.dim * predictor_hidden + predictor_hidden * (c.n_heads + n_mlp)
+        predictor = 4.0 * c.n_layers * per_layer
+    return ModelProfile(
+        name=name or f"{c.n_layers}L-{c.dim}d",
+        n_layers=c.n_layers, dim=c.dim,
+        attention=BlockProfile("attention", c.n_heads, head_params * bpw, 2 * head_params,
+                               kv_bytes_per_token=2 * c.head_dim * KV_BYTES / rep),
+        mlp=BlockProfile("mlp", n_mlp, mlp_params * bpw, 2 * mlp_params),
+        lm_head=BlockProfile("lm_head", n_vocab, vocab_params * bpw, 2 * vocab_params),
+        embedding_bytes=c.vocab_size * c.dim * bpw,
+        predictor_bytes=predictor,
+    )
+
+
+#: Shapes for what-if planning without the weights.
+NAMED_CONFIGS = {
+    "llama-3.1-8b": ModelConfig(dim=4096, hidden_dim=14336, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                                max_seq_len=131072, rope_theta=500000.0),
+    "llama-2-13b": ModelConfig(dim=5120, hidden_dim=13824, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                               max_seq_len=4096),
+    "llama-2-7b": ModelConfig(dim=4096, hidden_dim=11008, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                              max_seq_len=4096),
+    "tinyllama-1.1b": ModelConfig(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                                  max_seq_len=2048),
+    "stories260k": ModelConfig(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512,
+                               max_seq_len=512),
+}
+
+
+def named_config(name: str) -> ModelConfig:
+    try:
+        return NAMED_CONFIGS[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}") from None
