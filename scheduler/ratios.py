@@ -52,17 +52,26 @@ def computation_greedy(m: np.ndarray, c: np.ndarray, total: float) -> np.ndarray
     return u / u.sum()
 
 
-def min_max_threshold(m: np.ndarray, c: np.ndarray, total: float, rel_eps: float = 1e-9) -> float:
-    """Algorithm 2's SearchThreshold: the least T with sum(min(m_i, T c_i)) >= M_t (bisection)."""
+def exact_threshold(usable, compute, demand: float) -> float:
+    """The least T with sum(min(u_i, T c_i)) >= demand.
+
+    The sum is piecewise linear in T with breakpoints u_i / c_i, so T is found exactly by walking
+    them in order: the answer Algorithm 2's bisection converges to, without its iterations."""
+    order = sorted(range(len(usable)), key=lambda i: usable[i] / compute[i])
+    filled, rate, t = 0.0, float(sum(compute)), float("inf")
+    for i in order:
+        t = (demand - filled) / rate
+        if t <= usable[i] / compute[i]:
+            return t
+        filled += usable[i]
+        rate -= compute[i]
+    return t
+
+
+def min_max_threshold(m: np.ndarray, c: np.ndarray, total: float) -> float:
+    """Algorithm 2's SearchThreshold."""
     check_capacity(m, total)
-    left, right = 0.0, float(np.max(m / c))
-    while right - left > rel_eps * right:
-        mid = (left + right) / 2
-        if np.minimum(m, mid * c).sum() >= total:
-            right = mid
-        else:
-            left = mid
-    return right
+    return exact_threshold(m.tolist(), c.tolist(), total)
 
 
 def min_max(m: np.ndarray, c: np.ndarray, total: float) -> np.ndarray:

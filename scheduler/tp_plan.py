@@ -24,7 +24,7 @@ import numpy as np
 from halo.errors import ConfigError
 
 from .profiles import Cluster, ModelProfile
-from .ratios import ALGORITHMS, InsufficientMemory, check_capacity
+from .ratios import ALGORITHMS, InsufficientMemory, check_capacity, exact_threshold
 
 TP_KINDS = ("attention", "mlp")
 SYNC_BYTES_PER_VALUE = 4  # partial sums and broadcasts travel as float32
@@ -182,60 +182,87 @@ def prune_idle(plan: TensorParallelPlan) -> TensorParallelPlan:
     return plan
 
 
-def _threshold(usable: np.ndarray, compute: np.ndarray, demand: float) -> float:
-    """Exact Min-Max threshold T: sum(min(u_i, T c_i)) = demand (piecewise linear in T)."""
-    order = np.argsort(usable / compute)
-    filled, rate = 0.0, compute.sum()
-    for i in order:
-        t = (demand - filled) / rate
-        if t <= usable[i] / compute[i]:
-            return t
-        filled += usable[i]
-        rate -= compute[i]
-    return float("inf")
+def polish(plan: TensorParallelPlan) -> None:
+    """Integer local search (in place): in every layer and block, move one group at a time from the
+    device that finishes last to the device that would finish earliest with it, while that lowers
+    the block's finishing time and the receiver has memory. Rounding fixed ratios can miss the best
+    integer split when groups are coarse; this recovers it per block. Layers with the same counts
+    move together, so the work grows with the number of distinct layer patterns, not layers."""
+    budgets = np.array([d.memory_bytes for d in plan.profiles()])
+    compute = np.array([d.compute_flops for d in plan.profiles()])
+    m, ctx = plan.model, plan.cluster.context
+    used = plan.memory_used()
+    for kind in TP_KINDS + ("lm_head",):
+        block = getattr(m, kind)
+        size = m.group_bytes(block, ctx)
+        counts = plan.counts[kind]
+        if counts.ndim == 1:
+            counts = counts[:, None]  # a view: edits land in plan.counts
+        while True:
+            moved = False
+            patterns: dict[tuple, list[int]] = {}
+            for layer, column in enumerate(counts.T.tolist()):
+                patterns.setdefault(tuple(column), []).append(layer)
+            for key, same in patterns.items():
+                pattern = np.array(key)
+                finish = block.flops * pattern / compute
+                i = int(np.argmax(finish))
+                room = np.floor((budgets - used) / size)
+                after = np.where(room >= 1, block.flops * (pattern + 1) / compute, np.inf)
+                after[i] = np.inf
+                j = int(np.argmin(after))
+                if not after[j] < finish[i]:
+                    continue
+                layers = same[: int(room[j])]
+                counts[i, layers] -= 1
+                counts[j, layers] += 1
+                used[i] -= size * len(layers)
+                used[j] += size * len(layers)
+                moved = True
+            if not moved:
+                break
 
 
-def _fractional_objective(cluster: Cluster, model: ModelProfile, devices: list[int], t_c: float) -> float:
-    """Eq. 1 for Min-Max ratios before rounding: cheap enough to score many subsets."""
-    profiles = [cluster.devices[i] for i in devices]
-    usable = np.maximum(np.array([d.memory_bytes for d in profiles]) - fixed_bytes(cluster, model, devices), 0)
-    compute = np.array([d.compute_flops for d in profiles])
-    demand = model.total_bytes(cluster.context) - model.embedding_bytes
-    if usable.sum() < demand:
+def _fractional_objective(usable: list[float], compute: list[float], demand: float, work: float,
+                          sync_s: float) -> float:
+    """Eq. 1 for Min-Max ratios before rounding, for one participant set (plain floats: it scores many sets).
+
+    The Min-Max threshold T solves sum(min(u_i, T c_i)) = demand exactly (piecewise linear in T); the
+    slowest participant then needs work * max(share_i / c_i) / sum(share)."""
+    if sum(usable) < demand:
         return float("inf")
-    t = _threshold(usable, compute, demand)
-    share = np.minimum(usable, t * compute)
-    slowest = float(np.max(share / share.sum() / compute))
-    work = model.n_layers * sum(b.flops * b.count for b in model.tp_blocks) + model.lm_head.flops * model.lm_head.count
-    return work * slowest + (2 * model.n_layers + 1) * (len(devices) - 1) * t_c
+    t = exact_threshold(usable, compute, demand)
+    slowest = max(min(u, t * c) / c for u, c in zip(usable, compute))
+    return work * slowest / demand + (len(usable) - 1) * sync_s
 
 
-def candidate_subsets(cluster: Cluster, model: ModelProfile, keep: int = 3) -> list[list[int]]:
+def candidate_subsets(cluster: Cluster, model: ModelProfile, keep: int = 2) -> list[list[int]]:
     """Participant sets worth rounding: the best `keep` found by growing the set fastest-first,
     by greedy addition and by greedy removal, scored with the fractional Eq. 1."""
-    from .cost import TCP_MIN_RTO_S  # noqa: F401  (cost's constants document the model this mirrors)
-
     master = cluster.master
-    master_profile = cluster.devices[master]
-    t_c = master_profile.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / master_profile.bandwidth_bps
-    score_cache: dict[tuple[int, ...], float] = {}
+    md = cluster.devices[master]
+    sync_s = (2 * model.n_layers + 1) * (md.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / md.bandwidth_bps)
+    n = len(cluster.devices)
+    fixed = fixed_bytes(cluster, model, list(range(n)))
+    usable = [max(d.memory_bytes - f, 0.0) for d, f in zip(cluster.devices, fixed)]
+    compute = [d.compute_flops for d in cluster.devices]
+    demand = model.total_bytes(cluster.context) - model.embedding_bytes
+    work = model.n_layers * sum(b.flops * b.count for b in model.tp_blocks) + model.lm_head.flops * model.lm_head.count
+    scores: dict[tuple[int, ...], float] = {}
 
     def score(subset) -> float:
         key = tuple(sorted(subset))
-        if key not in score_cache:
-            score_cache[key] = _fractional_objective(cluster, model, list(key), t_c)
-        return score_cache[key]
+        if key not in scores:
+            scores[key] = _fractional_objective([usable[i] for i in key], [compute[i] for i in key], demand, work, sync_s)
+        return scores[key]
 
-    everyone = list(range(len(cluster.devices)))
-    others = sorted((i for i in everyone if i != master), key=lambda i: -cluster.devices[i].compute_flops)
+    everyone = list(range(n))
+    others = sorted((i for i in everyone if i != master), key=lambda i: -compute[i])
     for k in range(len(others) + 1):  # fastest-first prefixes
         score([master] + others[:k])
     current = [master]  # greedy addition
-    while True:
-        options = [current + [i] for i in everyone if i not in current]
-        if not options:
-            break
-        best = min(options, key=score)
+    while len(current) < n:
+        best = min(([*current, i] for i in everyone if i not in current), key=score)
         if score(best) >= score(current) and score(current) < float("inf"):
             break
         current = best
@@ -245,7 +272,7 @@ def candidate_subsets(cluster: Cluster, model: ModelProfile, keep: int = 3) -> l
         if score(best) >= score(current):
             break
         current = best
-    ranked = sorted((s for s in score_cache.items() if s[1] < float("inf")), key=lambda s: s[1])
+    ranked = sorted((item for item in scores.items() if item[1] < float("inf")), key=lambda item: item[1])
     return [list(subset) for subset, _ in ranked[:keep]]
 
 
@@ -266,5 +293,6 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
     if not plans:
         return build_plan(cluster, model, "minmax")  # raises the informative shortfall
     best = min(plans, key=eq1_objective)
+    polish(best)
     best.algorithm = "minmax+select"
     return best

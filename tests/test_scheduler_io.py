@@ -1,0 +1,102 @@
+"""Cluster files and versioned JSON plans: round trips and clear errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from halo.errors import ConfigError
+from halo.scheduler import plan_io
+from halo.scheduler.pipeline import plan_pipeline
+from halo.scheduler.profiles import load_cluster, model_profile, named_config
+from halo.scheduler.tp_plan import plan_tp
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "rpi" / "examples" / "home-cluster.toml"
+MODEL = model_profile(named_config("llama-3.1-8b"), "int4", "llama-3.1-8b")
+
+
+def test_example_cluster_file_loads():
+    cluster = load_cluster(EXAMPLE)
+    assert [d.name for d in cluster.devices][:2] == ["minipc", "laptop"] and cluster.master == 0
+    assert cluster.devices[3].plr == 0.10 and cluster.weights == "int4"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[device]]\nname='a'\nmemory_mb=1\n", "lacks the required key compute_gflops"),
+    ("[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\nspeed=3\n", "unknown keys"),
+    ("[[device]\n", "not valid TOML"),
+    ("[cluster]\ncontext=4\n", "no \\[\\[device\\]\\] tables"),
+    ("[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\nplr=1.5\n", "plr is a loss rate"),
+    ("[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\nmaster=true\n[[device]]\nname='b'\nmemory_mb=1\n"
+     "compute_gflops=1\nmaster=true\n", "more than one device says master"),
+])
+def test_bad_cluster_files(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_cluster(path)
+
+
+def test_tp_plan_round_trip(tmp_path):
+    plan = plan_tp(load_cluster(EXAMPLE), MODEL)
+    plan_io.save(plan_io.tp_plan_json(plan), tmp_path / "p.json")
+    back = plan_io.load(tmp_path / "p.json")
+    assert back.devices == plan.devices
+    for kind in plan.counts:
+        np.testing.assert_array_equal(back.counts[kind], plan.counts[kind])
+
+
+def test_pipeline_plan_round_trip(tmp_path):
+    cluster = load_cluster(EXAMPLE)
+    plan = plan_pipeline(cluster, MODEL)
+    plan_io.save(plan_io.pipeline_plan_json(plan, cluster, MODEL), tmp_path / "p.json")
+    back, _, _ = plan_io.load(tmp_path / "p.json")
+    assert back.stages == plan.stages and back.complete
+
+
+def edited(tmp_path, document, edit) -> Path:
+    document = json.loads(json.dumps(document))
+    edit(document)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_bad_plans_are_refused_with_the_field(tmp_path):
+    cluster = load_cluster(EXAMPLE)
+    tp = plan_io.tp_plan_json(plan_tp(cluster, MODEL))
+    pipe = plan_io.pipeline_plan_json(plan_pipeline(cluster, MODEL), cluster, MODEL)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        plan_io.load(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="plan version 2 is not supported"):
+        plan_io.load(edited(tmp_path, tp, lambda d: d.update(version=2)))
+
+    def break_sum(d):
+        d["counts"]["attention"][0][0] += 1
+    with pytest.raises(ConfigError, match="counts.attention do not sum"):
+        plan_io.load(edited(tmp_path, tp, break_sum))
+
+    def overlap(d):
+        d["priority"]["mlp"][0][0] = [0, 40]
+    with pytest.raises(ConfigError, match="priority.mlp ranges"):
+        plan_io.load(edited(tmp_path, tp, overlap))
+
+    def overlap_stage(d):
+        d["stages"].append({"worker": "laptop", "start": 3, "stop": 5})
+    with pytest.raises(ConfigError, match="overlaps or leaves a gap"):
+        plan_io.load(edited(tmp_path, pipe, overlap_stage))
+
+
+def test_plan_command_prints_and_writes(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--cluster", str(EXAMPLE), "--model-config",
+                          "llama-3.1-8b", "--out", str(tmp_path / "plan.json")], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert "minipc" in out.stdout and "ms/token" in out.stdout
+    assert plan_io.load(tmp_path / "plan.json").n >= 1
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--cluster", str(tmp_path / "none.toml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no such cluster file" in out.stderr

@@ -1,0 +1,122 @@
+"""Tensor-parallel plans: complete, disjoint, within memory; Min-Max vs baselines; device selection vs MILP."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from halo.errors import ConfigError
+from halo.scheduler.cost import eq1_objective, estimate
+from halo.scheduler.milp import solve_exact
+from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
+from halo.scheduler.ratios import InsufficientMemory
+from halo.scheduler.tp_plan import TP_KINDS, build_plan, plan_tp
+
+TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
+
+
+def check_plan(plan):
+    for kind in TP_KINDS + ("lm_head",):
+        block = getattr(plan.model, kind)
+        counts = plan.counts[kind]
+        assert (counts >= 0).all()
+        assert (counts.sum(axis=0) == block.count).all()  # complete
+        ranks = plan.priority_ranks(kind)
+        for layer in range(ranks.shape[1]):  # disjoint rank ranges covering 0..count
+            spans = sorted((a, b) for a, b in ranks[:, layer] if b > a)
+            assert spans[0][0] == 0 and spans[-1][1] == block.count
+            assert all(b == c for (_, b), (c, _) in zip(spans, spans[1:]))
+    if not plan.oom:
+        assert (plan.memory_used() <= np.array([d.memory_bytes for d in plan.profiles()]) + 1e-6).all()
+
+
+@st.composite
+def clusters(draw, model=TINY):
+    n = draw(st.integers(1, 8))
+    memory = [draw(st.integers(3, 63)) * 100e6 for _ in range(n)]
+    need = model.total_bytes(512)
+    if sum(memory) < need * 1.05:  # "total memory above the model"
+        memory[0] += need * 1.05 - sum(memory)
+    devices = tuple(DeviceProfile(f"d{i}", memory[i], draw(st.integers(6, 18)) * 0.1 * 2e9,
+                                  plr=draw(st.sampled_from([0.0, 0.01, 0.02, 0.05, 0.1])),
+                                  bandwidth_bps=draw(st.sampled_from([100e6, 1e9])))
+                    for i in range(n))
+    return Cluster(devices, context=512, weights="int4")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters())
+def test_every_plan_is_complete_disjoint_and_within_memory(cluster):
+    for algorithm in ("minmax", "greedy", "galaxy", "memory", "vanilla"):
+        try:
+            plan = build_plan(cluster, TINY, algorithm)
+        except InsufficientMemory:
+            continue  # integer rounding left no room: a clear error, never a bad plan
+        check_plan(plan)
+    check_plan(plan_tp(cluster, TINY))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(clusters())
+def test_min_max_is_never_slower_than_galaxy_or_vanilla(cluster):
+    try:
+        minmax = eq1_objective(build_plan(cluster, TINY, "minmax"))
+        galaxy = eq1_objective(build_plan(cluster, TINY, "galaxy"))
+    except InsufficientMemory:
+        return
+    vanilla_plan = build_plan(cluster, TINY, "vanilla")
+    assert minmax <= galaxy * (1 + 1e-9)
+    if not vanilla_plan.oom:
+        assert minmax <= eq1_objective(vanilla_plan) * (1 + 1e-9)
+    assert eq1_objective(plan_tp(cluster, TINY)) <= minmax * (1 + 1e-9)  # selection only ever helps
+
+
+def test_device_selection_leaves_slow_devices_out_on_slow_links():
+    devices = (DeviceProfile("fast", 4e9, 20e9, bandwidth_bps=100e6, is_master=True),
+               DeviceProfile("slow1", 4e9, 0.5e9, bandwidth_bps=100e6), DeviceProfile("slow2", 4e9, 0.5e9, bandwidth_bps=100e6))
+    cluster = Cluster(devices, context=512, weights="int4")
+    plan = plan_tp(cluster, TINY)
+    assert [d.name for d in plan.profiles()] == ["fast"]
+    assert eq1_objective(plan) < eq1_objective(build_plan(cluster, TINY, "minmax"))
+
+
+def test_exact_milp_is_ground_truth_and_selection_is_close():
+    rng = np.random.default_rng(3)
+    model = model_profile(named_config("stories260k"), "fp32", "stories", mlp_group_size=32, vocab_group_size=64)
+    need = model.total_bytes(64)
+    solved = 0
+    while solved < 5:
+        memory = rng.integers(2, 10, 3) * need / 8
+        if memory.sum() < need * 1.1:
+            continue
+        devices = tuple(DeviceProfile(f"d{i}", float(memory[i]), float(rng.uniform(0.6, 1.8)) * 1e8, bandwidth_bps=1e9)
+                        for i in range(3))
+        cluster = Cluster(devices, context=64, weights="fp32")
+        solved += 1
+        exact = solve_exact(cluster, model, time_limit_s=20)
+        assert exact.optimal
+        heuristics = [eq1_objective(build_plan(cluster, model, a)) for a in ("minmax", "galaxy", "memory")]
+        assert exact.objective_s <= min(heuristics) * (1 + 1e-9)
+        assert abs(eq1_objective(exact.plan) - exact.objective_s) < 1e-9
+        assert eq1_objective(plan_tp(cluster, model)) <= exact.objective_s * 1.02
+
+
+def test_unfit_cluster_names_the_shortfall():
+    cluster = Cluster((DeviceProfile("small", 100e6, 1e9),), context=512, weights="int4")
+    with pytest.raises(InsufficientMemory, match="short by"):
+        plan_tp(cluster, TINY)
+
+
+def test_loss_costs_more_over_tcp_than_over_the_fast_path():
+    devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, plr=0.05, bandwidth_bps=1e9) for i in range(4))
+    plan = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
+    tcp, deadline, fast, ideal = (estimate(plan, m).total_s for m in ("tcp", "deadline", "fast", "ideal"))
+    assert tcp > deadline > fast > ideal
+
+
+def test_unknown_algorithm_and_sync_mode():
+    cluster = Cluster((DeviceProfile("a", 4e9, 1e9),), context=512, weights="int4")
+    with pytest.raises(ConfigError, match="unknown algorithm"):
+        build_plan(cluster, TINY, "fastest")
+    with pytest.raises(ConfigError, match="unknown sync mode"):
+        estimate(build_plan(cluster, TINY), "udp")
