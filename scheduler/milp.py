@@ -29,7 +29,9 @@ class MilpResult:
     message: str
 
 
-def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.0) -> MilpResult:
+def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.0,
+                participants: set[int] | None = None, relax: bool = False) -> MilpResult:
+    """participants fixes who takes part (the master always does); relax solves the LP relaxation."""
     n, L = len(cluster.devices), model.n_layers
     master = cluster.master
     blocks = [getattr(model, k) for k in TP_KINDS]
@@ -60,9 +62,13 @@ def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.
     upper[v0:v0 + n] = model.lm_head.count
     upper[z0:z0 + n] = 1
     lower[z0 + master] = 1
-    integrality[:tv - L * K] = 1  # W, V, z integer; t continuous
+    if participants is not None:
+        for i in range(n):
+            lower[z0 + i] = upper[z0 + i] = 1.0 if (i in participants or i == master) else 0.0
+    if not relax:
+        integrality[:tv - L * K] = 1  # W, V, z integer; t continuous
     rows, lo, hi = [], [], []
-    A = lil_matrix((L * K + 1 + L * n * K + n + n + n * (L * K + 1) + L * K, nvar))
+    A = lil_matrix((L * K + 1 + L * n * K + n + n + n * (L * K + 1) + L * K + 1, nvar))
     r = 0
     for l in range(L):  # all groups assigned
         for k, b in enumerate(blocks):
@@ -89,15 +95,18 @@ def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.
         A[r, v0 + i] = model.lm_head.bytes
         A[r, z0 + i] = model.predictor_bytes + (model.embedding_bytes if i == master else 0)
         lo.append(-np.inf); hi.append(budget[i]); r += 1
-    for i in range(n):  # groups only on participants
+    for i in range(n):  # groups only on participants (big-M: what fits in its memory at most)
         for l in range(L):
             for k, b in enumerate(blocks):
                 A[r, w(l, i, k)] = 1
-                A[r, z0 + i] = -b.count
+                A[r, z0 + i] = -min(b.count, budget[i] // model.group_bytes(b, ctx))
                 lo.append(-np.inf); hi.append(0); r += 1
         A[r, v0 + i] = 1
-        A[r, z0 + i] = -model.lm_head.count
+        A[r, z0 + i] = -min(model.lm_head.count, budget[i] // model.lm_head.bytes)
         lo.append(-np.inf); hi.append(0); r += 1
+    for i in range(n):  # cut: the participants must hold the whole model
+        A[r, z0 + i] = budget[i]
+    lo.append(model.total_bytes(ctx) + model.predictor_bytes); hi.append(np.inf); r += 1
     for l in range(L - 1):  # layers are interchangeable: order them by time (breaks symmetry)
         for k in range(K):
             A[r, t0 + l * K + k] = 1
@@ -124,3 +133,41 @@ def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.
     optimal = res.status == 0
     objective = float(res.fun) + constant
     return MilpResult(plan, objective, objective if optimal else bound_s, optimal, res.message)
+
+
+def _integer_block_bound(compute: np.ndarray, flops: float, count: int) -> float:
+    """Least possible finishing time of one block with integer groups and no memory limit:
+    give each group to the device that would finish it soonest (exact for min-max)."""
+    assigned = np.zeros(len(compute))
+    for _ in range(count):
+        j = int(np.argmin((assigned + 1) / compute))
+        assigned[j] += 1
+    return flops * float(np.max(assigned / compute))
+
+
+def lower_bound(cluster: Cluster, model: ModelProfile, time_limit_s: float = 5.0) -> float:
+    """A proven lower bound on Eq. 1's optimum: the least, over participant sets (with the master),
+    of the larger of two relaxations for that set: the LP (memory kept, integrality dropped) and the
+    integer split with memory ignored. Enumerates 2^(n-1) sets: for evaluation, not for planning."""
+    import itertools
+
+    n, master = len(cluster.devices), cluster.master
+    md = cluster.devices[master]
+    t_c = md.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / md.bandwidth_bps
+    others = [i for i in range(n) if i != master]
+    best = float("inf")
+    for k in range(n):
+        for extra in itertools.combinations(others, k):
+            subset = [master, *extra]
+            if sum(cluster.devices[i].memory_bytes for i in subset) < model.total_bytes(cluster.context):
+                continue
+            compute = np.array([cluster.devices[i].compute_flops for i in subset])
+            integer = (model.n_layers * sum(_integer_block_bound(compute, b.flops, b.count) for b in model.tp_blocks)
+                       + _integer_block_bound(compute, model.lm_head.flops, model.lm_head.count)
+                       + (2 * model.n_layers + 1) * (len(subset) - 1) * t_c)
+            if integer >= best:
+                continue
+            lp = solve_exact(cluster, model, time_limit_s, participants=set(subset), relax=True)
+            if lp.plan is not None:
+                best = min(best, max(lp.objective_s, integer))
+    return best

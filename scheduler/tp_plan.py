@@ -91,55 +91,73 @@ def round_counts(ratios: np.ndarray, n_groups: int, n_layers: int) -> np.ndarray
     return np.diff(edges, axis=0).astype(np.int64)
 
 
+def _layer_patterns(counts: np.ndarray) -> dict[tuple, list[int]]:
+    """Layers grouped by identical per-device counts: work scales with distinct patterns, not layers."""
+    patterns: dict[tuple, list[int]] = {}
+    for layer, column in enumerate(counts.T.tolist()):
+        patterns.setdefault(tuple(column), []).append(layer)
+    return patterns
+
+
+def _block_counts(plan: TensorParallelPlan, kind: str) -> np.ndarray:
+    counts = plan.counts[kind]
+    return counts[:, None] if counts.ndim == 1 else counts  # a view: edits land in plan.counts
+
+
 def repair_memory(plan: TensorParallelPlan) -> None:
-    """Move groups off devices over budget onto devices with room (in place); raises if impossible."""
+    """Relieve devices over budget (in place): repeatedly move the groups whose move lengthens the
+    token least per byte freed (block finishing time after - before, over group bytes) to the device
+    with room that finishes them soonest. Raises, naming the shortfall, when nobody has room."""
     budgets = np.array([d.memory_bytes for d in plan.profiles()])
     compute = np.array([d.compute_flops for d in plan.profiles()])
     m, ctx = plan.model, plan.cluster.context
-    kinds = sorted(TP_KINDS + ("lm_head",), key=lambda k: -m.group_bytes(getattr(m, k), ctx))
     used = plan.memory_used()
-    for _ in range(100_000):
+    while True:
         over = used - budgets
         i = int(np.argmax(over))
-        if over[i] <= 0:
+        if over[i] <= 1e-6:
             return
-        moved = False
-        for kind in kinds:  # biggest groups first: fewest moves
+        best = None
+        for kind in TP_KINDS + ("lm_head",):
             block = getattr(m, kind)
             size = m.group_bytes(block, ctx)
-            counts = plan.counts[kind]
-            layered = counts.ndim == 2
-            if layered:
-                held = counts[i]
-                if held.max() == 0:
-                    continue
-                layer = int(np.argmax(held))  # the layer where it holds the most groups
-                column = counts[:, layer]
-            else:
-                if counts[i] == 0:
-                    continue
-                column = counts
             room = budgets - used >= size
             room[i] = False
             if not room.any():
                 continue
-            finish = np.where(room, block.flops * (column + 1) / compute, np.inf)
-            j = int(np.argmin(finish))
-            if layered:
-                counts[i, layer] -= 1
-                counts[j, layer] += 1
-            else:
-                counts[i] -= 1
-                counts[j] += 1
-            used[i] -= size
-            used[j] += size
-            moved = True
-            break
-        if not moved:
+            for key, layers in _layer_patterns(_block_counts(plan, kind)).items():
+                pattern = np.array(key, dtype=float)
+                if pattern[i] == 0:
+                    continue
+                times = block.flops * pattern / compute
+                receive = np.where(room, block.flops * (pattern + 1) / compute, np.inf)
+                j = int(np.argmin(receive))
+                after = times.copy()
+                after[i] -= block.flops / compute[i]
+                after[j] = receive[j]
+                score = (after.max() - times.max()) / size
+                if best is None or score < best[0]:
+                    best = (score, kind, size, layers, j)
+        if best is None:
             raise InsufficientMemory(
                 f"device {plan.profiles()[i].name!r} needs {over[i] / 1e6:.1f} MB more than its budget and no other "
                 f"participant has room for one more neuron group: add memory or devices, or shorten the context")
-    raise ConfigError("memory repair did not converge")  # pragma: no cover - bounded by the group count
+        _, kind, size, layers, j = best
+        k = min(len(layers), int(np.ceil(over[i] / size)), int((budgets[j] - used[j]) // size))
+        counts = _block_counts(plan, kind)
+        counts[i, layers[:k]] -= 1
+        counts[j, layers[:k]] += 1
+        used[i] -= k * size
+        used[j] += k * size
+
+
+def greedy_counts(compute: np.ndarray, n_groups: int, n_layers: int) -> np.ndarray:
+    """[n, L] counts that minimize every layer's finishing time, memory ignored: each group goes to the
+    device that would finish it soonest (the same split in every layer)."""
+    assigned = np.floor(n_groups * compute / compute.sum()).astype(np.int64)  # never above the optimum
+    for _ in range(n_groups - int(assigned.sum())):  # at most n more, each where it finishes soonest
+        assigned[int(np.argmin((assigned + 1) / compute))] += 1
+    return np.repeat(assigned[:, None], n_layers, axis=1)
 
 
 def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
@@ -186,8 +204,7 @@ def polish(plan: TensorParallelPlan) -> None:
     """Integer local search (in place): in every layer and block, move one group at a time from the
     device that finishes last to the device that would finish earliest with it, while that lowers
     the block's finishing time and the receiver has memory. Rounding fixed ratios can miss the best
-    integer split when groups are coarse; this recovers it per block. Layers with the same counts
-    move together, so the work grows with the number of distinct layer patterns, not layers."""
+    integer split when groups are coarse; this recovers it per block."""
     budgets = np.array([d.memory_bytes for d in plan.profiles()])
     compute = np.array([d.compute_flops for d in plan.profiles()])
     m, ctx = plan.model, plan.cluster.context
@@ -195,15 +212,10 @@ def polish(plan: TensorParallelPlan) -> None:
     for kind in TP_KINDS + ("lm_head",):
         block = getattr(m, kind)
         size = m.group_bytes(block, ctx)
-        counts = plan.counts[kind]
-        if counts.ndim == 1:
-            counts = counts[:, None]  # a view: edits land in plan.counts
+        counts = _block_counts(plan, kind)
         while True:
             moved = False
-            patterns: dict[tuple, list[int]] = {}
-            for layer, column in enumerate(counts.T.tolist()):
-                patterns.setdefault(tuple(column), []).append(layer)
-            for key, same in patterns.items():
+            for key, same in _layer_patterns(counts).items():
                 pattern = np.array(key)
                 finish = block.flops * pattern / compute
                 i = int(np.argmax(finish))
@@ -286,13 +298,28 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         return build_plan(cluster, model, algorithm)
     plans = []
     for subset in candidate_subsets(cluster, model) or [list(range(len(cluster.devices)))]:
-        try:
-            plans.append(build_plan(cluster, model, "minmax", subset))
-        except InsufficientMemory:
-            continue  # rounding left no room on this subset; another may fit
+        for start in (build_plan, _greedy_start):
+            try:
+                plans.append(start(cluster, model, "minmax", subset))
+            except InsufficientMemory:
+                continue  # no room after rounding on this subset; another start or set may fit
     if not plans:
         return build_plan(cluster, model, "minmax")  # raises the informative shortfall
+    for plan in plans:
+        polish(plan)
     best = min(plans, key=eq1_objective)
-    polish(best)
     best.algorithm = "minmax+select"
     return best
+
+
+def _greedy_start(cluster: Cluster, model: ModelProfile, algorithm: str, devices: list[int]) -> TensorParallelPlan:
+    """Second starting point: every block split by compute alone (integer-optimal per layer), then memory
+    repaired group by group. Memory-poor devices keep the blocks where their groups matter most,
+    which one ratio for all blocks cannot express."""
+    devices = sorted(devices, key=lambda i: (i != cluster.master, i))
+    compute = np.array([cluster.devices[i].compute_flops for i in devices])
+    counts = {kind: greedy_counts(compute, getattr(model, kind).count, model.n_layers) for kind in TP_KINDS}
+    counts["lm_head"] = greedy_counts(compute, model.lm_head.count, 1)[:, 0]
+    plan = TensorParallelPlan(cluster, model, algorithm, devices, counts)
+    repair_memory(plan)
+    return prune_idle(plan)
