@@ -235,6 +235,89 @@ def polish(plan: TensorParallelPlan) -> None:
                 break
 
 
+def _block_times(plan: TensorParallelPlan, kind: str, compute: np.ndarray) -> np.ndarray:
+    return getattr(plan.model, kind).flops * _block_counts(plan, kind) / compute[:, None]  # [n, L]
+
+
+def trade_memory(plan: TensorParallelPlan, max_rounds: int = 200) -> None:
+    """Exchange local search for memory-bound devices (in place).
+
+    A device whose memory is full may still shorten the token by holding *other* groups: give up
+    groups where that costs the least time per byte (another device with room takes them) to take a
+    group where it saves the most time per byte (from the block's slowest device). Each exchange is
+    kept only when Eq. 1's computation time drops."""
+    from .cost import compute_seconds
+
+    budgets = np.array([d.memory_bytes for d in plan.profiles()])
+    compute = np.array([d.compute_flops for d in plan.profiles()])
+    m, ctx = plan.model, plan.cluster.context
+    kinds = TP_KINDS + ("lm_head",)
+    sizes = {k: m.group_bytes(getattr(m, k), ctx) for k in kinds}
+    current = compute_seconds(plan)
+    for _ in range(max_rounds):
+        used = plan.memory_used()
+        improved = False
+        for i in np.argsort(budgets - used):  # the fullest devices first
+            free = budgets[i] - used[i]
+            if free >= max(sizes.values()):
+                break
+            gains, costs = [], []
+            for kind in kinds:
+                flops, size = getattr(m, kind).flops, sizes[kind]
+                counts = _block_counts(plan, kind)
+                times = _block_times(plan, kind, compute)
+                top = times.max(axis=0)
+                slowest = times.argmax(axis=0)
+                # take one group from the slowest device of each layer
+                add = times.copy()
+                cols = np.arange(times.shape[1])
+                add[slowest, cols] -= flops / compute[slowest]
+                add[i] += flops / compute[i]
+                gain = np.where(slowest != i, top - add.max(axis=0), 0.0)
+                for layer in np.flatnonzero(gain > 0):
+                    gains.append((gain[layer] / size, kind, int(layer), int(slowest[layer])))
+                # give one group away, to the device with room that finishes it soonest
+                room = budgets - used >= size
+                room[i] = False
+                if counts[i].max() == 0 or not room.any():
+                    continue
+                receive = np.where(room[:, None], flops * (counts + 1) / compute[:, None], np.inf)
+                j = receive.argmin(axis=0)
+                drop = times.copy()
+                drop[i] -= flops / compute[i]
+                drop[j, cols] = receive[j, cols]
+                cost = drop.max(axis=0) - top
+                for layer in np.flatnonzero(counts[i] > 0):
+                    costs.append((cost[layer] / size, kind, int(layer), int(j[layer])))
+            if not gains or not costs:
+                continue
+            _, kind_in, layer_in, giver = max(gains)
+            need = sizes[kind_in] - free
+            moves, freed = [], 0.0
+            for _, kind_out, layer_out, taker in sorted(costs):
+                if (kind_out, layer_out) == (kind_in, layer_in) or freed >= need:
+                    continue
+                moves.append((kind_out, layer_out, taker))
+                freed += sizes[kind_out]
+            if freed < need:
+                continue
+            snapshot = {k: v.copy() for k, v in plan.counts.items()}
+            for kind_out, layer_out, taker in moves:
+                counts = _block_counts(plan, kind_out)
+                counts[i, layer_out] -= 1
+                counts[taker, layer_out] += 1
+            counts = _block_counts(plan, kind_in)
+            counts[giver, layer_in] -= 1
+            counts[i, layer_in] += 1
+            after = compute_seconds(plan)
+            if after < current - 1e-12 and (plan.memory_used() <= budgets + 1e-6).all():
+                current, improved = after, True
+                break
+            plan.counts = snapshot
+        if not improved:
+            return
+
+
 def _fractional_objective(usable: list[float], compute: list[float], demand: float, work: float,
                           sync_s: float) -> float:
     """Eq. 1 for Min-Max ratios before rounding, for one participant set (plain floats: it scores many sets).
@@ -307,7 +390,11 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         return build_plan(cluster, model, "minmax")  # raises the informative shortfall
     for plan in plans:
         polish(plan)
-    best = min(plans, key=eq1_objective)
+    finalists = sorted(plans, key=eq1_objective)[:2]
+    for plan in finalists:
+        trade_memory(plan)
+        polish(plan)
+    best = min(finalists, key=eq1_objective)
     best.algorithm = "minmax+select"
     return best
 
