@@ -5,7 +5,8 @@
 For n in {4, 6, 8} devices: random heterogeneous clusters (CPU 0.6-1.8 GHz in 0.1 steps with mean
 exactly 1.2 GHz, memory budgets 300-6300 MB in 200 MB steps, total memory above the model), for
 Llama-3.1-8B and Llama-2-13B shapes at int4 with a 256-token context (128 prompt + 128 generated,
-as in the paper), on 1 Gbit/s and 100 Mbit/s links. Compute power is modelled as 2 GFLOP/s per GHz
+as in the paper), on 1 Gbit/s and 100 Mbit/s links. The device with the largest budget is the master
+(it holds the embedding table). Compute power is modelled as 2 GFLOP/s per GHz
 (an effective rate for quantized matrix-vector work on a Pi-class core cluster; it sets how much
 communication matters). Every scheduler is scored with Eq. 1 (plus the LM head); the exact MILP gives
 the optimum where HiGHS finishes within the time limit; everywhere, a proven lower bound on the optimum
@@ -46,8 +47,9 @@ def random_cluster(rng, n: int, need: float, bandwidth: float) -> Cluster:
         memory = rng.integers(0, 31, n) * 200 + 300  # MB
         if memory.sum() * 1e6 > need:
             break
+    master = int(np.argmax(memory))  # the coordinator holds the embeddings: the roomiest device
     devices = tuple(DeviceProfile(f"pi{i}", float(memory[i]) * 1e6, float(tenths[i]) / 10 * FLOPS_PER_GHZ,
-                                  bandwidth_bps=bandwidth, latency_s=0.0) for i in range(n))
+                                  bandwidth_bps=bandwidth, latency_s=0.0, is_master=i == master) for i in range(n))
     return Cluster(devices, context=CONTEXT, weights="int4")
 
 

@@ -171,6 +171,10 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
     devices.sort(key=lambda i: (i != cluster.master, i))
     profiles = [cluster.devices[i] for i in devices]
     fixed = fixed_bytes(cluster, model, devices)
+    if fixed[0] > profiles[0].memory_bytes:
+        raise InsufficientMemory(f"the master {profiles[0].name!r} has {profiles[0].memory_bytes / 1e6:.0f} MB but must hold "
+                                 f"the embeddings and predictors ({fixed[0] / 1e6:.0f} MB): make a device with more "
+                                 "memory the master (master = true in the cluster file)")
     usable = np.array([d.memory_bytes for d in profiles]) - fixed
     compute = np.array([d.compute_flops for d in profiles])
     ctx = cluster.context
