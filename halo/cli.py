@@ -91,15 +91,20 @@ def cmd_generate(args) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
+    echoed = [False]
 
     def show(piece: str) -> None:
+        if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
+            sys.stdout.write(args.prompt)
+            echoed[0] = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
     result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    if not echoed[0]:
+        sys.stdout.write(args.prompt)
     sys.stdout.write("\n")
+    sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
     return 0

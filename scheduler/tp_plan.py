@@ -385,7 +385,7 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         return build_plan(cluster, model, algorithm)
     plans = []
     for subset in candidate_subsets(cluster, model) or [list(range(len(cluster.devices)))]:
-        for start in (build_plan, _greedy_start):
+        for start in (build_plan, _greedy_start, _lp_start):
             try:
                 plans.append(start(cluster, model, "minmax", subset))
             except InsufficientMemory:
@@ -401,6 +401,52 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
     best = min(finalists, key=eq1_objective)
     best.algorithm = "minmax+select"
     return best
+
+
+def _lp_start(cluster: Cluster, model: ModelProfile, algorithm: str, devices: list[int]) -> TensorParallelPlan:
+    """Third starting point: per-block ratios from the LP relaxation (memory kept, integrality dropped).
+
+    Unlike one ratio for every block, the LP lets a fast device with little memory specialize in the
+    blocks with the most FLOPs per byte (MLP groups carry no KV cache), which the exact optimum does."""
+    from scipy.optimize import linprog
+
+    devices = sorted(devices, key=lambda i: (i != cluster.master, i))
+    profiles = [cluster.devices[i] for i in devices]
+    compute = np.array([d.compute_flops for d in profiles])
+    usable = np.array([d.memory_bytes for d in profiles]) - fixed_bytes(cluster, model, devices)
+    kinds = TP_KINDS + ("lm_head",)
+    blocks = [getattr(model, k) for k in kinds]
+    repeats = [model.n_layers, model.n_layers, 1]
+    n, K = len(devices), len(kinds)
+    cost = np.concatenate([np.zeros(n * K), repeats])  # x[i, k] then T[k]
+    upper, upper_b = [], []
+    for k, b in enumerate(blocks):  # T_k >= time of device i's share
+        for i in range(n):
+            row = np.zeros(n * K + K)
+            row[i * K + k] = b.flops * b.count / compute[i]
+            row[n * K + k] = -1
+            upper.append(row)
+            upper_b.append(0.0)
+    for i in range(n):  # memory
+        row = np.zeros(n * K + K)
+        for k, b in enumerate(blocks):
+            row[i * K + k] = repeats[k] * b.count * model.group_bytes(b, cluster.context)
+        upper.append(row)
+        upper_b.append(max(usable[i], 0.0))
+    equal = np.zeros((K, n * K + K))
+    for k in range(K):
+        equal[k, [i * K + k for i in range(n)]] = 1
+    result = linprog(cost, A_ub=np.array(upper), b_ub=upper_b, A_eq=equal, b_eq=np.ones(K),
+                     bounds=[(0, 1)] * (n * K) + [(0, None)] * K, method="highs")
+    if result.status != 0:
+        raise InsufficientMemory("the LP relaxation has no solution on this participant set")
+    x = np.clip(result.x[:n * K].reshape(n, K), 0, None)
+    x /= x.sum(axis=0, keepdims=True)
+    counts = {kind: round_counts(x[:, k], blocks[k].count, repeats[k]) for k, kind in enumerate(kinds)}
+    counts["lm_head"] = counts["lm_head"][:, 0]
+    plan = TensorParallelPlan(cluster, model, algorithm, devices, counts)
+    repair_memory(plan)
+    return prune_idle(plan)
 
 
 def _greedy_start(cluster: Cluster, model: ModelProfile, algorithm: str, devices: list[int]) -> TensorParallelPlan:

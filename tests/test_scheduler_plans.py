@@ -120,3 +120,10 @@ def test_unknown_algorithm_and_sync_mode():
         build_plan(cluster, TINY, "fastest")
     with pytest.raises(ConfigError, match="unknown sync mode"):
         estimate(build_plan(cluster, TINY), "udp")
+
+
+def test_master_too_small_for_the_embeddings_is_named():
+    model = model_profile(named_config("llama-3.1-8b"), "int4")
+    devices = (DeviceProfile("tiny-master", 200e6, 1e9, is_master=True), DeviceProfile("big", 8e9, 1e9))
+    with pytest.raises(InsufficientMemory, match="make a device with more memory the master"):
+        plan_tp(Cluster(devices, context=256, weights="int4"), model)
