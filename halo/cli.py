@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", choices=("minmax", "greedy", "galaxy", "vanilla", "memory", "exact"), default="minmax",
                    help="ratio algorithm for tp (default minmax, which also chooses the participating devices)")
     p.add_argument("--all-devices", action="store_true", help="tp: make every device take part (no device selection)")
-    p.add_argument("--mlp-group-size", type=int, default=256, help="MLP neurons per group (default 256)")
+    p.add_argument("--mlp-group-size", type=int, default=None,
+                   help="MLP neurons per group (default 256; hidden/8 for models with fewer than 8 such groups)")
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
     return parser

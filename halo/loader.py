@@ -47,3 +47,21 @@ def load_config(path: str | os.PathLike | None = None):
         return llama2c.read_config(path)[0]
     raise ModelFormatError(path, "no such file or directory",
                            "pass a llama2.c .bin file or a Hugging Face directory with config.json")
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 over a model's bytes (a llama2.c file, or a HF directory's config, weights and tokenizer):
+    what agents, masters and predictors compare to be sure they mean the same model."""
+    import hashlib
+
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
+        or p.name in ("model.safetensors.index.json", "tokenizer.json"))
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()

@@ -5,6 +5,8 @@ It is the oracle the distributed runtime is tested against, and the engine on on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .errors import ConfigError
@@ -14,6 +16,13 @@ from .ops import Rotary, rmsnorm
 from .weights import ModelWeights
 
 DEFAULT_CONTEXT = 2048
+
+
+@dataclass
+class LayerTrace:
+    hidden: np.ndarray  # [T, D] residual stream entering the layer
+    attention_norms: np.ndarray  # [T, H] L2 norm of each head's contribution
+    mlp_norms: np.ndarray  # [T, G] L2 norm of each MLP group's contribution
 
 
 class Transformer:
@@ -38,10 +47,10 @@ class Transformer:
         self.pos = 0  # tokens already in the KV cache
 
     def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False,
-                collect_norms: list | None = None) -> np.ndarray:
+                trace: list | None = None) -> np.ndarray:
         """Run tokens at positions start_pos.. (default: right after the cache) -> logits of the last
-        token [V] (or of all tokens [T, V]). With collect_norms, appends per layer the group norms
-        (attention [T, H], MLP [T, G])."""
+        token [V] (or of all tokens [T, V]). With trace, appends a LayerTrace per layer: the hidden
+        state entering it and its groups' activation norms (what the predictors learn from)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = self.pos if start_pos is None else start_pos
         if tokens.ndim != 1 or len(tokens) == 0:
@@ -51,9 +60,10 @@ class Transformer:
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         eps = self.config.norm_eps
-        with_norms = collect_norms is not None
+        with_norms = trace is not None
         x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for i in range(self.config.n_layers):
+            layer_input = x
             out = self.attention[i].forward(rmsnorm(x, self.attn_norms[i], eps), start, self.rotary, with_norms)
             attn_out, attn_norms = out if with_norms else (out, None)
             x = x + attn_out
@@ -61,7 +71,7 @@ class Transformer:
             mlp_out, mlp_norms = out if with_norms else (out, None)
             x = x + mlp_out
             if with_norms:
-                collect_norms.append((attn_norms, mlp_norms))
+                trace.append(LayerTrace(layer_input, attn_norms, mlp_norms))
         self.pos = start + len(tokens)
         h = rmsnorm(x if all_logits else x[-1:], self.final_norm, eps)
         logits = self.lm_head.forward(h)

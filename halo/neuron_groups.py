@@ -36,6 +36,11 @@ DEFAULT_MLP_GROUP_SIZE = 256
 DEFAULT_VOCAB_GROUP_SIZE = 256
 
 
+def default_mlp_group_size(hidden_dim: int) -> int:
+    """HALO's 256 neurons per group, or hidden/8 when that would leave fewer than 8 groups (tiny models)."""
+    return min(DEFAULT_MLP_GROUP_SIZE, math.ceil(hidden_dim / 8))
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """How a model's blocks divide into neuron groups."""
@@ -49,8 +54,11 @@ class GroupLayout:
     vocab_group_size: int = DEFAULT_VOCAB_GROUP_SIZE
 
     @classmethod
-    def for_model(cls, config: ModelConfig, mlp_group_size: int = DEFAULT_MLP_GROUP_SIZE,
+    def for_model(cls, config: ModelConfig, mlp_group_size: int | None = None,
                   vocab_group_size: int = DEFAULT_VOCAB_GROUP_SIZE) -> "GroupLayout":
+        """mlp_group_size None: 256 (HALO's size), or hidden/8 for models too small to give 8 groups of 256."""
+        if mlp_group_size is None:
+            mlp_group_size = default_mlp_group_size(config.hidden_dim)
         if mlp_group_size <= 0 or vocab_group_size <= 0:
             raise ValueError("group sizes must be positive")
         return cls(config.n_heads, config.n_kv_heads, config.head_dim, config.hidden_dim, config.vocab_size,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from halo.config import ModelConfig
 from halo.errors import ConfigError
+from halo.neuron_groups import default_mlp_group_size
 
 MB = 1_000_000
 
@@ -150,13 +151,14 @@ class ModelProfile:
         return block.bytes + block.kv_bytes_per_token * context
 
 
-def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", mlp_group_size: int = 256,
+def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", mlp_group_size: int | None = None,
                   vocab_group_size: int = 256, predictor_hidden: int = 0) -> ModelProfile:
     """Per-group costs of a model; the same decomposition as halo.neuron_groups."""
     if weights not in BYTES_PER_WEIGHT:
         raise ConfigError(f"unknown weight format {weights!r}; choose one of {', '.join(BYTES_PER_WEIGHT)}")
     bpw = BYTES_PER_WEIGHT[weights]
     c = config
+    mlp_group_size = mlp_group_size or default_mlp_group_size(c.hidden_dim)
     rep = c.n_heads // c.n_kv_heads
     # one head: its q rows and o columns, plus its share of the K/V rows of its KV head
     head_params = 2 * c.head_dim * c.dim + 2 * c.head_dim * c.dim / rep

@@ -1,0 +1,105 @@
+"""Train the semantic-aware predictors of the bundled stories260K and report how they rank.
+
+    python -m halo.eval.bench_predictors [--hidden 64] [--epochs 40] [--seed 0]
+
+Data: ../shared/data/tinystories_valid_dev.txt (or --data), first 80 % for training, last 20 % for
+validation (cut at a paragraph boundary). Writes the predictors to
+halo/assets/stories260K/predictors (shipped with halo, used by HALO mode) and the per-layer metric
+table, the predictors' size next to the model's, and their per-token latency next to the model's
+own decode step, to eval/results/predictors_stories260K.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from halo import BUNDLED_MODEL
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
+DEFAULT_OUT = Path(str(BUNDLED_MODEL)).parent / "predictors"
+
+
+def overhead(predictor_dir: Path, repeats: int = 200) -> dict:
+    """Predictor bytes vs model bytes; one token's predictions (all layers) vs one decode step."""
+    from halo.generate import generate
+    from halo.loader import load_tokenizer, load_weights
+    from halo.model import Transformer
+    from halo.predictors.runtime import PredictorSet
+
+    weights = load_weights()
+    model = Transformer(weights)
+    result = generate(model, load_tokenizer(weights), "", 200)
+    decode_ms = float(np.median(result.decode_ms))
+    predictors = PredictorSet(predictor_dir)
+    hidden = np.random.default_rng(0).standard_normal(weights.config.dim).astype(np.float32)
+    for layer in predictors.layers:
+        predictors.rank(layer, hidden)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for layer in predictors.layers:
+            predictors.rank(layer, hidden)
+        times.append(time.perf_counter() - t)
+    predict_ms = 1e3 * float(np.median(times))
+    return {"model_weight_bytes": weights.nbytes(), "predictor_bytes": predictors.nbytes,
+            "memory_fraction": predictors.nbytes / weights.nbytes(), "decode_ms_per_token": decode_ms,
+            "predict_ms_per_token_all_layers": predict_ms, "latency_fraction": predict_ms / decode_ms,
+            "predict_ms_per_layer": predict_ms / len(predictors.layers),
+            "decode_ms_per_layer": decode_ms / weights.config.n_layers}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--predictors", default=str(DEFAULT_OUT), help="where the trained predictors go")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    from halo.predictors.cli import summary_rows, train_predictors
+
+    t = time.perf_counter()
+    manifest = train_predictors(None, args.data, args.predictors, args.hidden, args.epochs, args.seed)
+    train_s = time.perf_counter() - t
+    cost = overhead(Path(args.predictors))
+    command = " ".join(["python -m halo.eval.bench_predictors", *(argv if argv is not None else sys.argv[1:])])
+    result = {"command": command, "train_seconds": train_s, "overhead": cost, "manifest": manifest}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "predictors_stories260K.json").write_text(json.dumps(result, indent=1))
+    tokens = manifest["data"]["tokens"]
+    lines = ["# Semantic-aware predictors on stories260K", "",
+             f"Command: `{command}` ({train_s:.0f} s on this machine). Data: {Path(args.data).name}, first "
+             f"{manifest['data']['train_fraction']:.0%} of the text for training ({tokens['train']} tokens), the rest "
+             f"for validation ({tokens['val']} tokens). Predictor for layer l reads the hidden state entering layer l-1; "
+             f"MLP groups of {manifest['mlp_group_size']} neurons ({manifest['n_mlp_groups']} per layer), "
+             f"{manifest['n_heads']} heads; hidden width {args.hidden}. Layer 0 has no predictor (always synchronized "
+             "reliably). Each cell: **predictor** / static ranking (mean norm over the training tokens) / random.", "",
+             "| layer | block | val loss | Spearman | recall@25% | recall@50% |", "|---|---|---|---|---|---|"]
+    for row in summary_rows(manifest):
+        cells = [row[0], row[1], row[2]] + [" / ".join([f"**{c.split(' / ')[0]}**", *c.split(" / ")[1:]]) for c in row[3:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| overhead | value |", "|---|---|",
+              f"| predictor bytes (all layers) | {cost['predictor_bytes']:,} |",
+              f"| model weight bytes (fp32) | {cost['model_weight_bytes']:,} |",
+              f"| memory: predictors / model | {cost['memory_fraction']:.1%} |",
+              f"| one token, all predictors (onnxruntime, 1 thread) | {cost['predict_ms_per_token_all_layers']:.3f} ms |",
+              f"| one decode step of the model (single process) | {cost['decode_ms_per_token']:.3f} ms |",
+              f"| latency: predictors / decode step | {cost['latency_fraction']:.1%} |",
+              f"| per layer: one prediction vs one layer's compute | {cost['predict_ms_per_layer']:.3f} ms vs "
+              f"{cost['decode_ms_per_layer']:.3f} ms |",
+              "", f"ONNX vs torch, max |difference| on validation inputs: {manifest['onnx_torch_max_abs_diff']:.1e}."]
+    (out / "predictors_stories260K.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

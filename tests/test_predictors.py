@@ -1,0 +1,117 @@
+"""Predictors end to end on a small slice: profile -> train -> export -> onnxruntime ranking."""
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from halo.errors import ConfigError
+from halo.predictors.metrics import spearman, top_k_recall
+from halo.predictors.profiler import load_split, split_text
+
+pytest.importorskip("torch")
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
+SAMPLE = "Once upon a time there was a cat.\n\nIt sat on a mat. " * 300
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from halo.predictors.cli import train_predictors
+
+    text = tmp_path_factory.mktemp("data") / "text.txt"
+    text.write_text(DATA.read_text()[:30000] if DATA.exists() else SAMPLE)
+    out = tmp_path_factory.mktemp("predictors")
+    manifest = train_predictors(None, str(text), out, hidden=16, epochs=4, seed=0, progress=False, keep_profile=True)
+    return out, manifest
+
+
+def test_pipeline_writes_a_manifest_and_one_graph_per_layer(trained):
+    out, manifest = trained
+    assert sorted(manifest["layers"]) == ["1", "2", "3", "4"]  # layer 0 always syncs reliably
+    assert all((out / e["file"]).is_file() for e in manifest["layers"].values())
+    assert manifest["n_heads"] == 8 and manifest["n_mlp_groups"] == 8
+    assert manifest["onnx_torch_max_abs_diff"] <= 1e-5
+    assert len(manifest["model_sha256"]) == 64
+    saved = json.loads((out / "manifest.json").read_text())
+    assert saved["versions"]["onnxruntime"] and saved["training"]["hidden"] == 16
+
+
+def test_learned_ranking_beats_random_on_validation(trained):
+    _, manifest = trained
+    for entry in manifest["layers"].values():
+        m = entry["metrics"]
+        for block in ("attention", "mlp"):
+            assert m["predictor"][block]["spearman"] > m["random"][block]["spearman"] + 0.1
+
+
+def test_onnx_matches_the_numpy_and_torch_forward(trained):
+    from halo.predictors.runtime import PredictorSet
+    from halo.predictors.trainer import LayerPredictor, torch_scores
+
+    out, _ = trained
+    runtime = PredictorSet(out)
+    x, _ = load_split(out / "profile", "val", 1)
+    x = np.asarray(x[:64])
+    scores = runtime.scores(2, x)
+    assert scores.shape == (64, 16)
+    # rebuild the layer-2 predictor from its ONNX initializers and compare three implementations
+    import onnx
+    from onnx import numpy_helper
+
+    init = {t.name: numpy_helper.to_array(t) for t in onnx.load(out / "layer_2.onnx").graph.initializer}
+    p = LayerPredictor(2, init["mean"], init["std"], init["w1"], init["b1"], init["w2"], init["b2"], 8, 8)
+    np.testing.assert_allclose(scores, p.scores(x), atol=1e-5)
+    np.testing.assert_allclose(scores, torch_scores(p, x), atol=1e-5)
+
+
+def test_rankings_are_deterministic_and_thread_safe(trained):
+    from halo.predictors.runtime import PredictorSet
+
+    out, _ = trained
+    runtime = PredictorSet(out)
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    expected = {layer: runtime.rank(layer, x) for layer in runtime.layers}
+    failures = []
+
+    def worker():
+        for _ in range(20):
+            for layer in runtime.layers:
+                heads, groups = runtime.rank(layer, x)
+                if not (np.array_equal(heads, expected[layer][0]) and np.array_equal(groups, expected[layer][1])):
+                    failures.append(layer)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+    heads, groups = runtime.rank(1, x[0])
+    assert sorted(heads.tolist()) == list(range(8)) and sorted(groups.tolist()) == list(range(8))
+
+
+def test_predictors_for_another_model_are_refused(trained, tmp_path):
+    from halo.predictors.runtime import PredictorSet
+
+    out, _ = trained
+    with pytest.raises(ConfigError, match="trained for another model"):
+        PredictorSet(out, model_sha256="0" * 64)
+    with pytest.raises(ConfigError, match="no predictor manifest"):
+        PredictorSet(tmp_path)
+
+
+def test_metrics_known_values():
+    true = np.array([[4.0, 3.0, 2.0, 1.0]])
+    assert spearman(true, true) == pytest.approx(1.0)
+    assert spearman(-true, true) == pytest.approx(-1.0)
+    assert top_k_recall(np.array([[4.0, 1.0, 2.0, 3.0]]), true, 0.5) == pytest.approx(0.5)
+
+
+def test_split_is_at_a_paragraph_boundary():
+    train, val = split_text("aaaa\n\nbbbb\n\ncccc\n\ndddd", 0.5)
+    assert train + val == "aaaa\n\nbbbb\n\ncccc\n\ndddd" and train.endswith("cccc")
+    with pytest.raises(ConfigError):
+        split_text("x", 1.5)
