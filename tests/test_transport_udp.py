@@ -1,0 +1,156 @@
+"""UDP sync on loopback with a seeded loss injector: exactness, deadlines, masks, epochs, forgeries."""
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from halo.transport import wire
+from halo.transport.loss import LossInjector
+from halo.transport.udp import UdpEndpoint
+
+KEY = bytes(range(32))
+SESSION = 7
+
+
+@pytest.fixture
+def cluster():
+    master = UdpEndpoint(KEY, SESSION, 0)
+    agents = [UdpEndpoint(KEY, SESSION, i) for i in range(1, 5)]
+    yield master, agents
+    for e in [master, *agents]:
+        e.close()
+
+
+def vectors(n, seed=0, peers=(1, 2, 3, 4)):
+    rng = np.random.default_rng(seed)
+    return {p: rng.standard_normal(n).astype(np.float32) for p in peers}
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(wire.FLOAT32, 0.0), (wire.FLOAT16, 2e-3), (wire.INT8, 2e-2)])
+def test_exact_delivery_without_loss(cluster, dtype, tolerance):
+    master, agents = cluster
+    data = vectors(4096)
+    epoch = wire.make_epoch(3, 1, 0)
+    for a in agents:
+        a.send_vector(master.address, 0, epoch, data[a.node_id], dtype)
+    result = master.gather(epoch, {p: 4096 for p in data}, dtype, deadline_s=1.0)
+    assert result.complete
+    for p, v in data.items():
+        assert np.abs(result.values[p] - v).max() <= tolerance * np.abs(v).max()
+
+
+def test_deadline_is_respected_under_total_loss(cluster):
+    master, agents = cluster
+    for a in agents:
+        a.send_hook = LossInjector(seed=a.node_id, drop=1.0)
+        a.send_vector(master.address, 0, 5, np.ones(4096), wire.FLOAT32)
+    start = time.perf_counter()
+    result = master.gather(5, {a.node_id: 4096 for a in agents}, deadline_s=0.010)
+    elapsed = time.perf_counter() - start
+    assert elapsed <= 0.010 + 0.002
+    assert not any(m.any() for m in result.masks.values())
+    assert all((v == 0).all() for v in result.values.values())
+
+
+def test_masks_say_exactly_which_chunks_arrived(cluster):
+    master, agents = cluster
+    data = vectors(4096, seed=1)
+    for a in agents:
+        a.send_hook = LossInjector(seed=10 + a.node_id, drop=0.3)
+        a.send_vector(master.address, 0, 9, data[a.node_id], wire.FLOAT32)
+    result = master.gather(9, {p: 4096 for p in data}, deadline_s=0.020)
+    per = wire.values_per_chunk(wire.FLOAT32)
+    assert not result.complete and result.delivered_fraction() > 0.4
+    for p, v in data.items():
+        for i, arrived in enumerate(result.masks[p]):
+            got, want = result.values[p][i * per:(i + 1) * per], v[i * per:(i + 1) * per]
+            assert np.array_equal(got, want) if arrived else not got.any()
+    dropped = sum(a.send_hook.counts["dropped"] for a in agents)
+    assert sum(int((~m).sum()) for m in result.masks.values()) == dropped
+
+
+def test_no_cross_epoch_contamination(cluster):
+    master, agents = cluster
+    old, new = vectors(2048, seed=2), vectors(2048, seed=3)
+    e1, e2 = wire.make_epoch(10, 2, 0), wire.make_epoch(10, 2, 1)
+    for a in agents:
+        a.send_vector(master.address, 0, e1, old[a.node_id])
+    master.gather(e1, {p: 2048 for p in old}, deadline_s=0.5)
+    for a in agents:  # a late duplicate of the old epoch arrives among the new one
+        a.send_vector(master.address, 0, e1, old[a.node_id])
+        a.send_vector(master.address, 0, e2, new[a.node_id])
+        a.send_vector(master.address, 0, e2 + 16, old[a.node_id])  # and a future epoch
+    result = master.gather(e2, {p: 2048 for p in new}, deadline_s=0.5)
+    assert result.complete
+    for p in new:
+        np.testing.assert_array_equal(result.values[p], new[p])
+    assert sum(master.stats[p].rejected["stale"] for p in new) > 0
+
+
+def test_forged_malformed_and_duplicate_packets_are_counted_never_raised(cluster):
+    master, agents = cluster
+    data = vectors(2048, seed=4)
+    for a in agents:
+        a.send_hook = LossInjector(seed=a.node_id, duplicate=0.5, forge=0.5, corrupt=0.2, reorder=0.3)
+        a.send_vector(master.address, 0, 1, data[a.node_id])
+        a.send_hook.flush(a.sock)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rng = np.random.default_rng(0)
+    good = wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 0, 6, 0), b"\0" * 8, KEY)
+    junk = [rng.bytes(int(n)) for n in rng.integers(0, 1600, 50)] + [
+        b"", good[:10], good[:-1], good + b"x", b"XX" + good[2:], wire.pack(
+            wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 0, 6, 0), b"\0" * 8, bytes(32)),
+        wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION + 1, 1, 0, 6, 0), b"\0" * 8, KEY),
+        os.urandom(1472)]
+    for j in junk:
+        raw.sendto(j, master.address)
+    raw.close()
+    result = master.gather(1, {p: 2048 for p in data}, deadline_s=0.05)
+    rejected = sum(sum(s.rejected.values()) for s in master.stats.values())
+    assert rejected >= len(junk)
+    assert master.stats[-1].rejected["bad_tag"] > 0 and master.stats[-1].rejected["other_session"] == 1
+    for p, v in data.items():  # whatever arrived intact is exactly right
+        per = wire.values_per_chunk(wire.FLOAT32)
+        for i in np.flatnonzero(result.masks[p]):
+            np.testing.assert_array_equal(result.values[p][i * per:(i + 1) * per], v[i * per:(i + 1) * per])
+
+
+def serve_in_background(endpoints, seconds):
+    threads = [threading.Thread(target=e.serve, args=(seconds,)) for e in endpoints]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_fast_path_recovers_every_chunk_at_5_percent_loss(cluster):
+    master, agents = cluster
+    for round_ in range(20):
+        data = vectors(4096, seed=100 + round_)
+        epoch = wire.make_epoch(round_, 0, 0)
+        for a in agents:
+            a.send_hook = LossInjector(seed=1000 * round_ + a.node_id, drop=0.05)
+            a.send_vector(master.address, 0, epoch, data[a.node_id], wire.FLOAT32, parity_group=6)
+        threads = serve_in_background(agents, 0.2)
+        result = master.gather(epoch, {p: 4096 for p in data}, deadline_s=0.2, nack=True)
+        for t in threads:
+            t.join()
+        assert result.complete, round_
+        for p in data:
+            np.testing.assert_array_equal(result.values[p], data[p])
+    recovered = sum(master.stats[p].chunks_recovered_parity for p in range(1, 5))
+    assert recovered > 0
+
+
+def test_parity_alone_repairs_a_single_loss_without_a_nack(cluster):
+    master, agents = cluster
+    a = agents[0]
+    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[7] == 2 and d[3] == wire.DATA else sock.sendto(d, addr)
+    data = np.arange(4096, dtype=np.float32)
+    a.send_vector(master.address, 0, 4, data, wire.FLOAT32, parity_group=6)
+    result = master.gather(4, {a.node_id: 4096}, deadline_s=0.2)
+    assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 1
+    np.testing.assert_array_equal(result.values[a.node_id], data)

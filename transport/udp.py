@@ -1,0 +1,284 @@
+"""UDP synchronization: send a vector as chunks, gather vectors from peers until complete or a deadline.
+
+One `UdpEndpoint` per process. `send_vector` cuts a float vector into chunks (wire.py), optionally
+adds XOR parity chunks (one per `parity_group` data chunks) and keeps the chunks of recent epochs so
+that it can answer NACKs. `gather` waits for the vectors of one epoch from a set of peers:
+
+- lossy (nack=False): returns when everything is in or the deadline passes; missing chunks are
+  zero-filled and reported in the per-peer masks;
+- fast reliable (nack=True): repairs single losses per parity group from parity at once, and asks
+  the sender for what is still missing (a NACK listing chunk indices) after a short gap timer,
+  retrying every `nack_retry_s`, until complete or the deadline.
+
+Late packets of past epochs, duplicates, packets of future epochs, and anything `wire.unpack`
+rejects are counted per reason and dropped; nothing a peer sends can raise out of `gather`.
+While gathering, the endpoint also answers NACKs from peers for vectors it sent.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import wire
+
+RECV_BUFFER_BYTES = 4 << 20
+PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
+SENT_EPOCHS_KEPT = 8
+
+
+@dataclass
+class PeerStats:
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    chunks_received: int = 0
+    chunks_missing: int = 0  # zero-filled at a deadline
+    chunks_recovered_parity: int = 0
+    chunks_recovered_nack: int = 0
+    nacks_sent: int = 0
+    nacks_answered: int = 0
+    rejected: dict = field(default_factory=lambda: defaultdict(int))  # reason -> count
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in vars(self).items() if k != "rejected"}
+        out["rejected"] = dict(self.rejected)
+        return out
+
+
+@dataclass
+class GatherResult:
+    values: dict[int, np.ndarray]  # peer -> vector (missing chunks zero-filled)
+    masks: dict[int, np.ndarray]  # peer -> bool per chunk, True = arrived (or recovered)
+    waited_s: float
+
+    @property
+    def complete(self) -> bool:
+        return all(m.all() for m in self.masks.values())
+
+    def delivered_fraction(self) -> float:
+        total = sum(len(m) for m in self.masks.values())
+        return sum(int(m.sum()) for m in self.masks.values()) / total if total else 1.0
+
+
+class UdpEndpoint:
+    def __init__(self, key: bytes, session: int, node_id: int, bind: tuple[str, int] = ("127.0.0.1", 0),
+                 recv_buffer: int = RECV_BUFFER_BYTES):
+        if len(key) != wire.KEY_BYTES:
+            raise ValueError(f"the cluster key must be {wire.KEY_BYTES} bytes")
+        self.key, self.session, self.node_id = key, session, node_id
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.recv_buffer = self._grow_buffer(recv_buffer)
+        self.sock.bind(bind)
+        self.address = self.sock.getsockname()
+        self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
+        self.sent: OrderedDict[tuple[int, int], tuple[tuple, list[bytes]]] = OrderedDict()  # (epoch, dest) -> chunks
+        self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
+        self.send_hook = None  # tests and the loss injector may wrap sendto
+
+    def _grow_buffer(self, wanted: int) -> int:
+        """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
+        for option in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):
+            if option is None:
+                continue
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, option, wanted)
+                break
+            except OSError:
+                continue
+        return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2  # Linux reports double
+
+    def close(self) -> None:
+        self.sock.close()
+
+    # ---- sending -------------------------------------------------------------------------------------
+    def _sendto(self, datagram: bytes, address) -> None:
+        try:
+            if self.send_hook is not None:
+                self.send_hook(self.sock, datagram, address)
+            else:
+                self.sock.sendto(datagram, address)
+        except (BlockingIOError, InterruptedError, PermissionError, OSError):
+            pass  # a full buffer or a local drop is a lost packet; the protocol copes
+
+    def send_vector(self, address, peer: int, epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
+                    parity_group: int = 0) -> int:
+        """Send values as chunks (+ parity), remember them for NACKs; returns datagrams sent."""
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        per = wire.values_per_chunk(dtype)
+        count = wire.chunk_count(len(values), dtype)
+        payloads = [wire.encode_values(values[i * per:(i + 1) * per], dtype) for i in range(count)]
+        datagrams = [wire.pack(wire.Header(wire.DATA, dtype, self.node_id, self.session, epoch, i, count, 0), p, self.key)
+                     for i, p in enumerate(payloads)]
+        parity = []
+        if parity_group > 0:  # parity chunk: index = first chunk of its group, payload = group size + XOR
+            for start in range(0, count, parity_group):
+                group = payloads[start:start + parity_group]
+                xor = np.zeros(max(len(p) for p in group), dtype=np.uint8)
+                for p in group:
+                    xor[:len(p)] ^= np.frombuffer(p, dtype=np.uint8)
+                body = PARITY_PREFIX.pack(len(group)) + xor.tobytes()
+                parity.append(wire.pack(wire.Header(wire.PARITY, dtype, self.node_id, self.session, epoch, start,
+                                                    count, 0), body, self.key))
+        for d in datagrams + parity:
+            self._sendto(d, address)
+        self.stats[peer].sent_bytes += sum(len(d) for d in datagrams + parity)
+        self.sent[(epoch, peer)] = (address, datagrams)
+        while len(self.sent) > SENT_EPOCHS_KEPT * 16:
+            self.sent.popitem(last=False)
+        return len(datagrams) + len(parity)
+
+    # ---- receiving -----------------------------------------------------------------------------------
+    def _receive(self, timeout_s: float):
+        """Yield (header, payload, address) of valid datagrams that arrive within timeout_s."""
+        ready, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
+        if not ready:
+            return
+        while True:
+            try:
+                n, address = self.sock.recvfrom_into(self._scratch)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            try:
+                header, payload = wire.unpack(memoryview(self._scratch)[:n], self.key, self.session)
+            except wire.WireError as e:
+                self.stats[-1].rejected[e.reason] += 1
+                continue
+            self.stats[header.sender].received_bytes += n
+            yield header, bytes(payload), address
+
+    def _answer_nack(self, header: wire.Header, payload: bytes, address) -> None:
+        entry = self.sent.get((header.epoch, header.sender))
+        if entry is None or len(payload) % 2:
+            self.stats[header.sender].rejected["nack_unknown"] += 1
+            return
+        _, datagrams = entry
+        for index in np.frombuffer(payload, dtype="<u2"):
+            if index < len(datagrams):
+                self._sendto(datagrams[index], address)
+        self.stats[header.sender].nacks_answered += 1
+
+    def serve(self, duration_s: float) -> None:
+        """Answer NACKs (and drop other traffic) for duration_s: what an idle sender does."""
+        end = time.perf_counter() + duration_s
+        while (left := end - time.perf_counter()) > 0:
+            for header, payload, address in self._receive(left):
+                if header.kind == wire.NACK:
+                    self._answer_nack(header, payload, address)
+
+    def gather(self, epoch: int, expected: dict[int, int], dtype: int = wire.FLOAT32, deadline_s: float = 0.010,
+               nack: bool = False, addresses: dict[int, tuple] | None = None, gap_s: float = 0.0005,
+               nack_retry_s: float = 0.001) -> GatherResult:
+        """Wait for one epoch's vectors: expected maps peer id -> number of values."""
+        start = time.perf_counter()
+        end = start + deadline_s
+        per = wire.values_per_chunk(dtype)
+        counts = {p: wire.chunk_count(n, dtype) for p, n in expected.items()}
+        values = {p: np.zeros(n, dtype=np.float32) for p, n in expected.items()}
+        masks = {p: np.zeros(counts[p], dtype=bool) for p in expected}
+        payloads: dict[int, dict[int, bytes]] = {p: {} for p in expected}
+        parities: dict[int, dict[int, bytes]] = {p: {} for p in expected}
+        last_arrival = {p: start for p in expected}
+        next_nack = {p: start + gap_s for p in expected}
+        addresses = addresses or {}
+        while not all(m.all() for m in masks.values()):
+            now = time.perf_counter()
+            if now >= end:
+                break
+            wake = end
+            if nack:
+                wake = min([end] + [next_nack[p] for p in expected if not masks[p].all()])
+            for header, payload, address in self._receive(wake - now):
+                peer = header.sender
+                if header.kind == wire.NACK:
+                    self._answer_nack(header, payload, address)
+                    continue
+                stats = self.stats[peer]
+                if header.epoch < epoch:
+                    stats.rejected["stale"] += 1
+                    continue
+                if header.epoch > epoch or peer not in expected:
+                    stats.rejected["unexpected"] += 1
+                    continue
+                if header.dtype != dtype or header.count != counts[peer]:
+                    stats.rejected["malformed"] += 1
+                    continue
+                addresses.setdefault(peer, address)
+                if header.kind == wire.PARITY:
+                    if len(payload) < PARITY_PREFIX.size:
+                        stats.rejected["malformed"] += 1
+                        continue
+                    (size,) = PARITY_PREFIX.unpack_from(payload)
+                    if size == 0 or size > counts[peer]:
+                        stats.rejected["malformed"] += 1
+                        continue
+                    parities[peer][header.index] = (size, payload[PARITY_PREFIX.size:])
+                elif masks[peer][header.index]:
+                    stats.rejected["duplicate"] += 1
+                    continue
+                else:
+                    n = min(per, len(values[peer]) - header.index * per)
+                    try:
+                        chunk = wire.decode_values(payload, dtype, n)
+                    except wire.WireError as e:
+                        stats.rejected[e.reason] += 1
+                        continue
+                    values[peer][header.index * per:header.index * per + n] = chunk
+                    masks[peer][header.index] = True
+                    payloads[peer][header.index] = payload
+                    stats.chunks_received += 1
+                    if nack and header.epoch == epoch and header.index >= counts[peer] - 1 and not masks[peer].all():
+                        next_nack[peer] = time.perf_counter()  # the burst's last chunk came with holes: ask now
+                last_arrival[peer] = time.perf_counter()
+                self._repair_with_parity(peer, values, masks, payloads, parities, dtype, per)
+            if nack:
+                now = time.perf_counter()
+                for peer in expected:
+                    if masks[peer].all() or now < next_nack[peer] or peer not in addresses:
+                        continue
+                    missing = np.flatnonzero(~masks[peer]).astype("<u2")
+                    datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
+                                         missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
+                    self._sendto(datagram, addresses[peer])
+                    self.stats[peer].nacks_sent += 1
+                    next_nack[peer] = now + nack_retry_s
+        for peer in expected:
+            self.stats[peer].chunks_missing += int((~masks[peer]).sum())
+        return GatherResult(values, masks, time.perf_counter() - start)
+
+    def _repair_with_parity(self, peer, values, masks, payloads, parities, dtype, per) -> None:
+        """A parity group with exactly one chunk missing and its parity present: XOR it back."""
+        count = len(masks[peer])
+        for start, (size, parity) in list(parities[peer].items()):
+            members = range(start, min(count, start + size))
+            missing = [i for i in members if not masks[peer][i]]
+            if len(missing) != 1:
+                continue
+            i = missing[0]
+            xor = np.frombuffer(parity, dtype=np.uint8).copy()
+            for j in members:
+                if j != i:
+                    p = np.frombuffer(payloads[peer][j], dtype=np.uint8)
+                    if len(p) > len(xor):
+                        break
+                    xor[:len(p)] ^= p
+            else:
+                n = min(per, len(values[peer]) - i * per)
+                length = wire.payload_bytes(n, dtype)
+                if length > len(xor):
+                    continue
+                try:
+                    values[peer][i * per:i * per + n] = wire.decode_values(xor[:length].tobytes(), dtype, n)
+                except wire.WireError:
+                    continue
+                masks[peer][i] = True
+                payloads[peer][i] = xor[:length].tobytes()
+                self.stats[peer].chunks_recovered_parity += 1
