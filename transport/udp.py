@@ -31,6 +31,7 @@ from . import wire
 RECV_BUFFER_BYTES = 4 << 20
 PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
 SENT_EPOCHS_KEPT = 8
+EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
 
 
 @dataclass
@@ -80,6 +81,7 @@ class UdpEndpoint:
         self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
         self.sent: OrderedDict[tuple[int, int], tuple[tuple, list[bytes]]] = OrderedDict()  # (epoch, dest) -> chunks
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
+        self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
         self.send_hook = None  # tests and the loss injector may wrap sendto
 
     def _grow_buffer(self, wanted: int) -> int:
@@ -186,9 +188,9 @@ class UdpEndpoint:
         masks = {p: np.zeros(counts[p], dtype=bool) for p in expected}
         payloads: dict[int, dict[int, bytes]] = {p: {} for p in expected}
         parities: dict[int, dict[int, bytes]] = {p: {} for p in expected}
-        last_arrival = {p: start for p in expected}
-        next_nack = {p: start + gap_s for p in expected}
-        addresses = addresses or {}
+        next_nack = {p: float("inf") for p in expected}  # armed by a peer's first chunk: never NACK blindly
+        addresses = dict(addresses or {})
+        early, self._early = self._early, []
         while not all(m.all() for m in masks.values()):
             now = time.perf_counter()
             if now >= end:
@@ -196,7 +198,9 @@ class UdpEndpoint:
             wake = end
             if nack:
                 wake = min([end] + [next_nack[p] for p in expected if not masks[p].all()])
-            for header, payload, address in self._receive(wake - now):
+            arrivals = early if early else self._receive(wake - now)
+            early = []
+            for header, payload, address in arrivals:
                 peer = header.sender
                 if header.kind == wire.NACK:
                     self._answer_nack(header, payload, address)
@@ -205,7 +209,13 @@ class UdpEndpoint:
                 if header.epoch < epoch:
                     stats.rejected["stale"] += 1
                     continue
-                if header.epoch > epoch or peer not in expected:
+                if header.epoch > epoch:  # a later synchronization: keep it for that gather
+                    if len(self._early) < EARLY_KEPT:
+                        self._early.append((header, payload, address))
+                    else:
+                        stats.rejected["early_overflow"] += 1
+                    continue
+                if peer not in expected:
                     stats.rejected["unexpected"] += 1
                     continue
                 if header.dtype != dtype or header.count != counts[peer]:
@@ -235,10 +245,12 @@ class UdpEndpoint:
                     masks[peer][header.index] = True
                     payloads[peer][header.index] = payload
                     stats.chunks_received += 1
-                    if nack and header.epoch == epoch and header.index >= counts[peer] - 1 and not masks[peer].all():
-                        next_nack[peer] = time.perf_counter()  # the burst's last chunk came with holes: ask now
-                last_arrival[peer] = time.perf_counter()
                 self._repair_with_parity(peer, values, masks, payloads, parities, dtype, per)
+                if nack and not masks[peer].all():
+                    arrived = time.perf_counter()
+                    last = header.index >= counts[peer] - 1 if header.kind == wire.DATA else True
+                    # the burst's tail came with holes: ask now; else after a short gap without news
+                    next_nack[peer] = arrived if last else min(next_nack[peer], arrived + gap_s)
             if nack:
                 now = time.perf_counter()
                 for peer in expected:

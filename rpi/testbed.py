@@ -1,0 +1,140 @@
+"""A lossy edge cluster on one Linux machine: network namespaces, veths into a bridge, nftables loss.
+
+    with LossyTestbed(n_agents=4) as bed:
+        bed.set_loss(0.05)                       # 5 % silent loss on every agent link, both directions
+        p = bed.popen("agent-1", ["python", ...])  # run a program inside an agent's namespace
+        bed.drop_counters()                      # frames actually dropped, per link
+
+Layout: namespace `<prefix>-m` (the master, 10.77.0.1) and `<prefix>-a<i>` (agent i, 10.77.0.<10+i>),
+each with one veth whose peer sits in the bridge `<prefix>-br` of the root namespace (which has no
+address: nothing leaves the machine). Loss is a `bridge`-family nftables table whose forward chain drops
+`numgen random mod 1000 < K` frames entering or leaving each agent's veth: frames vanish in transit,
+as on a radio link, and the sender's sendto() still succeeds (an output-hook drop would fail it with
+EPERM, which no real link does). Segmentation offloads are off so loss applies to real frames, and
+TCP uses the same congestion control (cubic) in every namespace. Everything is removed on exit,
+also after errors. Needs root, iproute2, nftables and ethtool; `available()` says why not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+SUBNET = "10.77.0"
+
+
+def available() -> tuple[bool, str]:
+    """(can we build the test bed here, why not)."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    for tool in ("ip", "nft", "ethtool"):
+        if shutil.which(tool) is None:
+            return False, f"'{tool}' is not installed (apt-get install iproute2 nftables ethtool)"
+    probe = subprocess.run(["ip", "netns", "add", "halo-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return False, f"cannot create network namespaces: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "halo-probe"], capture_output=True)
+    return True, ""
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+    return result
+
+
+@dataclass
+class LossyTestbed:
+    n_agents: int
+    prefix: str = "halo"
+    rate_mbit: float | None = None  # optional tc tbf bandwidth cap on every agent link
+    hosts: dict = field(default_factory=dict)  # name -> (namespace, address, host-side veth)
+
+    def __post_init__(self):
+        if not 1 <= self.n_agents <= 200:
+            raise ValueError("between 1 and 200 agents")
+        self.bridge = f"{self.prefix}-br"
+        self.table = f"{self.prefix}_loss"
+        self.hosts["master"] = (f"{self.prefix}-m", f"{SUBNET}.1", f"{self.prefix}-vm")
+        for i in range(1, self.n_agents + 1):
+            self.hosts[f"agent-{i}"] = (f"{self.prefix}-a{i}", f"{SUBNET}.{10 + i}", f"{self.prefix}-v{i}")
+
+    def address(self, host: str) -> str:
+        return self.hosts[host][1]
+
+    def __enter__(self) -> "LossyTestbed":
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def _build(self) -> None:
+        self.teardown()  # leftovers of a crashed run
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "up")
+        for name, (ns, address, veth) in self.hosts.items():
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", self.bridge)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            for where in ((), ("ip", "netns", "exec", ns)):
+                dev = veth if not where else "eth0"
+                _run(*where, "ethtool", "-K", dev, "tso", "off", "gso", "off", "gro", "off", check=False)
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_congestion_control=cubic", check=False)
+            if self.rate_mbit and name != "master":
+                _run("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
+                     "burst", "32kbit", "latency", "50ms")
+        _run("nft", "add", "table", "bridge", self.table)
+        _run("nft", "add", "chain", "bridge", self.table, "forward",
+             "{ type filter hook forward priority 0 ; policy accept ; }")
+
+    def set_loss(self, plr: float, hosts: list[str] | None = None) -> None:
+        """Silent random loss with probability plr on the links of `hosts` (default: every agent), both ways."""
+        if not 0 <= plr < 1:
+            raise ValueError("plr must be in [0, 1)")
+        _run("nft", "flush", "chain", "bridge", self.table, "forward")
+        per_mille = int(round(plr * 1000))
+        if per_mille == 0:
+            return
+        for host in hosts or [h for h in self.hosts if h != "master"]:
+            veth = self.hosts[host][2]
+            for direction in ("iifname", "oifname"):
+                _run("nft", "add", "rule", "bridge", self.table, "forward", direction, f'"{veth}"',
+                     "numgen", "random", "mod", "1000", "<", str(per_mille), "counter", "drop")
+
+    def drop_counters(self) -> dict[str, int]:
+        """Frames dropped so far per agent link (both directions together)."""
+        out = _run("nft", "-j", "list", "chain", "bridge", self.table, "forward")
+        dropped: dict[str, int] = {}
+        for item in json.loads(out.stdout).get("nftables", []):
+            rule = item.get("rule")
+            if not rule:
+                continue
+            veth = next((e["match"]["right"] for e in rule["expr"] if "match" in e
+                         and e["match"]["left"].get("meta", {}).get("key") in ("iifname", "oifname")), None)
+            packets = next((e["counter"]["packets"] for e in rule["expr"] if "counter" in e), 0)
+            host = next((h for h, (_, _, v) in self.hosts.items() if v == veth), str(veth))
+            dropped[host] = dropped.get(host, 0) + packets
+        return dropped
+
+    def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host][0], *argv], **kwargs)
+
+    def teardown(self) -> None:
+        _run("nft", "delete", "table", "bridge", self.table, check=False)
+        for _, (ns, _, veth) in self.hosts.items():
+            _run("ip", "link", "del", veth, check=False)
+            _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
