@@ -68,7 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLP neurons per group (default 256; hidden/8 for models with fewer than 8 such groups)")
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
+
+    k = sub.add_parser("keygen", help="create the cluster key every device shares",
+                       description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
+                                   "file to every device (/etc/halo/cluster.key): agents accept only a master that "
+                                   "holds it, and it also authenticates the UDP datagrams.")
+    k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
+    k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
+    k.set_defaults(func=cmd_keygen)
     return parser
+
+
+def cmd_keygen(args) -> int:
+    from .transport.reliable import generate_key
+
+    key = generate_key(args.out, force=args.force)
+    print(f"wrote {args.out} (mode 0600), fingerprint {key.fingerprint}")
+    print(f"copy it to every device, e.g.: scp {args.out} pi@DEVICE:/etc/halo/cluster.key")
+    return 0
 
 
 def cmd_generate(args) -> int:

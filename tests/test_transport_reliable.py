@@ -1,0 +1,112 @@
+"""The control plane: CURVE-authenticated pyzmq, key files, and the validating message codec."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+import zmq
+
+from halo.errors import ConfigError
+from halo.transport.reliable import (ClusterKey, Message, MessageError, client_socket, decode, encode, generate_key,
+                                     load_key, server_socket, start_authenticator)
+
+
+@pytest.fixture
+def key(tmp_path):
+    return generate_key(tmp_path / "cluster.key")
+
+
+def test_key_file_is_private_and_round_trips(tmp_path, key):
+    path = tmp_path / "cluster.key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_key(path) == key and len(key.udp_key) == 32
+    with pytest.raises(ConfigError, match="pass --force"):
+        generate_key(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_key(path)
+    with pytest.raises(ConfigError, match="halo-master keygen"):
+        load_key(tmp_path / "missing.key")
+
+
+def exchange(server_key, client_key, insecure=False, timeout_ms=1500):
+    context = zmq.Context()
+    auth = start_authenticator(context, server_key) if server_key else None
+    try:
+        server = server_socket(context, server_key, insecure)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client = client_socket(context, client_key, insecure)
+        if client_key is None and server_key is not None:
+            pass  # a plaintext client against a CURVE server
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send_multipart(encode(Message("hello", {"n": 1}, [np.arange(4, dtype=np.float32)])))
+        if server.poll(timeout_ms):
+            return decode(server.recv_multipart())
+        return None
+    finally:
+        if auth:
+            auth.stop()
+        context.destroy(linger=0)
+
+
+def test_master_with_the_cluster_key_is_heard(key):
+    message = exchange(key, key)
+    assert message.kind == "hello" and message.fields == {"n": 1}
+    np.testing.assert_array_equal(message.arrays[0], np.arange(4, dtype=np.float32))
+
+
+def test_master_with_another_key_is_refused(key, tmp_path):
+    other = generate_key(tmp_path / "other.key")
+    impostor = ClusterKey(other.public, other.secret)
+    # knows the agents' public key but not the cluster secret
+    import halo.transport.reliable as r
+
+    context = zmq.Context()
+    auth = start_authenticator(context, key)
+    try:
+        server = server_socket(context, key)
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client = context.socket(zmq.DEALER)
+        client.curve_serverkey, client.curve_publickey, client.curve_secretkey = key.public, impostor.public, impostor.secret
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send_multipart(r.encode(Message("hello")))
+        assert server.poll(800) == 0
+    finally:
+        auth.stop()
+        context.destroy(linger=0)
+
+
+def test_plaintext_needs_an_explicit_opt_in(key):
+    with pytest.raises(ConfigError, match="refusing plaintext"):
+        server_socket(zmq.Context.instance(), None)
+    assert exchange(None, None, insecure=True).kind == "hello"
+    assert exchange(key, None, insecure=True) is None  # a plaintext master cannot talk to a CURVE agent
+
+
+@pytest.mark.parametrize("frames, message", [
+    ([b"HALO\x01"], "at least 2 frames"),
+    ([b"XXXX\x01", b"{}"], "bad preamble"),
+    ([b"HALO\x09", b"{}"], "protocol version 9"),
+    ([b"HALO\x01", b"{not json"], "malformed header"),
+    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}'], "announces 1 arrays but 0"),
+    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}', b"\0" * 15], "needs 16 bytes"),
+    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["object", [1]]]}', b"\0" * 8], "not allowed"),
+    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [1048576, 1048576]]]}', b""], "needs"),
+])
+def test_malformed_messages_are_refused_with_a_reason(frames, message):
+    with pytest.raises(MessageError, match=message):
+        decode(frames)
+
+
+def test_keygen_command(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "k" / "cluster.key"
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(path)], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert "fingerprint" in out.stdout and load_key(path).fingerprint in out.stdout
+    again = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(path)], capture_output=True,
+                           text=True, timeout=60)
+    assert again.returncode == 2 and "--force" in again.stderr

@@ -1,0 +1,191 @@
+"""The reliable control plane: pyzmq over TCP, authenticated with the cluster key (ZeroMQ CURVE).
+
+Cluster key: one CURVE key pair, generated once (`halo-master keygen`) and copied to every device
+(/etc/halo/cluster.key, mode 0600). Agents listen as CURVE servers with it and admit, through a ZAP
+handler, only clients that hold the same key pair: a master without the secret cannot finish the
+handshake, and every frame is encrypted. The same secret derives the key that tags UDP datagrams
+(`udp_key`). Plaintext is possible only when the caller passes `insecure=True` (a trusted test bed).
+
+Messages are multipart: frame 0 = b"HALO" + version byte; frame 1 = a JSON header
+{"kind": ..., "fields": {...}, "arrays": [[dtype, shape], ...]}; then one raw frame per array.
+`decode` validates all of it and raises `MessageError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from halo.errors import ConfigError
+
+PROTOCOL = b"HALO"
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_ARRAY_BYTES = 1 << 30
+ARRAY_DTYPES = {"float32", "float16", "int64", "int32", "uint8", "int8"}
+
+
+class MessageError(Exception):
+    """A frame sequence that is not a valid halo message (the peer is buggy, stale or hostile)."""
+
+
+@dataclass
+class Message:
+    kind: str
+    fields: dict = field(default_factory=dict)
+    arrays: list = field(default_factory=list)
+
+
+def encode(message: Message) -> list[bytes]:
+    arrays = [np.ascontiguousarray(a) for a in message.arrays]
+    header = {"kind": message.kind, "fields": message.fields,
+              "arrays": [[str(a.dtype), list(a.shape)] for a in arrays]}
+    return [PROTOCOL + bytes([PROTOCOL_VERSION]), json.dumps(header).encode(), *(a.tobytes() for a in arrays)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    if len(frames) < 2:
+        raise MessageError(f"expected at least 2 frames, got {len(frames)}")
+    preamble = bytes(frames[0])
+    if len(preamble) != 5 or preamble[:4] != PROTOCOL:
+        raise MessageError("not a halo message (bad preamble)")
+    if preamble[4] != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {preamble[4]} but this halo speaks {PROTOCOL_VERSION}: "
+                           "run the same halo version on the master and every agent")
+    if len(frames[1]) > MAX_HEADER_BYTES:
+        raise MessageError(f"header of {len(frames[1])} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(bytes(frames[1]))
+        kind, fields, specs = header["kind"], header["fields"], header["arrays"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise MessageError(f"malformed header: {e!r}") from None
+    if not isinstance(kind, str) or not isinstance(fields, dict) or not isinstance(specs, list):
+        raise MessageError("malformed header: kind/fields/arrays have the wrong types")
+    if len(specs) != len(frames) - 2:
+        raise MessageError(f"header announces {len(specs)} arrays but {len(frames) - 2} frames follow")
+    arrays = []
+    for spec, frame in zip(specs, frames[2:]):
+        try:
+            dtype, shape = spec
+            shape = tuple(int(s) for s in shape)
+        except (TypeError, ValueError):
+            raise MessageError(f"malformed array spec {spec!r}") from None
+        if dtype not in ARRAY_DTYPES or any(s < 0 for s in shape):
+            raise MessageError(f"array spec {spec!r} is not allowed")
+        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if expected > MAX_ARRAY_BYTES or expected != len(frame):
+            raise MessageError(f"array {dtype}{list(shape)} needs {expected} bytes, frame has {len(frame)}")
+        arrays.append(np.frombuffer(frame, dtype=dtype).reshape(shape))
+    return Message(kind, fields, arrays)
+
+
+# ---- the cluster key -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterKey:
+    public: bytes  # z85, 40 bytes
+    secret: bytes
+
+    @property
+    def udp_key(self) -> bytes:
+        """32-byte key for tagging UDP datagrams, derived from the CURVE secret."""
+        return hashlib.blake2b(self.secret, digest_size=32, person=b"halo-udp-v1").digest()
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.public).hexdigest()[:16]
+
+
+def generate_key(path: str | os.PathLike, force: bool = False) -> ClusterKey:
+    """Write a new cluster key file readable by its owner only (0600)."""
+    import zmq
+
+    path = Path(path)
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists; pass --force to replace it (every device then needs the new key)")
+    public, secret = zmq.curve_keypair()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": "halo-cluster-key", "version": 1, "public": public.decode(), "secret": secret.decode()}, f)
+    os.chmod(path, 0o600)
+    return ClusterKey(public, secret)
+
+
+def load_key(path: str | os.PathLike) -> ClusterKey:
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no cluster key file; create one with `halo-master keygen --out {path}` "
+                          "and copy it to every device") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a halo cluster key file ({e})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{path}: the cluster key is readable by others (mode {stat.S_IMODE(mode):o}); "
+                          f"run chmod 600 {path}")
+    try:
+        public, secret = raw["public"].encode(), raw["secret"].encode()
+    except (KeyError, AttributeError, TypeError):
+        raise ConfigError(f"{path}: lacks 'public' and 'secret'") from None
+    if raw.get("format") != "halo-cluster-key" or len(public) != 40 or len(secret) != 40:
+        raise ConfigError(f"{path}: not a version-1 halo cluster key")
+    return ClusterKey(public, secret)
+
+
+# ---- sockets ---------------------------------------------------------------------------------------------
+def server_socket(context, key: ClusterKey | None, insecure: bool = False):
+    """The agent's listening socket (DEALER: one master at a time), a CURVE server with the cluster key."""
+    import zmq
+
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if key is None:
+        if not insecure:
+            raise ConfigError("no cluster key: refusing plaintext; pass --insecure only on a trusted test bed")
+        return sock
+    sock.curve_server = True
+    sock.curve_publickey = key.public
+    sock.curve_secretkey = key.secret
+    return sock
+
+
+def client_socket(context, key: ClusterKey | None, insecure: bool = False):
+    import zmq
+
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if key is None:
+        if not insecure:
+            raise ConfigError("no cluster key: refusing plaintext; pass --insecure only on a trusted test bed")
+        return sock
+    sock.curve_serverkey = key.public
+    sock.curve_publickey = key.public
+    sock.curve_secretkey = key.secret
+    return sock
+
+
+def start_authenticator(context, key: ClusterKey):
+    """ZAP handler: admit only clients presenting the cluster's public key (they must hold its secret)."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(key.public))
+    return auth
+
+
+class _OnlyKey:
+    """pyzmq's ZAP credentials provider: called with the client's z85 public key."""
+
+    def __init__(self, public: bytes):
+        self.allowed = public
+
+    def callback(self, domain, key) -> bool:
+        return bytes(key) == self.allowed
