@@ -154,3 +154,30 @@ def test_parity_alone_repairs_a_single_loss_without_a_nack(cluster):
     result = master.gather(4, {a.node_id: 4096}, deadline_s=0.2)
     assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 1
     np.testing.assert_array_equal(result.values[a.node_id], data)
+
+
+def test_probe_measures_injected_loss_and_rtt(cluster):
+    from halo.transport.probe import probe
+
+    master, agents = cluster
+    peer = agents[0]
+    peer.send_hook = LossInjector(seed=5, drop=0.2)  # echoes lost on the way back
+    server = threading.Thread(target=peer.serve, args=(1.5,))
+    server.start()
+    result = probe(master, peer.address, count=300, interval_s=0.0002)
+    server.join()
+    assert 0.12 < result.round_trip_loss < 0.28
+    assert 0 < result.rtt_ms_p50 < 50
+
+
+def test_stats_expose_loss_and_sync_latency(cluster):
+    master, agents = cluster
+    for a in agents:
+        a.send_hook = LossInjector(seed=a.node_id, drop=0.1)
+        a.send_vector(master.address, 0, 1, np.ones(4096), wire.FLOAT32)
+    master.gather(1, {a.node_id: 4096 for a in agents}, deadline_s=0.01)
+    stats = [master.stats[a.node_id].to_json() for a in agents]
+    dropped = sum(a.send_hook.counts["dropped"] for a in agents)
+    assert sum(s["chunks_missing"] for s in stats) == dropped > 0
+    assert all(s["chunks_expected"] == 12 and s["sync_ms_p50"] > 0 for s in stats)
+    assert sum(s["observed_plr"] for s in stats) == pytest.approx(dropped / 12)

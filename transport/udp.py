@@ -17,11 +17,12 @@ While gathering, the endpoint also answers NACKs from peers for vectors it sent.
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import struct
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,8 +35,12 @@ SENT_EPOCHS_KEPT = 8
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
 
 
+log = logging.getLogger("halo.transport")
+
+
 @dataclass
 class PeerStats:
+    chunks_expected: int = 0
     sent_bytes: int = 0
     received_bytes: int = 0
     chunks_received: int = 0
@@ -45,10 +50,21 @@ class PeerStats:
     nacks_sent: int = 0
     nacks_answered: int = 0
     rejected: dict = field(default_factory=lambda: defaultdict(int))  # reason -> count
+    sync_ms: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent gather times involving the peer
+
+    @property
+    def observed_plr(self) -> float:
+        """Chunks that did not arrive on their first transmission, over chunks expected."""
+        lost = self.chunks_missing + self.chunks_recovered_parity + self.chunks_recovered_nack
+        return lost / self.chunks_expected if self.chunks_expected else 0.0
 
     def to_json(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if k != "rejected"}
+        out = {k: v for k, v in vars(self).items() if k not in ("rejected", "sync_ms")}
         out["rejected"] = dict(self.rejected)
+        out["observed_plr"] = self.observed_plr
+        if self.sync_ms:
+            out["sync_ms_p50"] = float(np.percentile(self.sync_ms, 50))
+            out["sync_ms_p99"] = float(np.percentile(self.sync_ms, 99))
         return out
 
 
@@ -76,12 +92,16 @@ class UdpEndpoint:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.recv_buffer = self._grow_buffer(recv_buffer)
+        if self.recv_buffer < recv_buffer:
+            log.warning("UDP receive buffer capped at %d bytes (asked %d): an incast burst may overflow it; "
+                        "raise net.core.rmem_max or run as root", self.recv_buffer, recv_buffer)
         self.sock.bind(bind)
         self.address = self.sock.getsockname()
         self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
         self.sent: OrderedDict[tuple[int, int], tuple[tuple, list[bytes]]] = OrderedDict()  # (epoch, dest) -> chunks
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
         self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
+        self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
 
     def _grow_buffer(self, wanted: int) -> int:
@@ -168,13 +188,26 @@ class UdpEndpoint:
                 self._sendto(datagrams[index], address)
         self.stats[header.sender].nacks_answered += 1
 
+    def _answer_probe(self, header: wire.Header, payload: bytes, address) -> bool:
+        """Echo probe requests; returns True when the datagram was a probe (handled)."""
+        if header.kind != wire.PROBE:
+            return False
+        if header.index == 0:
+            echo = wire.Header(wire.PROBE, header.dtype, self.node_id, self.session, header.epoch, 1, 2, 0)
+            self._sendto(wire.pack(echo, payload, self.key), address)
+        else:
+            self.probe_replies.append((header.epoch, time.perf_counter(), len(payload)))
+        return True
+
     def serve(self, duration_s: float) -> None:
-        """Answer NACKs (and drop other traffic) for duration_s: what an idle sender does."""
+        """Answer NACKs and probes (and drop other traffic) for duration_s: what an idle peer does."""
         end = time.perf_counter() + duration_s
         while (left := end - time.perf_counter()) > 0:
             for header, payload, address in self._receive(left):
                 if header.kind == wire.NACK:
                     self._answer_nack(header, payload, address)
+                else:
+                    self._answer_probe(header, payload, address)
 
     def gather(self, epoch: int, expected: dict[int, int], dtype: int = wire.FLOAT32, deadline_s: float = 0.010,
                nack: bool = False, addresses: dict[int, tuple] | None = None, gap_s: float = 0.0005,
@@ -189,6 +222,7 @@ class UdpEndpoint:
         payloads: dict[int, dict[int, bytes]] = {p: {} for p in expected}
         parities: dict[int, dict[int, bytes]] = {p: {} for p in expected}
         next_nack = {p: float("inf") for p in expected}  # armed by a peer's first chunk: never NACK blindly
+        nacked = {p: False for p in expected}
         addresses = dict(addresses or {})
         early, self._early = self._early, []
         while not all(m.all() for m in masks.values()):
@@ -204,6 +238,8 @@ class UdpEndpoint:
                 peer = header.sender
                 if header.kind == wire.NACK:
                     self._answer_nack(header, payload, address)
+                    continue
+                if self._answer_probe(header, payload, address):
                     continue
                 stats = self.stats[peer]
                 if header.epoch < epoch:
@@ -245,6 +281,8 @@ class UdpEndpoint:
                     masks[peer][header.index] = True
                     payloads[peer][header.index] = payload
                     stats.chunks_received += 1
+                    if nacked[peer]:
+                        stats.chunks_recovered_nack += 1
                 self._repair_with_parity(peer, values, masks, payloads, parities, dtype, per)
                 if nack and not masks[peer].all():
                     arrived = time.perf_counter()
@@ -261,10 +299,15 @@ class UdpEndpoint:
                                          missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
                     self._sendto(datagram, addresses[peer])
                     self.stats[peer].nacks_sent += 1
+                    nacked[peer] = True
                     next_nack[peer] = now + nack_retry_s
+        waited = time.perf_counter() - start
         for peer in expected:
-            self.stats[peer].chunks_missing += int((~masks[peer]).sum())
-        return GatherResult(values, masks, time.perf_counter() - start)
+            stats = self.stats[peer]
+            stats.chunks_missing += int((~masks[peer]).sum())
+            stats.chunks_expected += counts[peer]
+            stats.sync_ms.append(1e3 * waited)
+        return GatherResult(values, masks, waited)
 
     def _repair_with_parity(self, peer, values, masks, payloads, parities, dtype, per) -> None:
         """A parity group with exactly one chunk missing and its parity present: XOR it back."""

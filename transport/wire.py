@@ -3,7 +3,8 @@
     offset  size  field
     0       2     magic b"HL"
     2       1     version (1)
-    3       1     kind: 0 data, 1 parity (XOR of a chunk group), 2 NACK (payload: missing indices)
+    3       1     kind: 0 data, 1 parity (XOR of a chunk group), 2 NACK (payload: missing indices),
+                  3 probe (index 0 request, 1 echo; for loss/latency/bandwidth probes)
     4       1     dtype: 0 float32, 1 float16, 2 int8 blocks (64 values + float32 scale each)
     5       1     sender id (0 = master)
     6       4     session id
@@ -38,7 +39,7 @@ MAX_DATAGRAM = 1472
 MAX_PAYLOAD = MAX_DATAGRAM - HEADER.size - TAG_BYTES  # 1432
 DATA_PAYLOAD = MAX_PAYLOAD - 2  # data chunks leave room for a parity chunk's 2-byte group size
 
-DATA, PARITY, NACK = 0, 1, 2
+DATA, PARITY, NACK, PROBE = 0, 1, 2, 3
 FLOAT32, FLOAT16, INT8 = 0, 1, 2
 INT8_BLOCK = 64
 INT8_BLOCK_BYTES = INT8_BLOCK + 4
@@ -167,6 +168,6 @@ def unpack(datagram: bytes | memoryview, key: bytes, session: int | None = None)
         raise WireError("bad_tag")
     if session is not None and sess != session:
         raise WireError("other_session")
-    if kind not in (DATA, PARITY, NACK) or dtype not in (FLOAT32, FLOAT16, INT8) or count == 0 or index >= count:
+    if kind not in (DATA, PARITY, NACK, PROBE) or dtype not in (FLOAT32, FLOAT16, INT8) or count == 0 or index >= count:
         raise WireError("malformed")
     return Header(kind, dtype, sender, sess, epoch, index, count, length), view[HEADER.size:HEADER.size + length]

@@ -1,0 +1,60 @@
+"""Measure a link to a peer: packet loss, round-trip time and a bandwidth estimate.
+
+The peer's endpoint echoes PROBE datagrams whenever it is gathering or serving (udp.py). The
+result feeds the scheduler's DeviceProfile (plr, latency, bandwidth). Round-trip loss counts both
+directions; the one-way loss rate reported assumes both directions lose alike (a radio link).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import wire
+from .udp import UdpEndpoint
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    sent: int
+    echoed: int
+    round_trip_loss: float
+    plr: float  # one way, assuming symmetric loss
+    rtt_ms_p50: float
+    rtt_ms_p99: float
+    bandwidth_bps: float  # from a back-to-back burst of full datagrams (0 if too few came back)
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def probe(endpoint: UdpEndpoint, address, count: int = 200, interval_s: float = 0.0005, burst: int = 32,
+          wait_s: float = 0.2) -> LinkProbe:
+    """Send `count` paced small probes, then a burst of `burst` full-size ones; collect the echoes."""
+    endpoint.probe_replies.clear()
+    sent_at = {}
+    small = np.zeros(16, dtype=np.uint8).tobytes()
+    full = bytes(wire.MAX_PAYLOAD)
+    for seq in range(count):
+        sent_at[seq] = time.perf_counter()
+        header = wire.Header(wire.PROBE, wire.FLOAT32, endpoint.node_id, endpoint.session, seq, 0, 2, 0)
+        endpoint._sendto(wire.pack(header, small, endpoint.key), address)
+        endpoint.serve(interval_s)
+    burst_start = time.perf_counter()
+    for k in range(burst):
+        header = wire.Header(wire.PROBE, wire.FLOAT32, endpoint.node_id, endpoint.session, count + k, 0, 2, 0)
+        endpoint._sendto(wire.pack(header, full, endpoint.key), address)
+    endpoint.serve(wait_s)
+    replies = {seq: (t, n) for seq, t, n in endpoint.probe_replies}
+    rtts = [1e3 * (replies[s][0] - sent_at[s]) for s in range(count) if s in replies]
+    echoed = len(rtts)
+    burst_back = sorted(replies[count + k][0] for k in range(burst) if count + k in replies)
+    bandwidth = 0.0
+    if len(burst_back) >= 4:
+        span = burst_back[-1] - burst_start
+        bandwidth = 2 * len(burst_back) * wire.MAX_DATAGRAM * 8 / span if span > 0 else 0.0  # there and back
+    loss = 1 - echoed / count
+    return LinkProbe(count, echoed, loss, 1 - np.sqrt(1 - loss), float(np.percentile(rtts, 50)) if rtts else float("inf"),
+                     float(np.percentile(rtts, 99)) if rtts else float("inf"), bandwidth)
