@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -87,7 +86,7 @@ def master(args) -> None:
                 except OSError:
                     time.sleep(0.05)
             conns[i].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             t = time.perf_counter()
             for c in conns.values():
                 c.sendall(hidden.tobytes())

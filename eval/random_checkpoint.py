@@ -52,7 +52,7 @@ def write_random_llama(directory: str | Path, cfg: dict, seed: int = 0, std: flo
     rng = np.random.default_rng(seed)
     with open(directory / "model.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
-        for name, shape in shapes.items():
+        for shape in shapes.values():
             if len(shape) == 1:
                 np.ones(shape, dtype=np.float32).tofile(f)
             else:

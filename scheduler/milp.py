@@ -67,7 +67,7 @@ def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.
             lower[z0 + i] = upper[z0 + i] = 1.0 if (i in participants or i == master) else 0.0
     if not relax:
         integrality[:tv - L * K] = 1  # W, V, z integer; t continuous
-    rows, lo, hi = [], [], []
+    lo, hi = [], []
     A = lil_matrix((L * K + 1 + L * n * K + n + n + n * (L * K + 1) + L * K + 1, nvar))
     r = 0
     for l in range(L):  # all groups assigned

@@ -2,7 +2,6 @@
 
 import numpy as np
 
-from halo.generate import generate
 from halo.linear import INT8_BLOCK, dequantize_int8, make_projection, quantize_int8
 from halo.loader import load_tokenizer
 from halo.model import Transformer
