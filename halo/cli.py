@@ -46,6 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
     g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
+    cluster = g.add_argument_group("distributed (tensor-parallel, reliable sync)")
+    cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
+                         help="start N halo-agent processes on this machine, run across them, stop them")
+    cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
+    cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
+                         "addresses are the agents; the master = the device marked master)")
+    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
+    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
+                         help="give up on an agent that does not answer within S seconds (default 2)")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
@@ -89,7 +100,6 @@ def cmd_keygen(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
     from .loader import load_tokenizer, load_weights
     from .model import Transformer
     from .sampling import SamplingSettings
@@ -97,7 +107,67 @@ def cmd_generate(args) -> int:
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
+    if args.local_agents or args.agents or args.cluster or args.plan:
+        from contextlib import ExitStack
+
+        with ExitStack() as stack:
+            model = _distributed_model(args, weights, stack)
+            stack.callback(model.close)
+            return _run_generation(args, weights, tokenizer, model, sampling)
     model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
+    return _run_generation(args, weights, tokenizer, model, sampling)
+
+
+def _distributed_model(args, weights, stack):
+    """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
+    from .distributed import DistributedModel, LocalCluster, even_plan, shares_from_plan
+    from .model import DEFAULT_CONTEXT
+    from .neuron_groups import GroupLayout
+    from .transport.reliable import load_key
+
+    layout = GroupLayout.for_model(weights.config)
+    context = min(weights.config.max_seq_len, args.context or DEFAULT_CONTEXT)
+    key = None
+    if args.local_agents:
+        if args.local_agents < 0 or args.agents or args.cluster:
+            raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
+        cluster = stack.enter_context(LocalCluster(args.local_agents, args.model))
+        endpoints, key = cluster.endpoints, cluster.key
+    elif args.agents:
+        endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
+    else:
+        endpoints = None
+    if key is None and not args.insecure:
+        key = load_key(args.key)
+    if args.plan:
+        from .scheduler import plan_io
+
+        plan = plan_io.load(args.plan)
+        if isinstance(plan, tuple):
+            raise ConfigError(f"{args.plan} is a pipeline plan; generate needs a tensor-parallel (--mode tp) plan")
+    elif args.cluster:
+        from .scheduler.profiles import load_cluster, model_profile
+        from .scheduler.tp_plan import plan_tp
+
+        cluster_file = load_cluster(args.cluster)
+        profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
+                                vocab_group_size=layout.vocab_group_size)
+        plan = plan_tp(cluster_file, profile)
+    else:
+        plan = even_plan(weights, layout, len(endpoints) + 1, context=context)
+    if endpoints is None:
+        endpoints = []
+        for d in plan.profiles()[1:]:
+            if not d.address:
+                raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
+            endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
+    shares = shares_from_plan(plan, weights.config.n_layers)
+    return DistributedModel(weights, shares, endpoints, key, args.insecure, layout, context, args.timeout)
+
+
+def _run_generation(args, weights, tokenizer, model, sampling) -> int:
+    from .generate import generate
+
     if args.json:
         result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
         out = result.to_json()

@@ -42,7 +42,7 @@ def exchange(server_key, client_key, insecure=False, timeout_ms=1500):
         client.connect(f"tcp://127.0.0.1:{port}")
         client.send_multipart(encode(Message("hello", {"n": 1}, [np.arange(4, dtype=np.float32)])))
         if server.poll(timeout_ms):
-            return decode(server.recv_multipart())
+            return decode(server.recv_multipart()[1:])  # ROUTER: the first frame is the peer's identity
         return None
     finally:
         if auth:

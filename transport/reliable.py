@@ -141,10 +141,13 @@ def load_key(path: str | os.PathLike) -> ClusterKey:
 
 # ---- sockets ---------------------------------------------------------------------------------------------
 def server_socket(context, key: ClusterKey | None, insecure: bool = False):
-    """The agent's listening socket (DEALER: one master at a time), a CURVE server with the cluster key."""
+    """The agent's listening socket, a CURVE server with the cluster key. A ROUTER: every message
+    arrives with its sender's identity frame and replies go back to exactly that peer, so a master
+    that died cannot receive (or steal) the replies meant for its successor."""
     import zmq
 
-    sock = context.socket(zmq.DEALER)
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 30)
     sock.setsockopt(zmq.LINGER, 0)
     if key is None:
         if not insecure:

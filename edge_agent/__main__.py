@@ -1,0 +1,60 @@
+"""`halo-agent`: run the agent daemon (one per device)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tomllib
+from pathlib import Path
+
+from halo.errors import HaloError
+
+EPILOG = """examples:
+  halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
+  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights)
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="halo-agent", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Serve a share of a model's neuron groups to a halo master.")
+    parser.add_argument("--config", help="TOML file with any of the options below")
+    parser.add_argument("--listen", help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
+    parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
+    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
+    parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
+    parser.add_argument("--name", help="name shown to the master (default: the host name)")
+    parser.add_argument("--weights", choices=("fp32", "int8"), help="weight format in memory (default fp32)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = {}
+    if args.config:
+        try:
+            settings = tomllib.loads(Path(args.config).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            print(f"halo-agent: error: cannot read {args.config}: {e}", file=sys.stderr)
+            return 2
+    pick = lambda name, default: getattr(args, name) or settings.get(name, default)  # noqa: E731
+    try:
+        from halo.transport.reliable import load_key
+
+        from .agent import Agent
+
+        key = None if args.insecure else load_key(pick("key", "/etc/halo/cluster.key"))
+        import socket
+
+        agent = Agent(pick("model", None), pick("listen", "tcp://0.0.0.0:7070"), key, args.insecure,
+                      pick("name", socket.gethostname()), pick("weights", "fp32"))
+    except HaloError as e:
+        print(f"halo-agent: error: {e}", file=sys.stderr)
+        return 2
+    print(f"LISTENING {agent.endpoint}", flush=True)
+    agent.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

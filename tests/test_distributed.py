@@ -1,0 +1,175 @@
+"""The tensor-parallel runtime over local agents: exactness, failures, and hostile input."""
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from halo.distributed import AgentError, DistributedModel, LocalCluster, even_plan, shares_from_plan
+from halo.generate import generate
+from halo.loader import load_tokenizer, load_weights
+from halo.model import Transformer
+from halo.neuron_groups import GroupLayout
+from halo.transport.reliable import Message, decode, encode, generate_key
+
+CONTEXT = 512
+
+
+def distributed(weights, cluster, compute=None, **kwargs):
+    layout = GroupLayout.for_model(weights.config)
+    plan = even_plan(weights, layout, cluster.n + 1, compute, context=CONTEXT)
+    shares = shares_from_plan(plan, weights.config.n_layers)
+    return DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=CONTEXT,
+                            **kwargs)
+
+
+@pytest.mark.parametrize("n_agents, compute", [(1, None), (2, None), (3, None), (4, None), (6, None), (8, None),
+                                               (2, [4.0, 1.0, 2.0]), (3, [1.0, 3.0, 0.5, 2.0])])
+def test_known_answer_over_local_agents(stories_weights, known_answer, n_agents, compute):
+    with LocalCluster(n_agents) as cluster:
+        model = distributed(stories_weights, cluster, compute)
+        try:
+            result = generate(model, load_tokenizer(stories_weights), "", 256)
+        finally:
+            model.close()
+    assert result.text == known_answer
+
+
+def test_uneven_plan_really_is_uneven(stories_weights):
+    layout = GroupLayout.for_model(stories_weights.config)
+    shares = shares_from_plan(even_plan(stories_weights, layout, 3, [4.0, 1.0, 2.0], CONTEXT), 5)
+    heads = [sum(len(h) for h in s.attention) for s in shares]
+    assert heads[0] > heads[2] > heads[1]
+
+
+def test_random_hf_gqa_model_matches_the_reference(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import make_checkpoint
+
+    make_checkpoint(tmp_path, seed=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=200)
+    weights = load_weights(tmp_path)
+    tokenizer = load_tokenizer(weights)
+    expected = generate(Transformer(weights, max_seq_len=128), tokenizer, "Once upon a time", 24).token_ids
+    for n in (1, 3):
+        with LocalCluster(n, model_path=str(tmp_path)) as cluster:
+            layout = GroupLayout.for_model(weights.config)
+            shares = shares_from_plan(even_plan(weights, layout, n + 1, context=128), weights.config.n_layers)
+            model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=128)
+            try:
+                assert generate(model, tokenizer, "Once upon a time", 24).token_ids == expected
+            finally:
+                model.close()
+
+
+def test_a_killed_agent_stops_the_master_quickly_and_the_others_stay_healthy(stories_weights, known_answer):
+    tokenizer = load_tokenizer(stories_weights)
+    with LocalCluster(2) as cluster:
+        model = distributed(stories_weights, cluster, timeout_s=1.0)
+        killed = []
+
+        def kill_after_ten(piece):
+            if len(killed) == 0 and model.step >= 10:
+                cluster.processes[1].kill()
+                cluster.processes[1].wait()
+                killed.append(time.perf_counter())
+
+        with pytest.raises(AgentError, match=r"local-2.*did not answer .* \(step \d+\) within 1.0 s"):
+            generate(model, tokenizer, "", 256, on_text=kill_after_ten)
+        assert time.perf_counter() - killed[0] < 2.0
+        model.close()
+        # the surviving agent takes a new session, alone with the master
+        layout = GroupLayout.for_model(stories_weights.config)
+        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
+        fresh = DistributedModel(stories_weights, shares, cluster.endpoints[:1], cluster.key, layout=layout,
+                                 max_seq_len=CONTEXT)
+        try:
+            assert generate(fresh, tokenizer, "", 256).text == known_answer
+        finally:
+            fresh.close()
+
+
+def raw_client(cluster, key=None):
+    from halo.transport.reliable import client_socket
+
+    context = zmq.Context()
+    sock = client_socket(context, key or cluster.key)
+    sock.connect(cluster.endpoints[0])
+    return context, sock
+
+
+def ask(sock, frames, timeout_ms=3000):
+    sock.send_multipart(frames)
+    assert sock.poll(timeout_ms), "the agent did not answer"
+    return decode(sock.recv_multipart())
+
+
+def hello_fields(weights, **overrides):
+    from halo.loader import model_fingerprint
+
+    fields = {"protocol": 1, "model_sha256": model_fingerprint(weights.source), "context": 64, "mlp_group_size": 22,
+              "vocab_group_size": 256, "attention": [[0]] * 5, "mlp": [[0]] * 5, "lm_head": [0], "master": "test"}
+    fields.update(overrides)
+    return fields
+
+
+def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weights, tmp_path):
+    with LocalCluster(1) as cluster:
+        context, sock = raw_client(cluster)
+        try:
+            reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, protocol=99))))
+            assert reply.kind == "refused" and "protocol 99" in reply.fields["reason"]
+            reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, model_sha256="0" * 64))))
+            assert reply.kind == "refused" and "model mismatch" in reply.fields["reason"]
+            reply = ask(sock, [b"garbage", b"\xff" * 10])
+            assert reply.kind == "error" and "malformed" in reply.fields["reason"]
+            reply = ask(sock, [b"HALO\x01", b"x" * (2 << 20)])
+            assert reply.kind == "error" and "exceeds" in reply.fields["reason"]
+            reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0}, [np.zeros((1, 64), np.float32)])))
+            assert reply.kind == "error" and "before hello" in reply.fields["reason"]
+            reply = ask(sock, encode(Message("hello", hello_fields(stories_weights))))
+            assert reply.kind == "ready"
+            reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0}, [np.zeros((1, 63), np.float32)])))
+            assert reply.kind == "error" and "shape" in reply.fields["reason"]
+            reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0}, [np.ones((1, 64), np.float32)])))
+            assert reply.kind == "partial" and reply.arrays[0].shape == (1, 64)
+        finally:
+            context.destroy(linger=0)
+        assert cluster.processes[0].poll() is None  # still running
+
+
+def test_a_master_with_the_wrong_key_is_not_served(stories_weights, tmp_path):
+    other = generate_key(tmp_path / "other.key")
+    with LocalCluster(1) as cluster:
+        layout = GroupLayout.for_model(stories_weights.config)
+        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
+        with pytest.raises(AgentError, match="did not answer hello"):
+            DistributedModel(stories_weights, shares, cluster.endpoints, other, layout=layout, max_seq_len=CONTEXT,
+                             hello_timeout_s=1.0)
+
+
+def test_an_agent_that_says_nothing_is_named(stories_weights):
+    context = zmq.Context()
+    silent = context.socket(zmq.DEALER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        layout = GroupLayout.for_model(stories_weights.config)
+        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
+        with pytest.raises(AgentError, match=rf"127.0.0.1:{port}.*did not answer hello within 0.5 s"):
+            DistributedModel(stories_weights, shares, [f"tcp://127.0.0.1:{port}"], None, insecure=True,
+                             layout=layout, max_seq_len=CONTEXT, hello_timeout_s=0.5)
+    finally:
+        context.destroy(linger=0)
+
+
+def test_cli_local_cluster_runs_and_leaves_no_processes(known_answer):
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--local-agents", "2", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    import json
+
+    assert json.loads(out.stdout)["text"] == known_answer
+    leftover = subprocess.run(["pgrep", "-f", "halo.edge_agent --listen tcp://127.0.0.1:0"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
