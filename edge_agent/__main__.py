@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -12,7 +13,7 @@ from halo.errors import HaloError
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
-  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights)
+  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads)
 """
 
 
@@ -26,6 +27,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
     parser.add_argument("--weights", choices=("fp32", "int8"), help="weight format in memory (default fp32)")
+    parser.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -38,6 +40,10 @@ def main(argv=None) -> int:
             print(f"halo-agent: error: cannot read {args.config}: {e}", file=sys.stderr)
             return 2
     pick = lambda name, default: getattr(args, name) or settings.get(name, default)  # noqa: E731
+    threads = int(pick("threads", 0) or os.cpu_count() or 1)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(threads)
     try:
         from halo.transport.reliable import load_key
 
@@ -47,7 +53,7 @@ def main(argv=None) -> int:
         import socket
 
         agent = Agent(pick("model", None), pick("listen", "tcp://0.0.0.0:7070"), key, args.insecure,
-                      pick("name", socket.gethostname()), pick("weights", "fp32"))
+                      pick("name", socket.gethostname()), pick("weights", "fp32"), threads)
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2

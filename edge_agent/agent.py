@@ -43,12 +43,12 @@ class Session:
 
 class Agent:
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
-                 name: str = "agent", weights_format: str = "fp32"):
+                 name: str = "agent", weights_format: str = "fp32", threads: int = 1):
         import zmq
 
         self.weights = load_weights(model_path)
         self.model_sha256 = model_fingerprint(self.weights.source)
-        self.name, self.format = name, weights_format
+        self.name, self.format, self.threads = name, weights_format, threads
         self.context = zmq.Context()
         self.auth = start_authenticator(self.context, key) if key else None
         self.socket = server_socket(self.context, key, insecure)
@@ -60,6 +60,10 @@ class Agent:
             self.endpoint = listen
         self.session: Session | None = None
         self.running = True
+        from .profile import device_profile
+
+        self.profile = device_profile()
+        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0}
 
     def stop(self, *_) -> None:
         self.running = False
@@ -83,6 +87,7 @@ class Agent:
                 log.warning("refused a malformed message: %s", e)
                 reply = Message("error", {"reason": f"malformed message: {e}"})
             except HaloError as e:
+                self.served["errors"] += 1
                 log.warning("error: %s", e)
                 reply = Message("error", {"reason": str(e)})
             except Exception as e:  # a bug must not take the agent down mid-cluster
@@ -100,6 +105,15 @@ class Agent:
 
     # ---- messages ----------------------------------------------------------------------------------------
     def handle(self, message: Message, peer: bytes = b"") -> Message | None:
+        if message.kind == "status":  # anyone holding the key may ask; it changes nothing
+            session = None
+            if self.session is not None:
+                session = {"master": self.session.master, "attention_layers": sorted(self.session.attention),
+                           "mlp_layers": sorted(self.session.mlp), "lm_head": self.session.lm_head is not None,
+                           "heads": sum(len(s.heads) for s in self.session.attention.values()),
+                           "mlp_groups": sum(len(s.groups) for s in self.session.mlp.values())}
+            return Message("status", {"name": self.name, "model": self.weights.source, "profile": self.profile,
+                                      "session": session, "served": self.served})
         if message.kind == "hello":  # a new master replaces the old session (the old one is gone or done)
             reply = self._hello(message.fields)
             if self.session is not None and reply.kind == "ready":
@@ -124,6 +138,7 @@ class Agent:
 
     def _hello(self, f: dict) -> Message:
         def refuse(reason: str) -> Message:
+            self.served["refused"] += 1
             log.warning("refused master %s: %s", f.get("master", "?"), reason)
             return Message("refused", {"reason": reason})
 
@@ -140,11 +155,12 @@ class Agent:
             if len(attention) != c.n_layers or len(mlp) != c.n_layers or not 0 < context <= c.max_seq_len:
                 return refuse("the plan does not fit this model (layers or context)")
             t = time.perf_counter()
-            shards_a = {l: AttentionShard(self.weights.layers[l], layout, heads, context, self.format)
+            n = self.threads
+            shards_a = {l: AttentionShard(self.weights.layers[l], layout, heads, context, self.format, n)
                         for l, heads in enumerate(attention) if heads}
-            shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, self.format)
+            shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, self.format, n)
                         for l, groups in enumerate(mlp) if groups}
-            head = LmHeadShard(self.weights.lm_head, layout, f["lm_head"], self.format) if f["lm_head"] else None
+            head = LmHeadShard(self.weights.lm_head, layout, f["lm_head"], self.format, n) if f["lm_head"] else None
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
         self.session = Session(str(f.get("master", "?")), layout, shards_a, shards_m, head, Rotary(c, context),
@@ -152,7 +168,8 @@ class Agent:
         nbytes = sum(s.nbytes for s in [*shards_a.values(), *shards_m.values()]) + (head.nbytes if head else 0)
         log.info("session with %s: %d attention and %d MLP shards, %.1f MB, loaded in %.0f ms", self.session.master,
                  len(shards_a), len(shards_m), nbytes / 1e6, 1e3 * (time.perf_counter() - t))
-        return Message("ready", {"name": self.name, "weight_bytes": nbytes})
+        self.served["sessions"] += 1
+        return Message("ready", {"name": self.name, "weight_bytes": nbytes, "profile": self.profile})
 
     def _block(self, message: Message) -> Message:
         s, f = self.session, message.fields
@@ -162,7 +179,7 @@ class Agent:
         kind, layer = f.get("kind"), f.get("layer")
         if x.ndim != 2 or x.shape[1] != self.weights.config.dim:
             return Message("error", {"reason": f"block input has shape {x.shape}, expected [T, {self.weights.config.dim}]"})
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         if kind == "attention" and layer in s.attention:
             start = int(f["start_pos"])
             if start < 0 or start + len(x) > s.rotary.cos.shape[0]:
@@ -174,5 +191,8 @@ class Agent:
             out = s.lm_head.forward(x)
         else:
             return Message("error", {"reason": f"this agent holds no {kind} groups of layer {layer}"})
-        return Message("partial", {"kind": kind, "layer": layer, "compute_ms": 1e3 * (time.perf_counter() - t)},
+        compute_ms, cpu_ms = 1e3 * (time.perf_counter() - t), 1e3 * (time.thread_time() - cpu)
+        self.served["blocks"] += 1
+        self.served["compute_ms"] += compute_ms
+        return Message("partial", {"kind": kind, "layer": layer, "compute_ms": compute_ms, "cpu_ms": cpu_ms},
                        [out.astype(np.float32)])

@@ -87,7 +87,60 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
     k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
     k.set_defaults(func=cmd_keygen)
+
+    st = sub.add_parser("status", help="ask running agents what they are and what they serve",
+                        description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
+                                    "they hold, their current session's share, and counters of what they served.")
+    st.add_argument("--agents", required=True, metavar="HOST:PORT,...")
+    st.add_argument("--key", default="/etc/halo/cluster.key")
+    st.add_argument("--insecure", action="store_true")
+    st.add_argument("--timeout", type=float, default=2.0)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
     return parser
+
+
+def cmd_status(args) -> int:
+    import zmq
+
+    from .transport.reliable import Message, client_socket, decode, encode, load_key
+
+    key = None if args.insecure else load_key(args.key)
+    context = zmq.Context()
+    rows, failed = [], 0
+    try:
+        for address in [a for a in args.agents.split(",") if a]:
+            endpoint = address if address.startswith("tcp://") else f"tcp://{address}"
+            sock = client_socket(context, key, args.insecure)
+            sock.connect(endpoint)
+            sock.send_multipart(encode(Message("status")))
+            if sock.poll(int(args.timeout * 1000)):
+                rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
+            else:
+                rows.append({"endpoint": endpoint, "error": f"no answer within {args.timeout:.1f} s"})
+                failed += 1
+    finally:
+        context.destroy(linger=0)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="halo agents")
+        for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served"):
+            table.add_column(column)
+        for r in rows:
+            if "error" in r:
+                table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
+                continue
+            p, s = r["profile"], r["session"]
+            share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+            table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
+                          f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
+                          str(r["served"]["blocks"]))
+        Console().print(table)
+    return 1 if failed else 0
 
 
 def cmd_keygen(args) -> int:
@@ -171,6 +224,8 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     if args.json:
         result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
         out = result.to_json()
+        if hasattr(model, "report"):
+            out["agents"] = model.report()
         out["model"] = weights.source
         out["weights"] = args.weights
         print(json.dumps(out))

@@ -76,7 +76,8 @@ class AgentLink:
     endpoint: str
     socket: object
     timeout_s: float
-    stats: dict = field(default_factory=lambda: {"requests": 0, "wait_ms": 0.0, "compute_ms": 0.0})
+    stats: dict = field(default_factory=lambda: {"requests": 0, "wait_ms": 0.0, "compute_ms": 0.0, "cpu_ms": 0.0})
+    profile: dict = field(default_factory=dict)
 
     def send(self, kind: str, fields: dict, arrays=()) -> None:
         from .transport.reliable import Message, encode
@@ -126,6 +127,8 @@ class DistributedModel:
         self.shares = shares
         self.pos = 0
         self.step = 0
+        self.own_compute_ms = 0.0  # the master's own share, summed over every forward (wall clock)
+        self.own_cpu_ms = 0.0  # the same in CPU time: what it costs without other processes on the cores
         self.context = zmq.Context()
         self.links: list[AgentLink] = []
         hello = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
@@ -141,6 +144,7 @@ class DistributedModel:
             for link in self.links:
                 reply = link.receive("hello")
                 link.name = f"{reply.fields.get('name', link.name)}#{self.links.index(link) + 1}"
+                link.profile = reply.fields.get("profile", {})
                 link.timeout_s = timeout_s
         except BaseException:
             self.close()
@@ -152,7 +156,10 @@ class DistributedModel:
         holders = [link for link, s in zip(self.links, self.shares[1:]) if getattr(s, kind)[layer]]
         for link in holders:
             link.send("block", {"kind": kind, "layer": layer, "start_pos": start}, [x])
+        t, cpu = time.perf_counter(), time.thread_time()
         total = own() if own is not None else np.zeros_like(x)
+        self.own_compute_ms += 1e3 * (time.perf_counter() - t)
+        self.own_cpu_ms += 1e3 * (time.thread_time() - cpu)
         for link in holders:
             reply = link.receive(f"{kind} of layer {layer} at position {start} (step {self.step})")
             partial = reply.arrays[0] if reply.arrays else None
@@ -160,6 +167,7 @@ class DistributedModel:
                 raise AgentError(f"agent {link.name} returned a {kind} partial of shape "
                                  f"{None if partial is None else partial.shape}, expected {x.shape}")
             link.stats["compute_ms"] += float(reply.fields.get("compute_ms", 0.0))
+            link.stats["cpu_ms"] += float(reply.fields.get("cpu_ms", 0.0))
             total = total + partial
         return total
 
@@ -186,7 +194,10 @@ class DistributedModel:
         for link, _ in holders:
             link.send("block", {"kind": "lm_head", "layer": -1, "start_pos": start}, [h])
         if self.lm_head is not None:
+            t, cpu = time.perf_counter(), time.thread_time()
             logits[self.lm_head.token_ids] = self.lm_head.forward(h)[0]
+            self.own_compute_ms += 1e3 * (time.perf_counter() - t)
+            self.own_cpu_ms += 1e3 * (time.thread_time() - cpu)
         for link, share in holders:
             reply = link.receive(f"the LM head at position {start} (step {self.step})")
             ids = np.concatenate([np.arange(r.start, r.stop) for r in map(self.layout.vocab_rows, share.lm_head)])
@@ -196,6 +207,15 @@ class DistributedModel:
         self.pos = start + len(tokens)
         self.step += 1
         return logits
+
+    def report(self) -> list[dict]:
+        """Per agent: profile, share, and the time the master spent waiting for it vs its own compute."""
+        out = []
+        for link, share in zip(self.links, self.shares[1:]):
+            out.append({"name": link.name, "endpoint": link.endpoint, "profile": link.profile,
+                        "heads": sum(map(len, share.attention)), "mlp_groups": sum(map(len, share.mlp)),
+                        "vocab_groups": len(share.lm_head), **{k: round(v, 3) for k, v in link.stats.items()}})
+        return out
 
     def reset(self) -> None:
         self.pos = 0
@@ -219,7 +239,9 @@ class DistributedModel:
 class LocalCluster:
     """Start N halo-agent processes on loopback (with a throwaway cluster key) and stop them on exit.
 
-    Children die with the master (PR_SET_PDEATHSIG), so a crash or Ctrl-C leaves no orphans."""
+    Children die with the master (PR_SET_PDEATHSIG), so a crash or Ctrl-C leaves no orphans. The
+    N + 1 processes share this machine's cores: each (the master too, while the cluster runs) gets
+    cores // (N + 1) BLAS threads, because oversubscribed BLAS threads spin and slow everyone ~3x."""
 
     def __init__(self, n: int, model_path: str | None = None, startup_timeout_s: float = 30.0):
         self.n, self.model_path, self.timeout = n, model_path, startup_timeout_s
@@ -231,13 +253,17 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         from .transport.reliable import generate_key
 
+        from threadpoolctl import threadpool_limits
+
+        threads = max(1, (os.cpu_count() or 1) // (self.n + 1))
+        self._limits = threadpool_limits(threads)
         self._dir = tempfile.TemporaryDirectory(prefix="halo-local-")
         key_path = Path(self._dir.name) / "cluster.key"
         self.key = generate_key(key_path)
         try:
             for i in range(self.n):
                 argv = [sys.executable, "-m", "halo.edge_agent", "--listen", "tcp://127.0.0.1:0", "--key", str(key_path),
-                        "--name", f"local-{i + 1}", "--log-level", "WARNING"]
+                        "--name", f"local-{i + 1}", "--log-level", "WARNING", "--threads", str(threads)]
                 if self.model_path:
                     argv += ["--model", str(self.model_path)]
                 self.processes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
@@ -261,6 +287,8 @@ class LocalCluster:
                 p.wait()
         if self._dir:
             self._dir.cleanup()
+        if getattr(self, "_limits", None) is not None:
+            self._limits.restore_original_limits()
 
 
 def _die_with_parent() -> None:

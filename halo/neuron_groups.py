@@ -103,8 +103,10 @@ def take_rows(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def take_cols(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    if len(cols) and cols[-1] - cols[0] + 1 == len(cols) and np.all(np.diff(cols) == 1):
-        return w[:, cols[0]:cols[-1] + 1]
+    """Columns of w as a contiguous copy (all of them: the array itself). A strided view would make every
+    token read the whole matrix from memory and BLAS fall back to slow paths."""
+    if len(cols) == w.shape[1] and np.all(cols == np.arange(w.shape[1])):
+        return w
     return np.ascontiguousarray(w[:, cols])
 
 

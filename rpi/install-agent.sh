@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install halo-agent as a systemd service on a Raspberry Pi (aarch64 Debian / Raspberry Pi OS bookworm).
+#   sudo ./install-agent.sh [WHEEL_OR_REQUIREMENT] [CLUSTER_KEY_FILE] [MODEL_FILE]
+# e.g. sudo ./install-agent.sh ./halo_edge-0.1.0-py3-none-any.whl ./cluster.key ./stories260K.bin
+set -euo pipefail
+package="${1:-halo-edge}"
+key="${2:-}"
+model="${3:-}"
+here="$(cd "$(dirname "$0")" && pwd)"
+
+[ "$(id -u)" = 0 ] || { echo "run as root (sudo)"; exit 1; }
+arch="$(uname -m)"
+[ "$arch" = aarch64 ] || echo "note: this script targets aarch64 boards; continuing on $arch"
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "halo needs Python >= 3.11"; exit 1; }
+apt-get install -y -q python3-venv >/dev/null
+
+id halo >/dev/null 2>&1 || useradd --system --home /opt/halo --shell /usr/sbin/nologin halo
+install -d -o root -g root -m 0755 /opt/halo /opt/halo/models
+install -d -o root -g halo -m 0750 /etc/halo
+python3 -m venv /opt/halo/venv
+/opt/halo/venv/bin/pip install -q --upgrade pip
+/opt/halo/venv/bin/pip install -q "$package"      # core only: numpy, pyzmq, onnxruntime, onnx, psutil
+
+[ -n "$model" ] && install -o root -g root -m 0644 "$model" /opt/halo/models/
+[ -f /etc/halo/agent.toml ] || install -o root -g halo -m 0640 "$here/agent.example.toml" /etc/halo/agent.toml
+if [ -n "$key" ]; then
+  install -o halo -g halo -m 0600 "$key" /etc/halo/cluster.key
+elif [ ! -f /etc/halo/cluster.key ]; then
+  echo "no cluster key yet: copy the one from \`halo-master keygen\` to /etc/halo/cluster.key (owner halo, mode 0600)"
+fi
+install -o root -g root -m 0644 "$here/halo-agent.service" /etc/systemd/system/halo-agent.service
+systemctl daemon-reload
+systemctl enable --now halo-agent
+systemctl --no-pager status halo-agent | head -5
+echo "logs: journalctl -u halo-agent -f"
