@@ -60,6 +60,12 @@ class Agent:
             self.endpoint = listen
         self.session: Session | None = None
         self.running = True
+        # a UDP endpoint beside the control socket: link probes now, lossy/fast sync in HALO mode
+        from halo.transport.udp import UdpEndpoint
+
+        host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+        udp_key = key.udp_key if key else bytes(32)
+        self.udp = UdpEndpoint(udp_key, 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         from .profile import device_profile
 
         self.profile = device_profile()
@@ -74,8 +80,14 @@ class Agent:
         signal.signal(signal.SIGTERM, self.stop)
         log.info("%s listening on %s (model %s, sha256 %s...)", self.name, self.endpoint, self.weights.source,
                  self.model_sha256[:12])
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.udp.sock.fileno(), zmq.POLLIN)
         while self.running:
-            if not self.socket.poll(200):
+            events = dict(poller.poll(200))
+            if self.udp.sock.fileno() in events:
+                self.udp.serve(0)  # answer link probes
+            if self.socket not in events:
                 if self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
                     log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
                     self.session = None
@@ -99,6 +111,7 @@ class Agent:
         self.close()
 
     def close(self) -> None:
+        self.udp.close()
         if self.auth:
             self.auth.stop()
         self.context.destroy(linger=0)
@@ -113,7 +126,7 @@ class Agent:
                            "heads": sum(len(s.heads) for s in self.session.attention.values()),
                            "mlp_groups": sum(len(s.groups) for s in self.session.mlp.values())}
             return Message("status", {"name": self.name, "model": self.weights.source, "profile": self.profile,
-                                      "session": session, "served": self.served})
+                                      "session": session, "served": self.served, "udp_port": self.udp.address[1]})
         if message.kind == "hello":  # a new master replaces the old session (the old one is gone or done)
             reply = self._hello(message.fields)
             if self.session is not None and reply.kind == "ready":
@@ -169,7 +182,8 @@ class Agent:
         log.info("session with %s: %d attention and %d MLP shards, %.1f MB, loaded in %.0f ms", self.session.master,
                  len(shards_a), len(shards_m), nbytes / 1e6, 1e3 * (time.perf_counter() - t))
         self.served["sessions"] += 1
-        return Message("ready", {"name": self.name, "weight_bytes": nbytes, "profile": self.profile})
+        return Message("ready", {"name": self.name, "weight_bytes": nbytes, "profile": self.profile,
+                                 "udp_port": self.udp.address[1]})
 
     def _block(self, message: Message) -> Message:
         s, f = self.session, message.fields

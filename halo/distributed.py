@@ -78,6 +78,7 @@ class AgentLink:
     timeout_s: float
     stats: dict = field(default_factory=lambda: {"requests": 0, "wait_ms": 0.0, "compute_ms": 0.0, "cpu_ms": 0.0})
     profile: dict = field(default_factory=dict)
+    udp_port: int | None = None
 
     def send(self, kind: str, fields: dict, arrays=()) -> None:
         from .transport.reliable import Message, encode
@@ -105,7 +106,7 @@ class AgentLink:
 class DistributedModel:
     def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
                  insecure: bool = False, layout: GroupLayout | None = None, max_seq_len: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, hello_timeout_s: float = 10.0):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, hello_timeout_s: float = 10.0, probe_links: bool = True):
         import zmq
 
         from .loader import model_fingerprint
@@ -145,10 +146,29 @@ class DistributedModel:
                 reply = link.receive("hello")
                 link.name = f"{reply.fields.get('name', link.name)}#{self.links.index(link) + 1}"
                 link.profile = reply.fields.get("profile", {})
+                link.udp_port = reply.fields.get("udp_port")
                 link.timeout_s = timeout_s
+            if probe_links:
+                self._probe_links(key)
         except BaseException:
             self.close()
             raise
+
+    def _probe_links(self, key) -> None:
+        """Measure each agent's link (loss, RTT, bandwidth) over UDP: the scheduler's PLR and latency."""
+        from .transport.probe import probe
+        from .transport.udp import UdpEndpoint
+
+        endpoint = UdpEndpoint(key.udp_key if key else bytes(32), 0, 0, bind=("0.0.0.0", 0))
+        try:
+            for link in self.links:
+                if not link.udp_port:
+                    continue
+                host = link.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+                result = probe(endpoint, (host, int(link.udp_port)), count=50, interval_s=0.0002, burst=16, wait_s=0.05)
+                link.profile = {**link.profile, "link": result.to_json()}
+        finally:
+            endpoint.close()
 
     # ---- the forward pass ------------------------------------------------------------------------------------
     def _block(self, kind: str, layer: int, x: np.ndarray, start: int, own) -> np.ndarray:

@@ -200,14 +200,17 @@ class UdpEndpoint:
         return True
 
     def serve(self, duration_s: float) -> None:
-        """Answer NACKs and probes (and drop other traffic) for duration_s: what an idle peer does."""
+        """Answer NACKs and probes (and drop other traffic) for duration_s (0: what is already queued)."""
         end = time.perf_counter() + duration_s
-        while (left := end - time.perf_counter()) > 0:
-            for header, payload, address in self._receive(left):
+        while True:
+            left = end - time.perf_counter()
+            for header, payload, address in self._receive(max(left, 0.0)):
                 if header.kind == wire.NACK:
                     self._answer_nack(header, payload, address)
                 else:
                     self._answer_probe(header, payload, address)
+            if left <= 0:
+                return
 
     def gather(self, epoch: int, expected: dict[int, int], dtype: int = wire.FLOAT32, deadline_s: float = 0.010,
                nack: bool = False, addresses: dict[int, tuple] | None = None, gap_s: float = 0.0005,
