@@ -9,14 +9,14 @@ decode_values), median of 200. Fewer datagrams per vector means fewer packets at
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from halo.transport import wire
+
+from .report import command_line, write_report
 
 NAMES = {wire.FLOAT32: "fp32", wire.FLOAT16: "fp16", wire.INT8: "int8 (64-value blocks)"}
 
@@ -49,18 +49,14 @@ def main(argv=None) -> int:
                              "relative_l2_error_mean": float(np.mean(errors)),
                              "relative_l2_error_max": float(np.max(errors)),
                              "encode_decode_us": 1e6 * float(np.median(times))})
-    out = Path("eval/results")
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python -m halo.eval.bench_compression"
-    (out / "transport_compression.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    command = command_line("halo.eval.bench_compression", argv)
     lines = ["# Partial-sum compression on the wire", "", f"Command: `{command}`. Error = ||decoded - x|| / ||x|| "
              "(mean / max over 50 vectors); time = encode + decode of one whole vector in Python/numpy.", "",
              "| D | values | format | datagrams | rel. L2 error mean / max | encode+decode µs |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dim']} | {r['distribution']} | {r['format']} | {r['datagrams']} | "
                      f"{r['relative_l2_error_mean']:.1e} / {r['relative_l2_error_max']:.1e} | {r['encode_decode_us']:.0f} |")
-    (out / "transport_compression.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report("eval/results", "transport_compression", {"command": command, "rows": rows}, lines)
     return 0
 
 

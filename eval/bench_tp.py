@@ -13,7 +13,6 @@ agents, and each agent's own compute per token, which is what a cluster of real 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from halo.model import Transformer
 from halo.neuron_groups import GroupLayout
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama
+from .report import command_line, write_report
 
 
 def measure(model_path, agents: list[int], tokens: int, context: int) -> list[dict]:
@@ -88,10 +88,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="halo-tp-") as tmp:
         write_random_llama(tmp, dict(TINYLLAMA_1_1B, num_hidden_layers=args.tiny_layers))
         results[f"TinyLlama-shape, {args.tiny_layers} layers"] = measure(Path(tmp), agents, args.tokens, 256)
-    command = " ".join(["python -m halo.eval.bench_tp", *(argv if argv is not None else sys.argv[1:])])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tp_local_cluster.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
+    command = command_line("halo.eval.bench_tp", argv)
     lines = ["# Tensor-parallel decode over local agents (reliable mode, one 2-core machine)", "",
              f"Command: `{command}`. 0 agents = the single-process reference. All processes share 2 cores, so "
              "wall time mostly shows contention and per-message overhead; per-agent compute is what each device "
@@ -109,8 +106,7 @@ def main(argv=None) -> int:
                          f"{r['ms_per_token'] / base:.2f}x | {master} | {r.get('wait_for_agents_ms_per_token', 0):.2f} | "
                          + (f"{np.mean(agent):.2f} / {np.max(agent):.2f} | {np.mean(cpu):.2f} / {np.max(cpu):.2f} |"
                             if agent else "- | - |"))
-    (out / "tp_local_cluster.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "tp_local_cluster", {"command": command, "results": results}, lines)
     return 0
 
 

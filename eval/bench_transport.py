@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +49,7 @@ def agent(args) -> None:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind((args.bind, PORT))
         server.listen(1)
+        print("READY", flush=True)
         conn, _ = server.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -59,6 +59,7 @@ def agent(args) -> None:
         except (ConnectionError, OSError):
             return
     endpoint = UdpEndpoint(bytes.fromhex(args.key), 1, args.node, bind=(args.bind, PORT))
+    print("READY", flush=True)
     master = (args.master, PORT)
     parity = 6 if args.mode == "fast" else 0
     for r in range(args.rounds):
@@ -100,7 +101,6 @@ def master(args) -> None:
             c.close()
     else:
         endpoint = UdpEndpoint(bytes.fromhex(args.key), 1, 0, bind=(args.bind, PORT))
-        time.sleep(0.3)  # agents bind
         for r in range(args.rounds):
             epoch = wire.make_epoch(r, 0, 0)
             t = time.perf_counter()
@@ -125,9 +125,11 @@ def run_setting(bed, n: int, dim: int, mode: str, rounds: int, time_limit: float
     common = ["--mode", mode, "--dim", str(dim), "--rounds", str(rounds), "--key", key]
     agents = [bed.popen(f"agent-{i}", me + ["--role", "agent", "--node", str(i), "--bind", bed.address(f"agent-{i}"),
                                             "--master", bed.address("master")] + common,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(1, n + 1)]
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in range(1, n + 1)]
     try:
-        time.sleep(0.3)
+        for a in agents:  # every agent has bound its socket before the master sends anything
+            if a.stdout.readline().strip() != "READY":
+                raise RuntimeError("a benchmark agent did not start")
         out = bed.popen("master", me + ["--role", "master", "--bind", bed.address("master"), "--time-limit",
                                         str(time_limit), "--agents",
                                         ",".join(bed.address(f"agent-{i}") for i in range(1, n + 1))] + common,
@@ -184,10 +186,9 @@ def main(argv=None) -> int:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 rows[-1]["frames_dropped_at_this_plr"] = sum(bed.drop_counters().values()) - before
-    command = " ".join(["python -m halo.eval.bench_transport", *(argv if argv is not None else sys.argv[1:])])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "transport_sync_round.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
+    from .report import command_line, write_report
+
+    command = command_line("halo.eval.bench_transport", argv)
     lines = ["# One synchronization round under real packet loss (namespace test bed)", "",
              f"Command: `{command}`. Loss: nftables `numgen random` drops on every agent link, both directions "
              "(bridge forward hook, silent to the sender). A round = master sends D float32 to each agent, each "
@@ -204,8 +205,7 @@ def main(argv=None) -> int:
                 lines.append(f"| {n} | {dim} | {plr:.0%} | {t['p50_ms']:.2f} / {t['p99_ms']:.1f} | "
                              f"{lo['p50_ms']:.2f} / {lo['p99_ms']:.1f} ({lo['delivered']:.3f}, {lo['exact_rounds']:.0%}) | "
                              f"{f['p50_ms']:.2f} / {f['p99_ms']:.1f} ({f['delivered']:.3f}) |")
-    (out / "transport_sync_round.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "transport_sync_round", {"command": command, "rows": rows}, lines)
     return 0
 
 

@@ -17,6 +17,7 @@ role, address = sys.argv[1], sys.argv[2]
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 if role == "recv":
     s.bind((address, 9999)); s.settimeout(1.0); n = 0
+    print("ready", flush=True)
     try:
         while True:
             s.recv(2000); n += 1
@@ -24,7 +25,6 @@ if role == "recv":
         pass
     print(n)
 else:
-    time.sleep(0.3)
     for _ in range(2000):
         s.sendto(b"x" * 1000, (address, 9999)); time.sleep(0.0001)
 """
@@ -39,9 +39,10 @@ def test_loss_is_real_silent_and_counted():
         bed.set_loss(0.2)
         receiver = bed.popen("agent-1", [sys.executable, "-c", COUNTER, "recv", bed.address("agent-1")],
                              stdout=subprocess.PIPE, text=True)
+        assert receiver.stdout.readline().strip() == "ready"  # bound before anything is sent
         sender = bed.popen("master", [sys.executable, "-c", COUNTER, "send", bed.address("agent-1")])
         assert sender.wait(timeout=30) == 0  # sendto never failed: the loss is silent
-        received = int(receiver.communicate(timeout=30)[0])
+        received = int(receiver.communicate(timeout=30)[0].split()[-1])
         assert 1400 < received < 1800  # about 80 % of 2000
         assert bed.drop_counters()["agent-1"] >= 2000 - received
     assert "halot-" not in namespaces()

@@ -1,0 +1,20 @@
+"""Where benchmark results go: eval/results/NAME.json (data + the command) and NAME.md (a table)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command that reproduces a run, as it goes into the results."""
+    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+
+
+def write_report(out: str | Path, stem: str, data: dict, lines: list[str]) -> None:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
