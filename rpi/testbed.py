@@ -10,7 +10,8 @@ each with one veth whose peer sits in the bridge `<prefix>-br` of the root names
 address: nothing leaves the machine). Loss is a `bridge`-family nftables table whose forward chain drops
 `numgen random mod 1000 < K` frames entering or leaving each agent's veth: frames vanish in transit,
 as on a radio link, and the sender's sendto() still succeeds (an output-hook drop would fail it with
-EPERM, which no real link does). Segmentation offloads are off so loss applies to real frames, and
+EPERM, which no real link does). Segmentation offloads are off so loss applies to real frames, ARP
+entries are pinned (loss hits data, not address resolution), and
 TCP uses the same congestion control (cubic) in every namespace. Everything is removed on exit,
 also after errors. Needs root, iproute2, nftables and ethtool; `available()` says why not.
 """
@@ -96,9 +97,22 @@ class LossyTestbed:
             if self.rate_mbit and name != "master":
                 _run("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
                      "burst", "32kbit", "latency", "50ms")
+        self._pin_neighbours()
         _run("nft", "add", "table", "bridge", self.table)
         _run("nft", "add", "chain", "bridge", self.table, "forward",
              "{ type filter hook forward priority 0 ; policy accept ; }")
+
+    def _pin_neighbours(self) -> None:
+        """Permanent ARP entries between all hosts: a lost ARP request would otherwise make the kernel
+        discard whole bursts while it re-resolves, which is not the loss being emulated."""
+        macs = {}
+        for name, (ns, address, _) in self.hosts.items():
+            link = json.loads(_run("ip", "-n", ns, "-j", "link", "show", "eth0").stdout)[0]
+            macs[name] = (address, link["address"])
+        for name, (ns, _, _) in self.hosts.items():
+            for other, (address, mac) in macs.items():
+                if other != name:
+                    _run("ip", "-n", ns, "neigh", "replace", address, "lladdr", mac, "dev", "eth0", "nud", "permanent")
 
     def set_loss(self, plr: float, hosts: list[str] | None = None) -> None:
         """Silent random loss with probability plr on the links of `hosts` (default: every agent), both ways."""

@@ -9,6 +9,7 @@ import pytest
 from halo.rpi.testbed import LossyTestbed, available
 
 OK, WHY = available()
+PREFIX = f"ht{os.getpid() % 100000}"  # unique per test run: concurrent runs never share devices
 pytestmark = pytest.mark.skipif(not OK, reason=f"namespace test bed unavailable: {WHY}")
 
 COUNTER = """
@@ -35,7 +36,7 @@ def namespaces():
 
 
 def test_loss_is_real_silent_and_counted():
-    with LossyTestbed(1, prefix="halot") as bed:
+    with LossyTestbed(1, prefix=PREFIX) as bed:
         bed.set_loss(0.2)
         receiver = bed.popen("agent-1", [sys.executable, "-c", COUNTER, "recv", bed.address("agent-1")],
                              stdout=subprocess.PIPE, text=True)
@@ -45,13 +46,13 @@ def test_loss_is_real_silent_and_counted():
         received = int(receiver.communicate(timeout=30)[0].split()[-1])
         assert 1400 < received < 1800  # about 80 % of 2000
         assert bed.drop_counters()["agent-1"] >= 2000 - received
-    assert "halot-" not in namespaces()
+    assert f"{PREFIX}-" not in namespaces()
 
 
 def test_fast_path_loses_nothing_at_five_percent():
     from halo.eval.bench_transport import run_setting
 
-    with LossyTestbed(2, prefix="halot") as bed:
+    with LossyTestbed(2, prefix=PREFIX) as bed:
         bed.set_loss(0.05)
         result = run_setting(bed, 2, 2048, "fast", rounds=40, time_limit=20, key=os.urandom(32).hex())
     assert result["delivered"] == 1.0 and result["rounds"] == 40
