@@ -47,10 +47,12 @@ class Transformer:
         self.pos = 0  # tokens already in the KV cache
 
     def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False,
-                trace: list | None = None) -> np.ndarray:
+                trace: list | None = None, merge=None) -> np.ndarray:
         """Run tokens at positions start_pos.. (default: right after the cache) -> logits of the last
         token [V] (or of all tokens [T, V]). With trace, appends a LayerTrace per layer: the hidden
-        state entering it and its groups' activation norms (what the predictors learn from)."""
+        state entering it and its groups' activation norms (what the predictors learn from).
+        With merge(layer, kind, contributions [T, G, D], hidden_in [T, D]) -> [T, D], each block's
+        output is what merge makes of its groups' contributions (relaxed synchronization studies)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = self.pos if start_pos is None else start_pos
         if tokens.ndim != 1 or len(tokens) == 0:
@@ -64,11 +66,21 @@ class Transformer:
         x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for i in range(self.config.n_layers):
             layer_input = x
-            out = self.attention[i].forward(rmsnorm(x, self.attn_norms[i], eps), start, self.rotary, with_norms)
-            attn_out, attn_norms = out if with_norms else (out, None)
+            h = rmsnorm(x, self.attn_norms[i], eps)
+            if merge is not None:
+                groups = self.attention[i].forward_groups(h, start, self.rotary)
+                attn_out, attn_norms = merge(i, "attention", groups, layer_input), np.linalg.norm(groups, axis=-1)
+            else:
+                out = self.attention[i].forward(h, start, self.rotary, with_norms)
+                attn_out, attn_norms = out if with_norms else (out, None)
             x = x + attn_out
-            out = self.mlp[i].forward(rmsnorm(x, self.mlp_norms[i], eps), with_norms)
-            mlp_out, mlp_norms = out if with_norms else (out, None)
+            h = rmsnorm(x, self.mlp_norms[i], eps)
+            if merge is not None:
+                groups = self.mlp[i].forward_groups(h)
+                mlp_out, mlp_norms = merge(i, "mlp", groups, layer_input), np.linalg.norm(groups, axis=-1)
+            else:
+                out = self.mlp[i].forward(h, with_norms)
+                mlp_out, mlp_norms = out if with_norms else (out, None)
             x = x + mlp_out
             if with_norms:
                 trace.append(LayerTrace(layer_input, attn_norms, mlp_norms))

@@ -134,6 +134,17 @@ class AttentionShard:
 
     def forward(self, x: np.ndarray, start_pos: int, rotary: Rotary, with_norms: bool = False):
         """x: [T, D] normed input at positions start_pos.. -> partial output [T, D] (and head norms [T, H])."""
+        attended = self._attend(x, start_pos, rotary)
+        if not with_norms:
+            return self.out(attended)[0]
+        return sum_and_norms(self._contributions(attended))
+
+    def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+        """Each head's contribution to the block output, [T, H, D] (for relaxed merging)."""
+        return self._contributions(self._attend(x, start_pos, rotary))
+
+    def _attend(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+        """Project, rotate, cache K/V, attend: [T, D] -> the heads' outputs [T, H * hd] before W_o."""
         T, hd = x.shape[0], self.head_dim
         end = start_pos + T
         if end > self.cache_k.shape[1]:
@@ -154,15 +165,13 @@ class AttentionShard:
                 scores = np.where(mask[:, None, :], -np.inf, scores)
             probs = softmax(scores).reshape(T * r, end)
             attended[:, local_heads, :] = (probs @ self.cache_v[j, :end]).reshape(T, r, hd)
-        attended = attended.reshape(T, -1)
-        if not with_norms:
-            return self.out(attended)[0]
-        return self._grouped_output(attended, [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
+        return attended.reshape(T, -1)
 
-    def _grouped_output(self, act: np.ndarray, slices: list[slice]):
+    def _contributions(self, attended: np.ndarray) -> np.ndarray:
         if self._wo_dense is None:
-            raise ValueError("per-group activation norms need the fp32 weight format")
-        return grouped_output(act, self._wo_dense, slices)
+            raise ValueError("per-group outputs need the fp32 weight format")
+        hd = self.head_dim
+        return grouped_output(attended, self._wo_dense, [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
 
     def reset(self) -> None:
         self.cache_k[:] = 0
@@ -177,19 +186,21 @@ class AttentionShard:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
 
-def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]):
-    """Partial output as a sum of per-group contributions W_out[:, g] @ act[g], plus each one's L2 norm.
+def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]) -> np.ndarray:
+    """Per-group contributions W_out[:, g] @ act[g] -> [T, G, D]; their sum over G is the partial output.
 
-    The norm of a group's contribution is exactly what dropping that group removes from the block
+    The L2 norm of a group's contribution is exactly what dropping that group removes from the block
     output: the importance signal the predictors learn.
     """
-    partial = np.zeros((act.shape[0], w_out.shape[0]), dtype=np.float32)
-    norms = np.empty((act.shape[0], len(slices)), dtype=np.float32)
+    out = np.empty((act.shape[0], len(slices), w_out.shape[0]), dtype=np.float32)
     for i, s in enumerate(slices):
-        contribution = act[:, s] @ w_out[:, s].T
-        norms[:, i] = np.linalg.norm(contribution, axis=-1)
-        partial += contribution
-    return partial, norms
+        out[:, i] = act[:, s] @ w_out[:, s].T
+    return out
+
+
+def sum_and_norms(contributions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[T, G, D] contributions -> (partial output [T, D], group norms [T, G])."""
+    return contributions.sum(axis=1), np.linalg.norm(contributions, axis=-1)
 
 
 class MlpShard:
@@ -213,8 +224,16 @@ class MlpShard:
         act = silu(gate) * up
         if not with_norms:
             return self.down(act)[0]
+        return sum_and_norms(self._contributions(act))
+
+    def forward_groups(self, x: np.ndarray) -> np.ndarray:
+        """Each group's contribution to the block output, [T, G, D] (for relaxed merging)."""
+        gate, up = self.gate_up(x)
+        return self._contributions(silu(gate) * up)
+
+    def _contributions(self, act: np.ndarray) -> np.ndarray:
         if self._down_dense is None:
-            raise ValueError("per-group activation norms need the fp32 weight format")
+            raise ValueError("per-group outputs need the fp32 weight format")
         return grouped_output(act, self._down_dense, self.slices)
 
     @property
