@@ -168,11 +168,14 @@ class Agent:
                 return refuse("the plan does not fit this model (layers or context)")
             t = time.perf_counter()
             n = self.threads
-            shards_a = {l: AttentionShard(self.weights.layers[l], layout, heads, context, self.format, n)
+            fmt = f.get("weights") or self.format  # the master's choice, so the whole cluster computes alike
+            if fmt not in ("fp32", "int8"):
+                return refuse(f"unknown weight format {fmt!r}")
+            shards_a = {l: AttentionShard(self.weights.layers[l], layout, heads, context, fmt, n)
                         for l, heads in enumerate(attention) if heads}
-            shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, self.format, n)
+            shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, fmt, n)
                         for l, groups in enumerate(mlp) if groups}
-            head = LmHeadShard(self.weights.lm_head, layout, f["lm_head"], self.format, n) if f["lm_head"] else None
+            head = LmHeadShard(self.weights.lm_head, layout, f["lm_head"], fmt, n) if f["lm_head"] else None
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
         self.session = Session(str(f.get("master", "?")), layout, shards_a, shards_m, head, Rotary(c, context),

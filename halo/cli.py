@@ -11,6 +11,7 @@ from .linear import FORMATS
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
+  halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
 """
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     g.add_argument("--weights", choices=FORMATS, default="fp32",
-                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster)")
+                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
+                        "in a cluster every agent uses it too")
     g.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
     g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
@@ -215,7 +217,8 @@ def _distributed_model(args, weights, stack):
                 raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
             endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
     shares = shares_from_plan(plan, weights.config.n_layers)
-    return DistributedModel(weights, shares, endpoints, key, args.insecure, layout, context, args.timeout)
+    return DistributedModel(weights, shares, endpoints, key, args.insecure, layout, context, args.timeout,
+                            fmt=args.weights)
 
 
 def _run_generation(args, weights, tokenizer, model, sampling) -> int:

@@ -79,6 +79,7 @@ class AgentLink:
     stats: dict = field(default_factory=lambda: {"requests": 0, "wait_ms": 0.0, "compute_ms": 0.0, "cpu_ms": 0.0})
     profile: dict = field(default_factory=dict)
     udp_port: int | None = None
+    weight_bytes: int = 0
 
     def send(self, kind: str, fields: dict, arrays=()) -> None:
         from .transport.reliable import Message, encode
@@ -106,7 +107,8 @@ class AgentLink:
 class DistributedModel:
     def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
                  insecure: bool = False, layout: GroupLayout | None = None, max_seq_len: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, hello_timeout_s: float = 10.0, probe_links: bool = True):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, hello_timeout_s: float = 10.0, probe_links: bool = True,
+                 fmt: str = "fp32"):
         import zmq
 
         from .loader import model_fingerprint
@@ -121,10 +123,10 @@ class DistributedModel:
         self.weights = weights
         self.rotary = Rotary(c, self.max_seq_len)
         own = shares[0]
-        self.attention = {l: AttentionShard(weights.layers[l], self.layout, h, self.max_seq_len)
+        self.attention = {l: AttentionShard(weights.layers[l], self.layout, h, self.max_seq_len, fmt)
                           for l, h in enumerate(own.attention) if h}
-        self.mlp = {l: MlpShard(weights.layers[l], self.layout, g) for l, g in enumerate(own.mlp) if g}
-        self.lm_head = LmHeadShard(weights.lm_head, self.layout, own.lm_head) if own.lm_head else None
+        self.mlp = {l: MlpShard(weights.layers[l], self.layout, g, fmt) for l, g in enumerate(own.mlp) if g}
+        self.lm_head = LmHeadShard(weights.lm_head, self.layout, own.lm_head, fmt) if own.lm_head else None
         self.shares = shares
         self.pos = 0
         self.step = 0
@@ -134,7 +136,7 @@ class DistributedModel:
         self.links: list[AgentLink] = []
         hello = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
                  "context": self.max_seq_len, "mlp_group_size": self.layout.mlp_group_size,
-                 "vocab_group_size": self.layout.vocab_group_size, "master": os.uname().nodename}
+                 "vocab_group_size": self.layout.vocab_group_size, "master": os.uname().nodename, "weights": fmt}
         try:
             for i, (endpoint, share) in enumerate(zip(endpoints, shares[1:]), start=1):
                 sock = client_socket(self.context, key, insecure)
@@ -147,6 +149,7 @@ class DistributedModel:
                 link.name = f"{reply.fields.get('name', link.name)}#{self.links.index(link) + 1}"
                 link.profile = reply.fields.get("profile", {})
                 link.udp_port = reply.fields.get("udp_port")
+                link.weight_bytes = int(reply.fields.get("weight_bytes", 0))
                 link.timeout_s = timeout_s
             if probe_links:
                 self._probe_links(key)
@@ -233,6 +236,7 @@ class DistributedModel:
         out = []
         for link, share in zip(self.links, self.shares[1:]):
             out.append({"name": link.name, "endpoint": link.endpoint, "profile": link.profile,
+                        "weight_bytes": link.weight_bytes,
                         "heads": sum(map(len, share.attention)), "mlp_groups": sum(map(len, share.mlp)),
                         "vocab_groups": len(share.lm_head), **{k: round(v, 3) for k, v in link.stats.items()}})
         return out

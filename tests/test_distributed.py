@@ -172,3 +172,20 @@ def test_cli_local_cluster_runs_and_leaves_no_processes(known_answer):
     assert json.loads(out.stdout)["text"] == known_answer
     leftover = subprocess.run(["pgrep", "-f", "halo.edge_agent --listen tcp://127.0.0.1:0"], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_the_master_chooses_the_weight_format_for_the_whole_cluster(stories_weights):
+    with LocalCluster(2) as cluster:
+        layout = GroupLayout.for_model(stories_weights.config)
+        shares = shares_from_plan(even_plan(stories_weights, layout, 3, context=CONTEXT), 5)
+        sizes = {}
+        for fmt in ("fp32", "int8"):
+            model = DistributedModel(stories_weights, shares, cluster.endpoints, cluster.key, layout=layout,
+                                     max_seq_len=CONTEXT, fmt=fmt)
+            try:
+                text = generate(model, load_tokenizer(stories_weights), "Once upon a time", 8).text
+                sizes[fmt] = [r["weight_bytes"] for r in model.report()]
+            finally:
+                model.close()
+            assert text.startswith(", there was")
+    assert all(i < 0.5 * f for i, f in zip(sizes["int8"], sizes["fp32"]))
