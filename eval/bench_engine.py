@@ -23,11 +23,11 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama  # noqa: E402
+from .report import command_line, write_report  # noqa: E402
 
 FORMATS = ("fp32", "int8")
 
@@ -115,10 +115,7 @@ def main(argv=None) -> int:
               "config": cfg, "context": args.context, "decode_tokens": args.tokens,
               "stream_copy_gb_s": copy_bw / 1e9, "stream_copy_samples_gb_s": [c / 1e9 for c in copy_samples], "machine": {"cpu": platform.processor() or platform.machine(),
                                                             "cores": os.cpu_count()},
-              "command": " ".join(["python -m halo.eval.bench_engine", *(argv or sys.argv[1:])]), "results": rows}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "engine_decode.json").write_text(json.dumps(result, indent=1))
+              "command": command_line("halo.eval.bench_engine", argv), "results": rows}
     lines = [f"# Single-process decode, one core ({result['model']}, {args.layers} layers)", "",
              f"Command: `{result['command']}`. STREAM copy (read + write bytes) on one core, measured before and after "
              f"each format in the same run, best of {len(copy_samples)}: **{copy_bw / 1e9:.2f} GB/s**. "
@@ -134,8 +131,7 @@ def main(argv=None) -> int:
               "not counted. Effective GB/s = those bytes / median decode time. Peak RSS is the worker "
               "process's VmHWM, compared with the weight bytes (embedding table included, in fp32) plus the "
               f"KV cache allocated for {args.context} tokens."]
-    (out_dir / "engine_decode.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "engine_decode", result, lines)
     if tmp:
         tmp.cleanup()
     return 0

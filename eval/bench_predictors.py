@@ -12,7 +12,6 @@ own decode step, to eval/results/predictors_stories260K.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from halo import BUNDLED_MODEL
+
+from .report import command_line, write_report
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 DEFAULT_OUT = Path(str(BUNDLED_MODEL)).parent / "predictors"
@@ -69,11 +70,8 @@ def main(argv=None) -> int:
     manifest = train_predictors(None, args.data, args.predictors, args.hidden, args.epochs, args.seed)
     train_s = time.perf_counter() - t
     cost = overhead(Path(args.predictors))
-    command = " ".join(["python -m halo.eval.bench_predictors", *(argv if argv is not None else sys.argv[1:])])
+    command = command_line("halo.eval.bench_predictors", argv)
     result = {"command": command, "train_seconds": train_s, "overhead": cost, "manifest": manifest}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "predictors_stories260K.json").write_text(json.dumps(result, indent=1))
     tokens = manifest["data"]["tokens"]
     lines = ["# Semantic-aware predictors on stories260K", "",
              f"Command: `{command}` ({train_s:.0f} s on this machine). Data: {Path(args.data).name}, first "
@@ -96,8 +94,7 @@ def main(argv=None) -> int:
               f"| per layer: one prediction vs one layer's compute | {cost['predict_ms_per_layer']:.3f} ms vs "
               f"{cost['decode_ms_per_layer']:.3f} ms |",
               "", f"ONNX vs torch, max |difference| on validation inputs: {manifest['onnx_torch_max_abs_diff']:.1e}."]
-    (out / "predictors_stories260K.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "predictors_stories260K", result, lines)
     return 0
 
 
