@@ -69,6 +69,8 @@ class Agent:
 
         self.profile = device_profile()
         self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0}
+        # before anyone can learn our address: a SIGTERM from then on drains instead of killing
+        signal.signal(signal.SIGTERM, self.stop)
 
     def stop(self, *_) -> None:
         self.running = False
@@ -76,7 +78,6 @@ class Agent:
     def serve(self) -> None:
         import zmq
 
-        signal.signal(signal.SIGTERM, self.stop)
         log.info("%s listening on %s (model %s, sha256 %s...)", self.name, self.endpoint, self.weights.source,
                  self.model_sha256[:12])
         poller = zmq.Poller()

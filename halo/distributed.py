@@ -67,7 +67,8 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     devices = tuple(DeviceProfile(f"device-{i}", 64e9, c * 1e9, is_master=i == 0) for i, c in enumerate(compute))
     profile = model_profile(weights.config, "fp32", mlp_group_size=layout.mlp_group_size,
                             vocab_group_size=layout.vocab_group_size)
-    return build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax")
+    # every device stays a participant (one may get no groups): the caller has one agent per device
+    return build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
 
 
 @dataclass
@@ -128,6 +129,12 @@ class DistributedModel:
         self.mlp = {l: MlpShard(weights.layers[l], self.layout, g, fmt) for l, g in enumerate(own.mlp) if g}
         self.lm_head = LmHeadShard(weights.lm_head, self.layout, own.lm_head, fmt) if own.lm_head else None
         self.shares = shares
+        # who holds groups of which block, and the vocabulary rows of each agent's LM-head slice, worked
+        # out once: the per-token loop only looks them up
+        self.holders = {(kind, l): [i for i, sh in enumerate(shares[1:]) if getattr(sh, kind)[l]]
+                        for kind in ("attention", "mlp") for l in range(c.n_layers)}
+        self.vocab_ids = [np.concatenate([np.arange(r.start, r.stop) for r in map(self.layout.vocab_rows, sh.lm_head)])
+                          if sh.lm_head else None for sh in shares[1:]]
         self.pos = 0
         self.step = 0
         self.own_compute_ms = 0.0  # the master's own share, summed over every forward (wall clock)
@@ -176,7 +183,7 @@ class DistributedModel:
     # ---- the forward pass ------------------------------------------------------------------------------------
     def _block(self, kind: str, layer: int, x: np.ndarray, start: int, own) -> np.ndarray:
         """Send x to the agents that hold groups of this block, compute the own share, add everything."""
-        holders = [link for link, s in zip(self.links, self.shares[1:]) if getattr(s, kind)[layer]]
+        holders = [self.links[i] for i in self.holders[(kind, layer)]]
         for link in holders:
             link.send("block", {"kind": kind, "layer": layer, "start_pos": start}, [x])
         t, cpu = time.perf_counter(), time.thread_time()
@@ -213,7 +220,7 @@ class DistributedModel:
             x = x + self._block("mlp", l, h, start, (lambda s=shard, h=h: s.forward(h)) if shard else None)
         h = rmsnorm(x[-1:], w.final_norm, eps)
         logits = np.empty(self.config.vocab_size, dtype=np.float32)
-        holders = [(link, s) for link, s in zip(self.links, self.shares[1:]) if s.lm_head]
+        holders = [(link, ids) for link, ids in zip(self.links, self.vocab_ids) if ids is not None]
         for link, _ in holders:
             link.send("block", {"kind": "lm_head", "layer": -1, "start_pos": start}, [h])
         if self.lm_head is not None:
@@ -221,9 +228,8 @@ class DistributedModel:
             logits[self.lm_head.token_ids] = self.lm_head.forward(h)[0]
             self.own_compute_ms += 1e3 * (time.perf_counter() - t)
             self.own_cpu_ms += 1e3 * (time.thread_time() - cpu)
-        for link, share in holders:
+        for link, ids in holders:
             reply = link.receive(f"the LM head at position {start} (step {self.step})")
-            ids = np.concatenate([np.arange(r.start, r.stop) for r in map(self.layout.vocab_rows, share.lm_head)])
             if not reply.arrays or reply.arrays[0].shape != (1, len(ids)):
                 raise AgentError(f"agent {link.name} returned LM-head logits of the wrong shape")
             logits[ids] = reply.arrays[0][0]

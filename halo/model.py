@@ -62,32 +62,36 @@ class Transformer:
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         eps = self.config.norm_eps
-        with_norms = trace is not None
+        per_group = trace is not None or merge is not None
         x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for i in range(self.config.n_layers):
             layer_input = x
             h = rmsnorm(x, self.attn_norms[i], eps)
-            if merge is not None:
-                groups = self.attention[i].forward_groups(h, start, self.rotary)
-                attn_out, attn_norms = merge(i, "attention", groups, layer_input), np.linalg.norm(groups, axis=-1)
+            if per_group:
+                attn_out, attn_norms = self._merge(i, "attention", self.attention[i].forward_groups(h, start, self.rotary),
+                                                   layer_input, merge)
             else:
-                out = self.attention[i].forward(h, start, self.rotary, with_norms)
-                attn_out, attn_norms = out if with_norms else (out, None)
+                attn_out = self.attention[i].forward(h, start, self.rotary)
             x = x + attn_out
             h = rmsnorm(x, self.mlp_norms[i], eps)
-            if merge is not None:
-                groups = self.mlp[i].forward_groups(h)
-                mlp_out, mlp_norms = merge(i, "mlp", groups, layer_input), np.linalg.norm(groups, axis=-1)
+            if per_group:
+                mlp_out, mlp_norms = self._merge(i, "mlp", self.mlp[i].forward_groups(h), layer_input, merge)
             else:
-                out = self.mlp[i].forward(h, with_norms)
-                mlp_out, mlp_norms = out if with_norms else (out, None)
+                mlp_out = self.mlp[i].forward(h)
             x = x + mlp_out
-            if with_norms:
+            if trace is not None:
                 trace.append(LayerTrace(layer_input, attn_norms, mlp_norms))
         self.pos = start + len(tokens)
         h = rmsnorm(x if all_logits else x[-1:], self.final_norm, eps)
         logits = self.lm_head.forward(h)
         return logits if all_logits else logits[0]
+
+    @staticmethod
+    def _merge(layer: int, kind: str, groups: np.ndarray, layer_input: np.ndarray, merge):
+        """A block's output from its groups' contributions [T, G, D] (all of them, or what merge keeps),
+        and the groups' norms."""
+        out = groups.sum(axis=1) if merge is None else merge(layer, kind, groups, layer_input)
+        return out, np.linalg.norm(groups, axis=-1)
 
     def reset(self) -> None:
         self.pos = 0

@@ -161,7 +161,7 @@ def greedy_counts(compute: np.ndarray, n_groups: int, n_layers: int) -> np.ndarr
 
 
 def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
-               devices: list[int] | None = None) -> TensorParallelPlan:
+               devices: list[int] | None = None, prune: bool = True) -> TensorParallelPlan:
     """Ratios from `algorithm` over `devices` (default: all), rounded, repaired, as a plan."""
     if algorithm not in ALGORITHMS:
         raise ConfigError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
@@ -190,7 +190,9 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
         plan.oom = [p.name for p, o in zip(profiles, over) if o]
     else:
         repair_memory(plan)
-    return prune_idle(plan)
+        if algorithm == "minmax":
+            polish(plan)  # Min-Max's own objective, finished in integers: rounding alone can lose to Galaxy's
+    return prune_idle(plan) if prune else plan
 
 
 def prune_idle(plan: TensorParallelPlan) -> TensorParallelPlan:
