@@ -13,7 +13,7 @@ from halo.errors import HaloError
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
-  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads)
+  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors)
 """
 
 
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
     parser.add_argument("--weights", choices=("fp32", "int8"), help="weight format in memory (default fp32)")
     parser.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -53,7 +54,8 @@ def main(argv=None) -> int:
         import socket
 
         agent = Agent(pick("model", None), pick("listen", "tcp://0.0.0.0:7070"), key, args.insecure,
-                      pick("name", socket.gethostname()), pick("weights", "fp32"), threads)
+                      pick("name", socket.gethostname()), pick("weights", "fp32"), threads,
+                      pick("predictors", None))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2

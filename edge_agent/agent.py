@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from halo.errors import HaloError
 from halo.loader import load_weights, model_fingerprint
 from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-from halo.ops import Rotary
+from halo.ops import Rotary, rmsnorm
+from halo.remap import Remapper
+from halo.sync import (LM_HEAD, MLP, PREFIX, STATUS_OK, STATUS_RANKING_MISMATCH, ATTENTION, SyncSettings, frame)
 from halo.transport.reliable import (PROTOCOL_VERSION, ClusterKey, Message, MessageError, decode, encode,
                                      server_socket, start_authenticator)
 
@@ -33,16 +35,20 @@ class Session:
     master: str
     layout: GroupLayout
     attention: dict  # layer -> AttentionShard
-    mlp: dict  # layer -> MlpShard
+    mlp: dict  # layer -> MlpShard (static groups; empty in HALO mode, where remap computes the MLP)
     lm_head: LmHeadShard | None
     rotary: Rotary
     last_seen: float
     peer: bytes = b""
+    sync: SyncSettings = field(default_factory=SyncSettings)
+    remap: Remapper | None = None
+    mlp_ranks: dict = field(default_factory=dict)  # layer -> (a, b) in HALO mode
+    last_epoch: int = 0  # newest UDP broadcast handled
 
 
 class Agent:
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
-                 name: str = "agent", weights_format: str = "fp32", threads: int = 1):
+                 name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None):
         import zmq
 
         self.weights = load_weights(model_path)
@@ -68,7 +74,10 @@ class Agent:
         from .profile import device_profile
 
         self.profile = device_profile()
-        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0}
+        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0,
+                       "broadcasts_incomplete": 0, "partials_resent": 0}
+        self.predictors_dir = predictors
+        self._predictor_set = None
         # before anyone can learn our address: a SIGTERM from then on drains instead of killing
         signal.signal(signal.SIGTERM, self.stop)
 
@@ -86,11 +95,14 @@ class Agent:
         while self.running:
             events = dict(poller.poll(200))
             if self.udp.sock.fileno() in events:
-                self.udp.serve(0)  # answer link probes
+                if self.session is not None and self.session.sync.udp_broadcast:
+                    self._udp_round()
+                else:
+                    self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
             if self.socket not in events:
                 if self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
                     log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
-                    self.session = None
+                    self._end_session()
                 continue
             identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
             try:
@@ -110,7 +122,14 @@ class Agent:
         log.info("%s stopping", self.name)
         self.close()
 
+    def _end_session(self) -> None:
+        if self.session is not None and self.session.remap is not None:
+            self.session.remap.close()
+        self.session = None
+        self.udp.send_hook = None
+
     def close(self) -> None:
+        self._end_session()
         self.udp.close()
         if self.auth:
             self.auth.stop()
@@ -125,6 +144,9 @@ class Agent:
                            "mlp_layers": sorted(self.session.mlp), "lm_head": self.session.lm_head is not None,
                            "heads": sum(len(s.heads) for s in self.session.attention.values()),
                            "mlp_groups": sum(len(s.groups) for s in self.session.mlp.values())}
+                session["sync"] = self.session.sync.mode
+                if self.session.sync.udp:
+                    session["udp"] = self.udp.stats[0].to_json()
             return Message("status", {"name": self.name, "model": self.weights.source, "profile": self.profile,
                                       "session": session, "served": self.served, "udp_port": self.udp.address[1]})
         if message.kind == "hello":  # a new master replaces the old session (the old one is gone or done)
@@ -145,7 +167,7 @@ class Agent:
             return Message("ok")
         if message.kind == "bye":
             log.info("session with %s ended", self.session.master)
-            self.session = None
+            self._end_session()
             return Message("ok")
         return Message("error", {"reason": f"unknown message kind {message.kind!r}"})
 
@@ -172,44 +194,164 @@ class Agent:
             fmt = f.get("weights") or self.format  # the master's choice, so the whole cluster computes alike
             if fmt not in ("fp32", "int8"):
                 return refuse(f"unknown weight format {fmt!r}")
+            sync = SyncSettings.from_json(f.get("sync") or {})
+            if sync.semantic and fmt != "fp32":
+                return refuse(f"sync mode {sync.mode} needs fp32 weights")
             shards_a = {l: AttentionShard(self.weights.layers[l], layout, heads, context, fmt, n)
                         for l, heads in enumerate(attention) if heads}
-            shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, fmt, n)
-                        for l, groups in enumerate(mlp) if groups}
+            remap, ranks = None, {}
+            if sync.semantic:  # MLP shares are rank ranges; the groups behind them change per token
+                ranks = {l: (min(r), max(r) + 1) for l, r in enumerate(mlp) if r}
+                if any(b - a != len(mlp[l]) for l, (a, b) in ranks.items()):
+                    return refuse("HALO mode needs contiguous MLP rank ranges (a priority-rank plan)")
+                predictors = self._predictors() if sync.predict else None
+                remap = Remapper(self.weights, layout, ranks, predictors, sync.load_overlap, n)
+                shards_m = {}
+            else:
+                shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, fmt, n)
+                            for l, groups in enumerate(mlp) if groups}
             head = LmHeadShard(self.weights.lm_head, layout, f["lm_head"], fmt, n) if f["lm_head"] else None
+            if sync.udp:
+                self.udp.session = int(f["udp_session"])
+                self.udp.node_id = int(f["node_id"])
+                if not 0 < self.udp.node_id < 255:
+                    return refuse(f"node id {self.udp.node_id} outside 1..254")
+        except HaloError as e:
+            return refuse(str(e))
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
+        if self.session is not None:
+            self._end_session()
         self.session = Session(str(f.get("master", "?")), layout, shards_a, shards_m, head, Rotary(c, context),
-                               time.monotonic())
+                               time.monotonic(), sync=sync, remap=remap, mlp_ranks=ranks)
+        if sync.inject_plr:
+            from halo.transport.loss import LossInjector
+
+            self.udp.send_hook = LossInjector(seed=sync.seed + 1000 * self.udp.node_id, drop=sync.inject_plr)
         nbytes = sum(s.nbytes for s in [*shards_a.values(), *shards_m.values()]) + (head.nbytes if head else 0)
+        nbytes += sum(4 * (b - a) * layout.mlp_group_size * 3 * c.dim for a, b in ranks.values())
         log.info("session with %s: %d attention and %d MLP shards, %.1f MB, loaded in %.0f ms", self.session.master,
                  len(shards_a), len(shards_m), nbytes / 1e6, 1e3 * (time.perf_counter() - t))
         self.served["sessions"] += 1
         return Message("ready", {"name": self.name, "weight_bytes": nbytes, "profile": self.profile,
                                  "udp_port": self.udp.address[1]})
 
-    def _block(self, message: Message) -> Message:
+    def _predictors(self):
+        if self._predictor_set is None:
+            from halo.loader import load_predictors
+
+            self._predictor_set = load_predictors(self.weights, self.predictors_dir)
+        return self._predictor_set
+
+    def _compute(self, kind: str, layer: int, x: np.ndarray, start: int, digest: int):
+        """This agent's partial output of a block for the residual x [T, D] -> (output or None, status)."""
+        s, w, eps = self.session, self.weights, self.weights.config.norm_eps
+        if kind == "attention":
+            if layer not in s.attention:
+                return None, STATUS_OK
+            if start < 0 or start + len(x) > s.rotary.cos.shape[0]:
+                raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context")
+            return s.attention[layer].forward(rmsnorm(x, w.layers[layer].attn_norm, eps), start, s.rotary), STATUS_OK
+        if kind == "mlp":
+            h = rmsnorm(x, w.layers[layer].mlp_norm, eps)
+            if s.remap is not None and layer in s.mlp_ranks:
+                if s.remap.digest(layer, len(x)) != digest:  # full size, so the master reads the status
+                    return np.zeros_like(x), STATUS_RANKING_MISMATCH
+                return s.remap.mlp_partial(layer, h), STATUS_OK
+            if layer in s.mlp:
+                return s.mlp[layer].forward(h), STATUS_OK
+            raise HaloError(f"this agent holds no MLP groups of layer {layer}")
+        if kind == "lm_head" and s.lm_head is not None:
+            return s.lm_head.forward(rmsnorm(x, w.final_norm, eps)), STATUS_OK
+        raise HaloError(f"this agent holds no {kind} groups of layer {layer}")
+
+    def _predict(self, kind: str, layer: int, x: np.ndarray) -> None:
+        s = self.session
+        if s.remap is not None and kind == "attention" and layer + 1 in s.mlp_ranks:
+            s.remap.predict(layer + 1, x)
+
+    def _run_block(self, kind: str, layer: int, x: np.ndarray, start: int, digest: int, send) -> None:
+        """Compute, hand the partial to send(output, status, compute_ms, cpu_ms), predict the next layer
+        (before computing, or after sending when prediction overlaps communication)."""
+        s = self.session
+        if kind == "attention" and layer == 0 and s.remap is not None:
+            s.remap.begin()
+        if not s.sync.pred_overlap:
+            self._predict(kind, layer, x)
+        t, cpu = time.perf_counter(), time.thread_time()
+        out, status = self._compute(kind, layer, x, start, digest)
+        compute_ms, cpu_ms = 1e3 * (time.perf_counter() - t), 1e3 * (time.thread_time() - cpu)
+        self.served["blocks"] += 1
+        self.served["compute_ms"] += compute_ms
+        send(out, status, compute_ms, cpu_ms)
+        if s.sync.pred_overlap:
+            self._predict(kind, layer, x)
+
+    def _block(self, message: Message) -> Message | None:
+        """A block over the control connection (reliable and halo-tcp modes)."""
         s, f = self.session, message.fields
         if len(message.arrays) != 1:
             return Message("error", {"reason": "a block carries exactly one array"})
         x = np.asarray(message.arrays[0], dtype=np.float32)
-        kind, layer = f.get("kind"), f.get("layer")
+        kind, layer, reply_by = f.get("kind"), f.get("layer"), f.get("reply", "tcp")
         if x.ndim != 2 or x.shape[1] != self.weights.config.dim:
             return Message("error", {"reason": f"block input has shape {x.shape}, expected [T, {self.weights.config.dim}]"})
-        t, cpu = time.perf_counter(), time.thread_time()
-        if kind == "attention" and layer in s.attention:
-            start = int(f["start_pos"])
-            if start < 0 or start + len(x) > s.rotary.cos.shape[0]:
-                return Message("error", {"reason": f"positions {start}..{start + len(x) - 1} are outside the context"})
-            out = s.attention[layer].forward(x, start, s.rotary)
-        elif kind == "mlp" and layer in s.mlp:
-            out = s.mlp[layer].forward(x)
-        elif kind == "lm_head" and s.lm_head is not None:
-            out = s.lm_head.forward(x)
-        else:
-            return Message("error", {"reason": f"this agent holds no {kind} groups of layer {layer}"})
-        compute_ms, cpu_ms = 1e3 * (time.perf_counter() - t), 1e3 * (time.thread_time() - cpu)
-        self.served["blocks"] += 1
-        self.served["compute_ms"] += compute_ms
-        return Message("partial", {"kind": kind, "layer": layer, "compute_ms": compute_ms, "cpu_ms": cpu_ms},
-                       [out.astype(np.float32)])
+        if kind not in ("attention", "mlp", "lm_head") or not isinstance(layer, int) or reply_by not in ("tcp", "udp", "none"):
+            return Message("error", {"reason": f"bad block header kind={kind!r} layer={layer!r} reply={reply_by!r}"})
+        if reply_by == "udp" and 0 not in self.udp.peer_addresses:
+            return Message("error", {"reason": "no UDP address of the master yet (its link probe never arrived)"})
+        answer = []
+
+        def send(out, status, compute_ms, cpu_ms):
+            if status == STATUS_RANKING_MISMATCH:
+                answer.append(Message("error", {"reason": f"ranking of layer {layer} differs from the master's "
+                                                          "(different predictors or onnxruntime build)"}))
+            elif reply_by == "tcp":
+                answer.append(Message("partial", {"kind": kind, "layer": layer, "compute_ms": compute_ms,
+                                                  "cpu_ms": cpu_ms}, [out.astype(np.float32)]))
+            elif reply_by == "udp":
+                self._send_partial(int(f["epoch"]) + 1, out, status, compute_ms)
+
+        self._run_block(kind, layer, x, int(f.get("start_pos", 0)), int(f.get("digest", 0)), send)
+        return answer[0] if answer else None
+
+    def _send_partial(self, epoch: int, out, status: float, compute_ms: float) -> None:
+        body = frame([compute_ms, 0, status, 0], out if out is not None else np.zeros(0, np.float32))
+        sync = self.session.sync  # the lossy baseline sends plain partials: no parity to recover from
+        self.udp.send_vector(self.udp.peer_addresses[0], 0, epoch, body, parity_group=sync.parity_group if sync.semantic else 0)
+
+    def _resend_partial(self, header, address) -> None:
+        """The master sent an input again that we already answered: our partial got lost; send it again."""
+        if self.udp.resend(header.epoch + 1, 0):
+            self.served["partials_resent"] += 1
+
+    def _udp_round(self) -> None:
+        """Receive the newest UDP broadcast of the master (NACKing its holes), compute, send the partial."""
+        from halo.transport import wire
+
+        s = self.session
+        epoch = self.udp.newest_epoch(0, s.last_epoch, 0.0, on_stale=self._resend_partial)
+        if epoch is None:
+            return
+        result = self.udp.gather(epoch, {0: None}, wire.FLOAT32, deadline_s=1.0, nack=True, stop_on_newer=True,
+                                 on_stale=self._resend_partial)
+        s.last_epoch = max(s.last_epoch, epoch)
+        s.last_seen = time.monotonic()
+        if not result.complete:  # the master moved on (or went quiet): nothing to answer
+            self.served["broadcasts_incomplete"] += 1
+            return
+        v, dim = result.values[0], self.weights.config.dim
+        tokens, start, digest = int(v[0]), int(v[1]), int(v[2])
+        layer, point = (epoch >> 4) & 0xFFFF, epoch & 0xF
+        kind = {ATTENTION: "attention", MLP: "mlp", LM_HEAD: "lm_head"}.get(point)
+        if kind is None or tokens <= 0 or PREFIX + tokens * dim > len(v):
+            self.served["errors"] += 1
+            log.warning("ignored a malformed broadcast (epoch %#x, %d tokens)", epoch, tokens)
+            return
+        x = v[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim)
+        try:
+            self._run_block(kind, layer, x, start, digest,
+                            lambda out, status, ms, _cpu: self._send_partial(epoch + 1, out, status, ms))
+        except HaloError as e:
+            self.served["errors"] += 1
+            log.warning("block refused: %s", e)

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
     g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
-    cluster = g.add_argument_group("distributed (tensor-parallel, reliable sync)")
+    cluster = g.add_argument_group("distributed (tensor-parallel)")
     cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
                          help="start N halo-agent processes on this machine, run across them, stop them")
     cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
+    add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
@@ -102,6 +103,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_sync_arguments(parser) -> None:
+    """--sync and its knobs (shared by generate and the benchmarks)."""
+    from .sync import SYNC_MODES, SyncSettings
+
+    d = SyncSettings()
+    s = parser.add_argument_group("synchronization over lossy links (see halo/sync.py)")
+    s.add_argument("--sync", choices=SYNC_MODES, default="reliable",
+                   help="reliable: all over TCP, exact (default) · lossy: UDP, partial sums dropped at a deadline, "
+                        "static groups · halo: predictors route important groups to reliable links, recover lost "
+                        "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
+                        "critical traffic")
+    s.add_argument("--deadline-floor", type=float, default=d.deadline_floor_ms, metavar="MS",
+                   help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
+    s.add_argument("--deadline-ceiling", type=float, default=d.deadline_ceiling_ms, metavar="MS",
+                   help=f"... nor longer (default {d.deadline_ceiling_ms:g} ms); between them: "
+                        f"{d.deadline_slack:g} x the median agent turnaround")
+    s.add_argument("--critical-fraction", type=float, default=d.critical_fraction, metavar="F",
+                   help=f"partials holding a group in the predicted top F always arrive whole (default {d.critical_fraction:g})")
+    s.add_argument("--predictors", metavar="DIR", help="trained predictors (default: predictors/ beside the model)")
+    s.add_argument("--no-pred-overlap", action="store_true", help="ablation: predict before sending, not while waiting")
+    s.add_argument("--no-load-overlap", action="store_true", help="ablation: load the next layer's groups inline")
+    s.add_argument("--inject-plr", type=float, default=0.0, metavar="P",
+                   help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
+                        "accuracy-under-loss runs without a lossy network")
+
+
+def sync_settings(args):
+    from .sync import SyncSettings
+
+    return SyncSettings(mode=args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
+                        critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
+                        load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed)
+
+
 def cmd_status(args) -> int:
     import zmq
 
@@ -138,6 +173,8 @@ def cmd_status(args) -> int:
                 continue
             p, s = r["profile"], r["session"]
             share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+            if s and s.get("udp"):
+                share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
             table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
                           f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
                           str(r["served"]["blocks"]))
@@ -162,6 +199,8 @@ def cmd_generate(args) -> int:
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
+    if args.sync != "reliable" and not (args.local_agents or args.agents or args.cluster or args.plan):
+        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents or args.agents or args.cluster or args.plan:
         from contextlib import ExitStack
 
@@ -186,7 +225,7 @@ def _distributed_model(args, weights, stack):
     if args.local_agents:
         if args.local_agents < 0 or args.agents or args.cluster:
             raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
-        cluster = stack.enter_context(LocalCluster(args.local_agents, args.model))
+        cluster = stack.enter_context(LocalCluster(args.local_agents, args.model, predictors=args.predictors))
         endpoints, key = cluster.endpoints, cluster.key
     elif args.agents:
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
@@ -218,7 +257,7 @@ def _distributed_model(args, weights, stack):
             endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
     shares = shares_from_plan(plan, weights.config.n_layers)
     return DistributedModel(weights, shares, endpoints, key, args.insecure, layout, context, args.timeout,
-                            fmt=args.weights)
+                            fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
 
 
 def _run_generation(args, weights, tokenizer, model, sampling) -> int:
@@ -229,6 +268,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
         out = result.to_json()
         if hasattr(model, "report"):
             out["agents"] = model.report()
+            out["sync"] = model.sync_report()
         out["model"] = weights.source
         out["weights"] = args.weights
         print(json.dumps(out))
@@ -253,6 +293,11 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
+    if hasattr(model, "sync_report") and model.sync.mode != "reliable":
+        loss = model.sync_report()["loss"]
+        err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
+                  f"chunks ({loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
+                  f"{loss['groups_dropped']:.1f} groups)[/dim]")
     return 0
 
 

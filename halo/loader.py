@@ -65,3 +65,17 @@ def model_fingerprint(path: str | os.PathLike) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def load_predictors(weights: ModelWeights, directory: str | os.PathLike | None = None, threads: int = 1):
+    """The model's trained predictors: `directory`, else predictors/ beside the checkpoint (inside a HF
+    directory). Checked against the model's sha256 so stale predictors are refused."""
+    from .errors import ConfigError
+    from .predictors.runtime import PredictorSet
+
+    source = Path(weights.source)
+    path = Path(directory) if directory else (source if source.is_dir() else source.parent) / "predictors"
+    if not path.is_dir():
+        raise ConfigError(f"{path}: no trained predictors for {source.name} (HALO mode ranks groups with them); "
+                          f"train them: halo-train-predictors --model {source} --data TEXT --out {path}")
+    return PredictorSet(path, model_fingerprint(source), threads)

@@ -73,6 +73,8 @@ class GatherResult:
     values: dict[int, np.ndarray]  # peer -> vector (missing chunks zero-filled)
     masks: dict[int, np.ndarray]  # peer -> bool per chunk, True = arrived (or recovered)
     waited_s: float
+    done_s: dict[int, float] = field(default_factory=dict)  # peer -> seconds until its vector was complete
+    heard: set = field(default_factory=set)  # peers that sent at least one valid datagram of the epoch
 
     @property
     def complete(self) -> bool:
@@ -103,6 +105,7 @@ class UdpEndpoint:
         self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
+        self.peer_addresses: dict[int, tuple] = {}  # sender id -> where its last valid datagram came from
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
@@ -175,6 +178,7 @@ class UdpEndpoint:
                 self.stats[-1].rejected[e.reason] += 1
                 continue
             self.stats[header.sender].received_bytes += n
+            self.peer_addresses[header.sender] = address
             yield header, bytes(payload), address
 
     def _answer_nack(self, header: wire.Header, payload: bytes, address) -> None:
@@ -212,29 +216,56 @@ class UdpEndpoint:
             if left <= 0:
                 return
 
-    def gather(self, epoch: int, expected: dict[int, int], dtype: int = wire.FLOAT32, deadline_s: float = 0.010,
-               nack: bool = False, addresses: dict[int, tuple] | None = None, gap_s: float = 0.0005,
-               nack_retry_s: float = 0.001) -> GatherResult:
-        """Wait for one epoch's vectors: expected maps peer id -> number of values."""
+    def gather(self, epoch: int, expected: dict[int, int | None], dtype: int = wire.FLOAT32,
+               deadline_s: float = 0.010, nack: bool | set = False, addresses: dict[int, tuple] | None = None,
+               gap_s: float = 0.0005, nack_retry_s: float = 0.001, must_complete=(), confirm=(),
+               hard_deadline_s: float | None = None, silent_s: float | None = None, on_silent=None,
+               on_stale=None, stop_on_newer: bool = False) -> GatherResult:
+        """Wait for one epoch's vectors: expected maps peer id -> number of values, or None when the
+        receiver cannot know it (the sender then pads to whole chunks and the count says the size).
+
+        nack: NACK missing chunks (True: every peer; a set: those peers). Per peer the gather ends when
+        its vector is complete or at `deadline_s`; peers in `must_complete` (critical traffic) get until
+        `hard_deadline_s`; peers in `confirm` are waited for past the deadline until at least one chunk
+        arrived (proof they received their input and computed); data arriving after a peer's deadline is
+        not used. A peer still owed data that has sent
+        nothing for `silent_s` triggers `on_silent(peer)` (re-send its input: a NACK needs a first
+        chunk), again every `silent_s`. `on_stale(header, address)` sees datagrams of older epochs (a
+        peer re-sending input we already answered). `stop_on_newer`: return as soon as an expected peer
+        sends a newer epoch (it has moved on; this epoch will not complete)."""
         start = time.perf_counter()
-        end = start + deadline_s
+        hard = start + (hard_deadline_s if hard_deadline_s is not None else deadline_s)
+        ends = {p: hard if p in must_complete else start + deadline_s for p in expected}
+        confirm = set(confirm)
+        nacking = set(expected) if nack is True else set(nack or ())
         per = wire.values_per_chunk(dtype)
-        counts = {p: wire.chunk_count(n, dtype) for p, n in expected.items()}
-        values = {p: np.zeros(n, dtype=np.float32) for p, n in expected.items()}
-        masks = {p: np.zeros(counts[p], dtype=bool) for p in expected}
+        counts = {p: None if n is None else wire.chunk_count(n, dtype) for p, n in expected.items()}
+        values = {p: np.zeros(n or 0, dtype=np.float32) for p, n in expected.items()}
+        masks = {p: np.zeros(c if c is not None else 1, dtype=bool) for p, c in counts.items()}
+        heard = {p: False for p in expected}
         payloads: dict[int, dict[int, bytes]] = {p: {} for p in expected}
         parities: dict[int, dict[int, bytes]] = {p: {} for p in expected}
         next_nack = {p: float("inf") for p in expected}  # armed by a peer's first chunk: never NACK blindly
+        next_silent = {p: start + silent_s if on_silent and silent_s else float("inf") for p in expected}
         nacked = {p: False for p in expected}
         addresses = dict(addresses or {})
         early, self._early = self._early, []
-        while not all(m.all() for m in masks.values()):
+        newer = False
+        done: dict[int, float] = {}
+
+        def owed(p, now):
+            if masks[p].all():
+                return False
+            return now < ends[p] or (p in confirm and not heard[p] and now < hard)
+
+        while not newer:
             now = time.perf_counter()
-            if now >= end:
+            waiting = [p for p in expected if owed(p, now)]
+            if not waiting:
                 break
-            wake = end
-            if nack:
-                wake = min([end] + [next_nack[p] for p in expected if not masks[p].all()])
+            wake = min(max(ends[p], hard if p in confirm and not heard[p] else 0) for p in waiting)
+            wake = min([wake] + [next_nack[p] for p in waiting if p in nacking]
+                       + [next_silent[p] for p in waiting if not heard[p]])
             arrivals = early if early else self._receive(wake - now)
             early = []
             for header, payload, address in arrivals:
@@ -247,20 +278,31 @@ class UdpEndpoint:
                 stats = self.stats[peer]
                 if header.epoch < epoch:
                     stats.rejected["stale"] += 1
+                    if on_stale is not None:
+                        on_stale(header, address)
                     continue
                 if header.epoch > epoch:  # a later synchronization: keep it for that gather
                     if len(self._early) < EARLY_KEPT:
                         self._early.append((header, payload, address))
                     else:
                         stats.rejected["early_overflow"] += 1
+                    newer = newer or (stop_on_newer and peer in expected)
                     continue
                 if peer not in expected:
                     stats.rejected["unexpected"] += 1
                     continue
-                if header.dtype != dtype or header.count != counts[peer]:
+                if counts[peer] is None and header.dtype == dtype and 0 < header.count:
+                    counts[peer] = header.count  # the size is what the sender's chunks say (whole chunks)
+                    values[peer] = np.zeros(header.count * per, dtype=np.float32)
+                    masks[peer] = np.zeros(header.count, dtype=bool)
+                if header.dtype != dtype or header.count != counts[peer] or header.index >= counts[peer]:
                     stats.rejected["malformed"] += 1
                     continue
                 addresses.setdefault(peer, address)
+                heard[peer] = True
+                if time.perf_counter() > ends[peer] and peer not in must_complete:
+                    stats.rejected["late"] += 1  # past its deadline a peer's data only confirms it is alive
+                    continue
                 if header.kind == wire.PARITY:
                     if len(payload) < PARITY_PREFIX.size:
                         stats.rejected["malformed"] += 1
@@ -287,30 +329,76 @@ class UdpEndpoint:
                     if nacked[peer]:
                         stats.chunks_recovered_nack += 1
                 self._repair_with_parity(peer, values, masks, payloads, parities, dtype, per)
-                if nack and not masks[peer].all():
+                if masks[peer].all() and peer not in done:
+                    done[peer] = time.perf_counter() - start
+                if peer in nacking and not masks[peer].all():
                     arrived = time.perf_counter()
                     last = header.index >= counts[peer] - 1 if header.kind == wire.DATA else True
                     # the burst's tail came with holes: ask now; else after a short gap without news
                     next_nack[peer] = arrived if last else min(next_nack[peer], arrived + gap_s)
-            if nack:
-                now = time.perf_counter()
-                for peer in expected:
-                    if masks[peer].all() or now < next_nack[peer] or peer not in addresses:
-                        continue
-                    missing = np.flatnonzero(~masks[peer]).astype("<u2")
-                    datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
-                                         missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
-                    self._sendto(datagram, addresses[peer])
-                    self.stats[peer].nacks_sent += 1
-                    nacked[peer] = True
-                    next_nack[peer] = now + nack_retry_s
+            now = time.perf_counter()
+            for peer in expected:
+                if masks[peer].all() or not owed(peer, now):
+                    continue
+                if not heard[peer] and now >= next_silent[peer]:
+                    on_silent(peer)
+                    next_silent[peer] = now + silent_s
+                if peer not in nacking or now < next_nack[peer] or peer not in addresses:
+                    continue
+                missing = np.flatnonzero(~masks[peer]).astype("<u2")
+                datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
+                                     missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
+                self._sendto(datagram, addresses[peer])
+                self.stats[peer].nacks_sent += 1
+                nacked[peer] = True
+                next_nack[peer] = now + nack_retry_s
         waited = time.perf_counter() - start
         for peer in expected:
             stats = self.stats[peer]
-            stats.chunks_missing += int((~masks[peer]).sum())
-            stats.chunks_expected += counts[peer]
+            stats.chunks_missing += int((~masks[peer]).sum()) if counts[peer] is not None else 0
+            stats.chunks_expected += counts[peer] or 0
             stats.sync_ms.append(1e3 * waited)
-        return GatherResult(values, masks, waited)
+        return GatherResult(values, masks, waited, done, {p for p, h in heard.items() if h})
+
+    def newest_epoch(self, peer: int, after: int, timeout_s: float, on_stale=None) -> int | None:
+        """Wait up to timeout_s for datagrams of `peer` with an epoch beyond `after`; they are kept for
+        the gather that follows. Returns the newest such epoch (None: nothing came). Answers NACKs and
+        probes meanwhile; older datagrams go to on_stale."""
+        newest = max([h.epoch for h, _, _ in self._early if h.sender == peer and h.epoch > after], default=None)
+        if newest is not None:
+            return newest
+        for header, payload, address in self._receive(timeout_s):
+            if header.kind == wire.NACK:
+                self._answer_nack(header, payload, address)
+            elif self._answer_probe(header, payload, address):
+                continue
+            elif header.sender == peer and header.epoch > after:
+                if len(self._early) < EARLY_KEPT:
+                    self._early.append((header, payload, address))
+                newest = max(newest or 0, header.epoch)
+            elif header.sender == peer and on_stale is not None:
+                self.stats[peer].rejected["stale"] += 1
+                on_stale(header, address)
+        return newest
+
+    def request_all(self, epoch: int, peer: int, n_values: int, dtype: int, address) -> None:
+        """A NACK for every chunk of a vector we expect but have not seen a chunk of (its sender has it)."""
+        missing = np.arange(wire.chunk_count(n_values, dtype), dtype="<u2")
+        datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
+                             missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
+        self._sendto(datagram, address)
+        self.stats[peer].nacks_sent += 1
+
+    def resend(self, epoch: int, peer: int) -> bool:
+        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what
+        it missed); False when that vector is no longer kept."""
+        entry = self.sent.get((epoch, peer))
+        if entry is None:
+            return False
+        address, datagrams = entry
+        for d in datagrams:
+            self._sendto(d, address)
+        return True
 
     def _repair_with_parity(self, peer, values, masks, payloads, parities, dtype, per) -> None:
         """A parity group with exactly one chunk missing and its parity present: XOR it back."""
