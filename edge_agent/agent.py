@@ -77,6 +77,7 @@ class Agent:
         self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0,
                        "broadcasts_incomplete": 0, "partials_resent": 0}
         self.predictors_dir = predictors
+        self._resent: dict[int, float] = {}  # input epoch -> when we last re-sent its partial
         self._predictor_set = None
         # before anyone can learn our address: a SIGTERM from then on drains instead of killing
         signal.signal(signal.SIGTERM, self.stop)
@@ -205,7 +206,7 @@ class Agent:
                 if any(b - a != len(mlp[l]) for l, (a, b) in ranks.items()):
                     return refuse("HALO mode needs contiguous MLP rank ranges (a priority-rank plan)")
                 predictors = self._predictors() if sync.predict else None
-                remap = Remapper(self.weights, layout, ranks, predictors, sync.load_overlap, n)
+                remap = Remapper(self.weights, layout, ranks, predictors, sync.load_overlap)
                 shards_m = {}
             else:
                 shards_m = {l: MlpShard(self.weights.layers[l], layout, groups, fmt, n)
@@ -321,7 +322,13 @@ class Agent:
         self.udp.send_vector(self.udp.peer_addresses[0], 0, epoch, body, parity_group=sync.parity_group if sync.semantic else 0)
 
     def _resend_partial(self, header, address) -> None:
-        """The master sent an input again that we already answered: our partial got lost; send it again."""
+        """The master sent an input again that we already answered: our partial got lost; send it again
+        (once per re-sent input: its chunks arrive together)."""
+        now = time.monotonic()
+        if now - self._resent.get(header.epoch, 0.0) < 0.002:
+            return
+        self._resent = {e: t for e, t in self._resent.items() if now - t < 1.0}
+        self._resent[header.epoch] = now
         if self.udp.resend(header.epoch + 1, 0):
             self.served["partials_resent"] += 1
 

@@ -206,7 +206,6 @@ def cmd_generate(args) -> int:
 
         with ExitStack() as stack:
             model = _distributed_model(args, weights, stack)
-            stack.callback(model.close)
             return _run_generation(args, weights, tokenizer, model, sampling)
     model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     return _run_generation(args, weights, tokenizer, model, sampling)
@@ -214,50 +213,12 @@ def cmd_generate(args) -> int:
 
 def _distributed_model(args, weights, stack):
     """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
-    from .distributed import DistributedModel, LocalCluster, even_plan, shares_from_plan
-    from .model import DEFAULT_CONTEXT
-    from .neuron_groups import GroupLayout
-    from .transport.reliable import load_key
+    from .distributed import connect
 
-    layout = GroupLayout.for_model(weights.config)
-    context = min(weights.config.max_seq_len, args.context or DEFAULT_CONTEXT)
-    key = None
-    if args.local_agents:
-        if args.local_agents < 0 or args.agents or args.cluster:
-            raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
-        cluster = stack.enter_context(LocalCluster(args.local_agents, args.model, predictors=args.predictors))
-        endpoints, key = cluster.endpoints, cluster.key
-    elif args.agents:
-        endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
-    else:
-        endpoints = None
-    if key is None and not args.insecure:
-        key = load_key(args.key)
-    if args.plan:
-        from .scheduler import plan_io
-
-        plan = plan_io.load(args.plan)
-        if isinstance(plan, tuple):
-            raise ConfigError(f"{args.plan} is a pipeline plan; generate needs a tensor-parallel (--mode tp) plan")
-    elif args.cluster:
-        from .scheduler.profiles import load_cluster, model_profile
-        from .scheduler.tp_plan import plan_tp
-
-        cluster_file = load_cluster(args.cluster)
-        profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
-                                vocab_group_size=layout.vocab_group_size)
-        plan = plan_tp(cluster_file, profile)
-    else:
-        plan = even_plan(weights, layout, len(endpoints) + 1, context=context)
-    if endpoints is None:
-        endpoints = []
-        for d in plan.profiles()[1:]:
-            if not d.address:
-                raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
-            endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
-    shares = shares_from_plan(plan, weights.config.n_layers)
-    return DistributedModel(weights, shares, endpoints, key, args.insecure, layout, context, args.timeout,
-                            fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
+    agents = [a for a in args.agents.split(",") if a] if args.agents else None
+    return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=agents,
+                   cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
+                   timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
 
 
 def _run_generation(args, weights, tokenizer, model, sampling) -> int:

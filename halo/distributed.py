@@ -340,7 +340,7 @@ class DistributedModel:
         width = {i: (self.config.dim if kind != "lm_head" else len(self.vocab_ids[i])) if i in holders else 0
                  for i in over_udp}
         expected = {i + 1: PREFIX + T * width[i] for i in over_udp}
-        deadline = self.deadline.deadline_s(kind, [i + 1 for i in holders])
+        deadline = self.deadline.deadline_s(kind, [i + 1 for i in holders], T)
         must = {i + 1 for i in critical if i + 1 in expected} | {i + 1 for i in receivers if i not in holders}
         confirm = {i + 1 for i in holders} if (kind == "attention" and s.udp_broadcast) else set()
         nack = set(expected) if s.semantic else must
@@ -356,7 +356,7 @@ class DistributedModel:
         gathered_at = time.perf_counter()
         result = self.udp.gather(epoch + 1, expected, wire.FLOAT32, deadline_s=max(0.0, deadline - (gathered_at - sent)),
                                  nack=nack, must_complete=must, confirm=confirm, hard_deadline_s=self.timeout_s,
-                                 silent_s=max(deadline / 2, 0.001), on_silent=on_silent) if expected else None
+                                 silent_s=max(0.6 * deadline, 0.001), on_silent=on_silent) if expected else None
         if any(i not in critical for i in holders):
             self.ledger.blocks += 1
         for i in holders:
@@ -371,7 +371,7 @@ class DistributedModel:
                 raise AgentError(f"agent {link.name} ({link.endpoint}) did not confirm the attention input of layer "
                                  f"{layer} within {self.timeout_s:.1f} s: it stopped or its link is down")
             if i + 1 in result.done_s:
-                self.deadline.observe(kind, i + 1, gathered_at - sent + result.done_s[i + 1])
+                self.deadline.observe(kind, i + 1, gathered_at - sent + result.done_s[i + 1], T)
             chunks = len(mask)
             missing = chunks if not mask[0] else int((~mask).sum())  # no prefix: nothing of it can be trusted
             if mask[0]:
@@ -456,6 +456,60 @@ def _rank_range(ranks: list[int]) -> tuple[int, int]:
     if b - a != len(ranks):
         raise ConfigError(f"MLP ranks {ranks} are not one contiguous range; HALO mode needs a priority-rank plan")
     return a, b
+
+
+def connect(weights: ModelWeights, stack, *, model_path: str | None = None, local_agents: int = 0,
+            agents: list[str] | None = None, cluster: str | None = None, plan: str | None = None,
+            key: str | None = "/etc/halo/cluster.key", insecure: bool = False, context: int | None = None,
+            timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
+            predictors: str | None = None) -> "DistributedModel":
+    """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
+    addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts."""
+    from .transport.reliable import load_key
+
+    layout = GroupLayout.for_model(weights.config)
+    context = min(weights.config.max_seq_len, context or DEFAULT_CONTEXT)
+    cluster_key = None
+    if local_agents:
+        if local_agents < 0 or agents or cluster:
+            raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
+        local = stack.enter_context(LocalCluster(local_agents, model_path, predictors=predictors))
+        endpoints, cluster_key = local.endpoints, local.key
+    elif agents:
+        endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
+    else:
+        endpoints = None
+    if cluster_key is None and not insecure:
+        cluster_key = load_key(key)
+    if plan:
+        from .scheduler import plan_io
+
+        tp_plan = plan_io.load(plan)
+        if isinstance(tp_plan, tuple):
+            raise ConfigError(f"{plan} is a pipeline plan; generate needs a tensor-parallel (--mode tp) plan")
+    elif cluster:
+        from .scheduler.profiles import load_cluster, model_profile
+        from .scheduler.tp_plan import plan_tp
+
+        cluster_file = load_cluster(cluster)
+        profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
+                                vocab_group_size=layout.vocab_group_size)
+        tp_plan = plan_tp(cluster_file, profile)
+    elif endpoints is not None:
+        tp_plan = even_plan(weights, layout, len(endpoints) + 1, context=context)
+    else:
+        raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
+    if endpoints is None:
+        endpoints = []
+        for d in tp_plan.profiles()[1:]:
+            if not d.address:
+                raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
+            endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
+    shares = shares_from_plan(tp_plan, weights.config.n_layers)
+    model = DistributedModel(weights, shares, endpoints, cluster_key, insecure, layout, context, timeout, fmt=fmt,
+                             sync=sync, predictors=predictors)
+    stack.callback(model.close)
+    return model
 
 
 class LocalCluster:

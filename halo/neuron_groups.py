@@ -241,6 +241,48 @@ class MlpShard:
         return self.gate_up.nbytes + self.down.nbytes
 
 
+class MlpGroupBank:
+    """Every MLP group of a layer, any subset computed per call without copying weights (HALO mode
+    re-maps groups per token). The checkpoint's own layout is group-major enough: a group's W_gate and
+    W_up rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of
+    group-size floats), so nothing is gathered per token; loading = bringing those pages in."""
+
+    def __init__(self, layer: LayerWeights, layout: GroupLayout):
+        self.w_gate, self.w_up, self.w_down, self.layout = layer.w_gate, layer.w_up, layer.w_down, layout
+
+    def _rows(self, group: int) -> slice:
+        r = self.layout.mlp_neurons(group)
+        return slice(r.start, r.stop)
+
+    def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
+        """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says
+        which tokens each group serves (None: all)."""
+        out = np.zeros((len(x), self.w_down.shape[0]), dtype=np.float32)
+        for j, g in enumerate(groups):
+            s = self._rows(int(g))
+            tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
+            xs = x[tokens]
+            if len(xs) == 0:
+                continue
+            act = silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)
+            out[tokens] += act @ self.w_down[:, s].T
+        return out
+
+    def prefetch(self, groups: Sequence[int]) -> int:
+        """Touch one value per page of the groups' weights (a device short of RAM reads them from the
+        model file here, ahead of use); returns the bytes covered."""
+        covered = 0
+        for g in groups:
+            s = self._rows(int(g))
+            for w in (self.w_gate[s], self.w_up[s]):
+                float(w.reshape(-1)[::1024].sum())
+                covered += w.nbytes
+            block = self.w_down[:, s]
+            float(block[::max(1, 4096 // (self.w_down.shape[1] * 4)), 0].sum())
+            covered += block.nbytes
+        return covered
+
+
 class LmHeadShard:
     """A set of vocabulary groups: the logits of its rows."""
 

@@ -21,14 +21,15 @@ Attention heads stay where the plan put them (their KV caches cannot move per to
 their predicted ranking decides which attention partials are critical. MLP groups are re-mapped per
 token.
 
-The deadline rule (`AdaptiveDeadline`): per agent, an exponentially weighted mean (alpha 0.2) of its
-turnaround, i.e. the time from the master sending a block's input to that agent's partial being
+The deadline rule (`AdaptiveDeadline`): per agent, block kind and input size (tokens, in powers of
+two: a prefill is not a decode step), an exponentially weighted mean (alpha 0.2) of its turnaround, i.e. the time from the master sending a block's input to that agent's partial being
 complete (its compute + the link round trip + recovery). A block's lossy partials get
     deadline = clamp(floor, ceiling, slack * median(turnaround of the block's holders))
 measured from the moment the input was sent. The median, not the maximum: one straggling agent
 does not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2), its low-importance share is what gets dropped. Before any
-measurement the ceiling applies. An agent that has sent nothing after `silent` = half the deadline
-gets its input again (it may have lost the whole broadcast; it re-sends its partial if it had it).
+measurement the ceiling applies. An agent that has sent nothing
+gets its input again (it may have lost the whole broadcast; it re-sends its partial if it had it)
+after 0.6 x the deadline (with slack 2: when it is 20 % later than usual).
 
 Framing: UDP vectors carry a 4-float prefix. Broadcast: [tokens, start position, ranking digest, 0],
 padded to whole chunks (the receiver learns the size from the chunk count). Partial: [compute ms,
@@ -128,13 +129,18 @@ class AdaptiveDeadline:
         self.slack = settings.deadline_slack
         self.turnaround: dict[tuple[str, int], float] = {}  # (block kind, agent) -> EWMA seconds
 
-    def observe(self, kind: str, agent: int, seconds: float) -> None:
-        key = (kind, agent)
+    @staticmethod
+    def _key(kind: str, agent: int, tokens: int) -> tuple:
+        return kind, agent, max(0, int(tokens) - 1).bit_length()  # work grows with tokens: powers of two
+
+    def observe(self, kind: str, agent: int, seconds: float, tokens: int = 1) -> None:
+        key = self._key(kind, agent, tokens)
         old = self.turnaround.get(key)
         self.turnaround[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
-    def deadline_s(self, kind: str, agents) -> float:
-        known = [self.turnaround[(kind, a)] for a in agents if (kind, a) in self.turnaround]
+    def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        keys = [self._key(kind, a, tokens) for a in agents]
+        known = [self.turnaround[k] for k in keys if k in self.turnaround]
         if not known:
             return self.ceiling
         return float(np.clip(self.slack * np.median(known), self.floor, self.ceiling))

@@ -258,16 +258,22 @@ class UdpEndpoint:
                 return False
             return now < ends[p] or (p in confirm and not heard[p] and now < hard)
 
+        drained = False  # what is already queued when the gather starts arrived in time, whatever the clock says
         while not newer:
             now = time.perf_counter()
             waiting = [p for p in expected if owed(p, now)]
-            if not waiting:
+            if not waiting and drained:
                 break
-            wake = min(max(ends[p], hard if p in confirm and not heard[p] else 0) for p in waiting)
+            wake = min([max(ends[p], hard if p in confirm and not heard[p] else 0) for p in waiting] or [now])
             wake = min([wake] + [next_nack[p] for p in waiting if p in nacking]
                        + [next_silent[p] for p in waiting if not heard[p]])
-            arrivals = early if early else self._receive(wake - now)
+            if not drained:
+                arrivals = early + list(self._receive(0.0))
+            else:
+                arrivals = early if early else self._receive(wake - now)
             early = []
+            on_time = not drained
+            drained = True
             for header, payload, address in arrivals:
                 peer = header.sender
                 if header.kind == wire.NACK:
@@ -300,7 +306,7 @@ class UdpEndpoint:
                     continue
                 addresses.setdefault(peer, address)
                 heard[peer] = True
-                if time.perf_counter() > ends[peer] and peer not in must_complete:
+                if not on_time and time.perf_counter() > ends[peer] and peer not in must_complete:
                     stats.rejected["late"] += 1  # past its deadline a peer's data only confirms it is alive
                     continue
                 if header.kind == wire.PARITY:
