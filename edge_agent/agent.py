@@ -22,7 +22,8 @@ from halo.loader import load_weights, model_fingerprint
 from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from halo.ops import Rotary, rmsnorm
 from halo.remap import Remapper
-from halo.sync import (LM_HEAD, MLP, PREFIX, STATUS_OK, STATUS_RANKING_MISMATCH, ATTENTION, SyncSettings, frame)
+from halo.sync import (ATTENTION, LM_HEAD, MLP, PREFIX, STATUS_KV_GAP, STATUS_OK, STATUS_RANKING_MISMATCH,
+                       SyncSettings, frame)
 from halo.transport.reliable import (PROTOCOL_VERSION, ClusterKey, Message, MessageError, decode, encode,
                                      server_socket, start_authenticator)
 
@@ -44,6 +45,7 @@ class Session:
     remap: Remapper | None = None
     mlp_ranks: dict = field(default_factory=dict)  # layer -> (a, b) in HALO mode
     last_epoch: int = 0  # newest UDP broadcast handled
+    kv_gap: bool = False  # an attention input never arrived: our KV caches are incomplete until reset
 
 
 class Agent:
@@ -165,6 +167,7 @@ class Agent:
         if message.kind == "reset":
             for shard in self.session.attention.values():
                 shard.reset()
+            self.session.kv_gap = False
             return Message("ok")
         if message.kind == "bye":
             log.info("session with %s ended", self.session.master)
@@ -250,6 +253,8 @@ class Agent:
         if kind == "attention":
             if layer not in s.attention:
                 return None, STATUS_OK
+            if s.kv_gap:
+                return np.zeros_like(x), STATUS_KV_GAP
             if start < 0 or start + len(x) > s.rotary.cos.shape[0]:
                 raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context")
             return s.attention[layer].forward(rmsnorm(x, w.layers[layer].attn_norm, eps), start, s.rotary), STATUS_OK
@@ -322,8 +327,8 @@ class Agent:
         self.udp.send_vector(self.udp.peer_addresses[0], 0, epoch, body, parity_group=sync.parity_group if sync.semantic else 0)
 
     def _resend_partial(self, header, address) -> None:
-        """The master sent an input again that we already answered: our partial got lost; send it again
-        (once per re-sent input: its chunks arrive together)."""
+        """The master sent an input again that we already answered: our partial got lost (or is late);
+        send it again (once per re-sent input: its chunks arrive together)."""
         now = time.monotonic()
         if now - self._resent.get(header.epoch, 0.0) < 0.002:
             return
@@ -333,20 +338,57 @@ class Agent:
             self.served["partials_resent"] += 1
 
     def _udp_round(self) -> None:
-        """Receive the newest UDP broadcast of the master (NACKing its holes), compute, send the partial."""
+        """Handle the master's UDP broadcasts. Inputs our KV caches need (attention of our layers) are
+        handled in order and never skipped: one we never saw a datagram of is requested with a blind
+        NACK. Other inputs are answered only while current: a newer broadcast means the master has
+        moved on, so an older MLP / LM-head input is skipped."""
+        s = self.session
+        pending = self.udp.pending_epochs(0, s.last_epoch, 0.0, on_stale=self._resend_partial)
+        if not pending:
+            return
+        newest = pending[-1]
+        for epoch in self._kv_inputs_between(s.last_epoch, newest):
+            if self.session is not s:
+                return
+            if not self._handle_broadcast(epoch, required=True):
+                s.kv_gap = True  # our caches miss a position: refuse attention until the master resets
+                self.served["errors"] += 1
+                log.warning("never received attention input %#x: KV cache incomplete until the next reset", epoch)
+                s.last_epoch = max(s.last_epoch, epoch)
+        if self.session is s and newest > s.last_epoch:
+            self._handle_broadcast(newest, required=False)
+
+    def _kv_inputs_between(self, after: int, newest: int) -> list[int]:
+        """Attention broadcasts of our head layers with epochs in (after, newest): forward passes are
+        numbered consecutively, so every one of them was sent."""
         from halo.transport import wire
 
         s = self.session
-        epoch = self.udp.newest_epoch(0, s.last_epoch, 0.0, on_stale=self._resend_partial)
-        if epoch is None:
-            return
-        result = self.udp.gather(epoch, {0: None}, wire.FLOAT32, deadline_s=1.0, nack=True, stop_on_newer=True,
-                                 on_stale=self._resend_partial)
-        s.last_epoch = max(s.last_epoch, epoch)
+        first, last = max(1, after >> 20), newest >> 20
+        if last - first > 4:  # a jump this large is not a lost packet: start over from here
+            log.warning("broadcast epochs jumped from %#x to %#x", after, newest)
+            return []
+        out = [wire.make_epoch(f, l, ATTENTION) for f in range(first, last + 1) for l in sorted(s.attention)]
+        return [e for e in out if after < e < newest]
+
+    def _handle_broadcast(self, epoch: int, required: bool) -> bool:
+        """Gather one broadcast (NACKing its holes), compute, send the partial; False: it never came."""
+        from halo.transport import wire
+
+        s = self.session
+        master = self.udp.peer_addresses.get(0)
+
+        def ask(_peer):  # not one datagram of it arrived: ask the master for all of it
+            if master is not None:
+                self.udp.request_all(epoch, 0, None, wire.FLOAT32, master)
+
+        result = self.udp.gather(epoch, {0: None}, wire.FLOAT32, deadline_s=1.0, nack=True, stop_on_newer=not required,
+                                 on_stale=self._resend_partial, silent_s=0.005 if required else None,
+                                 on_silent=ask if required else None)
         s.last_seen = time.monotonic()
         if not result.complete:  # the master moved on (or went quiet): nothing to answer
             self.served["broadcasts_incomplete"] += 1
-            return
+            return False
         v, dim = result.values[0], self.weights.config.dim
         tokens, start, digest = int(v[0]), int(v[1]), int(v[2])
         layer, point = (epoch >> 4) & 0xFFFF, epoch & 0xF
@@ -354,11 +396,13 @@ class Agent:
         if kind is None or tokens <= 0 or PREFIX + tokens * dim > len(v):
             self.served["errors"] += 1
             log.warning("ignored a malformed broadcast (epoch %#x, %d tokens)", epoch, tokens)
-            return
+            return True
         x = v[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim)
+        s.last_epoch = max(s.last_epoch, epoch)  # only inputs we answer: a bad one must not hide a good one
         try:
             self._run_block(kind, layer, x, start, digest,
                             lambda out, status, ms, _cpu: self._send_partial(epoch + 1, out, status, ms))
         except HaloError as e:
             self.served["errors"] += 1
             log.warning("block refused: %s", e)
+        return True

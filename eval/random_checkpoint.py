@@ -60,3 +60,28 @@ def write_random_llama(directory: str | Path, cfg: dict, seed: int = 0, std: flo
                     rows = min(1024, shape[0] - start)
                     (rng.standard_normal((rows, shape[1]), dtype=np.float32) * std).tofile(f)
     return directory
+
+
+def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int = 0) -> Path:
+    """Untrained predictors (random weights, the real ONNX format and manifest) for a random checkpoint in
+    `directory`: HALO mode runs on them exactly as on trained ones (speed benchmarks; rankings are noise)."""
+    from halo.loader import load_config, model_fingerprint
+    from halo.neuron_groups import GroupLayout
+    from halo.predictors.export import export
+    from halo.predictors.trainer import LayerPredictor
+
+    directory = Path(directory)
+    config = load_config(directory)
+    layout = GroupLayout.for_model(config)
+    rng = np.random.default_rng(seed)
+    outputs = layout.n_heads + layout.n_mlp_groups
+    layers = [LayerPredictor(l, np.zeros(config.dim, np.float32), np.ones(config.dim, np.float32),
+                             rng.standard_normal((hidden, config.dim)).astype(np.float32) / np.sqrt(config.dim),
+                             np.zeros(hidden, np.float32), rng.standard_normal((outputs, hidden)).astype(np.float32),
+                             np.zeros(outputs, np.float32), layout.n_heads, layout.n_mlp_groups)
+              for l in range(1, config.n_layers)]
+    meta = {"model": str(directory), "model_sha256": model_fingerprint(directory), "n_layers": config.n_layers,
+            "dim": config.dim, "n_heads": layout.n_heads, "n_mlp_groups": layout.n_mlp_groups,
+            "mlp_group_size": layout.mlp_group_size, "text": "none (random, untrained)", "train_fraction": 0.0,
+            "window": 0, "max_chars": 0, "tokens": 0}
+    return export(layers, directory / "predictors", meta, {"untrained": True, "seed": seed})

@@ -1,13 +1,16 @@
-"""The master of a tensor-parallel cluster: one token's forward pass over agents (reliable mode).
+"""The master of a tensor-parallel cluster: one forward pass over agents, in any sync mode.
 
 `DistributedModel` has the same interface as the single-process `Transformer` (forward, reset,
-max_seq_len), so `generate()` drives either. Per block, the master sends the normed input to every
-agent holding groups of that block, computes its own share meanwhile (HALO: the master is a worker
-too), then adds the partial sums into the residual in a fixed order (own share, then agents in plan
-order), so the result is deterministic. The LM head's vocabulary slices are gathered into full logits.
+max_seq_len), so `generate()` drives either. Per block, the master sends the residual stream to every
+agent holding groups of that block (each applies the block's RMSNorm itself), computes its own share
+meanwhile (HALO: the master is a worker too), then adds the partial sums in a fixed order (own share,
+then agents in plan order), so the result is deterministic. The LM head's vocabulary slices are
+gathered into full logits. How inputs and partial sums travel, and what may be dropped, is the sync
+mode (halo/sync.py); `_block_relaxed` is the relaxed merge.
 
 A plan (scheduler) says how many groups of each block every device takes; Algorithm 3's priority
-ranks become concrete group indices here (rank r = group r until HALO mode re-maps them per token).
+ranks become concrete group indices here: rank r = group r, except MLP groups in HALO mode, which
+halo/remap.py re-maps per token.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .errors import ConfigError, HaloError
 from .model import DEFAULT_CONTEXT
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from .ops import Rotary, rmsnorm
-from .sync import PREFIX, POINTS, STATUS_RANKING_MISMATCH, AdaptiveDeadline, LossLedger, SyncSettings, frame
+from .sync import PREFIX, POINTS, STATUS_KV_GAP, STATUS_RANKING_MISMATCH, AdaptiveDeadline, LossLedger, SyncSettings, frame
 from .weights import ModelWeights
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -83,6 +86,7 @@ class AgentLink:
     profile: dict = field(default_factory=dict)
     udp_port: int | None = None
     weight_bytes: int = 0
+    last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply from it (liveness)
 
     def send(self, kind: str, fields: dict, arrays=()) -> None:
         from .transport.reliable import Message, encode
@@ -342,9 +346,8 @@ class DistributedModel:
         expected = {i + 1: PREFIX + T * width[i] for i in over_udp}
         deadline = self.deadline.deadline_s(kind, [i + 1 for i in holders], T)
         must = {i + 1 for i in critical if i + 1 in expected} | {i + 1 for i in receivers if i not in holders}
-        confirm = {i + 1 for i in holders} if (kind == "attention" and s.udp_broadcast) else set()
         nack = set(expected) if s.semantic else must
-        recover = set(expected) if s.semantic else must | confirm  # lossy: no recovery of plain partials
+        recover = set(expected) if s.semantic else must  # lossy: no recovery of plain partials
 
         def on_silent(peer):
             if peer not in recover:
@@ -355,7 +358,7 @@ class DistributedModel:
                 self.udp.request_all(epoch + 1, peer, expected[peer], wire.FLOAT32, self.addresses[peer - 1])
         gathered_at = time.perf_counter()
         result = self.udp.gather(epoch + 1, expected, wire.FLOAT32, deadline_s=max(0.0, deadline - (gathered_at - sent)),
-                                 nack=nack, must_complete=must, confirm=confirm, hard_deadline_s=self.timeout_s,
+                                 nack=nack, must_complete=must, hard_deadline_s=self.timeout_s,
                                  silent_s=max(0.6 * deadline, 0.001), on_silent=on_silent) if expected else None
         if any(i not in critical for i in holders):
             self.ledger.blocks += 1
@@ -367,14 +370,20 @@ class DistributedModel:
             if i + 1 in must and not mask.all():
                 raise AgentError(f"agent {link.name} ({link.endpoint}) did not deliver its {kind} partial of layer "
                                  f"{layer} within {self.timeout_s:.1f} s: it stopped or its link is down")
-            if i + 1 in confirm and i + 1 not in result.heard:
-                raise AgentError(f"agent {link.name} ({link.endpoint}) did not confirm the attention input of layer "
-                                 f"{layer} within {self.timeout_s:.1f} s: it stopped or its link is down")
+            now = time.monotonic()
+            if i + 1 in result.heard:
+                link.last_heard = now
+            elif now - link.last_heard > self.timeout_s:
+                raise AgentError(f"agent {link.name} ({link.endpoint}) has sent nothing for {now - link.last_heard:.1f} s "
+                                 "(every partial since was dropped): it stopped or its link is down")
             if i + 1 in result.done_s:
                 self.deadline.observe(kind, i + 1, gathered_at - sent + result.done_s[i + 1], T)
             chunks = len(mask)
             missing = chunks if not mask[0] else int((~mask).sum())  # no prefix: nothing of it can be trusted
             if mask[0]:
+                if values[2] == STATUS_KV_GAP:
+                    raise AgentError(f"agent {link.name} never received an attention input its KV cache needs "
+                                     "(its link lost everything for a second); start the generation again")
                 if values[2] == STATUS_RANKING_MISMATCH:
                     raise AgentError(f"agent {link.name} ranked layer {layer}'s groups differently from the master "
                                      "(different predictors or onnxruntime build); use the same halo release "
@@ -550,26 +559,31 @@ class LocalCluster:
                 self.processes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
                                                        preexec_fn=_die_with_parent))
             for p in self.processes:
-                self.endpoints.append(_read_endpoint(p, self.timeout))
+                self.endpoints.append(read_endpoint(p, self.timeout))
         except BaseException:
             self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        for p in self.processes:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.processes:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.processes)
         if self._dir:
             self._dir.cleanup()
         if getattr(self, "_limits", None) is not None:
             self._limits.restore_original_limits()
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM (agents drain and leave), then SIGKILL whoever is still there after grace_s."""
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    for p in processes:
+        try:
+            p.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _die_with_parent() -> None:
@@ -581,7 +595,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _read_endpoint(process: subprocess.Popen, timeout_s: float) -> str:
+def read_endpoint(process: subprocess.Popen, timeout_s: float) -> str:
     import select
 
     deadline = time.monotonic() + timeout_s

@@ -15,7 +15,11 @@ Sync modes (`--sync`):
   then is zero-filled ("recover first, drop last").
 - halo-tcp: as halo, but broadcasts and critical partials go over TCP, as the paper did.
 
-Always reliable in every mode: layer 0, every broadcast (it feeds the KV caches), the LM head.
+Always reliable in every mode: layer 0, every broadcast (it feeds the KV caches), the LM head. An
+agent handles attention inputs in order and never skips one (it asks for one it never saw a
+datagram of); one that still never comes marks its caches incomplete and it answers STATUS_KV_GAP
+until the next reset, which stops the master with an error. An agent that has sent nothing for the
+master's timeout is reported as gone, even when all its partials were droppable.
 
 Attention heads stay where the plan put them (their KV caches cannot move per token); in halo mode
 their predicted ranking decides which attention partials are critical. MLP groups are re-mapped per
@@ -50,7 +54,7 @@ SYNC_MODES = ("reliable", "lossy", "halo", "halo-tcp")
 PREFIX = 4
 ATTENTION, MLP, LM_HEAD = 0, 2, 4  # sync points of a layer's broadcasts; a partial is point + 1
 POINTS = {"attention": ATTENTION, "mlp": MLP, "lm_head": LM_HEAD}
-STATUS_OK, STATUS_RANKING_MISMATCH = 1.0, 2.0
+STATUS_OK, STATUS_RANKING_MISMATCH, STATUS_KV_GAP = 1.0, 2.0, 3.0
 
 
 @dataclass

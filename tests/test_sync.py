@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -146,17 +147,18 @@ def test_broadcast_framing_lets_the_receiver_learn_the_size():
         b.close()
 
 
-def test_late_data_only_confirms():
+def test_late_data_is_heard_but_not_used():
+    import threading
+
     key = bytes(32)
     a, b = UdpEndpoint(key, 1, 0), UdpEndpoint(key, 1, 1)
     try:
-        result = b.gather(5, {0: 64}, deadline_s=0.0, confirm={0}, hard_deadline_s=0.001)
-        assert not result.heard
-        import threading
-
         threading.Timer(0.05, lambda: a.send_vector(b.address, 1, 6, np.ones(64))).start()
-        result = b.gather(6, {0: 64}, deadline_s=0.01, confirm={0}, hard_deadline_s=2.0)
-        assert result.heard == {0} and not result.masks[0].any()  # it came after its deadline
+        result = b.gather(6, {0: 64}, deadline_s=0.01, must_complete=(), hard_deadline_s=2.0)
+        assert not result.heard  # the gather ended at the deadline
+        time.sleep(0.1)
+        result = b.gather(6, {0: 64}, deadline_s=0.0)
+        assert result.heard == {0} and result.masks[0].all()  # queued before the gather: in time
     finally:
         a.close()
         b.close()
@@ -183,3 +185,30 @@ def test_cli_halo_reports_its_losses(known_answer):
     bad = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--sync", "halo"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--local-agents" in bad.stderr
+
+
+def test_a_malformed_broadcast_does_not_hurt_the_agent(stories_weights, cluster):
+    """An authenticated datagram that claims an impossible input size is counted and ignored."""
+    from halo.transport.reliable import Message, client_socket, decode, encode
+
+    ref = greedy(Transformer(stories_weights, max_seq_len=CONTEXT), 8)
+    model = distributed(stories_weights, cluster, mode="lossy", deadline_floor_ms=500, deadline_ceiling_ms=1000)
+    try:
+        greedy(model, 2)
+        forger = UdpEndpoint(cluster.key.udp_key, model.udp.session, 0)
+        bogus = frame([10_000, 0, 0, 0], np.zeros(64, np.float32), wire.values_per_chunk(wire.FLOAT32))
+        forger.send_vector(model.addresses[0], 1, wire.make_epoch(model.forward_id + 1, 0, 0), bogus)
+        forger.close()
+        assert greedy(model, 8) == ref  # the agent skipped it and serves the next forward passes
+    finally:
+        model.close()
+    import zmq
+
+    context = zmq.Context()
+    sock = client_socket(context, cluster.key)
+    sock.connect(cluster.endpoints[0])
+    sock.send_multipart(encode(Message("status")))
+    assert sock.poll(3000)
+    served = decode(sock.recv_multipart()).fields["served"]
+    context.destroy(linger=0)
+    assert served["errors"] >= 1

@@ -22,6 +22,8 @@ def test_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=900)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     probe = ("import halo, halo.scheduler, halo.transport, halo.predictors, halo.edge_agent, halo.rpi, halo.eval;"
+             "from halo.eval.lm_eval_tasks import TASKS_DIR;"
+             "assert (TASKS_DIR / 'tinystories_ppl.yaml').is_file() and (TASKS_DIR / 'data' / 'tinystories_cloze.jsonl').is_file();"
              "print(halo.__file__)")
     out = subprocess.run([str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                          env=env, check=True, timeout=120)

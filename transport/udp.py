@@ -31,7 +31,7 @@ from . import wire
 
 RECV_BUFFER_BYTES = 4 << 20
 PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
-SENT_EPOCHS_KEPT = 8
+SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
 
 
@@ -155,7 +155,7 @@ class UdpEndpoint:
             self._sendto(d, address)
         self.stats[peer].sent_bytes += sum(len(d) for d in datagrams + parity)
         self.sent[(epoch, peer)] = (address, datagrams)
-        while len(self.sent) > SENT_EPOCHS_KEPT * 16:
+        while len(self.sent) > SENT_VECTORS_KEPT:
             self.sent.popitem(last=False)
         return len(datagrams) + len(parity)
 
@@ -218,7 +218,7 @@ class UdpEndpoint:
 
     def gather(self, epoch: int, expected: dict[int, int | None], dtype: int = wire.FLOAT32,
                deadline_s: float = 0.010, nack: bool | set = False, addresses: dict[int, tuple] | None = None,
-               gap_s: float = 0.0005, nack_retry_s: float = 0.001, must_complete=(), confirm=(),
+               gap_s: float = 0.0005, nack_retry_s: float = 0.001, must_complete=(),
                hard_deadline_s: float | None = None, silent_s: float | None = None, on_silent=None,
                on_stale=None, stop_on_newer: bool = False) -> GatherResult:
         """Wait for one epoch's vectors: expected maps peer id -> number of values, or None when the
@@ -226,9 +226,7 @@ class UdpEndpoint:
 
         nack: NACK missing chunks (True: every peer; a set: those peers). Per peer the gather ends when
         its vector is complete or at `deadline_s`; peers in `must_complete` (critical traffic) get until
-        `hard_deadline_s`; peers in `confirm` are waited for past the deadline until at least one chunk
-        arrived (proof they received their input and computed); data arriving after a peer's deadline is
-        not used. A peer still owed data that has sent
+        `hard_deadline_s`; data arriving after a peer's deadline is not used (it still counts as heard). A peer still owed data that has sent
         nothing for `silent_s` triggers `on_silent(peer)` (re-send its input: a NACK needs a first
         chunk), again every `silent_s`. `on_stale(header, address)` sees datagrams of older epochs (a
         peer re-sending input we already answered). `stop_on_newer`: return as soon as an expected peer
@@ -236,7 +234,6 @@ class UdpEndpoint:
         start = time.perf_counter()
         hard = start + (hard_deadline_s if hard_deadline_s is not None else deadline_s)
         ends = {p: hard if p in must_complete else start + deadline_s for p in expected}
-        confirm = set(confirm)
         nacking = set(expected) if nack is True else set(nack or ())
         per = wire.values_per_chunk(dtype)
         counts = {p: None if n is None else wire.chunk_count(n, dtype) for p, n in expected.items()}
@@ -256,7 +253,7 @@ class UdpEndpoint:
         def owed(p, now):
             if masks[p].all():
                 return False
-            return now < ends[p] or (p in confirm and not heard[p] and now < hard)
+            return now < ends[p]
 
         drained = False  # what is already queued when the gather starts arrived in time, whatever the clock says
         while not newer:
@@ -264,7 +261,7 @@ class UdpEndpoint:
             waiting = [p for p in expected if owed(p, now)]
             if not waiting and drained:
                 break
-            wake = min([max(ends[p], hard if p in confirm and not heard[p] else 0) for p in waiting] or [now])
+            wake = min([ends[p] for p in waiting] or [now])
             wake = min([wake] + [next_nack[p] for p in waiting if p in nacking]
                        + [next_silent[p] for p in waiting if not heard[p]])
             if not drained:
@@ -366,13 +363,10 @@ class UdpEndpoint:
             stats.sync_ms.append(1e3 * waited)
         return GatherResult(values, masks, waited, done, {p for p, h in heard.items() if h})
 
-    def newest_epoch(self, peer: int, after: int, timeout_s: float, on_stale=None) -> int | None:
-        """Wait up to timeout_s for datagrams of `peer` with an epoch beyond `after`; they are kept for
-        the gather that follows. Returns the newest such epoch (None: nothing came). Answers NACKs and
-        probes meanwhile; older datagrams go to on_stale."""
-        newest = max([h.epoch for h, _, _ in self._early if h.sender == peer and h.epoch > after], default=None)
-        if newest is not None:
-            return newest
+    def pending_epochs(self, peer: int, after: int, timeout_s: float, on_stale=None) -> list[int]:
+        """Epochs beyond `after` that `peer` has sent datagrams of (oldest first), waiting up to timeout_s
+        for the first; the datagrams stay queued for the gathers that follow. Answers NACKs and probes
+        meanwhile; older datagrams go to on_stale."""
         for header, payload, address in self._receive(timeout_s):
             if header.kind == wire.NACK:
                 self._answer_nack(header, payload, address)
@@ -381,15 +375,16 @@ class UdpEndpoint:
             elif header.sender == peer and header.epoch > after:
                 if len(self._early) < EARLY_KEPT:
                     self._early.append((header, payload, address))
-                newest = max(newest or 0, header.epoch)
             elif header.sender == peer and on_stale is not None:
                 self.stats[peer].rejected["stale"] += 1
                 on_stale(header, address)
-        return newest
+        return sorted({h.epoch for h, _, _ in self._early if h.sender == peer and h.epoch > after})
 
-    def request_all(self, epoch: int, peer: int, n_values: int, dtype: int, address) -> None:
-        """A NACK for every chunk of a vector we expect but have not seen a chunk of (its sender has it)."""
-        missing = np.arange(wire.chunk_count(n_values, dtype), dtype="<u2")
+    def request_all(self, epoch: int, peer: int, n_values: int | None, dtype: int, address) -> None:
+        """A NACK for every chunk of a vector we expect but have not seen a chunk of (its sender has it);
+        n_values None: size unknown, ask for as many chunks as one NACK can name."""
+        count = wire.chunk_count(n_values, dtype) if n_values is not None else wire.MAX_PAYLOAD // 2
+        missing = np.arange(count, dtype="<u2")
         datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
                              missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
         self._sendto(datagram, address)

@@ -1,0 +1,327 @@
+"""HALO mode speed under real packet loss, straggling agents, and the overlap ablation.
+
+    python -m halo.eval.bench_halo_speed speed     [--agents 4,8] [--plr 0,0.01,0.02,0.05] [--tokens 12]
+    python -m halo.eval.bench_halo_speed straggler [--tokens 48]
+    python -m halo.eval.bench_halo_speed ablation  [--agents 4] [--plr 0.02]
+
+speed (HALO Table I / Fig. 8 in kind): the namespace test bed (rpi/testbed.py: silent nftables loss on
+every agent link, both directions), a TinyLlama-1.1B-shaped checkpoint with random weights cut to
+--layers layers (all 22 would only make every run 5x longer on this 2-core machine: every sync
+point behaves the same), untrained random predictors (their rankings are noise; speed does not
+depend on them). The master and every agent run in their own namespaces; per (agents, PLR, sync
+mode) a fresh master decodes --tokens tokens after a 2-token warm-up: time per output token.
+
+straggler: stories260K over 4 local agents on loopback, no loss; one agent's CPU is cut to 5 % of a
+core during every other 300 ms (cgroup v1 CFS quota, rpi/throttle.py). Time per output token and
+accuracy (top-1 agreement with the single-process model, exact match of the greedy text) for
+reliable vs halo, against the same cluster without the straggler.
+
+ablation (HALO Table VI in kind): halo mode with prediction/communication overlap and load/compute
+overlap on or off, and the upper bound with neither prediction nor loading (static groups).
+
+Needs root for the test bed and the cgroup (skips otherwise). Writes eval/results/halo_<what>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .report import command_line, write_report
+
+CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
+MODES = ("reliable", "lossy", "halo")
+ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
+             "Pred-Comm only": dict(pred_overlap=True, load_overlap=False),
+             "Load-Comp only": dict(pred_overlap=False, load_overlap=True),
+             "both (default)": dict(pred_overlap=True, load_overlap=True),
+             "no prediction, no loading (upper bound)": dict(predict=False)}
+
+
+def checkpoint(layers: int) -> Path:
+    from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama, write_random_predictors
+
+    path = CHECKPOINT.with_name(f"{CHECKPOINT.name}-{layers}L")
+    if not (path / "predictors" / "manifest.json").exists():
+        write_random_llama(path, {**TINYLLAMA_1_1B, "num_hidden_layers": layers})
+        write_random_predictors(path)
+    return path
+
+
+# ---- the master, inside its namespace ------------------------------------------------------------------
+def master(args) -> None:
+    from halo.distributed import DistributedModel, even_plan, shares_from_plan
+    from halo.loader import load_weights
+    from halo.neuron_groups import GroupLayout
+    from halo.sync import SyncSettings
+    from halo.transport.reliable import load_key
+
+    weights = load_weights(args.model)
+    layout = GroupLayout.for_model(weights.config)
+    endpoints = args.endpoints.split(",")
+    shares = shares_from_plan(even_plan(weights, layout, len(endpoints) + 1, context=256), weights.config.n_layers)
+    sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
+    model = DistributedModel(weights, shares, endpoints, load_key(args.key), layout=layout, max_seq_len=256,
+                             timeout_s=60.0, sync=sync)
+    times, token = [], 1
+    deadline = time.monotonic() + args.time_limit
+    try:
+        for step in range(args.tokens + 2):
+            t = time.perf_counter()
+            logits = model.forward([token])
+            if step >= 2:
+                times.append(time.perf_counter() - t)
+            token = int(np.argmax(logits))
+            if time.monotonic() > deadline:
+                break
+        out = {"ms_per_token": [1e3 * t for t in times], "sync": model.sync_report(),
+               "udp": [r.get("udp") for r in model.report()]}
+    finally:
+        model.close()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+class Cluster:
+    """N agents in the test bed's namespaces, listening on their namespace addresses."""
+
+    def __init__(self, bed, model: Path, key: Path, n: int):
+        from halo.distributed import read_endpoint
+
+        self.bed, self.processes, self.endpoints = bed, [], []
+        for i in range(1, n + 1):
+            address = bed.address(f"agent-{i}")
+            p = bed.popen(f"agent-{i}", [sys.executable, "-m", "halo.edge_agent", "--listen", f"tcp://{address}:7070",
+                                         "--key", str(key), "--model", str(model), "--threads", "1", "--name",
+                                         f"agent-{i}", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
+            self.processes.append(p)
+            self.endpoints.append(read_endpoint(p, 60.0))
+
+    def close(self) -> None:
+        from halo.distributed import stop_processes
+
+        stop_processes(self.processes)
+
+
+def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
+               time_limit: float) -> dict:
+    argv = [sys.executable, "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
+            "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens),
+            "--settings", json.dumps(settings), "--time-limit", str(time_limit)]
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=time_limit + 180)
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"master failed ({sync}): {err[-2000:]}")
+
+
+def summarize(result: dict) -> dict:
+    ms = np.asarray(result["ms_per_token"])
+    loss = result["sync"]["loss"]
+    return {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
+            "ms_p90": float(np.percentile(ms, 90)),
+            "partials_dropped": loss["partials_dropped"], "partials": loss["partials"],
+            "groups_dropped": loss["groups_dropped"], "groups_offered_lossy": loss["groups_offered_lossy"]}
+
+
+def with_testbed(n: int):
+    from halo.rpi.testbed import LossyTestbed
+
+    return LossyTestbed(n_agents=n, prefix="hb")
+
+
+def speed(args) -> None:
+    from halo.transport.reliable import generate_key
+
+    model = checkpoint(args.layers)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        for n in [int(a) for a in args.agents.split(",")]:
+            with with_testbed(n) as bed:
+                cluster = Cluster(bed, model, key, n)
+                try:
+                    for plr in [float(p) for p in args.plr.split(",")]:
+                        bed.set_loss(plr)
+                        for sync in MODES:
+                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {}, args.time_limit)
+                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result)})
+                            print(json.dumps(rows[-1]), flush=True)
+                finally:
+                    cluster.close()
+    by = {(r["agents"], r["plr"], r["sync"]): r for r in rows}
+    lines = [f"# HALO mode speed under real packet loss (TinyLlama-1.1B shape, {args.layers} layers, random weights)", "",
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed, nftables "
+             "drops on every agent link both ways; master + agents share this machine's 2 cores. Time per output "
+             "token (mean of the decode steps after a 2-token warm-up).", "",
+             "| agents | PLR | reliable ms | lossy ms | halo ms | halo speedup over reliable | halo vs own 0 % | "
+             "lossy partials dropped | halo partials dropped |", "|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted({r["agents"] for r in rows}):
+        for plr in sorted({r["plr"] for r in rows}):
+            rel, los, hal = (by.get((n, plr, m)) for m in MODES)
+            if not (rel and los and hal):
+                continue
+            base = by.get((n, 0.0, "halo"))
+            lines.append(f"| {n} | {100 * plr:g} % | {rel['ms_mean']:.1f} | {los['ms_mean']:.1f} | {hal['ms_mean']:.1f} | "
+                         f"{rel['ms_mean'] / hal['ms_mean']:.2f}x | "
+                         f"{hal['ms_mean'] / base['ms_mean'] if base else float('nan'):.2f}x | "
+                         f"{los['partials_dropped']}/{los['partials']} | {hal['partials_dropped']}/{hal['partials']} |")
+    write_report(args.out, "halo_speed", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+                                          "layers": args.layers, "rows": rows}, lines)
+
+
+def ablation(args) -> None:
+    from halo.transport.reliable import generate_key
+
+    model = checkpoint(args.layers)
+    n, plr = int(args.agents.split(",")[0]), float(args.plr.split(",")[0])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        with with_testbed(n) as bed:
+            cluster = Cluster(bed, model, key, n)
+            try:
+                bed.set_loss(plr)
+                for repeat in range(args.repeats):
+                    for name, settings in ABLATIONS.items():
+                        result = run_master(bed, model, key, cluster.endpoints, "halo", args.tokens, settings,
+                                            args.time_limit)
+                        rows.append({"variant": name, "repeat": repeat, **summarize(result),
+                                     "predict_ms": result["sync"].get("predict_ms"),
+                                     "load_ms": result["sync"].get("load_ms")})
+                        print(json.dumps(rows[-1]), flush=True)
+            finally:
+                cluster.close()
+    lines = [f"# HALO overlap ablation ({n} agents, PLR {100 * plr:g} %, TinyLlama shape, {args.layers} layers)", "",
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Median over {args.repeats} "
+             "runs of each variant's mean time per output token; the master's own prediction and load time per "
+             "run.", "", "| variant | ms/token | vs both | master predict ms/token | master load ms/token |",
+             "|---|---|---|---|---|"]
+    med = {v: float(np.median([r["ms_mean"] for r in rows if r["variant"] == v])) for v in ABLATIONS}
+    for v in ABLATIONS:
+        sel = [r for r in rows if r["variant"] == v]
+        per_token = lambda k: np.median([(r[k] or 0) / (r["tokens"] + 2) for r in sel])  # noqa: E731
+        lines.append(f"| {v} | {med[v]:.1f} | {med[v] / med['both (default)']:.2f}x | {per_token('predict_ms'):.2f} | "
+                     f"{per_token('load_ms'):.2f} |")
+    write_report(args.out, "halo_ablation", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+                                             "rows": rows}, lines)
+
+
+def straggler(args) -> None:
+    from contextlib import ExitStack
+
+    from halo.distributed import LocalCluster
+    from halo.loader import load_weights
+    from halo.model import Transformer
+    from halo.rpi.throttle import CpuThrottle
+
+    weights = load_weights()
+    reference = Transformer(weights, max_seq_len=256)
+    ref_logits, token = [], 1
+    ref_tokens = []
+    for _ in range(args.tokens):
+        logits = reference.forward([token])
+        ref_logits.append(logits)
+        token = int(np.argmax(logits))
+        ref_tokens.append(token)
+    rows = []
+    for throttled in (False, True):
+        for sync in ("reliable", "halo"):
+            with ExitStack() as stack:
+                cluster = stack.enter_context(LocalCluster(4))
+                model = _model_for(weights, cluster, sync, stack)
+                if throttled:
+                    stack.enter_context(CpuThrottle(cluster.processes[1].pid, quota=0.05, period_s=0.3))
+                times, agree, tokens, token = [], 0, [], 1
+                for step in range(args.tokens):
+                    t = time.perf_counter()
+                    logits = model.forward([token])
+                    times.append(time.perf_counter() - t)
+                    agree += int(np.argmax(logits) == np.argmax(ref_logits[step]))
+                    token = ref_tokens[step]  # teacher forcing: the same inputs for every setting
+                    tokens.append(int(np.argmax(logits)))
+                ms = 1e3 * np.asarray(times[2:])
+                loss = model.sync_report()["loss"]
+                rows.append({"straggler": throttled, "sync": sync, "ms_mean": float(ms.mean()),
+                             "ms_p90": float(np.percentile(ms, 90)), "top1_agreement": agree / args.tokens,
+                             "partials_dropped": loss["partials_dropped"], "partials": loss["partials"]})
+                print(json.dumps(rows[-1]), flush=True)
+    by = {(r["straggler"], r["sync"]): r for r in rows}
+    lines = ["# A straggling agent: reliable vs halo (stories260K, 4 local agents, no loss)", "",
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Agent 2's CPU is cut to 5 % of a "
+             "core during every other 300 ms (cgroup v1). Inputs are teacher-forced with the single-process "
+             "model's greedy tokens, so every setting sees the same sequence.", "",
+             "| sync | ms/token, no straggler | ms/token, straggler | slowdown | p90 ms, straggler | "
+             "top-1 agreement, straggler | partial sums dropped |", "|---|---|---|---|---|---|---|"]
+    for sync in ("reliable", "halo"):
+        a, b = by[(False, sync)], by[(True, sync)]
+        lines.append(f"| {sync} | {a['ms_mean']:.2f} | {b['ms_mean']:.2f} | {b['ms_mean'] / a['ms_mean']:.2f}x | "
+                     f"{b['ms_p90']:.2f} | {b['top1_agreement']:.3f} | {b['partials_dropped']}/{b['partials']} |")
+    write_report(args.out, "halo_straggler", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+                                              "rows": rows}, lines)
+
+
+def _model_for(weights, cluster, sync: str, stack):
+    from halo.distributed import DistributedModel, even_plan, shares_from_plan
+    from halo.neuron_groups import GroupLayout
+    from halo.sync import SyncSettings
+
+    layout = GroupLayout.for_model(weights.config)
+    shares = shares_from_plan(even_plan(weights, layout, cluster.n + 1, context=256), weights.config.n_layers)
+    model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=256,
+                             timeout_s=30.0, sync=SyncSettings(mode=sync))
+    stack.callback(model.close)
+    return model
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("speed", "straggler", "ablation", "master"))
+    parser.add_argument("--agents", default="4,8")
+    parser.add_argument("--plr", default="0,0.01,0.02,0.05")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=120.0)
+    parser.add_argument("--out", default="eval/results")
+    # the master process (internal)
+    parser.add_argument("--model")
+    parser.add_argument("--key")
+    parser.add_argument("--endpoints")
+    parser.add_argument("--sync", default="reliable")
+    parser.add_argument("--settings", default="{}")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    if args.what == "master":
+        master(args)
+        return 0
+    if args.what in ("speed", "ablation"):
+        from halo.rpi.testbed import available
+
+        ok, why = available()
+        if not ok:
+            print(f"skipped: {why}")
+            return 0
+    if args.what == "straggler":
+        from halo.rpi.throttle import available
+
+        ok, why = available()
+        if not ok:
+            print(f"skipped: {why}")
+            return 0
+    {"speed": speed, "straggler": straggler, "ablation": ablation}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

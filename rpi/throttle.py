@@ -1,0 +1,71 @@
+"""Intermittent CPU throttling of one process (a Pi that throttles, a busy laptop) with cgroup v1.
+
+    with CpuThrottle(pid, quota=0.1, period_s=0.3):   # 10 % of a core during every other 300 ms
+        ...
+
+Moves the process into its own cgroup under /sys/fs/cgroup/cpu and, in a background thread, switches
+its CFS quota between `quota` cores and unlimited every `period_s`. Needs root and the cgroup-v1 cpu
+controller; `available()` says why not.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup/cpu")
+CFS_PERIOD_US = 100_000
+
+
+def available() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return False, "cgroups need root"
+    if not (ROOT / "cpu.cfs_quota_us").exists():
+        return False, f"no cgroup-v1 cpu controller at {ROOT}"
+    return True, ""
+
+
+class CpuThrottle:
+    def __init__(self, pid: int, quota: float = 0.1, period_s: float = 0.3, name: str | None = None):
+        if not 0 < quota:
+            raise ValueError("quota is a positive number of cores")
+        self.pid, self.quota, self.period_s = pid, quota, period_s
+        self.group = ROOT / (name or f"halo-throttle-{pid}")
+        self._stop = threading.Event()
+        self.toggles = 0
+
+    def __enter__(self) -> "CpuThrottle":
+        self.group.mkdir(exist_ok=True)
+        (self.group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        for task in Path(f"/proc/{self.pid}/task").iterdir():  # every thread of the process
+            (self.group / "tasks").write_text(task.name)
+        self._thread = threading.Thread(target=self._toggle, daemon=True)
+        self._thread.start()
+        return self
+
+    def _toggle(self) -> None:
+        limited = False
+        while not self._stop.wait(self.period_s):
+            limited = not limited
+            quota = int(self.quota * CFS_PERIOD_US) if limited else -1
+            try:
+                (self.group / "cpu.cfs_quota_us").write_text(str(quota))
+                self.toggles += 1
+            except OSError:
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            (self.group / "cpu.cfs_quota_us").write_text("-1")
+            for task in (self.group / "tasks").read_text().split():
+                (ROOT / "tasks").write_text(task)
+            self.group.rmdir()
+        except OSError:
+            pass  # the process is gone: the empty group is removed with it below
+        try:
+            self.group.rmdir()
+        except OSError:
+            pass
