@@ -42,6 +42,7 @@ def main(argv=None) -> int:
             return 2
     pick = lambda name, default: getattr(args, name) or settings.get(name, default)  # noqa: E731
     threads = int(pick("threads", 0) or os.cpu_count() or 1)
+    import numpy  # noqa: F401 - load its BLAS first: threadpool_limits only limits libraries already loaded
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)

@@ -9,7 +9,7 @@ every agent link, both directions), a TinyLlama-1.1B-shaped checkpoint with rand
 --layers layers (all 22 would only make every run 5x longer on this 2-core machine: every sync
 point behaves the same), untrained random predictors (their rankings are noise; speed does not
 depend on them). The master and every agent run in their own namespaces; per (agents, PLR, sync
-mode) a fresh master decodes --tokens tokens after a 2-token warm-up: time per output token.
+mode) a fresh master decodes --tokens tokens after a 6-token warm-up: time per output token.
 
 straggler: stories260K over 4 local agents on loopback, no loss; one agent's CPU is cut to 5 % of a
 core during every other 300 ms (cgroup v1 CFS quota, rpi/throttle.py). Time per output token and
@@ -39,6 +39,7 @@ from .report import command_line, write_report
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
 MODES = ("reliable", "lossy", "halo")
+WARMUP = 6  # tokens before timing: page tables of the memory-mapped weights, deadline estimates
 ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
              "Pred-Comm only": dict(pred_overlap=True, load_overlap=False),
              "Load-Comp only": dict(pred_overlap=False, load_overlap=True),
@@ -74,10 +75,10 @@ def master(args) -> None:
     times, token = [], 1
     deadline = time.monotonic() + args.time_limit
     try:
-        for step in range(args.tokens + 2):
+        for step in range(args.tokens + WARMUP):
             t = time.perf_counter()
             logits = model.forward([token])
-            if step >= 2:
+            if step >= WARMUP:
                 times.append(time.perf_counter() - t)
             token = int(np.argmax(logits))
             if time.monotonic() > deadline:
@@ -162,7 +163,7 @@ def speed(args) -> None:
     lines = [f"# HALO mode speed under real packet loss (TinyLlama-1.1B shape, {args.layers} layers, random weights)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed, nftables "
              "drops on every agent link both ways; master + agents share this machine's 2 cores. Time per output "
-             "token (mean of the decode steps after a 2-token warm-up).", "",
+             "token (mean of the decode steps after a 6-token warm-up).", "",
              "| agents | PLR | reliable ms | lossy ms | halo ms | halo speedup over reliable | halo vs own 0 % | "
              "lossy partials dropped | halo partials dropped |", "|---|---|---|---|---|---|---|---|---|"]
     for n in sorted({r["agents"] for r in rows}):
@@ -210,7 +211,7 @@ def ablation(args) -> None:
     med = {v: float(np.median([r["ms_mean"] for r in rows if r["variant"] == v])) for v in ABLATIONS}
     for v in ABLATIONS:
         sel = [r for r in rows if r["variant"] == v]
-        per_token = lambda k: np.median([(r[k] or 0) / (r["tokens"] + 2) for r in sel])  # noqa: E731
+        per_token = lambda k: np.median([(r[k] or 0) / (r["tokens"] + WARMUP) for r in sel])  # noqa: E731
         lines.append(f"| {v} | {med[v]:.1f} | {med[v] / med['both (default)']:.2f}x | {per_token('predict_ms'):.2f} | "
                      f"{per_token('load_ms'):.2f} |")
     write_report(args.out, "halo_ablation", {"command": command_line("halo.eval.bench_halo_speed", args.argv),

@@ -25,18 +25,32 @@ def _mapping_of(array: np.ndarray):
     return base
 
 
-def release_pages(array: np.ndarray) -> None:
-    """madvise(DONTNEED) the whole pages that a memory-mapped array spans; no-op for ordinary arrays."""
+def _advise(array: np.ndarray, advice: int, whole_pages_only: bool) -> bool:
+    """madvise the pages a memory-mapped array spans; False for ordinary arrays (nothing to do)."""
     mapping = _mapping_of(array)
     if mapping is None or not hasattr(mapping, "madvise") or array.size == 0:
-        return
+        return False
     start_address = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
     begin = array.ctypes.data - start_address
     span = array.strides[0] * (array.shape[0] - 1) + array.strides[-1] * array.shape[-1] if array.ndim else array.nbytes
-    first = -(-begin // PAGE) * PAGE
-    last = (begin + span) // PAGE * PAGE
+    if whole_pages_only:
+        first, last = -(-begin // PAGE) * PAGE, (begin + span) // PAGE * PAGE
+    else:
+        first, last = begin // PAGE * PAGE, min(len(mapping), -(-(begin + span) // PAGE) * PAGE)
     if last > first:
-        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+        mapping.madvise(advice, first, last - first)
+    return True
+
+
+def release_pages(array: np.ndarray) -> None:
+    """madvise(DONTNEED) the whole pages that a memory-mapped array spans; no-op for ordinary arrays."""
+    _advise(array, mmap.MADV_DONTNEED, whole_pages_only=True)
+
+
+def load_pages(array: np.ndarray) -> int:
+    """madvise(WILLNEED) the pages a memory-mapped array spans: the kernel starts reading them from the
+    file now (asynchronously), so a later computation finds them in memory. Returns the bytes covered."""
+    return array.nbytes if _advise(array, mmap.MADV_WILLNEED, whole_pages_only=False) else 0
 
 
 def release_freed_heap() -> None:

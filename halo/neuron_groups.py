@@ -29,6 +29,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .linear import DenseProjection, int8_block_for, make_projection
+from .memory import load_pages
 from .ops import Rotary, silu, softmax
 from .weights import LayerWeights
 
@@ -269,17 +270,15 @@ class MlpGroupBank:
         return out
 
     def prefetch(self, groups: Sequence[int]) -> int:
-        """Touch one value per page of the groups' weights (a device short of RAM reads them from the
-        model file here, ahead of use); returns the bytes covered."""
+        """Have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
+        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read.
+        Returns the bytes asked for (W_down columns span whole rows of pages: its rows are advised)."""
         covered = 0
         for g in groups:
             s = self._rows(int(g))
-            for w in (self.w_gate[s], self.w_up[s]):
-                float(w.reshape(-1)[::1024].sum())
-                covered += w.nbytes
-            block = self.w_down[:, s]
-            float(block[::max(1, 4096 // (self.w_down.shape[1] * 4)), 0].sum())
-            covered += block.nbytes
+            covered += load_pages(self.w_gate[s]) + load_pages(self.w_up[s])
+        if len(groups):
+            covered += load_pages(self.w_down)
         return covered
 
 

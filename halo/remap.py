@@ -9,9 +9,11 @@ digest of its ranking with each MLP broadcast and an agent that disagrees refuse
 master then stops with an error instead of merging a wrong sum).
 
 Load-Comp overlap: as soon as layer l+1's ranking is known (during layer l), a background thread
-brings those groups' weight pages in from the memory-mapped model file (`MlpGroupBank.prefetch`: on
-a device short of RAM, this is the disk read); the MLP block then computes on pages already
-resident. Without overlap the same load runs inline, just before the computation.
+asks the kernel to read those groups' weights from the memory-mapped model file
+(`MlpGroupBank.prefetch`, madvise WILLNEED: on a device short of RAM, this starts the disk read);
+the MLP block then computes on pages already resident. Without overlap the same request runs inline,
+just before the computation. (The thread only issues system calls: it never competes with the
+computation for Python's GIL, which touching pages from Python did, 30x slowing the compute thread.)
 
 Without predictors (ablation "no prediction, no loading", or layer 0) the ranking is the identity:
 rank r = group r.
