@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from halo.distributed import rank_range
 from halo.errors import HaloError
 from halo.loader import load_weights, model_fingerprint
 from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
@@ -205,9 +206,7 @@ class Agent:
                         for l, heads in enumerate(attention) if heads}
             remap, ranks = None, {}
             if sync.semantic:  # MLP shares are rank ranges; the groups behind them change per token
-                ranks = {l: (min(r), max(r) + 1) for l, r in enumerate(mlp) if r}
-                if any(b - a != len(mlp[l]) for l, (a, b) in ranks.items()):
-                    return refuse("HALO mode needs contiguous MLP rank ranges (a priority-rank plan)")
+                ranks = {l: rank_range(r) for l, r in enumerate(mlp) if r}  # ConfigError -> refused
                 predictors = self._predictors() if sync.predict else None
                 remap = Remapper(self.weights, layout, ranks, predictors, sync.load_overlap)
                 shards_m = {}
@@ -261,7 +260,7 @@ class Agent:
         if kind == "mlp":
             h = rmsnorm(x, w.layers[layer].mlp_norm, eps)
             if s.remap is not None and layer in s.mlp_ranks:
-                if s.remap.digest(layer, len(x)) != digest:  # full size, so the master reads the status
+                if s.remap.digest(layer) != digest:  # full size, so the master reads the status
                     return np.zeros_like(x), STATUS_RANKING_MISMATCH
                 return s.remap.mlp_partial(layer, h), STATUS_OK
             if layer in s.mlp:

@@ -153,7 +153,7 @@ class DistributedModel:
             from .remap import Remapper
 
             self.predictor_set = load_predictors(weights, predictors) if self.sync.predict else None
-            self.remap = Remapper(weights, self.layout, {l: _rank_range(g) for l, g in enumerate(own.mlp) if g},
+            self.remap = Remapper(weights, self.layout, {l: rank_range(g) for l, g in enumerate(own.mlp) if g},
                                   self.predictor_set, self.sync.load_overlap)
         else:
             self.mlp = {l: MlpShard(weights.layers[l], self.layout, g, fmt) for l, g in enumerate(own.mlp) if g}
@@ -307,7 +307,7 @@ class DistributedModel:
             return set()
         if kind == "mlp":
             cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
-            return {i for i in holders if _rank_range(self.shares[i + 1].mlp[layer])[0] < cut}
+            return {i for i in holders if rank_range(self.shares[i + 1].mlp[layer])[0] < cut}
         ranking = self.remap.head_rankings.get(layer)
         if ranking is None:
             return set(holders)
@@ -325,7 +325,7 @@ class DistributedModel:
             # agents with MLP ranks in the next layer predict from this input: they need it too
             receivers += [i for i in self.holders[("mlp", layer + 1)] if i not in holders]
         critical = self._critical(kind, layer, holders)
-        digest = self.remap.digest(layer, T) if (kind == "mlp" and self.remap) else 0
+        digest = self.remap.digest(layer) if (kind == "mlp" and self.remap) else 0
         if s.udp_broadcast:
             payload = frame([T, start, digest, 0], x, wire.values_per_chunk(wire.FLOAT32))
             for i in receivers:
@@ -406,7 +406,7 @@ class DistributedModel:
         if kind == "lm_head":
             return
         if kind == "mlp":
-            ranks = list(range(*_rank_range(share.mlp[layer]))) if self.remap is not None else share.mlp[layer]
+            ranks = list(range(*rank_range(share.mlp[layer]))) if self.remap is not None else share.mlp[layer]
         else:
             ranking = self.remap.head_rankings.get(layer) if self.remap is not None else None
             heads = share.attention[layer]
@@ -457,7 +457,7 @@ class DistributedModel:
         self.context.destroy(linger=100)
 
 
-def _rank_range(ranks: list[int]) -> tuple[int, int]:
+def rank_range(ranks: list[int]) -> tuple[int, int]:
     """A device's MLP share of a layer as a rank range [a, b) (Algorithm 3 gives contiguous ranks)."""
     if not ranks:
         return (0, 0)

@@ -67,7 +67,7 @@ class Remapper:
         if layer in self.ranges and self.pool is not None:
             self.loading[layer] = self.pool.submit(self._load, layer)
 
-    def digest(self, layer: int, tokens: int) -> int:
+    def digest(self, layer: int) -> int:
         return ranking_digest(self.rankings.get(layer)) if self.predicts(layer) else 0
 
     def _assignment(self, layer: int, tokens: int) -> tuple[np.ndarray, np.ndarray | None]:
