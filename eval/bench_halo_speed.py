@@ -59,19 +59,14 @@ def checkpoint(layers: int) -> Path:
 
 # ---- the master, inside its namespace ------------------------------------------------------------------
 def master(args) -> None:
-    from halo.distributed import DistributedModel, even_plan, shares_from_plan
+    from halo.distributed import cluster_model
     from halo.loader import load_weights
-    from halo.neuron_groups import GroupLayout
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
     weights = load_weights(args.model)
-    layout = GroupLayout.for_model(weights.config)
-    endpoints = args.endpoints.split(",")
-    shares = shares_from_plan(even_plan(weights, layout, len(endpoints) + 1, context=256), weights.config.n_layers)
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
-    model = DistributedModel(weights, shares, endpoints, load_key(args.key), layout=layout, max_seq_len=256,
-                             timeout_s=60.0, sync=sync)
+    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0, sync=sync)
     times, token = [], 1
     deadline = time.monotonic() + args.time_limit
     try:
@@ -94,16 +89,14 @@ class Cluster:
     """N agents in the test bed's namespaces, listening on their namespace addresses."""
 
     def __init__(self, bed, model: Path, key: Path, n: int):
-        from halo.distributed import read_endpoint
+        from halo.distributed import AgentProcess, agent_command
 
-        self.bed, self.processes, self.endpoints = bed, [], []
+        self.bed, self.processes = bed, []
         for i in range(1, n + 1):
-            address = bed.address(f"agent-{i}")
-            p = bed.popen(f"agent-{i}", [sys.executable, "-m", "halo.edge_agent", "--listen", f"tcp://{address}:7070",
-                                         "--key", str(key), "--model", str(model), "--threads", "1", "--name",
-                                         f"agent-{i}", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
-            self.processes.append(p)
-            self.endpoints.append(read_endpoint(p, 60.0))
+            host = f"agent-{i}"
+            argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, model)
+            self.processes.append(AgentProcess(host, argv, popen=lambda a, host=host, **kw: bed.popen(host, a, **kw)))
+        self.endpoints = [p.wait_listening(60.0) for p in self.processes]
 
     def close(self) -> None:
         from halo.distributed import stop_processes
@@ -273,14 +266,10 @@ def straggler(args) -> None:
 
 
 def _model_for(weights, cluster, sync: str, stack):
-    from halo.distributed import DistributedModel, even_plan, shares_from_plan
-    from halo.neuron_groups import GroupLayout
+    from halo.distributed import cluster_model
     from halo.sync import SyncSettings
 
-    layout = GroupLayout.for_model(weights.config)
-    shares = shares_from_plan(even_plan(weights, layout, cluster.n + 1, context=256), weights.config.n_layers)
-    model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=256,
-                             timeout_s=30.0, sync=SyncSettings(mode=sync))
+    model = cluster_model(weights, cluster.endpoints, cluster.key, context=256, timeout_s=30.0, sync=SyncSettings(mode=sync))
     stack.callback(model.close)
     return model
 

@@ -108,7 +108,7 @@ def add_sync_arguments(parser) -> None:
     from .sync import SYNC_MODES, SyncSettings
 
     d = SyncSettings()
-    s = parser.add_argument_group("synchronization over lossy links (see halo/sync.py)")
+    s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
     s.add_argument("--sync", choices=SYNC_MODES, default="reliable",
                    help="reliable: all over TCP, exact (default) · lossy: UDP, partial sums dropped at a deadline, "
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
@@ -268,7 +268,7 @@ def cmd_plan(args) -> int:
 
     from .loader import load_config
     from .scheduler import plan_io
-    from .scheduler.cost import SYNC_MODES, estimate
+    from .scheduler.cost import ESTIMATE_MODES, estimate
     from .scheduler.milp import solve_exact
     from .scheduler.pipeline import plan_pipeline
     from .scheduler.profiles import load_cluster, model_profile, named_config
@@ -327,7 +327,7 @@ def cmd_plan(args) -> int:
         console.print(table)
         if left_out:
             console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
-        for mode in SYNC_MODES:
+        for mode in ESTIMATE_MODES:
             e = estimate(plan, mode)
             console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "
                           f"(compute {e.compute_s * 1e3:.2f}, comm {e.comm_s * 1e3:.2f}, loss {e.loss_s * 1e3:.2f})")

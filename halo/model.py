@@ -5,8 +5,6 @@ It is the oracle the distributed runtime is tested against, and the engine on on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from .errors import ConfigError
@@ -16,13 +14,6 @@ from .ops import Rotary, rmsnorm
 from .weights import ModelWeights
 
 DEFAULT_CONTEXT = 2048
-
-
-@dataclass
-class LayerTrace:
-    hidden: np.ndarray  # [T, D] residual stream entering the layer
-    attention_norms: np.ndarray  # [T, H] L2 norm of each head's contribution
-    mlp_norms: np.ndarray  # [T, G] L2 norm of each MLP group's contribution
 
 
 class Transformer:
@@ -46,13 +37,9 @@ class Transformer:
         self.lm_head = LmHeadShard(weights.lm_head, L, range(L.n_vocab_groups), fmt, threads)
         self.pos = 0  # tokens already in the KV cache
 
-    def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False,
-                trace: list | None = None, merge=None) -> np.ndarray:
+    def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
         """Run tokens at positions start_pos.. (default: right after the cache) -> logits of the last
-        token [V] (or of all tokens [T, V]). With trace, appends a LayerTrace per layer: the hidden
-        state entering it and its groups' activation norms (what the predictors learn from).
-        With merge(layer, kind, contributions [T, G, D], hidden_in [T, D]) -> [T, D], each block's
-        output is what merge makes of its groups' contributions (relaxed synchronization studies)."""
+        token [V] (or of all tokens [T, V])."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = self.pos if start_pos is None else start_pos
         if tokens.ndim != 1 or len(tokens) == 0:
@@ -61,37 +48,19 @@ class Transformer:
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
-        eps = self.config.norm_eps
-        per_group = trace is not None or merge is not None
         x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for i in range(self.config.n_layers):
-            layer_input = x
-            h = rmsnorm(x, self.attn_norms[i], eps)
-            if per_group:
-                attn_out, attn_norms = self._merge(i, "attention", self.attention[i].forward_groups(h, start, self.rotary),
-                                                   layer_input, merge)
-            else:
-                attn_out = self.attention[i].forward(h, start, self.rotary)
-            x = x + attn_out
-            h = rmsnorm(x, self.mlp_norms[i], eps)
-            if per_group:
-                mlp_out, mlp_norms = self._merge(i, "mlp", self.mlp[i].forward_groups(h), layer_input, merge)
-            else:
-                mlp_out = self.mlp[i].forward(h)
-            x = x + mlp_out
-            if trace is not None:
-                trace.append(LayerTrace(layer_input, attn_norms, mlp_norms))
+            x = self.layer(i, x, start)
         self.pos = start + len(tokens)
-        h = rmsnorm(x if all_logits else x[-1:], self.final_norm, eps)
+        h = rmsnorm(x if all_logits else x[-1:], self.final_norm, self.config.norm_eps)
         logits = self.lm_head.forward(h)
         return logits if all_logits else logits[0]
 
-    @staticmethod
-    def _merge(layer: int, kind: str, groups: np.ndarray, layer_input: np.ndarray, merge):
-        """A block's output from its groups' contributions [T, G, D] (all of them, or what merge keeps),
-        and the groups' norms."""
-        out = groups.sum(axis=1) if merge is None else merge(layer, kind, groups, layer_input)
-        return out, np.linalg.norm(groups, axis=-1)
+    def layer(self, i: int, x: np.ndarray, start: int) -> np.ndarray:
+        """Decoder layer i on the residual stream x [T, D] at positions start..."""
+        eps = self.config.norm_eps
+        x = x + self.attention[i].forward(rmsnorm(x, self.attn_norms[i], eps), start, self.rotary)
+        return x + self.mlp[i].forward(rmsnorm(x, self.mlp_norms[i], eps))
 
     def reset(self) -> None:
         self.pos = 0

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from .neuron_groups import GroupLayout, MlpGroupBank
-from .sync import ranking_digest
+from .sync.framing import ranking_digest
 from .weights import ModelWeights
 
 
@@ -45,7 +45,6 @@ class Remapper:
         self.loading: dict[int, Future] = {}
         self.predict_ms = 0.0
         self.load_ms = 0.0
-        self.loaded_bytes = 0
 
     def begin(self) -> None:
         """A new forward pass: rankings of the previous one must not be reused."""
@@ -87,7 +86,7 @@ class Remapper:
     def _load(self, layer: int) -> None:
         t = time.perf_counter()
         groups, _ = self._assignment(layer, len(self.rankings[layer]))
-        self.loaded_bytes += self.banks[layer].prefetch(groups)
+        self.banks[layer].prefetch(groups)
         self.load_ms += 1e3 * (time.perf_counter() - t)
 
     def mlp_partial(self, layer: int, x: np.ndarray) -> np.ndarray | None:

@@ -3,27 +3,25 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
-from halo.distributed import AgentError, DistributedModel, LocalCluster, even_plan, shares_from_plan
+from halo.distributed import AgentError, LocalCluster, cluster_model
 from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
 from halo.neuron_groups import GroupLayout
+from halo.shares import even_plan, shares_from_plan
 from halo.transport.reliable import Message, decode, encode, generate_key
 
 CONTEXT = 512
 
 
-def distributed(weights, cluster, compute=None, **kwargs):
-    layout = GroupLayout.for_model(weights.config)
-    plan = even_plan(weights, layout, cluster.n + 1, compute, context=CONTEXT)
-    shares = shares_from_plan(plan, weights.config.n_layers)
-    return DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=CONTEXT,
-                            **kwargs)
+def distributed(weights, cluster, compute=None, **settings):
+    return cluster_model(weights, cluster.endpoints, cluster.key, compute=compute, context=CONTEXT, **settings)
 
 
 @pytest.mark.parametrize("n_agents, compute", [(1, None), (2, None), (3, None), (4, None), (6, None), (8, None),
@@ -55,9 +53,7 @@ def test_random_hf_gqa_model_matches_the_reference(tmp_path):
     expected = generate(Transformer(weights, max_seq_len=128), tokenizer, "Once upon a time", 24).token_ids
     for n in (1, 3):
         with LocalCluster(n, model_path=str(tmp_path)) as cluster:
-            layout = GroupLayout.for_model(weights.config)
-            shares = shares_from_plan(even_plan(weights, layout, n + 1, context=128), weights.config.n_layers)
-            model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=128)
+            model = cluster_model(weights, cluster.endpoints, cluster.key, context=128)
             try:
                 assert generate(model, tokenizer, "Once upon a time", 24).token_ids == expected
             finally:
@@ -81,10 +77,7 @@ def test_a_killed_agent_stops_the_master_quickly_and_the_others_stay_healthy(sto
         assert time.perf_counter() - killed[0] < 2.0
         model.close()
         # the surviving agent takes a new session, alone with the master
-        layout = GroupLayout.for_model(stories_weights.config)
-        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
-        fresh = DistributedModel(stories_weights, shares, cluster.endpoints[:1], cluster.key, layout=layout,
-                                 max_seq_len=CONTEXT)
+        fresh = cluster_model(stories_weights, cluster.endpoints[:1], cluster.key, context=CONTEXT)
         try:
             assert generate(fresh, tokenizer, "", 256).text == known_answer
         finally:
@@ -143,11 +136,8 @@ def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weigh
 def test_a_master_with_the_wrong_key_is_not_served(stories_weights, tmp_path):
     other = generate_key(tmp_path / "other.key")
     with LocalCluster(1) as cluster:
-        layout = GroupLayout.for_model(stories_weights.config)
-        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
         with pytest.raises(AgentError, match="did not answer hello"):
-            DistributedModel(stories_weights, shares, cluster.endpoints, other, layout=layout, max_seq_len=CONTEXT,
-                             hello_timeout_s=1.0)
+            cluster_model(stories_weights, cluster.endpoints, other, context=CONTEXT, hello_timeout_s=1.0)
 
 
 def test_an_agent_that_says_nothing_is_named(stories_weights):
@@ -155,33 +145,43 @@ def test_an_agent_that_says_nothing_is_named(stories_weights):
     silent = context.socket(zmq.DEALER)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
-        layout = GroupLayout.for_model(stories_weights.config)
-        shares = shares_from_plan(even_plan(stories_weights, layout, 2, context=CONTEXT), 5)
         with pytest.raises(AgentError, match=rf"127.0.0.1:{port}.*did not answer hello within 0.5 s"):
-            DistributedModel(stories_weights, shares, [f"tcp://127.0.0.1:{port}"], None, insecure=True,
-                             layout=layout, max_seq_len=CONTEXT, hello_timeout_s=0.5)
+            cluster_model(stories_weights, [f"tcp://127.0.0.1:{port}"], None, insecure=True, context=CONTEXT,
+                          hello_timeout_s=0.5)
     finally:
         context.destroy(linger=0)
 
 
-def test_cli_local_cluster_runs_and_leaves_no_processes(known_answer):
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--local-agents", "2", "--json"],
-                         capture_output=True, text=True, timeout=120, check=True)
-    import json
+def processes_marked(mark: str) -> list[int]:
+    """Running processes whose environment holds HALO_TEST_MARK=mark (children inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"HALO_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
+
+def test_cli_local_cluster_runs_and_leaves_no_processes(known_answer):
+    import json
+    import os
+    import uuid
+
+    mark = uuid.uuid4().hex
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--local-agents", "2", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "HALO_TEST_MARK": mark})
     assert json.loads(out.stdout)["text"] == known_answer
-    leftover = subprocess.run(["pgrep", "-f", "halo.edge_agent --listen tcp://127.0.0.1:0"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    assert processes_marked(mark) == []
 
 
 def test_the_master_chooses_the_weight_format_for_the_whole_cluster(stories_weights):
     with LocalCluster(2) as cluster:
-        layout = GroupLayout.for_model(stories_weights.config)
-        shares = shares_from_plan(even_plan(stories_weights, layout, 3, context=CONTEXT), 5)
         sizes = {}
         for fmt in ("fp32", "int8"):
-            model = DistributedModel(stories_weights, shares, cluster.endpoints, cluster.key, layout=layout,
-                                     max_seq_len=CONTEXT, fmt=fmt)
+            model = distributed(stories_weights, cluster, fmt=fmt)
             try:
                 text = generate(model, load_tokenizer(stories_weights), "Once upon a time", 8).text
                 sizes[fmt] = [r["weight_bytes"] for r in model.report()]

@@ -2,17 +2,21 @@
 
 One `UdpEndpoint` per process. `send_vector` cuts a float vector into chunks (wire.py), optionally
 adds XOR parity chunks (one per `parity_group` data chunks) and keeps the chunks of recent epochs so
-that it can answer NACKs. `gather` waits for the vectors of one epoch from a set of peers:
+that it can answer NACKs. `gather` waits for the vectors of one epoch from a set of peers, one
+`Inbound` state per peer, as a `GatherPolicy` says:
 
-- lossy (nack=False): returns when everything is in or the deadline passes; missing chunks are
+- without NACKs: it returns when everything is in or the deadline passes; missing chunks are
   zero-filled and reported in the per-peer masks;
-- fast reliable (nack=True): repairs single losses per parity group from parity at once, and asks
-  the sender for what is still missing (a NACK listing chunk indices) after a short gap timer,
-  retrying every `nack_retry_s`, until complete or the deadline.
+- with NACKs (the fast reliable path): single losses per parity group are repaired from parity at
+  once, and the sender is asked for what is still missing (a NACK listing chunk indices) after a
+  short gap timer, retrying every `nack_retry_s`, until complete or the deadline. Critical peers get
+  the hard deadline.
 
-Late packets of past epochs, duplicates, packets of future epochs, and anything `wire.unpack`
-rejects are counted per reason and dropped; nothing a peer sends can raise out of `gather`.
-While gathering, the endpoint also answers NACKs from peers for vectors it sent.
+Where a peer is (`peers`) comes from the control plane, never from a datagram: NACKs go there, and a
+NACK is answered by sending the chunks again to where the vector first went. Late packets of past
+epochs, duplicates, packets of future epochs, and anything `wire.unpack` rejects are counted per
+reason and dropped; nothing a peer sends can raise out of `gather`. While gathering, the endpoint
+also answers NACKs for vectors it sent and echoes link probes.
 """
 
 from __future__ import annotations
@@ -68,11 +72,24 @@ class PeerStats:
         return out
 
 
+@dataclass(frozen=True)
+class GatherPolicy:
+    """How one gather treats its peers (the sync policy of halo/sync/modes.py decides the sets)."""
+
+    deadline_s: float = 0.010  # peers not in `critical` stop being waited for after this
+    hard_deadline_s: float | None = None  # peers in `critical` get this long (None: the deadline)
+    critical: frozenset = frozenset()
+    nack: frozenset | bool = False  # peers whose holes are NACKed (True: every peer)
+    silent_s: float | None = None  # a peer owed data that has sent nothing for this long is chased (on_silent)
+    stop_on_newer: bool = False  # return as soon as an expected peer sends a newer epoch (it has moved on)
+    gap_s: float = 0.0005  # NACK this long after the last chunk when the burst's tail has not come
+    nack_retry_s: float = 0.001
+
+
 @dataclass
 class GatherResult:
     values: dict[int, np.ndarray]  # peer -> vector (missing chunks zero-filled)
     masks: dict[int, np.ndarray]  # peer -> bool per chunk, True = arrived (or recovered)
-    waited_s: float
     done_s: dict[int, float] = field(default_factory=dict)  # peer -> seconds until its vector was complete
     heard: set = field(default_factory=set)  # peers that sent at least one valid datagram of the epoch
 
@@ -83,6 +100,103 @@ class GatherResult:
     def delivered_fraction(self) -> float:
         total = sum(len(m) for m in self.masks.values())
         return sum(int(m.sum()) for m in self.masks.values()) / total if total else 1.0
+
+
+class Inbound:
+    """One peer's vector of one epoch as it arrives: chunks, parity, timers, what is still missing."""
+
+    def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, nack: bool, silent_at: float):
+        self.peer, self.dtype, self.end, self.nack = peer, dtype, end, nack
+        self.per = wire.values_per_chunk(dtype)
+        self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
+        self.values = np.zeros(n_values or 0, dtype=np.float32)
+        self.mask = np.zeros(self.count if self.count is not None else 1, dtype=bool)
+        self.payloads: dict[int, bytes] = {}
+        self.parities: dict[int, tuple[int, bytes]] = {}  # first chunk of a group -> (group size, XOR)
+        self.heard = False
+        self.nacked = False
+        self.completed_at: float | None = None
+        self.next_nack = float("inf")  # armed by the first chunk: never NACK blindly
+        self.next_silent = silent_at
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.mask.all())
+
+    def owed(self, now: float) -> bool:
+        return not self.complete and now < self.end
+
+    def accept(self, header: wire.Header, payload: bytes, stats: PeerStats, late: bool) -> None:
+        """Take one valid datagram of this epoch from this peer; problems are counted, never raised."""
+        if self.count is None and header.dtype == self.dtype and header.count > 0:
+            self.count = header.count  # the size is what the sender's chunks say (whole chunks)
+            self.values = np.zeros(header.count * self.per, dtype=np.float32)
+            self.mask = np.zeros(header.count, dtype=bool)
+        if header.dtype != self.dtype or header.count != self.count or header.index >= self.count:
+            stats.rejected["malformed"] += 1
+            return
+        self.heard = True
+        if late:
+            stats.rejected["late"] += 1  # past its deadline a peer's data only says it is alive
+            return
+        if header.kind == wire.PARITY:
+            size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) >= PARITY_PREFIX.size else 0
+            if not 0 < size <= self.count:
+                stats.rejected["malformed"] += 1
+                return
+            self.parities[header.index] = (size, payload[PARITY_PREFIX.size:])
+        elif self.mask[header.index]:
+            stats.rejected["duplicate"] += 1
+            return
+        elif not self._store(header.index, payload, stats):
+            return
+        else:
+            stats.chunks_received += 1
+            stats.chunks_recovered_nack += int(self.nacked)
+        stats.chunks_recovered_parity += self._repair_with_parity(stats)
+
+    def _store(self, index: int, payload: bytes, stats: PeerStats) -> bool:
+        n = min(self.per, len(self.values) - index * self.per)
+        try:
+            self.values[index * self.per:index * self.per + n] = wire.decode_values(payload, self.dtype, n)
+        except wire.WireError as e:
+            stats.rejected[e.reason] += 1
+            return False
+        self.mask[index] = True
+        self.payloads[index] = payload
+        return True
+
+    def _repair_with_parity(self, stats: PeerStats) -> int:
+        """Parity groups with exactly one chunk missing and their parity present: XOR it back."""
+        repaired = 0
+        for start, (size, parity) in list(self.parities.items()):
+            members = range(start, min(self.count, start + size))
+            missing = [i for i in members if not self.mask[i]]
+            if len(missing) != 1:
+                continue
+            xor = np.frombuffer(parity, dtype=np.uint8).copy()
+            for j in members:
+                if j != missing[0]:
+                    p = np.frombuffer(self.payloads[j], dtype=np.uint8)
+                    if len(p) > len(xor):
+                        break
+                    xor[:len(p)] ^= p
+            else:
+                n = min(self.per, len(self.values) - missing[0] * self.per)
+                length = wire.payload_bytes(n, self.dtype)
+                if length <= len(xor) and self._store(missing[0], xor[:length].tobytes(), stats):
+                    repaired += 1
+        return repaired
+
+    def arm_nack(self, header: wire.Header, now: float, gap_s: float) -> None:
+        """The burst's tail came with holes: NACK now; else after a short gap without news."""
+        if not self.nack or self.complete:
+            return
+        last = header.index >= self.count - 1 if header.kind == wire.DATA else True
+        self.next_nack = now if last else min(self.next_nack, now + gap_s)
+
+    def missing(self) -> np.ndarray:
+        return np.flatnonzero(~self.mask).astype("<u2")
 
 
 class UdpEndpoint:
@@ -105,7 +219,7 @@ class UdpEndpoint:
         self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
-        self.peer_addresses: dict[int, tuple] = {}  # sender id -> where its last valid datagram came from
+        self.peers: dict[int, tuple] = {}  # peer id -> its address, from the control plane (never from datagrams)
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
@@ -178,15 +292,15 @@ class UdpEndpoint:
                 self.stats[-1].rejected[e.reason] += 1
                 continue
             self.stats[header.sender].received_bytes += n
-            self.peer_addresses[header.sender] = address
             yield header, bytes(payload), address
 
-    def _answer_nack(self, header: wire.Header, payload: bytes, address) -> None:
+    def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
+        """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
         entry = self.sent.get((header.epoch, header.sender))
         if entry is None or len(payload) % 2:
             self.stats[header.sender].rejected["nack_unknown"] += 1
             return
-        _, datagrams = entry
+        address, datagrams = entry
         for index in np.frombuffer(payload, dtype="<u2"):
             if index < len(datagrams):
                 self._sendto(datagrams[index], address)
@@ -210,158 +324,99 @@ class UdpEndpoint:
             left = end - time.perf_counter()
             for header, payload, address in self._receive(max(left, 0.0)):
                 if header.kind == wire.NACK:
-                    self._answer_nack(header, payload, address)
+                    self._answer_nack(header, payload)
                 else:
                     self._answer_probe(header, payload, address)
             if left <= 0:
                 return
 
     def gather(self, epoch: int, expected: dict[int, int | None], dtype: int = wire.FLOAT32,
-               deadline_s: float = 0.010, nack: bool | set = False, addresses: dict[int, tuple] | None = None,
-               gap_s: float = 0.0005, nack_retry_s: float = 0.001, must_complete=(),
-               hard_deadline_s: float | None = None, silent_s: float | None = None, on_silent=None,
-               on_stale=None, stop_on_newer: bool = False) -> GatherResult:
-        """Wait for one epoch's vectors: expected maps peer id -> number of values, or None when the
-        receiver cannot know it (the sender then pads to whole chunks and the count says the size).
-
-        nack: NACK missing chunks (True: every peer; a set: those peers). Per peer the gather ends when
-        its vector is complete or at `deadline_s`; peers in `must_complete` (critical traffic) get until
-        `hard_deadline_s`; data arriving after a peer's deadline is not used (it still counts as heard). A peer still owed data that has sent
-        nothing for `silent_s` triggers `on_silent(peer)` (re-send its input: a NACK needs a first
-        chunk), again every `silent_s`. `on_stale(header, address)` sees datagrams of older epochs (a
-        peer re-sending input we already answered). `stop_on_newer`: return as soon as an expected peer
-        sends a newer epoch (it has moved on; this epoch will not complete)."""
+               policy: GatherPolicy = GatherPolicy(), on_silent=None, on_stale=None) -> GatherResult:
+        """Wait for one epoch's vectors: expected maps peer id -> number of values, or None when the receiver
+        cannot know it (the sender pads to whole chunks and the count says the size). Per peer the gather
+        ends when its vector is complete or at its deadline (policy); what is already queued when it starts
+        arrived in time, whatever the clock says. `on_silent(peer)` chases a peer still owed data that has
+        sent nothing for policy.silent_s (again every silent_s); `on_stale(header, address)` sees datagrams
+        of older epochs (a peer re-sending an input we already answered)."""
         start = time.perf_counter()
-        hard = start + (hard_deadline_s if hard_deadline_s is not None else deadline_s)
-        ends = {p: hard if p in must_complete else start + deadline_s for p in expected}
-        nacking = set(expected) if nack is True else set(nack or ())
-        per = wire.values_per_chunk(dtype)
-        counts = {p: None if n is None else wire.chunk_count(n, dtype) for p, n in expected.items()}
-        values = {p: np.zeros(n or 0, dtype=np.float32) for p, n in expected.items()}
-        masks = {p: np.zeros(c if c is not None else 1, dtype=bool) for p, c in counts.items()}
-        heard = {p: False for p in expected}
-        payloads: dict[int, dict[int, bytes]] = {p: {} for p in expected}
-        parities: dict[int, dict[int, bytes]] = {p: {} for p in expected}
-        next_nack = {p: float("inf") for p in expected}  # armed by a peer's first chunk: never NACK blindly
-        next_silent = {p: start + silent_s if on_silent and silent_s else float("inf") for p in expected}
-        nacked = {p: False for p in expected}
-        addresses = dict(addresses or {})
+        hard = start + (policy.hard_deadline_s if policy.hard_deadline_s is not None else policy.deadline_s)
+        silent_at = start + policy.silent_s if on_silent and policy.silent_s else float("inf")
+        inbound = {p: Inbound(p, n, dtype, hard if p in policy.critical else start + policy.deadline_s,
+                              policy.nack is True or p in (policy.nack or ()), silent_at) for p, n in expected.items()}
         early, self._early = self._early, []
-        newer = False
-        done: dict[int, float] = {}
-
-        def owed(p, now):
-            if masks[p].all():
-                return False
-            return now < ends[p]
-
-        drained = False  # what is already queued when the gather starts arrived in time, whatever the clock says
+        drained, newer = False, False
         while not newer:
             now = time.perf_counter()
-            waiting = [p for p in expected if owed(p, now)]
+            waiting = [s for s in inbound.values() if s.owed(now)]
             if not waiting and drained:
                 break
-            wake = min([ends[p] for p in waiting] or [now])
-            wake = min([wake] + [next_nack[p] for p in waiting if p in nacking]
-                       + [next_silent[p] for p in waiting if not heard[p]])
-            if not drained:
-                arrivals = early + list(self._receive(0.0))
-            else:
-                arrivals = early if early else self._receive(wake - now)
-            early = []
-            on_time = not drained
-            drained = True
+            wake = min([s.end for s in waiting] + [s.next_nack for s in waiting]
+                       + [s.next_silent for s in waiting if not s.heard] or [now])
+            arrivals = early + list(self._receive(0.0)) if not drained else early or self._receive(wake - now)
+            early, on_time, drained = [], not drained, True
             for header, payload, address in arrivals:
-                peer = header.sender
-                if header.kind == wire.NACK:
-                    self._answer_nack(header, payload, address)
-                    continue
-                if self._answer_probe(header, payload, address):
-                    continue
-                stats = self.stats[peer]
-                if header.epoch < epoch:
-                    stats.rejected["stale"] += 1
-                    if on_stale is not None:
-                        on_stale(header, address)
-                    continue
-                if header.epoch > epoch:  # a later synchronization: keep it for that gather
-                    if len(self._early) < EARLY_KEPT:
-                        self._early.append((header, payload, address))
-                    else:
-                        stats.rejected["early_overflow"] += 1
-                    newer = newer or (stop_on_newer and peer in expected)
-                    continue
-                if peer not in expected:
-                    stats.rejected["unexpected"] += 1
-                    continue
-                if counts[peer] is None and header.dtype == dtype and 0 < header.count:
-                    counts[peer] = header.count  # the size is what the sender's chunks say (whole chunks)
-                    values[peer] = np.zeros(header.count * per, dtype=np.float32)
-                    masks[peer] = np.zeros(header.count, dtype=bool)
-                if header.dtype != dtype or header.count != counts[peer] or header.index >= counts[peer]:
-                    stats.rejected["malformed"] += 1
-                    continue
-                addresses.setdefault(peer, address)
-                heard[peer] = True
-                if not on_time and time.perf_counter() > ends[peer] and peer not in must_complete:
-                    stats.rejected["late"] += 1  # past its deadline a peer's data only confirms it is alive
-                    continue
-                if header.kind == wire.PARITY:
-                    if len(payload) < PARITY_PREFIX.size:
-                        stats.rejected["malformed"] += 1
-                        continue
-                    (size,) = PARITY_PREFIX.unpack_from(payload)
-                    if size == 0 or size > counts[peer]:
-                        stats.rejected["malformed"] += 1
-                        continue
-                    parities[peer][header.index] = (size, payload[PARITY_PREFIX.size:])
-                elif masks[peer][header.index]:
-                    stats.rejected["duplicate"] += 1
-                    continue
-                else:
-                    n = min(per, len(values[peer]) - header.index * per)
-                    try:
-                        chunk = wire.decode_values(payload, dtype, n)
-                    except wire.WireError as e:
-                        stats.rejected[e.reason] += 1
-                        continue
-                    values[peer][header.index * per:header.index * per + n] = chunk
-                    masks[peer][header.index] = True
-                    payloads[peer][header.index] = payload
-                    stats.chunks_received += 1
-                    if nacked[peer]:
-                        stats.chunks_recovered_nack += 1
-                self._repair_with_parity(peer, values, masks, payloads, parities, dtype, per)
-                if masks[peer].all() and peer not in done:
-                    done[peer] = time.perf_counter() - start
-                if peer in nacking and not masks[peer].all():
-                    arrived = time.perf_counter()
-                    last = header.index >= counts[peer] - 1 if header.kind == wire.DATA else True
-                    # the burst's tail came with holes: ask now; else after a short gap without news
-                    next_nack[peer] = arrived if last else min(next_nack[peer], arrived + gap_s)
+                newer |= self._take(epoch, header, payload, address, inbound, on_time, on_stale, policy)
             now = time.perf_counter()
-            for peer in expected:
-                if masks[peer].all() or not owed(peer, now):
-                    continue
-                if not heard[peer] and now >= next_silent[peer]:
-                    on_silent(peer)
-                    next_silent[peer] = now + silent_s
-                if peer not in nacking or now < next_nack[peer] or peer not in addresses:
-                    continue
-                missing = np.flatnonzero(~masks[peer]).astype("<u2")
-                datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
-                                     missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
-                self._sendto(datagram, addresses[peer])
-                self.stats[peer].nacks_sent += 1
-                nacked[peer] = True
-                next_nack[peer] = now + nack_retry_s
-        waited = time.perf_counter() - start
-        for peer in expected:
+            for state in waiting:
+                if not state.heard and now >= state.next_silent:
+                    on_silent(state.peer)
+                    state.next_silent = now + policy.silent_s
+                if not state.complete and now >= state.next_nack and state.peer in self.peers:
+                    self._nack(epoch, state)
+                    state.next_nack = now + policy.nack_retry_s
+        return self._close_gather(start, inbound)
+
+    def _take(self, epoch: int, header: wire.Header, payload: bytes, address, inbound: dict[int, Inbound],
+              on_time: bool, on_stale, policy: GatherPolicy) -> bool:
+        """Route one datagram during a gather; True when an expected peer has moved on to a newer epoch."""
+        if header.kind == wire.NACK:
+            self._answer_nack(header, payload)
+            return False
+        if self._answer_probe(header, payload, address):
+            return False
+        stats = self.stats[header.sender]
+        if header.epoch < epoch:
+            stats.rejected["stale"] += 1
+            if on_stale is not None:
+                on_stale(header, address)
+            return False
+        if header.epoch > epoch:  # a later synchronization: keep it for that gather
+            self._keep_early(header, payload, address)
+            return policy.stop_on_newer and header.sender in inbound
+        state = inbound.get(header.sender)
+        if state is None:
+            stats.rejected["unexpected"] += 1
+            return False
+        now = time.perf_counter()
+        state.accept(header, payload, stats, late=not on_time and now > state.end)
+        if state.complete and state.completed_at is None:
+            state.completed_at = now
+        state.arm_nack(header, now, policy.gap_s)
+        return False
+
+    def _keep_early(self, header: wire.Header, payload: bytes, address) -> None:
+        if len(self._early) < EARLY_KEPT:
+            self._early.append((header, payload, address))
+        else:
+            self.stats[header.sender].rejected["early_overflow"] += 1
+
+    def _nack(self, epoch: int, state: Inbound) -> None:
+        datagram = wire.pack(wire.Header(wire.NACK, state.dtype, self.node_id, self.session, epoch, 0, 1, 0),
+                             state.missing().tobytes()[:wire.MAX_PAYLOAD], self.key)
+        self._sendto(datagram, self.peers[state.peer])
+        self.stats[state.peer].nacks_sent += 1
+        state.nacked = True
+
+    def _close_gather(self, start: float, inbound: dict[int, Inbound]) -> GatherResult:
+        waited_ms = 1e3 * (time.perf_counter() - start)
+        for peer, state in inbound.items():
             stats = self.stats[peer]
-            stats.chunks_missing += int((~masks[peer]).sum()) if counts[peer] is not None else 0
-            stats.chunks_expected += counts[peer] or 0
-            stats.sync_ms.append(1e3 * waited)
-        return GatherResult(values, masks, waited, done, {p for p, h in heard.items() if h})
+            stats.chunks_missing += int((~state.mask).sum()) if state.count is not None else 0
+            stats.chunks_expected += state.count or 0
+            stats.sync_ms.append(waited_ms)
+        return GatherResult({p: s.values for p, s in inbound.items()}, {p: s.mask for p, s in inbound.items()},
+                            {p: s.completed_at - start for p, s in inbound.items() if s.completed_at is not None},
+                            {p for p, s in inbound.items() if s.heard})
 
     def pending_epochs(self, peer: int, after: int, timeout_s: float, on_stale=None) -> list[int]:
         """Epochs beyond `after` that `peer` has sent datagrams of (oldest first), waiting up to timeout_s
@@ -369,30 +424,30 @@ class UdpEndpoint:
         meanwhile; older datagrams go to on_stale."""
         for header, payload, address in self._receive(timeout_s):
             if header.kind == wire.NACK:
-                self._answer_nack(header, payload, address)
+                self._answer_nack(header, payload)
             elif self._answer_probe(header, payload, address):
                 continue
             elif header.sender == peer and header.epoch > after:
-                if len(self._early) < EARLY_KEPT:
-                    self._early.append((header, payload, address))
+                self._keep_early(header, payload, address)
             elif header.sender == peer and on_stale is not None:
                 self.stats[peer].rejected["stale"] += 1
                 on_stale(header, address)
         return sorted({h.epoch for h, _, _ in self._early if h.sender == peer and h.epoch > after})
 
-    def request_all(self, epoch: int, peer: int, n_values: int | None, dtype: int, address) -> None:
+    def request_all(self, epoch: int, peer: int, n_values: int | None, dtype: int = wire.FLOAT32) -> None:
         """A NACK for every chunk of a vector we expect but have not seen a chunk of (its sender has it);
         n_values None: size unknown, ask for as many chunks as one NACK can name."""
+        if peer not in self.peers:
+            return
         count = wire.chunk_count(n_values, dtype) if n_values is not None else wire.MAX_PAYLOAD // 2
-        missing = np.arange(count, dtype="<u2")
         datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
-                             missing.tobytes()[:wire.MAX_PAYLOAD], self.key)
-        self._sendto(datagram, address)
+                             np.arange(count, dtype="<u2").tobytes()[:wire.MAX_PAYLOAD], self.key)
+        self._sendto(datagram, self.peers[peer])
         self.stats[peer].nacks_sent += 1
 
     def resend(self, epoch: int, peer: int) -> bool:
-        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what
-        it missed); False when that vector is no longer kept."""
+        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
+        missed); False when that vector is no longer kept."""
         entry = self.sent.get((epoch, peer))
         if entry is None:
             return False
@@ -400,32 +455,3 @@ class UdpEndpoint:
         for d in datagrams:
             self._sendto(d, address)
         return True
-
-    def _repair_with_parity(self, peer, values, masks, payloads, parities, dtype, per) -> None:
-        """A parity group with exactly one chunk missing and its parity present: XOR it back."""
-        count = len(masks[peer])
-        for start, (size, parity) in list(parities[peer].items()):
-            members = range(start, min(count, start + size))
-            missing = [i for i in members if not masks[peer][i]]
-            if len(missing) != 1:
-                continue
-            i = missing[0]
-            xor = np.frombuffer(parity, dtype=np.uint8).copy()
-            for j in members:
-                if j != i:
-                    p = np.frombuffer(payloads[peer][j], dtype=np.uint8)
-                    if len(p) > len(xor):
-                        break
-                    xor[:len(p)] ^= p
-            else:
-                n = min(per, len(values[peer]) - i * per)
-                length = wire.payload_bytes(n, dtype)
-                if length > len(xor):
-                    continue
-                try:
-                    values[peer][i * per:i * per + n] = wire.decode_values(xor[:length].tobytes(), dtype, n)
-                except wire.WireError:
-                    continue
-                masks[peer][i] = True
-                payloads[peer][i] = xor[:length].tobytes()
-                self.stats[peer].chunks_recovered_parity += 1

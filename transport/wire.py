@@ -8,7 +8,7 @@
     4       1     dtype: 0 float32, 1 float16, 2 int8 blocks (64 values + float32 scale each)
     5       1     sender id (0 = master)
     6       4     session id
-    10      8     epoch: (forward pass << 20) | (layer << 4) | sync point
+    10      8     epoch: orders a sender's vectors (halo/sync/framing.py gives it a meaning)
     18      2     chunk index
     20      2     chunk count
     22      2     payload length
@@ -64,14 +64,6 @@ class Header:
     index: int
     count: int
     length: int
-
-
-def make_epoch(forward: int, layer: int, sync_point: int) -> int:
-    """Identify one synchronization: monotone in (forward pass, layer, sync point). The forward-pass
-    counter only grows within a session, so a re-run of the same positions never reuses an epoch."""
-    if not (0 <= layer < 1 << 16 and 0 <= sync_point < 16 and forward >= 0):
-        raise ValueError(f"epoch fields out of range: forward={forward} layer={layer} sync={sync_point}")
-    return (forward << 20) | (layer << 4) | sync_point
 
 
 def values_per_chunk(dtype: int) -> int:

@@ -1,0 +1,52 @@
+"""When the master stops waiting for a round's droppable partials.
+
+Per agent, block kind and input size (tokens, in powers of two: a prefill is not a decode step),
+an exponentially weighted mean (alpha 0.2) of its turnaround: the time from the master sending a
+block's input to that agent's partial being complete (its compute + the link round trip + recovery).
+A round's droppable partials get
+
+    deadline = clamp(floor, ceiling, slack * median(turnaround of the round's holders))
+
+measured from the moment the input was sent. The median, not the maximum: one straggling agent does
+not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2); its low-importance
+share is what gets dropped. Before any measurement the ceiling applies. An agent that has sent
+nothing is chased (halo/sync/modes.py) after 0.6 x the deadline: with slack 2, when it is 20 % later
+than usual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .modes import SyncSettings
+
+CHASE_FRACTION = 0.6
+
+
+class AdaptiveDeadline:
+    ALPHA = 0.2
+
+    def __init__(self, settings: SyncSettings):
+        self.floor = settings.deadline_floor_ms / 1e3
+        self.ceiling = settings.deadline_ceiling_ms / 1e3
+        self.slack = settings.deadline_slack
+        self.turnaround: dict[tuple, float] = {}  # (block kind, agent, size class) -> EWMA seconds
+
+    @staticmethod
+    def _key(kind: str, agent: int, tokens: int) -> tuple:
+        return kind, agent, max(0, int(tokens) - 1).bit_length()  # work grows with tokens: powers of two
+
+    def observe(self, kind: str, agent: int, seconds: float, tokens: int = 1) -> None:
+        key = self._key(kind, agent, tokens)
+        old = self.turnaround.get(key)
+        self.turnaround[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
+
+    def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        known = [self.turnaround[k] for k in (self._key(kind, a, tokens) for a in agents) if k in self.turnaround]
+        if not known:
+            return self.ceiling
+        return float(np.clip(self.slack * np.median(known), self.floor, self.ceiling))
+
+    @staticmethod
+    def chase_after_s(deadline_s: float) -> float:
+        return max(CHASE_FRACTION * deadline_s, 0.001)
