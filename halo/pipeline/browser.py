@@ -30,7 +30,7 @@ import numpy as np
 from halo.errors import ConfigError
 from halo.transport.reliable import Message, MessageError
 
-from .links import StageFailed, StageRefused, Traffic
+from .links import StageFailed, StageRefused, Traffic, measure_link
 from .onnx_export import content_name, export_stage
 from .protocol import STAGE_PROTOCOL, ws_pack, ws_unpack
 from .stage import HeadRequest
@@ -238,18 +238,8 @@ class BrowserStage:
         self.name = f"{self.name}({self.engine})"
         return dict(reply.fields)
 
-    def link(self, payload_bytes: int = 1 << 20, rounds: int = 3) -> tuple[float, float]:
-        rtts, bulk = [], []
-        payload = np.zeros(payload_bytes, dtype=np.uint8)
-        for _ in range(rounds):
-            t = time.perf_counter()
-            self._call("ping", {}, what="a ping")
-            rtts.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            self._call("ping", {}, [payload], what="a bandwidth ping")
-            bulk.append(time.perf_counter() - t)
-        rtt = float(np.median(rtts))
-        return rtt, 2 * 8 * payload_bytes / max(float(np.median(bulk)) - rtt, 1e-6)
+    def link(self) -> tuple[float, float]:
+        return measure_link(lambda arrays: self._call("ping", {}, arrays, what="a ping"))
 
     def open(self, start: int, stop: int, context: int, fmt: str) -> dict:
         if fmt != "fp32":

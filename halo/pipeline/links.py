@@ -41,6 +41,22 @@ class Traffic:
         return self.sent + self.received
 
 
+def measure_link(ping, payload_bytes: int = 1 << 20, rounds: int = 3) -> tuple[float, float]:
+    """(RTT seconds, bandwidth bits/s) of a link: the median round trip of an empty ping(arrays), and of
+    one echoing a payload (it crosses the link twice)."""
+    rtts, bulk = [], []
+    payload = np.zeros(payload_bytes, dtype=np.uint8)
+    for _ in range(rounds):
+        t = time.perf_counter()
+        ping([])
+        rtts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ping([payload])
+        bulk.append(time.perf_counter() - t)
+    rtt = float(np.median(rtts))
+    return rtt, 2 * 8 * payload_bytes / max(float(np.median(bulk)) - rtt, 1e-6)
+
+
 class NativeStage:
     """A halo-stage-worker over CURVE-authenticated ZeroMQ. The connection's monitor reports a
     dropped TCP connection at once, so a killed worker is noticed without waiting for the timeout."""
@@ -111,19 +127,8 @@ class NativeStage:
         self.name = f"{reply.fields.get('name', self.endpoint)}@{self.endpoint.split('://')[-1]}"
         return dict(reply.fields)
 
-    def link(self, payload_bytes: int = 1 << 20, rounds: int = 5) -> tuple[float, float]:
-        """(RTT seconds, bandwidth bits/s): the median round trip of an empty ping, and of an echoed payload."""
-        rtts, bulk = [], []
-        payload = np.zeros(payload_bytes, dtype=np.uint8)
-        for _ in range(rounds):
-            t = time.perf_counter()
-            self._call("ping", {}, what="a ping")
-            rtts.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            self._call("ping", {}, [payload], what="a bandwidth ping")
-            bulk.append(time.perf_counter() - t)
-        rtt = float(np.median(rtts))
-        return rtt, 2 * 8 * payload_bytes / max(float(np.median(bulk)) - rtt, 1e-6)
+    def link(self) -> tuple[float, float]:
+        return measure_link(lambda arrays: self._call("ping", {}, arrays, what="a ping"))
 
     def open(self, start: int, stop: int, context: int, fmt: str) -> dict:
         self.session = os.urandom(8).hex()
