@@ -116,8 +116,10 @@ class StageWorker:
             return Message("status", {"name": self.name, "model": self.weights.source, "session": session,
                                       "served": self.served})
         if message.kind == "ping":
-            if len(message.arrays) > 1 or (message.arrays and message.arrays[0].nbytes > (8 << 20)):
-                return Message("error", {"reason": "a ping carries at most one payload of 8 MiB"})
+            from halo.pipeline.protocol import MAX_PING_BYTES
+
+            if len(message.arrays) > 1 or (message.arrays and message.arrays[0].nbytes > MAX_PING_BYTES):
+                return Message("error", {"reason": f"a ping carries at most one payload of {MAX_PING_BYTES >> 20} MiB"})
             return Message("pong", {}, list(message.arrays))
         if message.kind == "probe":
             if f.get("model_sha256") != self.model_sha256:

@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import zmq
 from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights, model_fingerprint
 from halo.model import Transformer
-from halo.pipeline.connect import LocalStageWorkers, connect_pipeline
+from halo.pipeline.connect import LocalStageWorkers
 from halo.pipeline.coordinator import PipelineError, PipelineModel
 from halo.pipeline.links import LocalStage, NativeStage
 from halo.pipeline.replan import Stage, even_stages, plan_stages, validate_stages
@@ -46,6 +45,15 @@ def test_stage_engines_chained_equal_the_reference_bit_for_bit(stories_weights):
 
         assert np.array_equal(run(tokens, 0)[-1], expected)
         assert np.array_equal(run(np.array([7]), 5)[-1], expected_next)
+
+
+def test_the_torch_engine_gives_the_greedy_tokens_of_the_numpy_engine(stories_weights, known_answer):
+    """What a CUDA worker runs, here on torch's CPU device (no GPU needed)."""
+    pytest.importorskip("torch")
+    links = [LocalStage(stories_weights, "gpu-like", device="torch-cpu"), LocalStage(stories_weights, "cpu")]
+    model = PipelineModel(stories_weights, links, [Stage(0, 0, 4), Stage(1, 4, 7)], CONTEXT)
+    assert model.ready[0]["engine"] == "torch-cpu"
+    assert generate(model, load_tokenizer(stories_weights), "", 256).text == known_answer
 
 
 def test_top_k_is_argmax_first_and_breaks_ties_by_id():
@@ -97,9 +105,7 @@ def test_random_hf_model_greedy_tokens_through_1_to_4_stages(tmp_path):
 def test_full_logits_and_all_positions_equal_the_reference(stories_weights):
     reference = Transformer(stories_weights, max_seq_len=64)
     links = [LocalStage(stories_weights, "a"), LocalStage(stories_weights, "b")]
-    profiles = None
-    model = PipelineModel(stories_weights, links, [Stage(0, 0, 3), Stage(1, 3, 7)], 64, head_top_k=0,
-                          profiles=profiles)
+    model = PipelineModel(stories_weights, links, [Stage(0, 0, 3), Stage(1, 3, 7)], 64, head_top_k=0)
     tokens = [1, 403, 407]
     assert np.array_equal(model.forward(tokens, start_pos=0, all_logits=True),
                           reference.forward(tokens, start_pos=0, all_logits=True))

@@ -22,7 +22,6 @@ import struct
 from halo.transport.reliable import Message, MessageError, decode, encode
 
 STAGE_PROTOCOL = 1  # the stage message set (the frame codec has its own version)
-KINDS = ("probe", "ping", "hello", "forward", "reset", "bye", "status")
 MAX_PING_BYTES = 8 << 20
 
 

@@ -36,7 +36,7 @@ class TorchStageEngine:
         self.torch, self.device = torch, torch.device(device)
         self.engine = f"torch-{self.device.type}"
         self.start, self.stop, self.max_seq_len = start, stop, max_seq_len
-        put = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(self.device)  # noqa: E731
+        put = lambda a: torch.from_numpy(np.array(a, dtype=np.float32)).to(self.device)  # a writable copy  # noqa: E731
         self.layers = list(range(max(0, start - 1), min(c.n_layers, stop - 1)))
         self.embedding = put(weights.tok_embeddings) if start == 0 else None
         self.weights = {l: {name: put(getattr(weights.layers[l], name)) for name in
