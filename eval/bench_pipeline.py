@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     stages = [int(s) for s in args.stages.split(",")]
-    results: dict = {"gpu": "no CUDA device on this machine: the torch engine ran only in tests (torch-cpu)"}
+    results: dict = {"gpu": "no CUDA device here: the torch engine (what a CUDA worker runs) ran only on torch's CPU device, in tests"}
     with tempfile.TemporaryDirectory(prefix="halo-pipeline-") as tmp:
         path = write_random_llama(tmp, dict(TINYLLAMA_1_1B, num_hidden_layers=args.layers))
         weights = load_weights(path)
