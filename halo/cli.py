@@ -48,17 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
     g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
-    cluster = g.add_argument_group("distributed (tensor-parallel)")
-    cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
-                         help="start N halo-agent processes on this machine, run across them, stop them")
-    cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
-    cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
-                         "addresses are the agents; the master = the device marked master)")
-    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
-    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
-    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
-    cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
-                         help="give up on an agent that does not answer within S seconds (default 2)")
+    add_cluster_arguments(g)
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
 
@@ -101,6 +91,30 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
     return parser
+
+
+def add_cluster_arguments(parser) -> None:
+    """Where the agents are (or stage workers, in pipeline mode): shared by generate and what else builds a cluster."""
+    cluster = parser.add_argument_group("distributed (tensor-parallel)")
+    cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
+                         help="start N halo-agent processes on this machine, run across them, stop them")
+    cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
+    cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
+                         "addresses are the agents; the master = the device marked master)")
+    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
+    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
+                         help="give up on an agent that does not answer within S seconds (default 2)")
+    pipe = parser.add_argument_group("pipeline mode (contiguous layer ranges on stage workers; see halo/pipeline/)")
+    pipe.add_argument("--mode", choices=("tp", "pipeline"), default="tp",
+                      help="tp: tensor-parallel agents (default) · pipeline: halo-stage-worker processes and browser "
+                           "tabs; --local-agents/--agents/--cluster then mean stage workers (a pipeline --plan "
+                           "implies it)")
+    pipe.add_argument("--browser-workers", type=int, default=0, metavar="N",
+                      help="wait for N browser tabs to open the worker page (printed at start) and use them too")
+    pipe.add_argument("--serve-worker", default="127.0.0.1:8765", metavar="HOST:PORT",
+                      help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN)")
 
 
 def add_sync_arguments(parser) -> None:
@@ -201,7 +215,7 @@ def cmd_generate(args) -> int:
     tokenizer = load_tokenizer(weights, args.tokenizer)
     if args.sync != "reliable" and not (args.local_agents or args.agents or args.cluster or args.plan):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
-    if args.local_agents or args.agents or args.cluster or args.plan:
+    if args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers:
         from contextlib import ExitStack
 
         with ExitStack() as stack:
@@ -218,7 +232,10 @@ def _distributed_model(args, weights, stack):
     agents = [a for a in args.agents.split(",") if a] if args.agents else None
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
-                   timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
+                   timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
+                   mode="pipeline" if args.browser_workers else args.mode, pipeline={
+                       "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
+                       "head_top_k": 1 if args.temperature == 0 else args.top_k})
 
 
 def _run_generation(args, weights, tokenizer, model, sampling) -> int:
@@ -227,9 +244,11 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     if args.json:
         result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
         out = result.to_json()
-        if hasattr(model, "report"):
+        if hasattr(model, "sync_report"):
             out["agents"] = model.report()
             out["sync"] = model.sync_report()
+        elif hasattr(model, "report"):
+            out["pipeline"] = model.report()
         out["model"] = weights.source
         out["weights"] = args.weights
         print(json.dumps(out))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .model import DEFAULT_CONTEXT
+from .config import DEFAULT_CONTEXT
 from .neuron_groups import GroupLayout
 from .weights import ModelWeights
 
@@ -49,6 +49,15 @@ class Shares:
 
     def to_json(self) -> dict:
         return {"attention": self.attention, "mlp": self.mlp, "lm_head": self.lm_head}
+
+
+def everything(config, layout: GroupLayout, layers=None, lm_head: bool = True) -> Shares:
+    """Every group of `layers` (default: all) and of the LM head: the single-process reference's share, or a
+    pipeline stage's."""
+    layers = set(range(config.n_layers) if layers is None else layers)
+    return Shares(attention=[list(range(layout.n_attention_groups)) if l in layers else [] for l in range(config.n_layers)],
+                  mlp=[list(range(layout.n_mlp_groups)) if l in layers else [] for l in range(config.n_layers)],
+                  lm_head=list(range(layout.n_vocab_groups)) if lm_head else [])
 
 
 def shares_from_plan(plan, n_layers: int) -> list[Shares]:

@@ -35,10 +35,10 @@ class TracingTransformer(Transformer):
         return super().forward(tokens, start_pos, all_logits)
 
     def layer(self, i: int, x: np.ndarray, start: int) -> np.ndarray:
-        eps, layer_input = self.config.norm_eps, x
-        heads = self.attention[i].forward_groups(rmsnorm(x, self.attn_norms[i], eps), start, self.rotary)
+        eps, layer_input, w = self.config.norm_eps, x, self.worker
+        heads = w.attention[i].forward_groups(rmsnorm(x, self.weights.layers[i].attn_norm, eps), start, w.rotary)
         x = x + self._block_output(i, "attention", heads, layer_input)
-        groups = self.mlp[i].forward_groups(rmsnorm(x, self.mlp_norms[i], eps))
+        groups = w.mlp[i].forward_groups(rmsnorm(x, self.weights.layers[i].mlp_norm, eps))
         x = x + self._block_output(i, "mlp", groups, layer_input)
         self.trace.append(LayerTrace(layer_input, np.linalg.norm(heads, axis=-1), np.linalg.norm(groups, axis=-1)))
         return x

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from halo.errors import ConfigError
-from halo.model import DEFAULT_CONTEXT
+from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
 from halo.shares import even_plan, shares_from_plan
 from halo.sync import SyncSettings
@@ -34,10 +34,19 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             agents: list[str] | None = None, cluster: str | None = None, plan: str | None = None,
             key: str | None = "/etc/halo/cluster.key", insecure: bool = False, context: int | None = None,
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
-            predictors: str | None = None) -> DistributedModel:
+            predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
-    addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts."""
+    addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
+    mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
+    (halo/pipeline/connect.py; `pipeline` holds its own options)."""
     from halo.transport.reliable import load_key
+
+    if mode == "pipeline" or (plan and _plan_mode(plan) == "pipeline"):
+        from halo.pipeline.connect import connect_pipeline
+
+        return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
+                                cluster=cluster, plan=plan, key=key, insecure=insecure, context=context,
+                                timeout=timeout, fmt=fmt, **(pipeline or {}))
 
     layout = GroupLayout.for_model(weights.config)
     context = min(weights.config.max_seq_len, DEFAULT_CONTEXT if context is None else context)
@@ -81,6 +90,17 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
                                 vocab_group_size=layout.vocab_group_size)
         return plan_tp(cluster_file, profile)
     return None
+
+
+def _plan_mode(path: str) -> str | None:
+    """A plan file's mode, or None where it cannot be read (plan_io.load then says why)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads(Path(path).read_text()).get("mode")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _plan_addresses(tp_plan) -> list[str]:

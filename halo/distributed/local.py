@@ -71,40 +71,44 @@ class AgentProcess:
 
 
 class LocalCluster:
+    """N daemons of `module` (halo-agent by default; pipeline mode's halo-stage-worker too) on loopback with a
+    throwaway cluster key, stopped on exit. threads: BLAS threads per process (default cores // (N + 1):
+    tensor-parallel agents and the master compute at the same time)."""
+
     def __init__(self, n: int, model_path: str | None = None, startup_timeout_s: float = 30.0,
-                 predictors: str | None = None, extra_args: tuple = ()):
+                 predictors: str | None = None, extra_args: tuple = (), module: str = "halo.edge_agent",
+                 name: str = "local", threads: int | None = None):
         if n < 1:
             raise HaloError(f"a local cluster needs at least one agent, got {n}")
         self.n, self.model_path, self.timeout = n, model_path, startup_timeout_s
-        self.predictors, self.extra_args = predictors, tuple(extra_args)
+        self.predictors, self.extra_args, self.module, self.name = predictors, tuple(extra_args), module, name
+        self.threads = threads or max(1, (os.cpu_count() or 1) // (n + 1))
         self.processes: list[AgentProcess] = []
         self.endpoints: list[str] = []
         self._dir = None
         self._limits = None
-        self.key = None
+        self.key = self.key_path = None
 
     def __enter__(self) -> "LocalCluster":
         from threadpoolctl import threadpool_limits
 
         from halo.transport.reliable import generate_key
 
-        threads = max(1, (os.cpu_count() or 1) // (self.n + 1))
-        self._limits = threadpool_limits(threads)
+        self._limits = threadpool_limits(self.threads)
         self._dir = tempfile.TemporaryDirectory(prefix="halo-local-")
-        key_path = Path(self._dir.name) / "cluster.key"
-        self.key = generate_key(key_path)
+        self.key_path = Path(self._dir.name) / "cluster.key"
+        self.key = generate_key(self.key_path)
         try:
             for i in range(self.n):
-                self.processes.append(AgentProcess(f"local-{i + 1}", self._argv(i, key_path, threads)))
+                name = f"{self.name}-{i + 1}"
+                argv = agent_command("tcp://127.0.0.1:0", self.key_path, name, self.threads, self.model_path,
+                                     self.predictors, module=self.module) + list(self.extra_args)
+                self.processes.append(AgentProcess(name, argv))
             self.endpoints = [p.wait_listening(self.timeout) for p in self.processes]
         except BaseException:
             self.__exit__()
             raise
         return self
-
-    def _argv(self, i: int, key_path: Path, threads: int) -> list[str]:
-        return agent_command("tcp://127.0.0.1:0", key_path, f"local-{i + 1}", threads, self.model_path,
-                             self.predictors) + list(self.extra_args)
 
     def __exit__(self, *exc) -> None:
         stop_processes(self.processes)
@@ -115,9 +119,9 @@ class LocalCluster:
 
 
 def agent_command(listen: str, key_path, name: str, threads: int = 1, model_path=None, predictors=None,
-                  log_level: str = "WARNING") -> list[str]:
-    """The command line of a halo-agent started by this process (see the module docstring for -P)."""
-    argv = [sys.executable, "-P", "-m", "halo.edge_agent", "--listen", listen, "--key", str(key_path), "--name", name,
+                  log_level: str = "WARNING", module: str = "halo.edge_agent") -> list[str]:
+    """The command line of a daemon started by this process (see the module docstring for -P)."""
+    argv = [sys.executable, "-P", "-m", module, "--listen", listen, "--key", str(key_path), "--name", name,
             "--log-level", log_level, "--threads", str(threads)]
     if model_path:
         argv += ["--model", str(model_path)]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
-from halo.model import DEFAULT_CONTEXT
+from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
 from halo.shares import Shares
 from halo.sync import SyncSettings
