@@ -14,7 +14,7 @@ mode) a fresh master decodes --tokens tokens after a 6-token warm-up: time per o
 straggler: stories260K over 4 local agents on loopback, no loss; one agent's CPU is cut to 5 % of a
 core during every other 300 ms (cgroup v1 CFS quota, rpi/throttle.py). Time per output token and
 accuracy (top-1 agreement with the single-process model, exact match of the greedy text) for
-reliable vs halo, against the same cluster without the straggler.
+exact vs halo, against the same cluster without the straggler.
 
 ablation (HALO Table VI in kind): halo mode with prediction/communication overlap and load/compute
 overlap on or off, and the upper bound with neither prediction nor loading (static groups).
@@ -38,7 +38,7 @@ import numpy as np
 from .report import command_line, write_report
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
-MODES = ("reliable", "lossy", "halo")
+MODES = ("tcp", "exact", "lossy", "halo")
 WARMUP = 6  # tokens before timing: page tables of the memory-mapped weights, deadline estimates
 ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
              "Pred-Comm only": dict(pred_overlap=True, load_overlap=False),
@@ -157,11 +157,11 @@ def speed(args) -> None:
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed, nftables "
              "drops on every agent link both ways; master + agents share this machine's 2 cores. Time per output "
              "token (mean of the decode steps after a 6-token warm-up).", "",
-             "| agents | PLR | reliable ms | lossy ms | halo ms | halo speedup over reliable | halo vs own 0 % | "
+             "| agents | PLR | tcp ms | lossy ms | halo ms | halo speedup over tcp | halo vs own 0 % | "
              "lossy partials dropped | halo partials dropped |", "|---|---|---|---|---|---|---|---|---|"]
     for n in sorted({r["agents"] for r in rows}):
         for plr in sorted({r["plr"] for r in rows}):
-            rel, los, hal = (by.get((n, plr, m)) for m in MODES)
+            rel, los, hal = (by.get((n, plr, m)) for m in ("tcp", "lossy", "halo"))
             if not (rel and los and hal):
                 continue
             base = by.get((n, 0.0, "halo"))
@@ -230,7 +230,7 @@ def straggler(args) -> None:
         ref_tokens.append(token)
     rows = []
     for throttled in (False, True):
-        for sync in ("reliable", "halo"):
+        for sync in ("exact", "halo"):
             with ExitStack() as stack:
                 cluster = stack.enter_context(LocalCluster(4))
                 model = _model_for(weights, cluster, sync, stack)
@@ -251,13 +251,13 @@ def straggler(args) -> None:
                              "partials_dropped": loss["partials_dropped"], "partials": loss["partials"]})
                 print(json.dumps(rows[-1]), flush=True)
     by = {(r["straggler"], r["sync"]): r for r in rows}
-    lines = ["# A straggling agent: reliable vs halo (stories260K, 4 local agents, no loss)", "",
+    lines = ["# A straggling agent: exact vs halo (stories260K, 4 local agents, no loss)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Agent 2's CPU is cut to 5 % of a "
              "core during every other 300 ms (cgroup v1). Inputs are teacher-forced with the single-process "
              "model's greedy tokens, so every setting sees the same sequence.", "",
              "| sync | ms/token, no straggler | ms/token, straggler | slowdown | p90 ms, straggler | "
              "top-1 agreement, straggler | partial sums dropped |", "|---|---|---|---|---|---|---|"]
-    for sync in ("reliable", "halo"):
+    for sync in ("exact", "halo"):
         a, b = by[(False, sync)], by[(True, sync)]
         lines.append(f"| {sync} | {a['ms_mean']:.2f} | {b['ms_mean']:.2f} | {b['ms_mean'] / a['ms_mean']:.2f}x | "
                      f"{b['ms_p90']:.2f} | {b['top1_agreement']:.3f} | {b['partials_dropped']}/{b['partials']} |")
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model")
     parser.add_argument("--key")
     parser.add_argument("--endpoints")
-    parser.add_argument("--sync", default="reliable")
+    parser.add_argument("--sync", default="exact")
     parser.add_argument("--settings", default="{}")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]

@@ -120,11 +120,14 @@ def add_cluster_arguments(parser) -> None:
 def add_sync_arguments(parser) -> None:
     """--sync and its knobs (shared by generate and the benchmarks)."""
     from .sync import SYNC_MODES, SyncSettings
+    from .sync.modes import RENAMED
 
     d = SyncSettings()
     s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
-    s.add_argument("--sync", choices=SYNC_MODES, default="reliable",
-                   help="reliable: all over TCP, exact (default) · lossy: UDP, partial sums dropped at a deadline, "
+    s.add_argument("--sync", choices=SYNC_MODES + tuple(RENAMED), default=None, metavar="{" + ",".join(SYNC_MODES) + "}",
+                   help="exact (default): UDP, every lost packet recovered (parity, NACK), the same tokens as one "
+                        "device · tcp: all over the control connection (a lost packet costs TCP's 200 ms timeout) · "
+                        "lossy: UDP, partial sums dropped at a deadline, "
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
                         "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
                         "critical traffic")
@@ -146,7 +149,7 @@ def add_sync_arguments(parser) -> None:
 def sync_settings(args):
     from .sync import SyncSettings
 
-    return SyncSettings(mode=args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
+    return SyncSettings(mode=args.sync or "exact", deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed)
 
@@ -213,7 +216,7 @@ def cmd_generate(args) -> int:
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
-    if args.sync != "reliable" and not (args.local_agents or args.agents or args.cluster or args.plan):
+    if args.sync is not None and not (args.local_agents or args.agents or args.cluster or args.plan):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers:
         from contextlib import ExitStack
@@ -273,7 +276,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
-    if hasattr(model, "sync_report") and model.sync.mode != "reliable":
+    if hasattr(model, "sync_report") and not model.sync.policy.all_critical:
         loss = model.sync_report()["loss"]
         err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
                   f"chunks ({loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "

@@ -7,8 +7,9 @@ combining the participant's link and the master's) times the price of such a los
 
 | mode | a lost input costs | a lost partial costs |
 |---|---|---|
-| reliable | TCP's retransmission timeout (Linux's minimum RTO, 200 ms) | the same |
-| lossy | a NACK-driven UDP retransmission: two link latencies + a 1 ms timer | waiting out the deadline |
+| exact | a NACK-driven UDP retransmission: two link latencies + a 1 ms timer | the same |
+| tcp | TCP's retransmission timeout (Linux's minimum RTO, 200 ms) | the same |
+| lossy | a NACK-driven retransmission | waiting out the deadline |
 | halo | a NACK-driven retransmission | the same (recovered while the deadline allows) |
 | halo-tcp | TCP's RTO | a NACK-driven retransmission |
 

@@ -112,12 +112,12 @@ def test_unfit_cluster_names_the_shortfall():
 def test_loss_costs_more_over_tcp_than_over_the_fast_path():
     devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, plr=0.05, bandwidth_bps=1e9) for i in range(4))
     plan = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
-    modes = ("reliable", "halo-tcp", "lossy", "halo", "ideal")
-    reliable, halo_tcp, lossy, halo, ideal = (estimate(plan, m).total_s for m in modes)
-    assert reliable > halo_tcp > lossy > halo > ideal
+    modes = ("tcp", "halo-tcp", "lossy", "halo", "exact", "ideal")
+    tcp, halo_tcp, lossy, halo, exact, ideal = (estimate(plan, m).total_s for m in modes)
+    assert tcp > halo_tcp > lossy > halo == exact > ideal
     clean = build_plan(Cluster(tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9) for i in range(4)),
                                context=512, weights="int4"), TINY, "minmax")
-    assert estimate(clean, "reliable").total_s == estimate(clean, "ideal").total_s == eq1_objective(clean)
+    assert estimate(clean, "tcp").total_s == estimate(clean, "ideal").total_s == eq1_objective(clean)
 
 
 def test_unknown_algorithm_and_sync_mode():

@@ -10,11 +10,26 @@ from halo.sync.framing import (attention_inputs_between, frame_broadcast, frame_
 HOLDERS, LISTENERS, CRITICAL = {1, 2, 3}, {4}, {1}
 
 
-def test_reliable_sends_everything_over_tcp_and_every_partial_is_critical():
-    plan = plan_round(POLICIES["reliable"], HOLDERS, (), CRITICAL)
+def test_tcp_sends_everything_over_the_control_connection_and_every_partial_is_critical():
+    plan = plan_round(POLICIES["tcp"], HOLDERS, (), CRITICAL)
     assert plan.input_tcp == plan.partial_tcp == plan.critical == HOLDERS
     assert not (plan.input_udp or plan.partial_udp or plan.nack or plan.chase)
-    assert not POLICIES["reliable"].uses_udp
+    assert not POLICIES["tcp"].uses_udp
+
+
+def test_exact_recovers_every_partial_over_udp_until_complete():
+    plan = plan_round(POLICIES["exact"], HOLDERS, (), CRITICAL)
+    assert plan.input_udp == plan.partial_udp == plan.critical == plan.nack == plan.chase == HOLDERS
+    assert not (plan.input_tcp or plan.partial_tcp)
+
+
+def test_the_old_mode_name_says_what_to_use_instead():
+    from halo.errors import ConfigError
+    from halo.sync import SyncSettings
+
+    with pytest.raises(ConfigError, match="renamed: use --sync exact"):
+        SyncSettings(mode="reliable")
+    assert SyncSettings().mode == "exact"
 
 
 def test_lossy_recovers_only_critical_partials_and_listener_acknowledgements():

@@ -97,8 +97,8 @@ class MasterRound:
 
     def _check_alive(self, agent: RemoteAgent, heard: bool, incomplete_critical: bool) -> None:
         if incomplete_critical:
-            raise AgentError(f"agent {agent} did not deliver its {self.block.kind} partial of layer "
-                             f"{self.block.layer} within {self.ctx.timeout_s:.1f} s: it stopped or its link is down")
+            raise AgentError(f"agent {agent} did not deliver its partial of {self.label} within "
+                             f"{self.ctx.timeout_s:.1f} s: it stopped or its link is down")
         if heard:
             agent.heard()
         elif agent.silent_for() > self.ctx.timeout_s:

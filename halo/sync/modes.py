@@ -8,12 +8,15 @@ turns a mode and a block into a `RoundPlan`: plain data that tests read without 
 
 | mode | input | critical partials | other partials | groups |
 |---|---|---|---|---|
-| reliable | TCP | every partial, TCP | – | plan's, fixed |
+| exact (default) | UDP until complete | every partial, UDP until complete | – | plan's, fixed |
+| tcp | TCP | every partial, TCP | – | plan's, fixed |
 | lossy | UDP until complete | layer 0 and the LM head, UDP until complete | UDP until the deadline, no recovery | fixed |
 | halo | UDP until complete | + any holding a predicted-top group | UDP, recovered while the deadline allows, then zero-filled | MLP re-mapped per token |
 | halo-tcp | TCP | TCP | as halo | as halo |
 
-"UDP until complete" is the fast reliable path of transport/udp.py: XOR parity and NACKs. Agents
+"UDP until complete" is the fast reliable path of transport/udp.py: XOR parity and NACKs, so a lost
+packet costs about a millisecond instead of TCP's 200 ms minimum retransmission timeout; exact and tcp
+give the same tokens as one device. Agents
 that hold no groups of a block but need its input (they predict the next layer from it) are
 *listeners*: they acknowledge the input with an empty partial, which is critical.
 """
@@ -49,8 +52,9 @@ class ModePolicy:
 
 
 POLICIES: dict[str, ModePolicy] = {
-    "reliable": ModePolicy(Transport.TCP, Transport.TCP, Transport.TCP, all_critical=True, recover_other=True,
-                           remap=False),
+    "exact": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=True, recover_other=True,
+                        remap=False),
+    "tcp": ModePolicy(Transport.TCP, Transport.TCP, Transport.TCP, all_critical=True, recover_other=True, remap=False),
     "lossy": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=False, recover_other=False,
                         remap=False),
     "halo": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=False, recover_other=True, remap=True),
@@ -58,11 +62,13 @@ POLICIES: dict[str, ModePolicy] = {
                            remap=True),
 }
 SYNC_MODES = tuple(POLICIES)
+RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
+                       "--sync tcp (the control connection)"}
 
 
 @dataclass
 class SyncSettings:
-    mode: str = "reliable"
+    mode: str = "exact"
     deadline_floor_ms: float = 5.0
     deadline_ceiling_ms: float = 100.0
     deadline_slack: float = 2.0
@@ -75,6 +81,8 @@ class SyncSettings:
     seed: int = 0
 
     def __post_init__(self):
+        if self.mode in RENAMED:
+            raise ConfigError(RENAMED[self.mode])
         if self.mode not in POLICIES:
             raise ConfigError(f"unknown sync mode {self.mode!r}; choose one of {', '.join(SYNC_MODES)}")
         if not 0 < self.deadline_floor_ms <= self.deadline_ceiling_ms:
