@@ -228,7 +228,7 @@ class Agent:
         """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""
         if "udp_session" not in f:
             return
-        self.udp.session, self.udp.node_id = int(f["udp_session"]), node_id
+        self.udp.join(int(f["udp_session"]), node_id)
         if address and f.get("udp_port"):
             self.udp.peers[MASTER] = (address, int(f["udp_port"]))
         if sync.inject_plr:

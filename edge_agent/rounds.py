@@ -80,8 +80,9 @@ class AgentRounds:
 
     def send_partial(self, epoch: int, out, status: Status, compute_ms: float) -> None:
         """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
-        parity = self.sync.parity_group if self.sync.policy.recover_other else 0
-        self.udp.send_vector(self.udp.peers[MASTER], MASTER, reply_epoch(epoch), frame_partial(out, status, compute_ms),
+        recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
+        parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
+        self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
                              parity_group=parity)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
