@@ -347,14 +347,14 @@ class Engine:
             return
         except HaloError as e:  # an agent failed: AgentError and what the transport raises
             self.totals.requests["error"] += 1
-            job.put("error", ClusterUnavailable(f"the cluster failed during this request: {e}", "cluster_failed"))
             self._down(e)
+            job.put("error", ClusterUnavailable(f"the cluster failed during this request: {e}", "cluster_failed"))
             return
         except Exception as e:  # noqa: BLE001 - a bug must not kill the server; the cluster state is unknown
             log.exception("generation failed")
             self.totals.requests["error"] += 1
-            job.put("error", ServeError(f"internal error: {type(e).__name__}: {e}", "internal_error"))
             self._down(e)
+            job.put("error", ServeError(f"internal error: {type(e).__name__}: {e}", "internal_error"))
             return
         tail = scanner.flush()
         if tail:
