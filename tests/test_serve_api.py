@@ -13,35 +13,9 @@ openai = pytest.importorskip("openai", reason="the openai client comes with the 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn", reason="halo-master serve needs the serve extra")
 
-API_KEY = "test-key-0123456789"
+from serve_server import API_KEY, start_server, stop_server  # noqa: E402
+
 PROMPT = "Once upon a time"
-
-
-def start_server(tmp_path, *extra, api_key=True):
-    argv = [sys.executable, "-m", "halo.cli", "serve", "--port", "0", "--log-level", "warning", *extra]
-    if api_key:
-        key_file = tmp_path / "api.key"
-        key_file.write_text(API_KEY + "\n")
-        argv += ["--api-key-file", str(key_file)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if line.startswith("LISTENING "):
-            return process, line.split()[1]
-        if not line and process.poll() is not None:
-            break
-    process.kill()
-    raise RuntimeError(f"the server did not start: {process.stderr.read()[-3000:]}")
-
-
-def stop_server(process):
-    process.terminate()
-    try:
-        process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -268,4 +242,4 @@ def test_listening_beyond_localhost_without_a_key_warns_loudly(tmp_path):
         assert httpx.get(url.replace("0.0.0.0", "127.0.0.1") + "/health", timeout=10).status_code == 200
     finally:
         stop_server(process)
-    assert "WITHOUT an API key" in process.stderr.read()
+    assert "WITHOUT an API key" in process.err_path.read_text()

@@ -76,8 +76,10 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
                 b = base.get(name, {"compute_ms": 0.0, "wait_ms": 0.0})
                 compute = (c["compute_ms"] - b["compute_ms"]) / steps
                 wait = (c["wait_ms"] - b["wait_ms"]) / steps
+                # in the UDP modes partial sums do not come back over the control connection: wait says nothing
+                sync = _r(max(0.0, wait - compute)) if engine.sync_mode == "reliable" else None
                 per_token[name] = {"compute_ms_per_token": _r(compute), "wait_ms_per_token": _r(wait),
-                                   "sync_ms_per_token": _r(max(0.0, wait - compute)) if name != "master" else 0.0}
+                                   "sync_ms_per_token": sync if name != "master" else None}
             current = {"decode_steps": steps, "ms_per_token": _r(1e3 * seconds / steps, 2),
                        "tokens_per_s": _r(steps / seconds, 2) if seconds else None, "finished": final}
     old = {d["name"]: d for d in previous.get("devices", [])}
@@ -134,6 +136,14 @@ def _fmt(value, unit: str = "", digits: int = 2) -> str:
     return f"{value:.{digits}f}{unit}"
 
 
+def _sync_cell(d: dict) -> str:
+    if d.get("role") == "master":
+        return "-"
+    if d.get("sync_ms_per_token") is None and d.get("sync_ms_p50") is not None:
+        return f"[dim]gather p50[/dim] {d['sync_ms_p50']:.2f}"
+    return _fmt(d.get("sync_ms_per_token"), "", 3)
+
+
 def render(snapshot: dict):
     """The snapshot as rich renderables (a devices table, loss by layer, a summary line)."""
     from rich.console import Group
@@ -160,7 +170,7 @@ def render(snapshot: dict):
         table.add_row(f"{d['name']}\n[dim]{d.get('endpoint', '')}[/dim]", up,
                       f"{share}\n[dim]{d.get('heads', '-')}/{d.get('mlp_groups', '-')}/{d.get('vocab_groups', '-')}[/dim]",
                       _fmt(d.get("compute_ms_per_token"), "", 3),
-                      "-" if d.get("role") == "master" else _fmt(d.get("sync_ms_per_token"), "", 3), link,
+                      _sync_cell(d), link,
                       _fmt(100 * d["observed_plr"] if d.get("observed_plr") is not None else None, " %", 2),
                       "-" if d.get("chunks_recovered") is None else f"{d['chunks_recovered']} / {d['chunks_missing']}")
     parts = [head, table]

@@ -170,7 +170,12 @@ function render(s) {
     cell(tr, `<span class="share"><span class="bar" style="width:${Math.round(60 * share)}px"></span>${pct(share, 0)}</span>`,
          `${d.heads} heads, ${d.mlp_groups} MLP groups, ${d.vocab_groups} vocabulary groups`);
     cell(tr, fmt(d.compute_ms_per_token, 3));
-    cell(tr, d.role === "master" ? "–" : fmt(d.sync_ms_per_token, 3), d.sync_ms_p50 != null ? "gather p50 " + fmt(d.sync_ms_p50, 2) + " ms" : "");
+    if (d.role !== "master" && d.sync_ms_per_token == null && d.sync_ms_p50 != null) {
+      cell(tr, `<span class="hint">gather p50</span> ${fmt(d.sync_ms_p50, 2)}`,
+           "UDP sync: the runtime times whole gathers, not each device per token");
+    } else {
+      cell(tr, d.role === "master" ? "–" : fmt(d.sync_ms_per_token, 3));
+    }
     cell(tr, d.role === "master" ? "–" : pct(d.link_plr));
     cell(tr, d.role === "master" ? "–" : fmt(d.rtt_ms, 3));
     cell(tr, d.observed_plr == null ? "–" : pct(d.observed_plr, 2));
@@ -185,6 +190,13 @@ function render(s) {
       `${fmt(loss.groups_dropped, 1)} of ${loss.groups_offered_lossy} groups dropped · predicted rank of what was ` +
       `dropped: mean ${fmt(loss.dropped_rank_mean, 1)}, best ${loss.dropped_rank_min ?? "–"} (0 = most important)`;
     const byLayer = loss.dropped_by_layer || {};
+    if (Object.keys(byLayer).length) {
+      const legend = document.createElement("div");
+      legend.className = "hint legend";
+      legend.innerHTML = '<span class="key att"></span> attention heads <span class="key mlp"></span> MLP groups ' +
+        "(groups × fraction of their partial sum lost, since the cluster started)";
+      layers.appendChild(legend);
+    }
     const max = Math.max(1e-9, ...Object.values(byLayer).map((v) => (v.attention || 0) + (v.mlp || 0)));
     for (const [layer, v] of Object.entries(byLayer)) {
       const row = document.createElement("div");
@@ -192,7 +204,7 @@ function render(s) {
       const a = 100 * (v.attention || 0) / max, m = 100 * (v.mlp || 0) / max;
       row.innerHTML = `<span>layer ${layer}</span><span class="bars" title="attention heads ${fmt(v.attention)}, MLP groups ${fmt(v.mlp)}">` +
         `<span class="att" style="width:${a}%"></span><span class="mlp" style="width:${m}%"></span></span>` +
-        `<span>${fmt((v.attention || 0) + (v.mlp || 0), 2)}</span>`;
+        `<span>${fmt((v.attention || 0) + (v.mlp || 0), 1)}</span>`;
       layers.appendChild(row);
     }
   } else {
