@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -231,6 +232,14 @@ def test_status_server_prints_the_same_view(server):
                            capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "160"})
     assert table.returncode == 0, table.stderr
     assert "local-1#1" in table.stdout and "compute" in table.stdout
+    watch = subprocess.Popen([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY,
+                              "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "COLUMNS": "160"})
+    time.sleep(3)
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=10)
+    assert watch.returncode == 0, err
+    assert out.count("local-2#2") >= 1 and "ms/token" in out
     denied = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server], capture_output=True,
                             text=True, timeout=30)
     assert denied.returncode == 2 and "API key" in denied.stderr
