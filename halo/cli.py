@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--chat", action="store_true", help="--prompt is a user message: the model's chat template "
+                   "makes the prompt (as POST /v1/chat/completions does), only the answer is printed")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     add_cluster_arguments(g)
     add_sync_arguments(g)
@@ -297,9 +299,14 @@ def cmd_generate(args) -> int:
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
+    prompt = args.prompt
+    if args.chat:
+        if tokenizer.chat_template is None:
+            raise ConfigError(f"{weights.source} has no chat template: drop --chat and give the text to continue")
+        prompt = tokenizer.chat_template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     with ExitStack() as stack:
         model = open_model(args, weights, stack)
-        return _run_generation(args, weights, tokenizer, model, sampling)
+        return _run_generation(args, weights, tokenizer, model, sampling, prompt)
 
 
 def open_model(args, weights, stack):
@@ -326,11 +333,11 @@ def cmd_serve(args) -> int:
     return serve(args, open_model)
 
 
-def _run_generation(args, weights, tokenizer, model, sampling) -> int:
+def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
     from .generate import generate
 
     if args.json:
-        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
         out = result.to_json()
         if hasattr(model, "report"):
             out["agents"] = model.report()
@@ -343,7 +350,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    echoed = [False]
+    echoed = [args.chat]  # a chat answer is printed alone
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
@@ -352,7 +359,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
         sys.stdout.write(args.prompt)
     sys.stdout.write("\n")
