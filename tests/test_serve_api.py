@@ -196,6 +196,20 @@ def test_a_client_that_disconnects_mid_stream_frees_the_cluster_within_a_second(
     assert cluster(server)["totals"]["requests"]["cancelled"] == before + 1
 
 
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, client):
+    before = cluster(server)["totals"]["requests"]["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "stories260K", "prompt": "", "max_tokens": 500, "temperature": 0},
+                   timeout=httpx.Timeout(10, read=0.5))
+    left = time.perf_counter()
+    with client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2, stream=True) as stream:
+        first = next(iter(stream))
+        waited = time.perf_counter() - left
+    assert first.choices[0].text and waited < 1.0, f"the next request waited {waited:.2f} s"
+    assert cluster(server)["totals"]["requests"]["cancelled"] == before + 1
+
+
 def test_the_cluster_view_and_metrics(server, client):
     client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=10, temperature=0)
     view = cluster(server)
