@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    g.add_argument("--chat", action="store_true", help="--prompt is a user message: the model's chat template "
-                   "makes the prompt (as POST /v1/chat/completions does), only the answer is printed")
+    g.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message in the model's chat template and print the answer "
+                        "(what POST /v1/chat/completions of `halo-master serve` does)")
+    g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     add_cluster_arguments(g)
     add_sync_arguments(g)
@@ -300,13 +302,27 @@ def cmd_generate(args) -> int:
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
     prompt = args.prompt
+    args.chat = args.chat or bool(args.system)
     if args.chat:
-        if tokenizer.chat_template is None:
-            raise ConfigError(f"{weights.source} has no chat template: drop --chat and give the text to continue")
-        prompt = tokenizer.chat_template.render([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
+                             + [{"role": "user", "content": args.prompt}])
     with ExitStack() as stack:
         model = open_model(args, weights, stack)
         return _run_generation(args, weights, tokenizer, model, sampling, prompt)
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The model's chat template around a conversation, ending where the assistant's answer begins
+    (generate --chat and the server's chat completions)."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise ConfigError("this model has no chat template (a GGUF's tokenizer.chat_template, or a Hugging Face "
+                          "directory's tokenizer_config.json / chat_template.jinja): drop --chat/--system")
+    text = template.render(messages, add_generation_prompt=True)
+    bos = template.bos_token
+    if bos and getattr(tokenizer, "add_bos", False) and text.startswith(bos):
+        text = text[len(bos):]  # the tokenizer puts BOS first itself: once, not twice
+    return text
 
 
 def open_model(args, weights, stack):

@@ -119,28 +119,28 @@ def test_queue_bound_cancel_while_waiting_and_timeouts(stories_weights, tokenize
     assert engine.totals.requests["timeout"] == 1 and engine.totals.requests["cancelled"] == 1
 
 
-def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_weights, tokenizer):
-    from halo.distributed import DistributedModel, LocalCluster, even_plan, shares_from_plan
-    from halo.neuron_groups import GroupLayout
+def agent_processes() -> list:
+    """This process's local agents (children running halo.edge_agent)."""
+    import psutil
 
-    clusters = []
+    return [p for p in psutil.Process().children() if "halo.edge_agent" in " ".join(p.cmdline())]
+
+
+def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_weights, tokenizer):
+    from halo.distributed import connect
 
     def open_model(stack):
-        cluster = stack.enter_context(LocalCluster(2))
-        clusters.append(cluster)
-        layout = GroupLayout.for_model(stories_weights.config)
-        shares = shares_from_plan(even_plan(stories_weights, layout, 3, context=512), stories_weights.config.n_layers)
-        model = DistributedModel(stories_weights, shares, cluster.endpoints, cluster.key, layout=layout,
-                                 max_seq_len=512, timeout_s=1.0)
-        stack.callback(model.close)
-        return model
+        return connect(stories_weights, stack, local_agents=2, context=512, timeout=1.0)
 
     expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
     engine = engine_for(stories_weights, tokenizer, open_model)
     try:
         assert [d["name"] for d in engine.snapshot["devices"]] == ["master", "local-1#1", "local-2#2"]
-        clusters[0].processes[1].kill()
-        clusters[0].processes[1].wait()
+        first = sorted(agent_processes(), key=lambda p: p.pid)
+        assert len(first) == 2
+        victim = next(p for p in first if "local-2" in " ".join(p.cmdline()))
+        victim.kill()
+        victim.wait(10)
 
         async def run():
             loop = asyncio.get_running_loop()
@@ -150,14 +150,16 @@ def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_
             return failed, down, ok
 
         failed, down, ok = asyncio.run(run())
+        second = agent_processes()
     finally:
         engine.close()
     assert isinstance(failed[1][1], ClusterUnavailable) and "local-2" in str(failed[1][1])
     assert down["state"] == "down"
     assert [d["alive"] for d in down["devices"]] == [True, True, False]
     assert ok[0] == expected and ok[1][0] == "done"
-    assert engine.totals.rebuilds == 1 and len(clusters) == 2
-    assert all(p.poll() is not None for p in clusters[0].processes)  # the old cluster's agents were stopped
+    assert engine.totals.rebuilds == 1
+    assert len(second) == 2 and not {p.pid for p in second} & {p.pid for p in first}  # new agents; the old ones gone
+    assert not agent_processes()  # closing the engine stopped them
 
 
 def test_the_view_shows_what_halo_sync_dropped(stories_weights, tokenizer):

@@ -31,6 +31,8 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from ..cli import chat_prompt
+from ..errors import ConfigError
 from .engine import Cancelled, Engine, GenerationRequest
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, ServeError, Shaper, Unauthorized, parse
@@ -211,10 +213,12 @@ class Server:
                              "model that ships one (e.g. SmolLM2-135M-Instruct)", "no_chat_template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            return self.chat_template.render(messages, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a template may reject a conversation (roles out of order, ...)
-            raise BadRequest(f"the model's chat template rejected these messages: {e}", "template_error",
-                             "messages") from None
+            return chat_prompt(self.tokenizer, messages)
+        except ConfigError as e:  # the template refused the conversation (roles out of order, ...)
+            raise BadRequest(str(e), "template_error", "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template may fail in ways of its own
+            raise BadRequest(f"the model's chat template failed on these messages: {type(e).__name__}: {e}",
+                             "template_error", "messages") from None
 
     def _request(self, body, prompt: str) -> GenerationRequest:
         prompt_tokens = len(self.tokenizer.encode(prompt, bos=True))
