@@ -1,7 +1,7 @@
 // Drive the chat page and cluster view of a running `halo-master serve` in headless Chromium.
 //
 //   npm install --prefix docs/browser            (playwright-core only: it downloads no browser)
-//   node docs/browser/chat_page.mjs URL OUT.png [API_KEY] [MESSAGE]
+//   node docs/browser/chat_page.mjs URL OUT.png [API_KEY] [MESSAGE]      (MAX_TOKENS=N: the answer's budget)
 //
 // Opens URL, sends MESSAGE, waits for the streamed answer to finish and for the cluster view to show
 // per-device numbers, checks both, saves a screenshot and prints one JSON line with what it saw.
@@ -25,6 +25,7 @@ try {
   if (apiKey) await page.addInitScript((key) => localStorage.setItem("halo-api-key", key), apiKey);
   await page.goto(url, { waitUntil: "domcontentloaded" });
   await page.waitForFunction(() => !document.getElementById("model-name").textContent.includes("…"));
+  if (process.env.MAX_TOKENS) await page.fill("#max-tokens", process.env.MAX_TOKENS);
   await page.fill("#prompt", message);
   await page.click("#send");
   const answer = page.locator(".msg.assistant").last();
