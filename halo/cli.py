@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .errors import ConfigError, HaloError
 from .linear import FORMATS
@@ -14,6 +15,22 @@ EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+"""
+
+
+EPILOG_SERVE = """examples:
+  halo-master serve                                     bundled stories260K, http://127.0.0.1:8000
+  halo-master serve --local-agents 2 --sync halo        over 2 local agents, semantic-aware sync
+  halo-master serve --agents pi1:7070,pi2:7070 --host 0.0.0.0 --api-key-file api.key
+  curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
+then open http://127.0.0.1:8000/ for the chat page and the live cluster view.
+"""
+
+EPILOG_STATUS = """examples:
+  halo-master status --agents pi1:7070,pi2:7070             profiles, current share, counters
+  halo-master status --agents pi1:7070,pi2:7070 --watch     the same, refreshed every second
+  halo-master status --server http://127.0.0.1:8000 --watch   a server's live cluster view
 """
 
 
@@ -27,31 +44,37 @@ EPILOG_PLAN = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_plan, _add_keygen, _add_serve, _add_status):
+        add(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """halo-master generate: one prompt, printed as it is generated (or --json)."""
     g = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG_GENERATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a continuation of --prompt. Without --model, runs the bundled "
                                    "stories260K model (a tiny Llama trained on children's stories).")
     g.add_argument("--prompt", default="", help='text to continue; "" starts from BOS (default: "")')
-    g.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled stories260K)")
-    g.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
-                                       "beside a llama2.c checkpoint)")
+    add_model_arguments(g)
     g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    g.add_argument("--weights", choices=FORMATS, default="fp32",
-                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
-                        "in a cluster every agent uses it too")
-    g.add_argument("--context", type=int, default=None, metavar="N",
-                   help="KV-cache length in tokens (default: the model's, at most 2048)")
-    g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
+    g.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message in the model's chat template and print the answer "
+                        "(what POST /v1/chat/completions of `halo-master serve` does)")
+    g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     add_cluster_arguments(g)
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_plan(sub) -> None:
+    """halo-master plan: who computes what on a cluster file's devices."""
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Split a model over the devices of a cluster file and print the plan. "
@@ -73,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_keygen(sub) -> None:
+    """halo-master keygen: the cluster key."""
     k = sub.add_parser("keygen", help="create the cluster key every device shares",
                        description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
                                    "file to every device (/etc/halo/cluster.key): agents accept only a master that "
@@ -81,20 +107,77 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
     k.set_defaults(func=cmd_keygen)
 
-    st = sub.add_parser("status", help="ask running agents what they are and what they serve",
+
+def _add_serve(sub) -> None:
+    """halo-master serve: the OpenAI-compatible API and chat page."""
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API, with a chat page",
+                        epilog=EPILOG_SERVE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Serve one model over any cluster `generate` can build: POST /v1/chat/completions "
+                                    "and /v1/completions (streaming as server-sent events), GET /v1/models, /health, "
+                                    "/metrics (Prometheus), and at / a chat page beside a live view of the cluster. "
+                                    "One generation runs at a time; others wait in a bounded queue.")
+    add_model_arguments(sv)
+    http = sv.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface, "
+                           "then set an API key)")
+    http.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    http.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (visible in ps: "
+                      "prefer --api-key-file)")
+    http.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    http.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model's file "
+                      "or directory name; stories260K for the bundled model)")
+    http.add_argument("--max-queue", type=int, default=32, metavar="N",
+                      help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
+    http.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
+                      help="a request that is not done S seconds after it arrived (queue time included) is stopped "
+                           "with HTTP 504 / an error event (default 300)")
+    http.add_argument("--seed", type=int, default=0, help="seed of --inject-plr's drops (each request carries its own "
+                      "sampling seed)")
+    http.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_cluster_arguments(sv)
+    add_sync_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_status(sub) -> None:
+    """halo-master status: running agents, or a running server's cluster view."""
+    st = sub.add_parser("status", help="ask running agents (or a running server) what they do",
+                        epilog=EPILOG_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
-                                    "they hold, their current session's share, and counters of what they served.")
-    st.add_argument("--agents", required=True, metavar="HOST:PORT,...")
+                                    "they hold, their current session's share, and counters of what they served. "
+                                    "With --server, show a running `halo-master serve`'s cluster view instead "
+                                    "(share, time per token, link loss, what relaxed sync dropped).")
+    where = st.add_mutually_exclusive_group(required=True)
+    where.add_argument("--agents", metavar="HOST:PORT,...")
+    where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
+    st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
+    st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
     st.add_argument("--key", default="/etc/halo/cluster.key")
     st.add_argument("--insecure", action="store_true")
     st.add_argument("--timeout", type=float, default=2.0)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="keep the view on screen, refreshed live (Ctrl-C ends)")
+    st.add_argument("--interval", type=float, default=1.0, metavar="S", help="--watch refresh period (default 1 s)")
     st.set_defaults(func=cmd_status)
-    return parser
+
+
+def add_model_arguments(parser) -> None:
+    """Which model and how it is held in memory (generate, serve)."""
+    parser.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled "
+                        "stories260K)")
+    parser.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
+                                            "beside a llama2.c checkpoint)")
+    parser.add_argument("--weights", choices=FORMATS, default="fp32",
+                        help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
+                             "in a cluster every agent uses it too")
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="KV-cache length in tokens (default: the model's, at most 2048)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
 
 
 def add_cluster_arguments(parser) -> None:
-    """Where the agents are (or stage workers, in pipeline mode): shared by generate and what else builds a cluster."""
+    """Where the model runs: one process, or a tensor-parallel cluster (generate, serve)."""
     cluster = parser.add_argument_group("distributed (tensor-parallel)")
     cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
                          help="start N halo-agent processes on this machine, run across them, stop them")
@@ -155,6 +238,38 @@ def sync_settings(args):
 
 
 def cmd_status(args) -> int:
+    if args.server:
+        from .serve.cli import status_from_server
+
+        return status_from_server(args)
+    if not args.watch:
+        return _agents_status(args)
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                rows, _ = _query_agents(args)
+                live.update(_agents_table(rows), refresh=True)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _agents_status(args) -> int:
+    rows, failed = _query_agents(args)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+
+        Console().print(_agents_table(rows))
+    return 1 if failed else 0
+
+
+def _query_agents(args) -> tuple[list[dict], int]:
     import zmq
 
     from .transport.reliable import Message, client_socket, decode, encode, load_key
@@ -175,28 +290,27 @@ def cmd_status(args) -> int:
                 failed += 1
     finally:
         context.destroy(linger=0)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        from rich.console import Console
-        from rich.table import Table
+    return rows, failed
 
-        table = Table(title="halo agents")
-        for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served"):
-            table.add_column(column)
-        for r in rows:
-            if "error" in r:
-                table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
-                continue
-            p, s = r["profile"], r["session"]
-            share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
-            if s and s.get("udp"):
-                share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
-            table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
-                          f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
-                          str(r["served"]["blocks"]))
-        Console().print(table)
-    return 1 if failed else 0
+
+def _agents_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="halo agents")
+    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served"):
+        table.add_column(column)
+    for r in rows:
+        if "error" in r:
+            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
+            continue
+        p, s = r["profile"], r["session"]
+        share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+        if s and s.get("udp"):
+            share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+        table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
+                      f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
+                      str(r["served"]["blocks"]))
+    return table
 
 
 def cmd_keygen(args) -> int:
@@ -209,27 +323,35 @@ def cmd_keygen(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from contextlib import ExitStack
+
+    from .chat import chat_prompt
     from .loader import load_tokenizer, load_weights
-    from .model import Transformer
     from .sampling import SamplingSettings
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
-    if args.sync is not None and not (args.local_agents or args.agents or args.cluster or args.plan):
-        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
-    if args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers:
-        from contextlib import ExitStack
-
-        with ExitStack() as stack:
-            model = _distributed_model(args, weights, stack)
-            return _run_generation(args, weights, tokenizer, model, sampling)
-    model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
-    return _run_generation(args, weights, tokenizer, model, sampling)
+    prompt = args.prompt
+    args.chat = args.chat or bool(args.system)
+    if args.chat:
+        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
+                             + [{"role": "user", "content": args.prompt}])
+    with ExitStack() as stack:
+        model = open_model(args, weights, stack)
+        return _run_generation(args, weights, tokenizer, model, sampling, prompt)
 
 
-def _distributed_model(args, weights, stack):
-    """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
+def open_model(args, weights, stack):
+    """The model the arguments describe: a single-process Transformer, or the master of a cluster from
+    --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
+    from .model import Transformer
+
+    distributed = args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers
+    if not distributed:
+        if args.sync is not None:
+            raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
+        return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
 
     agents = [a for a in args.agents.split(",") if a] if args.agents else None
@@ -238,14 +360,20 @@ def _distributed_model(args, weights, stack):
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
-                       "head_top_k": 1 if args.temperature == 0 else args.top_k})
+                       "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})
 
 
-def _run_generation(args, weights, tokenizer, model, sampling) -> int:
+def cmd_serve(args) -> int:
+    from .serve.cli import serve
+
+    return serve(args, open_model)
+
+
+def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
     from .generate import generate
 
     if args.json:
-        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
         out = result.to_json()
         if hasattr(model, "sync_report"):
             out["agents"] = model.report()
@@ -260,7 +388,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    echoed = [False]
+    echoed = [args.chat]  # a chat answer is printed alone
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
@@ -269,7 +397,7 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
         sys.stdout.write(args.prompt)
     sys.stdout.write("\n")
