@@ -71,8 +71,9 @@ class Agent:
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         self.profile = device_profile()
-        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0,
-                       "broadcasts_incomplete": 0, "partials_resent": 0}
+        # what it did, cumulative: blocks and their compute, time gathering UDP inputs, sending partials, predicting
+        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "input_wait_ms": 0.0, "send_ms": 0.0,
+                       "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
         # before anyone can learn our address: a SIGTERM from then on drains instead of killing

@@ -53,15 +53,22 @@ class AgentRounds:
             self.worker.begin_forward()
         predicts = self.worker.predicts_from(block)
         if predicts and not self.sync.pred_overlap:
-            self.worker.predict_next(block, x)
+            self._predict(block, x)
         t, cpu = time.perf_counter(), time.thread_time()
         out, status = self._compute(block, x, start, digest)
         compute_ms = 1e3 * (time.perf_counter() - t)
         self.served["blocks"] += 1
         self.served["compute_ms"] += compute_ms
+        t = time.perf_counter()
         send(out, status, compute_ms, 1e3 * (time.thread_time() - cpu))
+        self.served["send_ms"] += 1e3 * (time.perf_counter() - t)
         if predicts and self.sync.pred_overlap:
-            self.worker.predict_next(block, x)
+            self._predict(block, x)
+
+    def _predict(self, block: Block, x: np.ndarray) -> None:
+        t = time.perf_counter()
+        self.worker.predict_next(block, x)
+        self.served["predict_ms"] += 1e3 * (time.perf_counter() - t)
 
     def _compute(self, block: Block, x: np.ndarray, start: int, digest: int) -> tuple[np.ndarray | None, Status]:
         """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
@@ -113,8 +120,10 @@ class AgentRounds:
 
         policy = GatherPolicy(deadline_s=1.0, nack=True, stop_on_newer=not required,
                               silent_s=0.005 if required else None)
+        t = time.perf_counter()
         result = self.udp.gather(epoch, {MASTER: None}, wire.FLOAT32, policy, on_silent=ask if required else None,
                                  on_stale=self._resend_partial)
+        self.served["input_wait_ms"] += 1e3 * (time.perf_counter() - t)
         if not result.complete:  # the master moved on (or went quiet): nothing to answer
             self.served["broadcasts_incomplete"] += 1
             return False

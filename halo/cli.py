@@ -297,19 +297,25 @@ def _agents_table(rows: list[dict]):
     from rich.table import Table
 
     table = Table(title="halo agents")
-    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served"):
+    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
+                   "ms per block: compute / input wait / send / predict", "retransmitted"):
         table.add_column(column)
     for r in rows:
         if "error" in r:
-            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
+            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "")
             continue
         p, s = r["profile"], r["session"]
         share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
         if s and s.get("udp"):
             share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+        served, udp = r["served"], (s or {}).get("udp") or {}
+        per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
+        retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
+                         f"{served.get('partials_resent', 0)} partials again") if udp else ""
         table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
                       f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
-                      str(r["served"]["blocks"]))
+                      str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
+                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", retransmitted)
     return table
 
 
@@ -404,11 +410,19 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
-    if hasattr(model, "sync_report") and not model.sync.policy.all_critical:
-        loss = model.sync_report()["loss"]
-        err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
-                  f"chunks ({loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
-                  f"{loss['groups_dropped']:.1f} groups)[/dim]")
+    if hasattr(model, "sync_report"):
+        report = model.sync_report()
+        per, rounds = report["breakdown"].get("per_token_ms"), report["breakdown"].get("round_overhead_ms")
+        if per:
+            err.print(f"[dim]per token: own compute {per['own_compute']:.1f} ms, slowest agent {per['slowest_agent_compute']:.1f} "
+                      f"ms, sync wait {per['sync_wait']:.1f} ms, overhead {per['overhead']:.1f} ms (per round p50 "
+                      f"{rounds['p50']:.2f} ms)[/dim]")
+        loss = report["loss"]
+        if not model.sync.policy.all_critical:
+            err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
+                      f"chunks ({loss['dropped_for_loss']} for loss, {loss['dropped_late']} late; "
+                      f"{loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
+                      f"{loss['groups_dropped']:.1f} groups)[/dim]")
     return 0
 
 

@@ -44,6 +44,7 @@ class MasterRound:
         self.tokens = len(x)
         self.expected = {i: partial_size(self.tokens, ctx.agents[i].width(block, ctx.dim)) for i in plan.partial_udp}
         self.sent_at = 0.0
+        self.agent_compute: dict[int, float] = {}  # node id -> its compute for this round, as it reports it
 
     def send(self) -> None:
         ctx, plan = self.ctx, self.plan
@@ -120,6 +121,7 @@ class MasterRound:
                 raise AgentError(f"agent {agent} sent a malformed {self.block} partial: {e}") from None
             self._check_status(agent, partial.status)
             agent.stats.compute_ms += partial.compute_ms
+            self.agent_compute[agent.node_id] = partial.compute_ms
         if agent.holds(self.block) and self.block.kind != "lm_head":
             ranks = self.ctx.ranks_of(agent, self.block) if missing else None
             groups = len(agent.share.groups(self.block))
@@ -143,6 +145,8 @@ class MasterRound:
         if partial is None or partial.shape != shape:
             raise AgentError(f"agent {agent} returned a {self.block.kind} partial of shape "
                              f"{None if partial is None else partial.shape}, expected {shape}")
-        agent.stats.compute_ms += float(reply.fields.get("compute_ms", 0.0))
+        compute_ms = float(reply.fields.get("compute_ms", 0.0))
+        agent.stats.compute_ms += compute_ms
         agent.stats.cpu_ms += float(reply.fields.get("cpu_ms", 0.0))
+        self.agent_compute[agent.node_id] = compute_ms
         return partial
