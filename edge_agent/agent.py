@@ -12,7 +12,9 @@ validated; a bad one is answered with an error and logged, never crashes the age
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,6 +61,9 @@ class Agent:
         self.context = zmq.Context()
         self.auth = start_authenticator(self.context, key) if key else None
         self.socket = server_socket(self.context, key, insecure)
+        self.monitor = self.socket.get_monitor_socket()  # refused handshakes are logged with the peer's address
+        self._watcher = threading.Thread(target=self._watch_connections, name="halo-connections", daemon=True)
+        self._last_peer = "an unknown address"  # of the newest connection (a failed handshake follows its accept)
         if listen.endswith(":0"):
             port = self.socket.bind_to_random_port(listen.rsplit(":", 1)[0])
             self.endpoint = f"{listen.rsplit(':', 1)[0]}:{port}"
@@ -90,6 +95,7 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.udp.sock.fileno(), zmq.POLLIN)
+        self._watcher.start()
         while self.running:
             events = dict(poller.poll(200))
             if self.udp.sock.fileno() in events:
@@ -125,6 +131,38 @@ class Agent:
         if reply is not None:
             self.socket.send_multipart([identity.bytes, *encode(reply)])
 
+    def _watch_connections(self) -> None:
+        """Log masters whose security handshake failed (another key, or plaintext against our key), with their
+        address, so a user can tell a wrong key from a dead device. A thread of its own: the address is read
+        from the connection's descriptor right when it is accepted, before a failed handshake closes it."""
+        import socket as sockets
+
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.running:
+            try:
+                if not self.monitor.poll(200):
+                    continue
+                event = recv_monitor_message(self.monitor)
+            except zmq.ZMQError:
+                return  # the agent is closing
+            kind, value = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:  # value: the connection's file descriptor, still open now
+                try:
+                    with sockets.socket(fileno=os.dup(value)) as conn:
+                        self._last_peer = "%s:%d" % conn.getpeername()[:2]
+                except OSError:
+                    self._last_peer = "an unknown address"
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                          zmq.EVENT_HANDSHAKE_FAILED_AUTH):  # value: the protocol error
+                if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                    reason = "it does not use the same security (plaintext --insecure against the cluster key, or the reverse)"
+                else:
+                    reason = "it holds another cluster key, or runs plaintext (--insecure)"
+                self.served["refused"] += 1
+                log.warning("refused a connection from %s: %s", self._last_peer, reason)
+
     def _end_session(self) -> None:
         if self.session is not None:
             self.session.worker.close()
@@ -134,6 +172,11 @@ class Agent:
 
     def close(self) -> None:
         self._end_session()
+        self.running = False
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=1.0)
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.udp.close()
         if self.auth:
             self.auth.stop()
