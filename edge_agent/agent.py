@@ -166,6 +166,10 @@ class Agent:
     def _end_session(self) -> None:
         if self.session is not None:
             self.session.worker.close()
+            rejected = self.udp.rejections()
+            if rejected:
+                log.warning("session with %s: datagrams refused, by reason: %s", self.session.master,
+                            ", ".join(f"{reason} {count}" for reason, count in rejected.items()))
         self.session = None
         self.udp.send_hook = None
         self.udp.peers.clear()
@@ -215,6 +219,7 @@ class Agent:
                        "mlp_groups": sum(map(len, w.share.mlp)), "sync": self.session.sync.mode}
             if self.session.sync.policy.uses_udp:
                 session["udp"] = self.udp.stats[MASTER].to_json()
+            session["rejected"] = self.udp.rejections()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
                 "served": self.served, "udp_port": self.udp.address[1]}
 

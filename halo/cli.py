@@ -308,6 +308,8 @@ def _agents_table(rows: list[dict]):
         share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
         if s and s.get("udp"):
             share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+        if s and s.get("rejected"):
+            share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
         served, udp = r["served"], (s or {}).get("udp") or {}
         per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
         retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "

@@ -283,10 +283,19 @@ class UdpEndpoint:
         return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2  # Linux reports double
 
     def join(self, session: int, node_id: int) -> None:
-        """A new session: its id, our sender id in it, and no counters seen yet."""
+        """A new session: its id, our sender id in it, no counters seen yet, fresh statistics."""
         self.session, self.node_id = session, node_id
         self.windows.clear()
         self._early.clear()
+        self.stats.clear()
+
+    def rejections(self) -> dict[str, int]:
+        """Every datagram refused, by reason, whoever sent it (-1: nothing authenticated, e.g. bad tags)."""
+        out: dict[str, int] = defaultdict(int)
+        for stats in self.stats.values():
+            for reason, count in stats.rejected.items():
+                out[reason] += count
+        return dict(sorted(out.items()))
 
     def close(self) -> None:
         self.sock.close()

@@ -191,6 +191,8 @@ class DistributedModel:
     def sync_report(self) -> dict:
         """The sync mode, its settings and what it lost (the loss ledger)."""
         out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json(), "breakdown": self.timings.to_json()}
+        if self.session.udp is not None:
+            out["rejected"] = self.session.udp.rejections()  # datagrams refused here, by reason
         if self.worker.remapper is not None:
             out["predict_ms"] = round(self.worker.remapper.predict_ms, 3)
             out["load_ms"] = round(self.worker.remapper.load_ms, 3)
