@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -222,7 +221,7 @@ def render_speed(rows: list[dict], args) -> list[str]:
             if zero[m] and by.get((n, worst, m)):
                 ratios.append(f"{m} {by[(n, worst, m)]['ms_mean'] / zero[m]['ms_mean']:.2f}x")
         if base:
-            lines.append(f"At 0 % loss vs single process: " + ", ".join(
+            lines.append("At 0 % loss vs single process: " + ", ".join(
                 f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
         lines.append("")
