@@ -1,7 +1,8 @@
 """Tokenizers: llama2.c's score-ordered BPE, and Hugging Face tokenizer.json via `tokenizers`.
 
-Both satisfy `Tokenizer`: encode text to ids (optionally after BOS), decode ids to text, and
-`stream()` an incremental decoder for printing tokens as they are generated.
+Both satisfy `Tokenizer`: encode text to ids (optionally after BOS), decode ids to text,
+`stream()` an incremental decoder for printing tokens as they are generated, and `chat_template`:
+the model's own chat template (halo/chat.py) or None when the model has none.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Callable, Protocol
 
+from .chat import ChatTemplate
 from .errors import ModelFormatError
 from .formats import llama2c
 
@@ -23,6 +25,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    chat_template: ChatTemplate | None
 
     def encode(self, text: str, bos: bool = True) -> list[int]: ...
 
@@ -43,6 +46,7 @@ class Llama2cTokenizer:
         self.pieces, self.scores = llama2c.read_tokenizer(path, vocab_size)
         self.vocab_size = len(self.pieces)
         self.bos_id, self.eos_ids, self.unk_id = bos_id, (eos_id,), 0
+        self.chat_template: ChatTemplate | None = None  # llama2.c models are not chat-tuned
         self.piece_id: dict[bytes, int] = {}
         for i, piece in enumerate(self.pieces):
             self.piece_id.setdefault(piece, i)
@@ -135,28 +139,39 @@ class Llama2cTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json, through the `tokenizers` library."""
+    """A Hugging Face tokenizer.json through the `tokenizers` library (or a `tokenizers.Tokenizer` built
+    elsewhere, e.g. from GGUF metadata: `backend`). The chat template comes from tokenizer_config.json
+    or chat_template.jinja beside tokenizer.json, unless given."""
 
-    def __init__(self, path: str | os.PathLike, model_vocab_size: int, bos_id: int | None, eos_ids: tuple[int, ...]):
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as e:  # pragma: no cover - depends on the installed extras
-            raise ModelFormatError(path, "reading tokenizer.json needs the 'tokenizers' package",
-                                   "pip install 'halo-edge[master]'") from e
+    def __init__(self, path: str | os.PathLike, model_vocab_size: int, bos_id: int | None, eos_ids: tuple[int, ...],
+                 *, backend=None, chat_template: ChatTemplate | None = None, add_bos: bool = True):
         self.path = Path(path)
-        try:
-            self._tok = _Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises its own untyped errors
-            raise ModelFormatError(path, f"cannot parse tokenizer.json: {e}") from e
+        if backend is None:
+            try:
+                from tokenizers import Tokenizer as _Tokenizer
+            except ImportError as e:  # pragma: no cover - depends on the installed extras
+                raise ModelFormatError(path, "reading tokenizer.json needs the 'tokenizers' package",
+                                       "pip install 'halo-edge[master]'") from e
+            try:
+                backend = _Tokenizer.from_file(str(path))
+            except Exception as e:  # the library raises its own untyped errors
+                raise ModelFormatError(path, f"cannot parse tokenizer.json: {e}") from e
+            chat_template = chat_template or read_hf_chat_template(self.path.parent)
+        self._tok = backend
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         if self.vocab_size > model_vocab_size:
             raise ModelFormatError(path, f"tokenizer has {self.vocab_size} tokens but the model's embedding has only "
                                    f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
         self.bos_id, self.eos_ids = bos_id, eos_ids
+        self.add_bos = add_bos  # False: the model's text starts without BOS (its chat template writes its own)
+        self.chat_template = chat_template
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Special tokens written in the text (e.g. a rendered chat template's <|im_start|>) stay whole.
+        BOS goes first when asked for and the model uses one, and always before an empty text (a start)."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
+        prepend = bos and self.bos_id is not None and (self.add_bos or not ids)
+        return ([self.bos_id] if prepend else []) + ids
 
     def decode(self, ids: list[int], at_start: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -176,3 +191,31 @@ class HFTokenizer:
             return new
 
         return step
+
+
+def read_hf_chat_template(directory: Path) -> ChatTemplate | None:
+    """The chat template of a Hugging Face directory: chat_template.jinja, else tokenizer_config.json's
+    chat_template (a string, or a list of named templates: "default"); None when it has none."""
+    import json
+
+    config_path, jinja_path = directory / "tokenizer_config.json", directory / "chat_template.jinja"
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelFormatError(config_path, f"not valid JSON: {e}") from e
+    source, origin = config.get("chat_template"), config_path
+    if jinja_path.is_file():
+        source, origin = jinja_path.read_text(), jinja_path
+    if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+
+    def token_text(name: str) -> str | None:
+        value = config.get(name)
+        return value.get("content") if isinstance(value, dict) else value
+
+    return ChatTemplate(source, token_text("bos_token"), token_text("eos_token"), str(origin))
