@@ -22,6 +22,7 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None, origin: str = ""):
         try:
             import jinja2
+            import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as e:  # pragma: no cover - depends on the installed extras
             raise ModelFormatError(origin or "chat template", "rendering a chat template needs jinja2",
