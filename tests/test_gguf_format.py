@@ -1,0 +1,218 @@
+"""GGUF files: the reader, compact blocks and their kernels, neuron-group slicing, and bad input."""
+
+import numpy as np
+import pytest
+
+from halo.cli import main
+from halo.errors import ConfigError, ModelFormatError
+from halo.linear import CompactProjection, make_projection
+from halo.loader import load_config, load_tokenizer, load_weights
+from halo.model import Transformer
+from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+from halo.ops import Rotary, rmsnorm
+from halo.quant import KERNEL_CODECS, QuantizedMatrix
+
+from gguf_models import TINY, raw_gguf, tiny_gguf
+
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def blocks_of(w: np.ndarray, qtype: str) -> QuantizedMatrix:
+    import gguf
+    import gguf.quants
+
+    codec = KERNEL_CODECS[qtype]
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    return QuantizedMatrix(codec, data.reshape(w.shape[0], -1, codec.type_size), name="test.weight")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantization_is_llama_cpps(qtype):
+    import gguf
+    import gguf.quants
+
+    w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32) + 0.3
+    m = blocks_of(w, qtype)
+    reference = gguf.quants.dequantize(m.blocks.reshape(24, -1), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(m.dequantize(), reference)
+    assert np.array_equal(m[[5, 2]], reference[[5, 2]]) and np.array_equal(m[7], reference[7])  # row lookups
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_computes_the_files_blocks_exactly(qtype):
+    rng = np.random.default_rng(1)
+    a, b = blocks_of(rng.standard_normal((40, 128)).astype(np.float32), qtype), \
+        blocks_of(rng.standard_normal((24, 128)).astype(np.float32) + 0.5, qtype)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    exact = [x @ m.dequantize().T for m in (a, b)]
+    # accuracy level 1 (fp32 activations): the blocks as stored, to float rounding
+    for y, e in zip(CompactProjection([a, b], accuracy_level=1)(x), exact):
+        assert np.abs(y - e).max() <= 1e-5 * np.abs(e).max()
+    # the default, int8 activations per block of 32: about 1 % of the output's scale
+    for y, e in zip(make_projection([a, b], "native")(x), exact):
+        assert y.shape == e.shape and np.abs(y - e).max() <= 0.02 * np.abs(e).max()
+
+
+def test_selections_are_lazy_and_cut_whole_blocks():
+    w = np.random.default_rng(2).standard_normal((16, 128)).astype(np.float32)
+    m = blocks_of(w, "Q4_1")
+    full = m.dequantize()
+    rows, cols = np.array([9, 3, 4]), np.r_[64:96, 0:32]
+    part = m.take_rows(rows).take_cols(cols)
+    assert part.blocks is m.blocks and part.shape == (3, 64) and part.nbytes == 3 * 2 * 20
+    assert np.array_equal(part.dequantize(), full[rows][:, cols])
+    assert np.array_equal(m.columns_float32([3, 70, 71]), full[:, [3, 70, 71]])
+    with pytest.raises(ConfigError, match="test.weight: these 16 columns split Q4_1 blocks of 32"):
+        m.take_cols(np.arange(16))
+    with pytest.raises(ConfigError, match="split Q4_1 blocks"):
+        m.take_cols(np.r_[1:33])
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", *TYPES])
+def test_reader_gives_the_config_and_the_stored_types(tmp_path, qtype):
+    path = tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    weights = load_weights(path)
+    c = weights.config
+    assert (c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size) == (64, 256, 2, 2, 1, 320)
+    assert c.tied_embeddings and weights.lm_head is weights.tok_embeddings and c.bos_id == 0 and c.eos_ids == (1,)
+    assert load_config(path) == c
+    w_down = weights.layers[0].w_down
+    assert isinstance(w_down, np.ndarray if qtype in ("F32", "F16") else QuantizedMatrix)
+    assert isinstance(w_down, np.memmap) == (qtype == "F32")  # F32 is a zero-copy view of the file
+
+
+def test_gguf_reads_the_same_model_as_its_hugging_face_directory(tmp_path):
+    """One checkpoint, two files: llama.cpp's interleaved q/k rows come back in rotate-half order."""
+    pytest.importorskip("transformers")
+    from gguf_models import gguf_from_hf
+    from hf_models import make_checkpoint
+
+    reference = make_checkpoint(tmp_path / "hf", seed=5, num_attention_heads=4, num_key_value_heads=2)
+    path = gguf_from_hf(tmp_path / "model.gguf", reference)
+    tokens = [3, 9, 120, 7, 44]
+    ours = Transformer(load_weights(path)).forward(tokens, all_logits=True)
+    theirs = Transformer(load_weights(tmp_path / "hf")).forward(tokens, all_logits=True)
+    assert np.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("qtype", ["F32", *TYPES])
+def test_logits_match_transformers_loading_the_same_gguf(tmp_path, qtype):
+    """transformers dequantizes the file to fp32 (gguf_file=); halo fp32 agrees to 1e-4 over prefill and
+    16 decode steps; the 4-bit/8-bit kernels stay close and pick the same next tokens."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_models import reference_logits
+
+    path = tiny_gguf(tmp_path / "model.gguf", qtype, seed=3)
+    reference = LlamaForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    tokens = [0, 5, 17, 99, 3, 250, 42, 7]
+    prefill, steps, decoded = reference_logits(reference, tokens, n_decode=16)
+    weights = load_weights(path)
+    for fmt, tolerance in (("fp32", 1e-4), ("native", 0.1)):
+        model = Transformer(weights, fmt)
+        errors = [np.abs(model.forward(tokens, all_logits=True) - prefill).max()]
+        errors += [np.abs(model.forward([t]) - expected).max() for t, expected in zip(decoded, steps)]
+        assert max(errors) <= tolerance * (1 if fmt == "fp32" else np.abs(prefill).max()), (fmt, max(errors))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_neuron_group_shards_of_compact_blocks_sum_to_the_whole(tmp_path, qtype):
+    weights = load_weights(tiny_gguf(tmp_path / "model.gguf", qtype, seed=4))
+    layout = GroupLayout.for_model(weights.config)
+    assert layout.mlp_group_size % 32 == 0 and layout.head_dim % 32 == 0
+    layer, c = weights.layers[0], weights.config
+    x = rmsnorm(np.random.default_rng(5).standard_normal((3, c.dim)).astype(np.float32), layer.attn_norm, c.norm_eps)
+    rotary = Rotary(c, 16)
+    whole = AttentionShard(layer, layout, range(c.n_heads), 16, "native").forward(x, 0, rotary)
+    parts = sum(AttentionShard(layer, layout, [h], 16, "native").forward(x, 0, rotary) for h in range(c.n_heads))
+    assert np.abs(parts - whole).max() <= 1e-5 * np.abs(whole).max()
+    groups = list(range(layout.n_mlp_groups))
+    whole = MlpShard(layer, layout, groups, "native").forward(x)
+    split = [groups[0::3], groups[1::3], groups[2::3]]  # non-contiguous sets: W_down blocks gathered
+    parts = sum(MlpShard(layer, layout, g, "native").forward(x) for g in split)
+    assert np.abs(parts - whole).max() <= 1e-5 * np.abs(whole).max()
+    head = LmHeadShard(weights.lm_head, layout, [1], "native")
+    assert head.forward(x).shape == (3, 64)
+
+
+def test_a_group_boundary_inside_a_block_is_refused_in_native_and_dequantized_otherwise(tmp_path):
+    weights = load_weights(tiny_gguf(tmp_path / "model.gguf", "Q4_0", seed=6))
+    layout = GroupLayout.for_model(weights.config, mlp_group_size=48)  # 48 = 1.5 blocks
+    with pytest.raises(ConfigError, match="blk.0.ffn_down.weight: these 48 columns split Q4_0 blocks of 32"):
+        MlpShard(weights.layers[0], layout, [0], "native")
+    x = np.ones((1, 64), np.float32)
+    whole = MlpShard(weights.layers[0], layout, range(layout.n_mlp_groups), "fp32").forward(x)
+    parts = sum(MlpShard(weights.layers[0], layout, [g], "fp32").forward(x) for g in range(layout.n_mlp_groups))
+    assert np.allclose(parts, whole, atol=1e-5)
+
+
+def test_native_keeps_weights_compact(tmp_path):
+    weights = load_weights(tiny_gguf(tmp_path / "model.gguf", "Q4_1", seed=7))
+    native, fp32 = Transformer(weights, "native"), Transformer(weights, "fp32")
+    assert native.weight_nbytes() < 0.4 * fp32.weight_nbytes()
+    tokens = [0, 9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13]
+    agree = np.mean(native.forward(tokens, all_logits=True).argmax(-1) == fp32.forward(tokens, all_logits=True).argmax(-1))
+    assert agree >= 0.9
+
+
+def test_other_block_types_dequantize_for_fp32_and_are_refused_natively(tmp_path):
+    path = raw_gguf(tmp_path / "q5k.gguf", {"blk.1.ffn_down.weight": "Q5_K"})
+    weights = load_weights(path)
+    assert Transformer(weights, "fp32").forward([1, 2]).shape == (320,)
+    with pytest.raises(ConfigError, match="unsupported type Q5_K in tensor blk.1.ffn_down.weight for --weights native"):
+        Transformer(weights, "native")
+
+
+def test_the_tokenizer_comes_from_the_metadata(tmp_path):
+    weights = load_weights(tiny_gguf(tmp_path / "model.gguf", "Q8_0"))
+    tokenizer = load_tokenizer(weights)
+    ids = tokenizer.encode("Hi there</s>")
+    assert ids[0] == 0 and ids[-1] == 1  # BOS (add_bos_token) and a control token kept whole
+    assert tokenizer.decode(ids) == "Hi there"
+    assert tokenizer.chat_template is None
+
+
+BAD_FILES = {
+    "truncated": "truncated: tensor .* ends past the end of the file",
+    "header-cut": "truncated: the header ends inside",
+    "magic": "not a GGUF file: it starts with b'GGML'",
+    "unsupported-type": "unsupported type Q8_1 in tensor blk.0.attn_q.weight",
+    "architecture": "unsupported architecture 'qwen2'",
+    "missing-tensor": "tensor blk.1.ffn_up.weight is missing",
+    "no-tokenizer": "the file carries no tokenizer",
+}
+
+
+def bad_file(tmp_path, kind):
+    good = tiny_gguf(tmp_path / "good.gguf", "Q4_0")
+    data = good.read_bytes()
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "truncated":
+        path.write_bytes(data[:-100])
+    elif kind == "header-cut":
+        path.write_bytes(data[:200])
+    elif kind == "magic":
+        path.write_bytes(b"GGML" + data[4:])
+    elif kind == "unsupported-type":
+        raw_gguf(path, {"blk.0.attn_q.weight": "Q8_1"})
+    elif kind == "architecture":
+        raw_gguf(path, arch="qwen2")
+    elif kind == "missing-tensor":
+        raw_gguf(path, skip=("blk.1.ffn_up.weight",))
+    elif kind == "no-tokenizer":
+        raw_gguf(path, tokenizer=False)
+    return path
+
+
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_bad_files_fail_with_one_clear_line(tmp_path, kind, capsys):
+    path = bad_file(tmp_path, kind)
+    with pytest.raises((ModelFormatError, ConfigError), match=BAD_FILES[kind]):
+        load_tokenizer(load_weights(path))
+    rc = main(["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("halo-master: error: ") and str(path) in err
+    assert "Traceback" not in err
