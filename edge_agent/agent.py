@@ -19,6 +19,7 @@ import numpy as np
 
 from halo.distributed import rank_range
 from halo.errors import HaloError
+from halo.linear import FORMATS
 from halo.loader import load_weights, model_fingerprint
 from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from halo.ops import Rotary, rmsnorm
@@ -197,7 +198,7 @@ class Agent:
             t = time.perf_counter()
             n = self.threads
             fmt = f.get("weights") or self.format  # the master's choice, so the whole cluster computes alike
-            if fmt not in ("fp32", "int8"):
+            if fmt not in FORMATS:
                 return refuse(f"unknown weight format {fmt!r}")
             sync = SyncSettings.from_json(f.get("sync") or {})
             if sync.semantic and fmt != "fp32":

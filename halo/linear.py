@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from dataclasses import dataclass
 from itertools import groupby
 
 import numpy as np
@@ -28,7 +29,7 @@ from .memory import release_freed_heap, release_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
-NATIVE_ACCURACY_LEVEL = 4  # MatMulNBits with int8 activations: measured faster than level 1 (fp32) at equal agreement
+NATIVE_ACCURACY_LEVEL = 4  # int8 activations (split in two terms): ~2x faster than level 1 (fp32) here, as accurate
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
 
@@ -37,6 +38,14 @@ def int8_block_for(column_group: int) -> int:
     """The largest block (<= INT8_BLOCK) that divides a column group, so that a shard holding some of
     the groups quantizes them exactly as the whole matrix does (W_o columns come in heads)."""
     return max(MIN_INT8_BLOCK, math.gcd(INT8_BLOCK, column_group))
+
+
+def resolve_format(fmt: str, weights) -> str:
+    """The weight format a --weights value means for these weights: "native" on a model without quantized
+    blocks is "fp32" (what every float checkpoint computes in), so the cluster and reports say so."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return "fp32" if fmt == "native" and not weights.compact else fmt
 
 
 class DenseProjection:
@@ -80,6 +89,21 @@ def dequantize_int8(codes: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray
     return ((codes.astype(np.float32) - 128.0) * scales[..., None]).reshape(n, -1)[:, :k]
 
 
+@dataclass(frozen=True)
+class KernelSpec:
+    """How a MatMulNBits kernel stores and computes: `bits`-wide codes in blocks of `block` inputs, one float32
+    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations. With
+    split_activations, x = hi + lo: hi is x quantized per block as the kernel quantizes it (so the kernel
+    reproduces it exactly) and lo the residual, run as 2T rows of one call (the weights stream once) and
+    added: the activations' rounding error falls from 1/254 to ~1/64516 of each block's range."""
+
+    bits: int
+    block: int
+    with_offsets: bool = False
+    accuracy_level: int = 4
+    split_activations: bool = False
+
+
 class _KernelProjection:
     """Matrices sharing an input, fused into MatMulNBits calls: rows stacked, split into kernels of at most
     MAX_KERNEL_BYTES of codes, so a kernel's transient copy while onnxruntime repacks it stays small next to
@@ -87,19 +111,17 @@ class _KernelProjection:
 
     MAX_KERNEL_BYTES = 32 << 20
 
-    def __init__(self, matrices: list, threads: int, bits: int, block: int, with_offsets: bool, fill,
-                 accuracy_level: int):
+    def __init__(self, matrices: list, threads: int, spec: KernelSpec, fill):
         k = matrices[0].shape[1]
         if any(m.shape[1] != k for m in matrices):
             raise ValueError("fused matrices must share their input size")
         bounds = np.concatenate([[0], np.cumsum([m.shape[0] for m in matrices])]).tolist()
         self.outputs = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         n = bounds[-1]
-        row_bytes = -(-k // block) * block * bits // 8
+        row_bytes = -(-k // spec.block) * spec.block * spec.bits // 8
         rows_per_kernel = max(1, self.MAX_KERNEL_BYTES // row_bytes)
         stacked = _RowStack(matrices)
-        self.kernels = [_NBitsKernel(stacked, start, min(n, start + rows_per_kernel), k, bits, block, with_offsets,
-                                     fill, threads, accuracy_level)
+        self.kernels = [_NBitsKernel(stacked, start, min(n, start + rows_per_kernel), k, spec, fill, threads)
                         for start in range(0, n, rows_per_kernel)]
         self.nbytes = sum(kernel.nbytes for kernel in self.kernels)
 
@@ -122,19 +144,20 @@ class Int8Projection(_KernelProjection):
         def fill(rows, codes, scales, offsets):
             quantize_int8(rows, block, out=(codes, scales))
 
-        super().__init__(matrices, threads, 8, block, False, fill, accuracy_level=4)
+        super().__init__(matrices, threads, KernelSpec(8, block), fill)
 
 
 class CompactProjection(_KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0) run on their own blocks: the file's codes and scales, exactly
-    (halo/quant.py), never expanded to float32."""
+    (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
+    keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
 
     def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None):
         codec = matrices[0].codec
         if any(m.codec != codec for m in matrices):
             raise ValueError("fused compact matrices must share their block type")
         if not codec.native:
-            matrices[0].kernel_blocks()  # raises the error that names the type and the fix
+            matrices[0].kernel_blocks()  # raises the error that names the type, the tensor and the fix
 
         def fill(rows: QuantizedMatrix, codes, scales, offsets):
             codes[:], scales[:], rows_offsets = rows.kernel_blocks()
@@ -142,8 +165,9 @@ class CompactProjection(_KernelProjection):
                 offsets[:] = rows_offsets
             rows.release()
 
-        super().__init__(matrices, threads, codec.bits, codec.block, codec.has_offsets, fill,
-                         NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level)
+        level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+        super().__init__(matrices, threads, KernelSpec(codec.bits, codec.block, codec.has_offsets, level,
+                                                       split_activations=level == 4), fill)
 
 
 class _RowStack:
@@ -166,19 +190,17 @@ class _NBitsKernel:
 
     The codes, scales (and offsets) are written to an unlinked temporary file and handed to onnxruntime as
     external initializers: the kernel repacks them into its own layout at session start, after which the
-    file pages are released from this process (they re-read from disk if ever touched again). Offsets
-    (Q4_1's minimums) add offsets @ (the input's per-block sums) in the same session.
+    file pages are released from this process (they re-read from disk if ever touched again).
     """
 
-    def __init__(self, stack: _RowStack, start: int, stop: int, k: int, bits: int, block: int, with_offsets: bool,
-                 fill, threads: int, accuracy_level: int):
+    def __init__(self, stack: _RowStack, start: int, stop: int, k: int, spec: KernelSpec, fill, threads: int):
         import onnxruntime as ort
-        from onnx import TensorProto, helper
+        from onnx import TensorProto
 
-        n, blocks = stop - start, -(-k // block)
-        shapes = {"codes": ((n, blocks, block * bits // 8), np.uint8, TensorProto.UINT8),
+        n, blocks = stop - start, -(-k // spec.block)
+        shapes = {"codes": ((n, blocks, spec.block * spec.bits // 8), np.uint8, TensorProto.UINT8),
                   "scales": ((n, blocks), np.float32, TensorProto.FLOAT)}
-        if with_offsets:
+        if spec.with_offsets:
             shapes["offsets"] = ((n, blocks), np.float32, TensorProto.FLOAT)
         sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in shapes.values()]
         self._file = tempfile.TemporaryFile(prefix="halo-kernel-")
@@ -193,26 +215,7 @@ class _NBitsKernel:
             fill(rows, arrays["codes"][first:end], arrays["scales"][first:end],
                  None if offsets is None else offsets[first:end])
         self.nbytes = sum(sizes)
-
-        initializers = []
-        for name, (shape, dtype, proto_type) in shapes.items():
-            tensor = TensorProto(name=name, data_type=proto_type, dims=shape, data_location=TensorProto.EXTERNAL)
-            tensor.external_data.add(key="location", value="in-memory")  # supplied below as OrtValues
-            initializers.append(tensor)
-        nodes = [helper.make_node("MatMulNBits", ["x", "codes", "scales"], ["y" if offsets is None else "y_codes"],
-                                  domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
-                                  accuracy_level=accuracy_level)]
-        if offsets is not None:  # y += block_sums(x) @ offsets.T
-            initializers += [helper.make_tensor("block_shape", TensorProto.INT64, [3], [-1, blocks, block]),
-                             helper.make_tensor("sum_axis", TensorProto.INT64, [1], [2])]
-            nodes += [helper.make_node("Reshape", ["x", "block_shape"], ["x_blocks"]),
-                      helper.make_node("ReduceSum", ["x_blocks", "sum_axis"], ["block_sums"], keepdims=0),
-                      helper.make_node("Gemm", ["block_sums", "offsets"], ["y_offsets"], transB=1),
-                      helper.make_node("Add", ["y_codes", "y_offsets"], ["y"])]
-        graph = helper.make_graph(nodes, "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])],
-                                  initializer=initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        model = _kernel_graph(k, n, spec, {name: (shape, proto) for name, (shape, _, proto) in shapes.items()})
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -230,6 +233,56 @@ class _NBitsKernel:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.session.run(None, {"x": x})[0]
+
+
+def _kernel_graph(k: int, n: int, spec: KernelSpec, weights: dict):
+    """y = x @ W.T as an ONNX graph around MatMulNBits (see KernelSpec); `weights` name the external
+    initializers: codes, scales (and offsets), as name -> (shape, ONNX type)."""
+    from onnx import TensorProto, helper
+
+    blocks = -(-k // spec.block)
+    initializers = []
+    for name, (shape, proto_type) in weights.items():
+        tensor = TensorProto(name=name, data_type=proto_type, dims=shape, data_location=TensorProto.EXTERNAL)
+        tensor.external_data.add(key="location", value="in-memory")  # supplied as OrtValues
+        initializers.append(tensor)
+    node = helper.make_node
+    nodes, kernel_input = [], "x"
+    if spec.split_activations or spec.with_offsets:
+        initializers.append(helper.make_tensor("block_shape", TensorProto.INT64, [3], [-1, blocks, spec.block]))
+        nodes.append(node("Reshape", ["x", "block_shape"], ["x_blocks"]))
+    if spec.split_activations:  # x = hi + lo, one kernel call on [hi; lo], the two halves added
+        initializers += [helper.make_tensor("int8_max", TensorProto.FLOAT, [], [127.0]),
+                         helper.make_tensor("tiny", TensorProto.FLOAT, [], [1e-30]),
+                         helper.make_tensor("row_shape", TensorProto.INT64, [2], [-1, k]),
+                         helper.make_tensor("halves_shape", TensorProto.INT64, [3], [2, -1, n]),
+                         helper.make_tensor("first_axis", TensorProto.INT64, [1], [0])]
+        nodes += [node("Abs", ["x_blocks"], ["x_abs"]),
+                  node("ReduceMax", ["x_abs"], ["x_amax"], axes=[2], keepdims=1),
+                  node("Div", ["x_amax", "int8_max"], ["x_step"]),
+                  node("Max", ["x_step", "tiny"], ["x_step_safe"]),
+                  node("Div", ["x_blocks", "x_step_safe"], ["x_steps"]),
+                  node("Round", ["x_steps"], ["x_codes"]),
+                  node("Mul", ["x_codes", "x_step_safe"], ["hi_blocks"]),
+                  node("Reshape", ["hi_blocks", "row_shape"], ["hi"]),
+                  node("Sub", ["x", "hi"], ["lo"]),
+                  node("Concat", ["hi", "lo"], ["hi_lo"], axis=0)]
+        kernel_input = "hi_lo"
+    codes_output = "y_codes" if spec.with_offsets else "y"  # x @ (scaled codes).T
+    nodes.append(node("MatMulNBits", [kernel_input, "codes", "scales"],
+                      ["y_halves_flat" if spec.split_activations else codes_output], domain="com.microsoft",
+                      K=k, N=n, bits=spec.bits, block_size=spec.block, accuracy_level=spec.accuracy_level))
+    if spec.split_activations:
+        nodes += [node("Reshape", ["y_halves_flat", "halves_shape"], ["y_halves"]),
+                  node("ReduceSum", ["y_halves", "first_axis"], [codes_output], keepdims=0)]
+    if spec.with_offsets:  # y += block_sums(x) @ offsets.T
+        initializers.append(helper.make_tensor("sum_axis", TensorProto.INT64, [1], [2]))
+        nodes += [node("ReduceSum", ["x_blocks", "sum_axis"], ["block_sums"], keepdims=0),
+                  node("Gemm", ["block_sums", "offsets"], ["y_offsets"], transB=1),
+                  node("Add", ["y_codes", "y_offsets"], ["y"])]
+    graph = helper.make_graph(nodes, "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], initializer=initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
 class SplitProjection:

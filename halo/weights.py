@@ -79,6 +79,11 @@ class ModelWeights:
                 raise ModelFormatError(self.source, f"tensor {name}: expected float32 or quantized blocks after "
                                        f"loading, found {getattr(array, 'dtype', type(array).__name__)}")
 
+    @property
+    def compact(self) -> bool:
+        """Whether any matrix is kept in a quantized block format (a GGUF file's Q4_0/Q4_1/Q8_0...)."""
+        return any(isinstance(a, QuantizedMatrix) for a in self._arrays())
+
     def nbytes(self) -> int:
         """Bytes of distinct weight arrays as stored (a tied head counts once)."""
         arrays = {id(a): a for a in self._arrays()}
