@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError
-from .memory import release_pages
+from .memory import release_mapping
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,9 @@ class QuantizedMatrix:
         return codes, scales, offsets
 
     def release(self) -> None:
-        """Drop the file pages this matrix spans from this process (they re-read from disk on use)."""
-        release_pages(self.blocks)
+        """Drop the model file's pages from this process once a kernel holds its copy (they re-read from the
+        page cache or disk on use: norms and embedding rows come back as they are read)."""
+        release_mapping(self.blocks)
 
 
 def _as_index(ids: np.ndarray):
