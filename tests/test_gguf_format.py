@@ -216,3 +216,18 @@ def test_bad_files_fail_with_one_clear_line(tmp_path, kind, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("halo-master: error: ") and str(path) in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_random_llama_gguf_for_benchmarks(tmp_path, qtype):
+    from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+
+    cfg = dict(TINYLLAMA_1_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=300,
+               num_attention_heads=2, num_key_value_heads=1)  # TinyLlama's settings, a tiny shape
+    weights = load_weights(write_random_gguf(tmp_path / "random.gguf", cfg, qtype))
+    assert not weights.config.tied_embeddings and weights.lm_head.codec.name == qtype
+    assert all(isinstance(getattr(layer, name), QuantizedMatrix) and getattr(layer, name).codec.name == qtype
+               for layer in weights.layers for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    tokenizer = load_tokenizer(weights)
+    logits = Transformer(weights, "native").forward(tokenizer.encode("random text"))
+    assert logits.shape == (300,) and np.isfinite(logits).all()
