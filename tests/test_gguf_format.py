@@ -149,13 +149,14 @@ def test_a_group_boundary_inside_a_block_is_refused_in_native_and_dequantized_ot
     assert np.allclose(parts, whole, atol=1e-5)
 
 
-def test_native_keeps_weights_compact(tmp_path):
+def test_native_keeps_weights_compact_and_int8_requantizes(tmp_path):
     weights = load_weights(tiny_gguf(tmp_path / "model.gguf", "Q4_1", seed=7))
-    native, fp32 = Transformer(weights, "native"), Transformer(weights, "fp32")
+    native, fp32, int8 = (Transformer(weights, fmt) for fmt in ("native", "fp32", "int8"))
     assert native.weight_nbytes() < 0.4 * fp32.weight_nbytes()
     tokens = [0, 9, 8, 7, 6, 5, 4, 3, 2, 11, 12, 13]
-    agree = np.mean(native.forward(tokens, all_logits=True).argmax(-1) == fp32.forward(tokens, all_logits=True).argmax(-1))
-    assert agree >= 0.9
+    reference = fp32.forward(tokens, all_logits=True).argmax(-1)
+    for model in (native, int8):
+        assert np.mean(model.forward(tokens, all_logits=True).argmax(-1) == reference) >= 0.9
 
 
 def test_other_block_types_dequantize_for_fp32_and_are_refused_natively(tmp_path):
