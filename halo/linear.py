@@ -30,6 +30,7 @@ from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
 NATIVE_ACCURACY_LEVEL = 4  # int8 activations (split in two terms): ~2x faster than level 1 (fp32) here, as accurate
+NATIVE_SPLIT_ACTIVATIONS = True  # False: one int8 pass (the ablation in eval/accuracy_gguf.py --single-pass)
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
 
@@ -167,7 +168,7 @@ class CompactProjection(_KernelProjection):
 
         level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.block, codec.has_offsets, level,
-                                                       split_activations=level == 4), fill)
+                                                       split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill)
 
 
 class _RowStack:
