@@ -29,16 +29,17 @@ def gguf_from_hf(path: Path, reference, qtype: str = "F32") -> Path:
     return write_llama_gguf(path, cfg, ((name, state[name]) for name in llama_tensor_shapes(cfg)), qtype)
 
 
-def raw_gguf(path: Path, types: dict[str, str] | None = None, arch: str = "llama", tokenizer: bool = True,
-             skip: tuple[str, ...] = ()) -> Path:
+def raw_gguf(path: Path, types: dict[str, str] | None = None, arch: str = "llama", tokenizer=True,
+             skip: tuple[str, ...] = (), vocab_size: int | None = None) -> Path:
     """A TINY-shaped GGUF of zero weights with chosen tensor types (GGUF names -> type; quantized tensors are
-    zero blocks, any type), another architecture, no tokenizer, or tensors left out."""
+    zero blocks, any type), another architecture, no tokenizer, or tensors left out. `tokenizer` may be a
+    function(writer) that writes the tokenizer metadata."""
     import gguf
     import numpy as np
 
     types = types or {}
     writer = gguf.GGUFWriter(str(path), arch)
-    t = TINY
+    t = dict(TINY, vocab_size=vocab_size or TINY["vocab_size"])
     writer.add_block_count(t["num_hidden_layers"])
     writer.add_context_length(t["max_position_embeddings"])
     writer.add_embedding_length(t["hidden_size"])
@@ -46,7 +47,9 @@ def raw_gguf(path: Path, types: dict[str, str] | None = None, arch: str = "llama
     writer.add_head_count(t["num_attention_heads"])
     writer.add_head_count_kv(t["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(t["rms_norm_eps"])
-    if tokenizer:
+    if callable(tokenizer):
+        tokenizer(writer)
+    elif tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_token_list([chr(0x100 + i) for i in range(t["vocab_size"])])
         writer.add_bos_token_id(0)

@@ -232,3 +232,37 @@ def test_random_llama_gguf_for_benchmarks(tmp_path, qtype):
     tokenizer = load_tokenizer(weights)
     logits = Transformer(weights, "native").forward(tokenizer.encode("random text"))
     assert logits.shape == (300,) and np.isfinite(logits).all()
+
+
+def test_sentencepiece_style_vocabularies_use_the_llama2c_encoder(tmp_path):
+    """tokenizer.ggml.model = llama (TinyLlama, Llama 2, Mistral GGUFs): pieces with U+2581 for spaces, scores,
+    byte pieces. stories260K's vocabulary written that way encodes exactly as its tokenizer.bin does, and as
+    transformers' tokenizer from the same GGUF."""
+    from halo import BUNDLED_TOKENIZER
+    from halo.formats.llama2c import read_tokenizer
+    from halo.tokenizer import Llama2cTokenizer
+
+    pieces, scores = read_tokenizer(str(BUNDLED_TOKENIZER), 512)
+    tokens = [p.decode("utf-8").replace(" ", "\u2581") for p in pieces]
+    kinds = [2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1 for t in tokens]
+
+    def spm(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores.tolist())
+        writer.add_token_types(kinds)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+
+    path = raw_gguf(tmp_path / "spm.gguf", tokenizer=spm, vocab_size=512)
+    ours = load_tokenizer(load_weights(path))
+    reference = Llama2cTokenizer(str(BUNDLED_TOKENIZER), 512)
+    texts = ["Once upon a time, there was a little girl named Lily.", "She said: \"Hi!\"\n\nThe end. 42 ünï"]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text) and ours.decode(ours.encode(text)) == text
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in texts:
+        assert ours.encode(text) == theirs(text).input_ids, text
