@@ -4,8 +4,9 @@ A `Projection` holds one or more matrices that read the same input (q/k/v, gate/
 one output per matrix. Three formats:
 
 - "native" (the default): the model file's own format. Float32/float16/bfloat16 checkpoints run as
-  "fp32"; GGUF Q4_0/Q4_1/Q8_0 blocks (halo/quant.py) run on onnxruntime's MatMulNBits exactly as
-  stored: 4/8-bit codes, one scale per 32 weights (Q4_1: plus its minimums), never expanded to float32.
+  "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run on onnxruntime's MatMulNBits exactly
+  as stored: 4/8-bit codes, one scale per 32 (Q6_K: 16) weights, plus minimums where the type has
+  them, never expanded to float32.
 - "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
   load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
@@ -149,7 +150,7 @@ class Int8Projection(_KernelProjection):
 
 
 class CompactProjection(_KernelProjection):
-    """GGUF block matrices (Q4_0, Q4_1, Q8_0) run on their own blocks: the file's codes and scales, exactly
+    """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
     (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
     keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
 
@@ -167,7 +168,7 @@ class CompactProjection(_KernelProjection):
             rows.release()
 
         level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
-        super().__init__(matrices, threads, KernelSpec(codec.bits, codec.block, codec.has_offsets, level,
+        super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
                                                        split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill)
 
 

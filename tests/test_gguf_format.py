@@ -38,6 +38,40 @@ def test_dequantization_is_llama_cpps(qtype):
     assert np.array_equal(m[[5, 2]], reference[[5, 2]]) and np.array_equal(m[7], reference[7])  # row lookups
 
 
+def random_k_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> QuantizedMatrix:
+    """K-quant super-blocks of random bytes with sane float16 scales (gguf cannot quantize K-quants)."""
+    codec = KERNEL_CODECS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, k // 256, codec.type_size), dtype=np.uint8)
+    scale_at = (0, 2) if qtype == "Q4_K" else (208,)
+    for at in scale_at:
+        blocks[..., at:at + 2] = (rng.random((rows, k // 256, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return QuantizedMatrix(codec, blocks, name="k.weight")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quants_map_onto_the_kernel_exactly(qtype):
+    import gguf
+    import gguf.quants
+
+    m = random_k_blocks(qtype, 24, 512)
+    reference = gguf.quants.dequantize(m.blocks.reshape(24, -1), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(m.dequantize(), reference)
+    x = np.random.default_rng(3).standard_normal((2, 512)).astype(np.float32)
+    exact = x @ reference.T
+    y = CompactProjection([m], accuracy_level=1)(x)[0]  # the kernel form, fp32 activations
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+    assert np.abs(make_projection([m], "native")(x)[0] - exact).max() <= 1e-3 * np.abs(exact).max()
+    unit = m.codec.unit  # columns are cut in sub-blocks: 32 (Q4_K) or 16 (Q6_K)
+    cols = np.r_[unit:2 * unit, 300 - 300 % unit:300 - 300 % unit + unit]
+    part = m.take_rows([3, 1]).take_cols(cols)
+    assert np.array_equal(part.dequantize(), reference[[3, 1]][:, cols])
+    xs = x[:, cols]
+    assert np.abs(CompactProjection([part], accuracy_level=1)(xs)[0] - xs @ reference[[3, 1]][:, cols].T).max() < 1e-4
+    with pytest.raises(ConfigError, match=f"split {qtype} blocks of {unit}"):
+        m.take_cols(np.arange(unit // 2))
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_computes_the_files_blocks_exactly(qtype):
     rng = np.random.default_rng(1)
@@ -165,6 +199,10 @@ def test_other_block_types_dequantize_for_fp32_and_are_refused_natively(tmp_path
     assert Transformer(weights, "fp32").forward([1, 2]).shape == (320,)
     with pytest.raises(ConfigError, match="unsupported type Q5_K in tensor blk.1.ffn_down.weight for --weights native"):
         Transformer(weights, "native")
+    # a Q4_K_M-style mix (Q4_K, Q6_K for W_down, F32 elsewhere) runs natively
+    mixed = load_weights(raw_gguf(tmp_path / "q4km.gguf", {"blk.0.ffn_down.weight": "Q6_K",
+                                                           "blk.1.ffn_down.weight": "Q4_K"}))
+    assert Transformer(mixed, "native").forward([1, 2]).shape == (320,)
 
 
 def test_the_tokenizer_comes_from_the_metadata(tmp_path):

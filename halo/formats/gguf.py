@@ -24,7 +24,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ModelFormatError
-from ..quant import QuantizedMatrix, codec_for
+from ..quant import KERNEL_CODECS, QuantizedMatrix, codec_for
 from ..weights import LayerWeights, ModelWeights
 from .llama2c import interleaved_to_half_rope, permute_heads
 
@@ -32,7 +32,6 @@ MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 FLOAT_TYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 # metadata value types (GGUFValueType) -> struct format; 8 = string, 9 = array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
@@ -252,11 +251,11 @@ def read_checkpoint(path: str | os.PathLike) -> ModelWeights:
 
 
 def _check_tensor_types(file: GGUFFile) -> None:
-    """Every tensor must be a type halo can compute with: floats, kernel blocks (Q4_0, Q4_1, Q8_0), or a
-    block type the gguf package dequantizes (for the fp32/int8 formats); anything else is named."""
+    """Every tensor must be a type halo can compute with: floats, kernel blocks (halo/quant.py), or a block
+    type the gguf package dequantizes (for the fp32/int8 formats); anything else is named."""
     import gguf.quants
 
-    usable = set(FLOAT_TYPES) | set(KERNEL_TYPES)
+    usable = set(FLOAT_TYPES) | set(KERNEL_CODECS)
     for info in file.tensors.values():
         if info.type_name in usable:
             continue
@@ -266,8 +265,8 @@ def _check_tensor_types(file: GGUFFile) -> None:
             usable.add(info.type_name)
         except (NotImplementedError, KeyError, ValueError, TypeError):
             raise ModelFormatError(file.path, f"unsupported type {info.type_name} in tensor {info.name}",
-                                   "halo reads F32, F16, BF16, Q8_0, Q4_0, Q4_1 and the block types the gguf "
-                                   "package dequantizes; re-quantize the file to Q4_0, Q4_1 or Q8_0") from None
+                                   "halo reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K and the block types the "
+                                   "gguf package dequantizes; re-quantize the file to one of those") from None
 
 
 def rotate_half(w, n_heads: int, head_dim: int):
