@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from halo.errors import HaloError
+from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares
 from halo.sync import Status, SyncSettings, Transport
@@ -29,7 +30,6 @@ from .rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
-FORMATS = ("fp32", "int8")
 
 
 @dataclass

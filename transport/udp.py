@@ -25,6 +25,7 @@ the endpoint also answers NACKs for vectors it sent and echoes link probes.
 from __future__ import annotations
 
 import logging
+import math
 import select
 import socket
 import struct
@@ -41,6 +42,7 @@ PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
 SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
 PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
+FD_SETSIZE = 1024
 
 log = logging.getLogger("halo.transport")
 
@@ -372,10 +374,19 @@ class UdpEndpoint:
         return sent
 
     # ---- receiving -----------------------------------------------------------------------------------
+    def _readable(self, timeout_s: float) -> bool:
+        """Wait for a datagram: select() has sub-millisecond timeouts but only takes descriptors below
+        FD_SETSIZE (1024); a process holding many (compact kernels, models) falls back to poll (1 ms steps)."""
+        timeout_s = max(timeout_s, 0.0)
+        if self.sock.fileno() < FD_SETSIZE:
+            return bool(select.select([self.sock], [], [], timeout_s)[0])
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(math.ceil(timeout_s * 1000)))
+
     def _receive(self, timeout_s: float):
         """Yield (header, payload, address) of valid, fresh datagrams that arrive within timeout_s."""
-        ready, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
-        if not ready:
+        if not self._readable(timeout_s):
             return
         while True:
             try:

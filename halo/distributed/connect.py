@@ -19,7 +19,11 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     """A master over running agents. plan: a TensorParallelPlan whose participants are the master and then
     the agents in `endpoints` order (default: an even plan over all of them; `compute` gives relative
     speeds for an uneven one). settings: MasterSettings fields (context, fmt, timeout_s, sync, ...)."""
+    from halo.linear import resolve_format
+
     layout = layout or GroupLayout.for_model(weights.config)
+    if "fmt" in settings:  # "native" on a float model means fp32: the cluster says so to every agent
+        settings["fmt"] = resolve_format(settings["fmt"], weights)
     master_settings = MasterSettings(**settings)
     if master_settings.context <= 0:
         raise ConfigError(f"the context must be at least 1 token, got {master_settings.context}")
