@@ -171,8 +171,6 @@ class Agent(ControlServer):
         if fmt not in FORMATS:
             raise HaloError(f"unknown weight format {fmt!r}")
         sync = SyncSettings.from_json(f.get("sync") or {})
-        if sync.policy.remap and fmt != "fp32":
-            raise HaloError(f"sync mode {sync.mode} needs fp32 weights")
         node_id = int(f.get("node_id", 0))
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")

@@ -253,15 +253,24 @@ class MlpShard:
 
 
 class MlpGroupBank:
-    """Every MLP group of a layer, any subset computed per call without copying weights (HALO mode
-    re-maps groups per token). The checkpoint's own layout is group-major enough: a group's W_gate and
-    W_up rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of
-    group-size floats), so nothing is gathered per token; loading = bringing those pages in."""
+    """Every MLP group of a layer, any subset computed per call (HALO mode re-maps groups per token).
 
-    def __init__(self, layer: LayerWeights, layout: GroupLayout):
-        # HALO mode computes in fp32: compact weights are dequantized here (the memory maps of fp32 ones stay)
-        self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
-        self.layout = layout
+    fp32: nothing is copied. The checkpoint's own layout is group-major enough: a group's W_gate and W_up
+    rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of group-size
+    floats), so nothing is gathered per token; loading = bringing those pages in (`prefetch`).
+    Compact formats (int8, native 4/8-bit): one MlpShard per group, built when the bank is, so a group
+    is computed from its compact blocks by its own kernels (a re-mapped group costs a kernel call, never a
+    dequantization); the weights then live in the kernels, and `prefetch` has nothing left to read."""
+
+    def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1):
+        self.layout, self.fmt = layout, fmt
+        if fmt == "fp32":
+            self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
+            self.shards = {}
+        else:
+            self.shards = {g: MlpShard(layer, layout, [g], fmt, threads) for g in range(layout.n_mlp_groups)}
+            self.w_down = None
+        self.dim = layer.w_down.shape[0]
 
     def _rows(self, group: int) -> slice:
         r = self.layout.mlp_neurons(group)
@@ -270,28 +279,38 @@ class MlpGroupBank:
     def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
         """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says
         which tokens each group serves (None: all)."""
-        out = np.zeros((len(x), self.w_down.shape[0]), dtype=np.float32)
+        out = np.zeros((len(x), self.dim), dtype=np.float32)
         for j, g in enumerate(groups):
-            s = self._rows(int(g))
             tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
             xs = x[tokens]
             if len(xs) == 0:
                 continue
-            act = silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)
-            out[tokens] += act @ self.w_down[:, s].T
+            out[tokens] += self._group(int(g), xs)
         return out
 
+    def _group(self, g: int, x: np.ndarray) -> np.ndarray:
+        if self.shards:
+            return self.shards[g].forward(x)
+        s = self._rows(g)
+        return (silu(x @ self.w_gate[s].T) * (x @ self.w_up[s].T)) @ self.w_down[:, s].T
+
     def prefetch(self, groups: Sequence[int]) -> int:
-        """Have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
-        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read.
-        Returns the bytes asked for (W_down columns span whole rows of pages: its rows are advised)."""
+        """fp32: have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
+        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read. Returns the
+        bytes asked for (W_down columns span whole rows of pages: its rows are advised). Compact: 0."""
+        if self.shards or not len(groups):
+            return 0
         covered = 0
         for g in groups:
             s = self._rows(int(g))
             covered += load_pages(self.w_gate[s]) + load_pages(self.w_up[s])
-        if len(groups):
-            covered += load_pages(self.w_down)
-        return covered
+        return covered + load_pages(self.w_down)
+
+    @property
+    def nbytes(self) -> int:
+        if self.shards:
+            return sum(s.nbytes for s in self.shards.values())
+        return sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
 
 
 class LmHeadShard:

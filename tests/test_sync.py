@@ -116,9 +116,21 @@ def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tm
             model.close()
 
 
-def test_halo_needs_fp32_and_valid_settings(stories_weights):
-    with pytest.raises(ConfigError, match="fp32"):
-        cluster_model(stories_weights, [], fmt="int8", sync=SyncSettings(mode="halo"))
+def test_halo_mode_runs_compact_weights(stories_weights, cluster):
+    """Re-mapped MLP groups computed by per-group int8 kernels, no loss: the single-process int8 model's
+    next tokens (teacher-forced; group-wise int8 blocks may round a little differently from whole rows)."""
+    tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT, fmt="int8",
+                          sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
+    try:
+        assert forced_agreement(model, tokens) >= 0.95
+        assert model.sync_report()["loss"]["partials_dropped"] == 0
+        assert all(row["weight_bytes"] < 0.5 * stories_weights.nbytes() for row in model.report())
+    finally:
+        model.close()
+
+
+def test_sync_settings_are_checked():
     with pytest.raises(ConfigError, match="unknown sync mode"):
         SyncSettings(mode="fast")
     with pytest.raises(ConfigError, match="floor"):

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from halo.errors import ConfigError, HaloError
+from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares, rank_range
 from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, plan_round
@@ -33,7 +33,6 @@ class DistributedModel:
     def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
                  insecure: bool = False, layout: GroupLayout | None = None, settings: MasterSettings = MasterSettings()):
         """shares: plan order, the master's first; endpoints: one per agent, in the same order."""
-        check_format(settings.fmt, settings.sync)
         if len(endpoints) != len(shares) - 1:
             raise HaloError(f"the plan has {len(shares)} participants: the master and {len(shares) - 1} agents, "
                             f"but {len(endpoints)} agent addresses were given")
@@ -206,9 +205,3 @@ class DistributedModel:
     def close(self) -> None:
         self.worker.close()
         self.session.close()
-
-
-def check_format(fmt: str, sync: SyncSettings) -> None:
-    if sync.policy.remap and fmt != "fp32":
-        raise ConfigError(f"--sync {sync.mode} re-maps MLP groups per token and loads them on the fly: "
-                          "it needs --weights fp32")
