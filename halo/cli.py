@@ -6,8 +6,11 @@ import argparse
 import json
 import sys
 
+from .arguments import MAX_THREADS, OneLineParser, endpoints_argument, integer, number
 from .errors import ConfigError, HaloError
 from .linear import FORMATS
+
+MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
@@ -25,7 +28,7 @@ EPILOG_PLAN = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
+    parser = OneLineParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG_GENERATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -35,29 +38,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled stories260K)")
     g.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
                                        "beside a llama2.c checkpoint)")
-    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    g.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="stop after N new tokens (default 256)")
+    g.add_argument("--temperature", type=number(0), default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--top-k", type=integer(0), default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
+    g.add_argument("--seed", type=integer(0), default=0, help="random seed for sampling (default 0)")
     g.add_argument("--weights", choices=FORMATS, default="fp32",
                    help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
                         "in a cluster every agent uses it too")
-    g.add_argument("--context", type=int, default=None, metavar="N",
+    g.add_argument("--context", type=integer(1), default=None, metavar="N",
                    help="KV-cache length in tokens (default: the model's, at most 2048)")
-    g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
+    g.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8 kernels (default 1)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     cluster = g.add_argument_group("distributed (tensor-parallel)")
-    cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
+    cluster.add_argument("--local-agents", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
                          help="start N halo-agent processes on this machine, run across them, stop them")
-    cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
+    cluster.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
     cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
                          "addresses are the agents; the master = the device marked master)")
     cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
-    cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
+    cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithm", choices=("minmax", "greedy", "galaxy", "vanilla", "memory", "exact"), default="minmax",
                    help="ratio algorithm for tp (default minmax, which also chooses the participating devices)")
     p.add_argument("--all-devices", action="store_true", help="tp: make every device take part (no device selection)")
-    p.add_argument("--mlp-group-size", type=int, default=None,
+    p.add_argument("--mlp-group-size", type=integer(1), default=None,
                    help="MLP neurons per group (default 256; hidden/8 for models with fewer than 8 such groups)")
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
@@ -94,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="ask running agents what they are and what they serve",
                         description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
                                     "they hold, their current session's share, and counters of what they served.")
-    st.add_argument("--agents", required=True, metavar="HOST:PORT,...")
-    st.add_argument("--key", default="/etc/halo/cluster.key")
-    st.add_argument("--insecure", action="store_true")
-    st.add_argument("--timeout", type=float, default=2.0)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--agents", type=endpoints_argument, required=True, metavar="HOST:PORT,...",
+                    help="the agents to ask, comma-separated")
+    st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    st.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    st.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
+                    help="wait at most S seconds for each agent (default 2)")
+    st.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     st.set_defaults(func=cmd_status)
     return parser
 
@@ -114,17 +119,17 @@ def add_sync_arguments(parser) -> None:
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
                         "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
                         "critical traffic")
-    s.add_argument("--deadline-floor", type=float, default=d.deadline_floor_ms, metavar="MS",
+    s.add_argument("--deadline-floor", type=number(0, low_open=True), default=d.deadline_floor_ms, metavar="MS",
                    help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
-    s.add_argument("--deadline-ceiling", type=float, default=d.deadline_ceiling_ms, metavar="MS",
+    s.add_argument("--deadline-ceiling", type=number(0, low_open=True), default=d.deadline_ceiling_ms, metavar="MS",
                    help=f"... nor longer (default {d.deadline_ceiling_ms:g} ms); between them: "
                         f"{d.deadline_slack:g} x the median agent turnaround")
-    s.add_argument("--critical-fraction", type=float, default=d.critical_fraction, metavar="F",
+    s.add_argument("--critical-fraction", type=number(0, 1), default=d.critical_fraction, metavar="F",
                    help=f"partials holding a group in the predicted top F always arrive whole (default {d.critical_fraction:g})")
     s.add_argument("--predictors", metavar="DIR", help="trained predictors (default: predictors/ beside the model)")
     s.add_argument("--no-pred-overlap", action="store_true", help="ablation: predict before sending, not while waiting")
     s.add_argument("--no-load-overlap", action="store_true", help="ablation: load the next layer's groups inline")
-    s.add_argument("--inject-plr", type=float, default=0.0, metavar="P",
+    s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
                         "accuracy-under-loss runs without a lossy network")
 
@@ -146,8 +151,7 @@ def cmd_status(args) -> int:
     context = zmq.Context()
     rows, failed = [], 0
     try:
-        for address in [a for a in args.agents.split(",") if a]:
-            endpoint = address if address.startswith("tcp://") else f"tcp://{address}"
+        for endpoint in args.agents:
             sock = client_socket(context, key, args.insecure)
             sock.connect(endpoint)
             sock.send_multipart(encode(Message("status")))
@@ -197,10 +201,9 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingSettings
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
+    check_generate(args)  # every setting, before minutes of loading a large model
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
-    if args.sync != "reliable" and not (args.local_agents or args.agents or args.cluster or args.plan):
-        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents or args.agents or args.cluster or args.plan:
         from contextlib import ExitStack
 
@@ -211,12 +214,30 @@ def cmd_generate(args) -> int:
     return _run_generation(args, weights, tokenizer, model, sampling)
 
 
+def check_generate(args) -> None:
+    """What argparse cannot check alone: combinations, files, the settings objects' own rules."""
+    from pathlib import Path
+
+    sync_settings(args)
+    distributed = args.local_agents or args.agents or args.cluster or args.plan
+    if args.sync != "reliable" and not distributed:
+        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
+    if args.local_agents and (args.agents or args.cluster):
+        raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
+    if args.cluster and args.plan:
+        raise ConfigError("give --cluster (plan now) or --plan (a saved plan), not both")
+    for option, path, kind in (("--model", args.model, "model file or directory"),
+                               ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
+                               ("--plan", args.plan, "file"), ("--predictors", args.predictors, "directory")):
+        if path is not None and not Path(path).exists():
+            raise ConfigError(f"{option} {path}: no such {kind}")
+
+
 def _distributed_model(args, weights, stack):
     """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
     from .distributed import connect
 
-    agents = [a for a in args.agents.split(",") if a] if args.agents else None
-    return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=agents,
+    return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
 
