@@ -17,6 +17,23 @@ from .errors import ModelFormatError
 from .formats import llama2c
 
 BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class TokenIdError(ValueError):
+    """A token id outside the vocabulary was given to decode (a caller's bug or a model/tokenizer mismatch)."""
+
+
+def valid_text(text: str) -> str:
+    """`text` with lone surrogates (a str that is not valid Unicode, e.g. from undecodable bytes with
+    errors="surrogateescape") replaced by U+FFFD, which both encoders can represent."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
+def check_ids(ids, vocab_size: int) -> None:
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise TokenIdError(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class Tokenizer(Protocol):
@@ -60,7 +77,7 @@ class Llama2cTokenizer:
         if not text:
             return ids
         symbols: list[int] = [self.piece_id[b" "]] if b" " in self.piece_id else []
-        for ch in text:
+        for ch in valid_text(text):
             encoded = ch.encode("utf-8")
             if encoded in self.piece_id:
                 symbols.append(self.piece_id[encoded])
@@ -122,8 +139,7 @@ class Llama2cTokenizer:
         def step(token: int | None) -> str:
             if token is None:
                 return decoder.decode(b"", final=True)
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})")
+            check_ids((token,), self.vocab_size)
             data = self._bytes(token)
             if first[0] and data:
                 first[0] = False
@@ -146,20 +162,25 @@ class HFTokenizer:
         self.path = Path(path)
         try:
             self._tok = _Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises its own untyped errors
-            raise ModelFormatError(path, f"cannot parse tokenizer.json: {e}") from e
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # the library's own untyped errors, and Rust panics (PanicException is no Exception)
+            raise ModelFormatError(path, f"cannot parse tokenizer.json: {type(e).__name__}: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         if self.vocab_size > model_vocab_size:
             raise ModelFormatError(path, f"tokenizer has {self.vocab_size} tokens but the model's embedding has only "
                                    f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
+        self.model_vocab_size = model_vocab_size  # ids the model can emit; those the tokenizer lacks decode to ""
         self.bos_id, self.eos_ids = bos_id, eos_ids
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(valid_text(text), add_special_tokens=False).ids
         return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: list[int], at_start: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        check_ids(ids, self.model_vocab_size)
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def stream(self, at_start: bool = True) -> Callable[[int | None], str]:
         """Decode the growing sequence and emit only the new, complete characters."""

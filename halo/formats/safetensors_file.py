@@ -8,6 +8,7 @@ groups, reading only those pages.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -35,8 +36,8 @@ class SafetensorsFile:
                                        "truncated or not a safetensors file")
             try:
                 header = json.loads(f.read(header_len))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelFormatError(self.path, f"header is not valid JSON: {e}") from e
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting beyond the stack
+                raise ModelFormatError(self.path, f"header is not valid JSON: {type(e).__name__}: {e}") from e
         if not isinstance(header, dict):
             raise ModelFormatError(self.path, "header is not a JSON object")
         self.metadata = header.pop("__metadata__", {}) or {}
@@ -47,12 +48,15 @@ class SafetensorsFile:
             try:
                 dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError) as e:
-                raise ModelFormatError(self.path, f"tensor {name}: malformed header entry {entry!r}") from e
-            if dtype_name not in DTYPES:
-                raise ModelFormatError(self.path, f"tensor {name}: dtype {dtype_name} is not supported",
+                raise ModelFormatError(self.path, f"tensor {name}: malformed header entry {entry!r:.200}") from e
+            if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
+                raise ModelFormatError(self.path, f"tensor {name}: shape {list(shape)!r:.100} and data_offsets "
+                                       f"[{begin!r:.20}, {end!r:.20}] must be non-negative integers")
+            if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+                raise ModelFormatError(self.path, f"tensor {name}: dtype {str(dtype_name)[:40]} is not supported",
                                        "halo reads F32, F16 and BF16 checkpoints")
             dtype = DTYPES[dtype_name]
-            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            expected = math.prod(shape) * dtype.itemsize
             if end - begin != expected or begin < 0 or end > data_len:
                 raise ModelFormatError(self.path, f"tensor {name}: data_offsets [{begin}, {end}) do not fit shape "
                                        f"{shape} {dtype_name} ({expected} bytes) inside {data_len} data bytes "
@@ -67,7 +71,7 @@ class SafetensorsFile:
         """The stored tensor as a read-only memory map (bfloat16 shows as uint16)."""
         dtype_name, shape, begin = self.entries[name]
         stored = DTYPES[dtype_name]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         start = self.data_start + begin
         return self._map[start:start + count * stored.itemsize].view(stored).reshape(shape)
 
