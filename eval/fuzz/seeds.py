@@ -1,0 +1,184 @@
+"""The seed corpus: small valid (and a few nearly valid) inputs per target, written by code so they follow
+the formats as they evolve. `python -m halo.eval.fuzz --write-seeds` rewrites corpus/*/seed-* and the
+fixtures; crash-* files (regressions) are left alone."""
+
+from __future__ import annotations
+
+import json
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .targets import CORPUS, FIXTURES, FRAME_SEPARATOR
+
+CLUSTER_TOML = """[cluster]
+context = 256
+weights = "fp32"
+
+[[device]]
+name = "laptop"
+address = "127.0.0.1:7070"
+memory_mb = 3000
+compute_gflops = 20
+master = true
+
+[[device]]
+name = "pi-1"
+address = "192.168.1.20:7070"
+memory_mb = 800
+compute_gflops = 4.5
+plr = 0.05
+bandwidth_mbps = 50
+latency_ms = 2.0
+"""
+
+
+def llama2c_checkpoint(dim=4, hidden=6, n_layers=1, n_heads=2, n_kv=1, vocab=5, seq_len=3, tied=True) -> bytes:
+    head = dim // n_heads
+    kv_dim = n_kv * head
+    n = (vocab * dim + n_layers * (2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim) + dim
+         + seq_len * head + (0 if tied else vocab * dim))
+    values = np.random.default_rng(0).standard_normal(n).astype("<f4")
+    return struct.pack("<7i", dim, hidden, n_layers, n_heads, n_kv, vocab if tied else -vocab, seq_len) + values.tobytes()
+
+
+def llama2c_tokenizer(extra: list[bytes]) -> bytes:
+    pieces = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{b:02X}>".encode() for b in range(256)] + extra
+    out = bytearray(struct.pack("<i", max(len(p) for p in pieces)))
+    for i, piece in enumerate(pieces):
+        out += struct.pack("<fi", -float(i), len(piece)) + piece
+    return bytes(out)
+
+
+def safetensors(tensors: dict[str, tuple[str, np.ndarray]], metadata: dict | None = None) -> bytes:
+    header, blob = {}, b""
+    for name, (dtype, array) in tensors.items():
+        data = array.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + blob
+
+
+def hf_config(**overrides) -> bytes:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10,
+              "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1}
+    config.update(overrides)
+    return json.dumps(config).encode()
+
+
+def wire_seeds() -> dict[str, bytes]:
+    from halo.transport import wire
+
+    key = bytes(range(wire.KEY_BYTES))
+    values = np.linspace(-1, 1, 8, dtype=np.float32)
+    seeds = {}
+    for dtype in (wire.FLOAT32, wire.FLOAT16, wire.INT8):
+        payload = wire.encode_values(values, dtype)
+        datagram = wire.pack(wire.Header(wire.DATA, dtype, 1, 7, wire.make_epoch(3, 2, 1), 0, 1, len(payload)), payload, key)
+        seeds[f"data-{dtype}"] = bytes([3]) + (8).to_bytes(2, "little") + datagram
+    nack = wire.pack(wire.Header(wire.NACK, 0, 0, 7, 5, 0, 1, 4), struct.pack("<2H", 0, 3), key)
+    probe = wire.pack(wire.Header(wire.PROBE, 0, 2, 7, 9, 0, 2, 0), b"", key)
+    parity = wire.pack(wire.Header(wire.PARITY, 0, 1, 7, 5, 0, 2, 6), struct.pack("<H", 2) + bytes(4), key)
+    seeds.update({"nack": bytes([0, 0, 0]) + nack, "probe": bytes([2, 0, 0]) + probe, "parity": bytes([1, 1, 0]) + parity})
+    return seeds
+
+
+def control_seeds() -> dict[str, bytes]:
+    from halo.transport.reliable import Message, encode
+
+    messages = {
+        "hello": Message("hello", {"session": 7, "layers": [0, 1], "sync": {"mode": "halo"}},
+                         [np.arange(4, dtype=np.float32), np.arange(6, dtype=np.int64).reshape(2, 3)]),
+        "status": Message("status"),
+        "uint8": Message("partial", {"layer": 2}, [np.arange(5, dtype=np.uint8), np.zeros((0, 3), dtype=np.float16)]),
+        "nested": None,  # a deeply nested header: decode must refuse it without RecursionError
+    }
+    seeds = {}
+    for name, message in messages.items():
+        frames = encode(message) if message else [b"HALO\x01", b"[" * 2000]
+        seeds[name] = FRAME_SEPARATOR.join(frames)
+    return seeds
+
+
+def plan_seeds() -> dict[str, bytes]:
+    from halo.scheduler import plan_io
+    from halo.scheduler.pipeline import plan_pipeline
+    from halo.scheduler.profiles import load_cluster, model_profile, named_config
+    from halo.scheduler.tp_plan import plan_tp
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "cluster.toml"
+        path.write_text(CLUSTER_TOML)
+        cluster = load_cluster(path)
+    model = model_profile(named_config("stories260k"), cluster.weights, "stories260k")
+    tp = plan_tp(cluster, model, "minmax", select=False)
+    pipeline = plan_pipeline(cluster, model)
+    return {"tp": json.dumps(plan_io.tp_plan_json(tp)).encode(),
+            "pipeline": json.dumps(plan_io.pipeline_plan_json(pipeline, cluster, model)).encode()}
+
+
+def hf_tokenizer_json() -> bytes:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["Once upon a time there was a little robot who liked to count packets."] * 10, trainer)
+    return json.dumps(json.loads(tok.to_str()), separators=(",", ":")).encode()
+
+
+def write_seeds(corpus: Path = CORPUS) -> None:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    shard = safetensors({"model.norm.weight": ("F32", np.array([1.0, 2.0], "<f4")),
+                         "half": ("F16", np.array([1.0, -2.0], "<f2")), "brain": ("BF16", np.array([0x3F80, 0xC000], "<u2"))})
+    (FIXTURES / "model-1.safetensors").write_bytes(shard)
+    tokenizer_json = hf_tokenizer_json()
+    (FIXTURES / "tokenizer.json").write_bytes(tokenizer_json)
+    from halo import BUNDLED_TOKENIZER
+
+    seeds = {
+        "wire": wire_seeds(),
+        "control": control_seeds(),
+        "plan": plan_seeds(),
+        "cluster": {"two-devices": CLUSTER_TOML.encode(),
+                    "minimal": b'[[device]]\nmemory_mb = 100\ncompute_gflops = 1\n',
+                    "bad-key": b'[cluster]\ncontext = "x"\n[[device]]\nname = 3\nmemory_mb = 1e400\ncompute_gflops = -1\n'},
+        "llama2c": {"tied": llama2c_checkpoint(), "untied": llama2c_checkpoint(tied=False),
+                    "gqa": llama2c_checkpoint(dim=8, hidden=4, n_layers=2, n_heads=4, n_kv=2, vocab=3, seq_len=2),
+                    "export-magic": struct.pack("<7i", 0x616B3432, 2, 0, 0, 0, 0, 0)},
+        "llama2c_tokenizer": {"small": (262).to_bytes(2, "little") + llama2c_tokenizer([b" ", b"a", b" a"]),
+                              "tok512": (512).to_bytes(2, "little") + Path(str(BUNDLED_TOKENIZER)).read_bytes()},
+        "safetensors": {"three-dtypes": safetensors(
+            {"a": ("F32", np.arange(6, dtype="<f4").reshape(2, 3)), "b": ("F16", np.ones(3, "<f2")),
+             "c": ("BF16", np.array([[0x3F80]], "<u2")), "empty": ("F32", np.zeros((0, 4), "<f4"))},
+            metadata={"format": "pt"})},
+        "hf_config": {"basic": hf_config(), "tied-gqa": hf_config(tie_word_embeddings=True, eos_token_id=[1, 2]),
+                      "llama3": hf_config(rope_theta=500000.0, head_dim=4, rope_scaling={
+                          "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16}),
+                      "transformers5": hf_config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})},
+        "hf_index": {"index": json.dumps({"metadata": {"total_size": 20}, "weight_map": {
+            "model.norm.weight": "model-1.safetensors", "half": "model-1.safetensors",
+            "brain": "model-1.safetensors"}}).encode()},
+        "hf_tokenizer": {"bpe": tokenizer_json},
+        "encode": {"story": b"Once upon a time, there was a little girl named Lily.",
+                   "unicode": "caf\u00e9 \u4e16\u754c \U0001f600\n\t".encode(), "invalid-utf8": b"ab\xff\xfe\xc3(\xed\xa0\x80",
+                   "spaces": b"   a  b   "},
+        "decode": {"u8": bytes([0]) + bytes(range(0, 40)), "u16": bytes([1]) + np.arange(250, 270, dtype="<u2").tobytes(),
+                   "i32-mixed": bytes([6]) + np.array([1, 300, -1, 511, 512], "<i4").tobytes()},
+    }
+    for name, files in seeds.items():
+        folder = corpus / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob("seed-*"):
+            old.unlink()
+        for stem, data in files.items():
+            (folder / f"seed-{stem}").write_bytes(data)
