@@ -145,7 +145,7 @@ def sync_settings(args):
 def cmd_status(args) -> int:
     import zmq
 
-    from .transport.reliable import Message, client_socket, decode, encode, load_key
+    from .transport.reliable import Message, MessageError, client_socket, decode, encode, load_key
 
     key = None if args.insecure else load_key(args.key)
     context = zmq.Context()
@@ -156,7 +156,11 @@ def cmd_status(args) -> int:
             sock.connect(endpoint)
             sock.send_multipart(encode(Message("status")))
             if sock.poll(int(args.timeout * 1000)):
-                rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
+                try:
+                    rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
+                except MessageError as e:
+                    rows.append({"endpoint": endpoint, "error": f"not a halo agent's answer: {e}"})
+                    failed += 1
             else:
                 rows.append({"endpoint": endpoint, "error": f"no answer within {args.timeout:.1f} s"})
                 failed += 1

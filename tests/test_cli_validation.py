@@ -1,5 +1,6 @@
 """Every command-line value is checked before anything starts: one line naming the value, exit code 2, no traceback."""
 
+import json
 import subprocess
 import sys
 
@@ -159,3 +160,31 @@ def test_the_issue_example_ends_in_one_line_without_traceback():
     assert proc.stderr.strip().splitlines() == [
         "halo-master generate: error: argument --agents: address 'not_an_address' is not HOST:PORT "
         "(e.g. 192.168.1.20:7070 or pi-1.local:7070) (see halo-master generate --help)"]
+
+
+def test_status_reports_a_peer_that_is_not_a_halo_agent(capsys):
+    """Any ZeroMQ service answering on the port: an error row and exit code 1, not a MessageError traceback."""
+    import threading
+
+    import zmq
+
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_garbage():
+        if server.poll(10_000):
+            identity, *_ = server.recv_multipart()
+            server.send_multipart([identity, b"garbage"])
+
+    thread = threading.Thread(target=answer_garbage)
+    thread.start()
+    try:
+        code = cli.main(["status", "--agents", f"127.0.0.1:{port}", "--insecure", "--json", "--timeout", "10"])
+    finally:
+        thread.join()
+        context.destroy(linger=0)
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert rows == [{"endpoint": f"tcp://127.0.0.1:{port}",
+                     "error": "not a halo agent's answer: expected at least 2 frames, got 1"}]
