@@ -31,6 +31,8 @@ def read_config(path: str) -> dict:
         settings = tomllib.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {path}: nested too deeply for an agent configuration") from None
     unknown = sorted(set(settings) - set(CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")

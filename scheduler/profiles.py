@@ -103,6 +103,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ConfigError(f"{path}: cannot read the cluster file ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply for a cluster file") from None
     settings = raw.get("cluster", {})
     tables = raw.get("device", [])
     if not isinstance(settings, dict):

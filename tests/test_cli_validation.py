@@ -123,6 +123,7 @@ def test_agent_refuses_bad_options(argv, expected, capsys):
     ("speed = 3\n", "unknown keys ['speed']; allowed: listen, key, model"),
     ("model = [1]\n", "model must be a non-empty string"),
     ("threads = \n", "cannot read"),
+    ("name = " + "[" * 600 + "]" * 600 + "\n", "nested too deeply"),
     (b"\xff\xfe", "cannot read"),
 ])
 def test_agent_refuses_bad_config_values(tmp_path, text, expected, capsys):

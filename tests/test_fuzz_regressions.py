@@ -164,6 +164,7 @@ DEVICE = "[[device]]\nname = \"a\"\nmemory_mb = 100\ncompute_gflops = 1\n"
     (DEVICE + "master = \"false\"\n", "master must be true or false"),  # was bool("false") == True
     (DEVICE + "address = \"10.0.0.2:70000\"\n", "port '70000' is not a number from 1 to 65535"),  # was port 4464
     (DEVICE + "address = \"not_an_address\"\n", "is not HOST:PORT"),
+    ("a = " + "[" * 600 + "]" * 600 + "\n" + DEVICE, "nested too deeply"),  # was RecursionError inside tomllib
 ])
 def test_cluster_files(tmp_path, text, message):
     path = tmp_path / "cluster.toml"

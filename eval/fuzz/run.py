@@ -15,6 +15,7 @@ corpus/NAME/ together with the fix and a regression test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -171,12 +172,18 @@ def parse_hypothesis(name: str, log: str, elapsed: float) -> Outcome:
 
 def fuzz_many(names: list[str], seconds: float, runs: int | None = None, engine: str = "auto",
               workdir: Path | None = None, memory_mb: int = 4096, timeout_s: int = 10, seed: int = 1,
-              jobs: int = 1) -> list[Outcome]:
-    """Fuzz several targets, `jobs` workers at a time; each gets workdir/NAME (default: a temporary folder)."""
+              jobs: int = 1, lock: Path | None = None) -> list[Outcome]:
+    """Fuzz several targets, `jobs` workers at a time; each gets workdir/NAME (default: a temporary folder).
+    With `lock`, every target runs holding that file's flock (a long campaign on a shared machine lets other
+    heavy jobs in between its targets)."""
+    import fcntl
     from concurrent.futures import ThreadPoolExecutor
 
     def one(name: str) -> Outcome:
-        o = fuzz(name, seconds, runs, engine, workdir / name if workdir else None, memory_mb, timeout_s, seed)
+        with open(lock, "a") if lock else contextlib.nullcontext() as held:
+            if held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+            o = fuzz(name, seconds, runs, engine, workdir / name if workdir else None, memory_mb, timeout_s, seed)
         print(f"{name:18s} {o.status:7s} {o.executions:>10,} runs {o.seconds:7.0f} s  coverage {o.coverage}  "
               f"crashes {len(o.crashes)}" + "".join(f"\n    {c['file']}: {c['error']}" for c in o.crashes), flush=True)
         return o
@@ -298,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=int, default=10, help="seconds one input may take (atheris; default 10)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=1, help="targets fuzzed at the same time (default 1)")
+    parser.add_argument("--lock", type=Path, default=None,
+                        help="hold this file's flock while a target runs, e.g. /tmp/halo-heavy.lock on a shared machine")
     parser.add_argument("--workdir", type=Path, default=None,
                         help=f"working corpus and crashes (default {SCRATCH}/TARGET; --worker: this run's folder)")
     parser.add_argument("--report", action="store_true", help="write eval/results/fuzzing.{json,md} (or to --out)")
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
         build_parser().error("give --target NAME, --all, --list or --replay TARGET")
     outcomes = fuzz_many(names, args.seconds, args.runs, args.engine, args.workdir or SCRATCH, args.memory_mb,
-                         args.timeout, args.seed, args.jobs)
+                         args.timeout, args.seed, args.jobs, args.lock)
     if args.report:
         from halo.eval.report import command_line
 

@@ -121,7 +121,7 @@ def _wire():
 
 @target("control", "control message: reliable.decode of frames (split at b'\\xfe\\xfe')",
         dictionary=(b"HALO\x01", FRAME_SEPARATOR, b'"kind"', b'"fields"', b'"arrays"', b'"float32"', b'"int64"',
-                    b'"uint8"', b"[[", b"]]"))
+                    b'"uint8"', b"[[", b"]]", b"[[[[[[[[[[[[[[[["))
 def _control():
     from halo.transport.reliable import MessageError, decode
 
@@ -152,7 +152,7 @@ def _plan():
 
 @target("cluster", "cluster file (TOML): scheduler.profiles.load_cluster",
         dictionary=(b"[cluster]", b"[[device]]", b"memory_mb", b"compute_gflops", b"plr", b"bandwidth_mbps",
-                    b"latency_ms", b"master = true", b"context", b"weights", b'"int8"'))
+                    b"latency_ms", b"master = true", b"context", b"weights", b'"int8"', b"[[[[[[[[[[[[[[[[", b"{a={a={a={a="))
 def _cluster():
     from halo.errors import ConfigError
     from halo.scheduler.profiles import load_cluster
