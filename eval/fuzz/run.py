@@ -271,19 +271,33 @@ def hypothesis_worker(name: str, seconds: float, runs: int | None, seed: int, ar
 
 # ---- the command line -----------------------------------------------------------------------------------------
 def report(outcomes: list[Outcome], command: str, out: Path) -> None:
+    """Write fuzzing.{json,md}; rows of targets not fuzzed now are kept from the previous report, so a target
+    re-run after a fix replaces only its own row."""
     from halo.eval.report import write_report
 
-    lines = ["# Fuzzing campaign", "", f"Command: `{command}`", "",
-             "Every target may raise only its parser's domain error; anything else, a hang (libFuzzer -timeout) or "
-             "a runaway allocation (address-space limit) counts as a crash.", "",
+    rows = {}
+    previous = out / "fuzzing.json"
+    if previous.is_file():
+        rows = {row["target"]: row for row in json.loads(previous.read_text())["targets"]}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
+    for o in outcomes:
+        rows[o.target] = {**asdict(o), "exec_per_s": round(o.exec_per_s), "command": command, "commit": commit}
+    rows = [rows[name] for name in sorted(rows)]
+    lines = ["# Fuzzing campaign", "",
+             "Every target may raise only its parser's domain error (see `eval/fuzz/targets.py`); anything else, "
+             "a hang (libFuzzer -timeout) or a runaway allocation (address-space limit) counts as a crash. "
+             "Crashes found on the way are fixed and kept as regressions (eval/fuzz/corpus/*/crash-*, "
+             "tests/test_fuzz_regressions.py).", "", "Commands:", "",
+             *sorted({f"- `{row['command']}` (commit {row['commit']})" for row in rows}), "",
              "| target | engine | executions | time (s) | exec/s | coverage (edges) | features | corpus | crashes |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for o in outcomes:
-        lines.append(f"| {o.target} | {o.engine} | {o.executions:,} | {o.seconds:.0f} | {o.exec_per_s:,.0f} | "
-                     f"{o.coverage if o.coverage is not None else '-'} | {o.features if o.features is not None else '-'} | "
-                     f"{o.corpus if o.corpus is not None else '-'} | {len(o.crashes)}{'' if o.status == 'ok' else ' (' + o.status + ')'} |")
-    data = {"command": command, "targets": [{**asdict(o), "exec_per_s": o.exec_per_s} for o in outcomes]}
-    write_report(out, "fuzzing", data, lines)
+    for r in rows:
+        dash = lambda v: "-" if v is None else v  # noqa: E731
+        status = "" if r["status"] == "ok" else f" ({r['status']})"
+        lines.append(f"| {r['target']} | {r['engine']} | {r['executions']:,} | {r['seconds']:.0f} | {r['exec_per_s']:,} | "
+                     f"{dash(r['coverage'])} | {dash(r['features'])} | {dash(r['corpus'])} | {len(r['crashes'])}{status} |")
+    write_report(out, "fuzzing", {"targets": rows}, lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
