@@ -189,3 +189,11 @@ def test_status_reports_a_peer_that_is_not_a_halo_agent(capsys):
     assert code == 1
     assert rows == [{"endpoint": f"tcp://127.0.0.1:{port}",
                      "error": "not a halo agent's answer: expected at least 2 frames, got 1"}]
+
+
+def test_the_shipped_agent_config_passes_the_checks():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "rpi" / "agent.example.toml"
+    settings = agent_main.read_config(str(example))
+    assert settings["listen"] == "tcp://0.0.0.0:7070" and settings["threads"] == 4
