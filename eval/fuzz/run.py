@@ -100,13 +100,19 @@ def fuzz(name: str, seconds: float, runs: int | None = None, engine: str = "auto
             argv.append(f"-dict={dictionary}")
     earlier = set(artifacts.iterdir())  # crashes of earlier runs in a reused workdir are not this run's
     started = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", env={**os.environ, **QUIET_THREADS},
-                          timeout=seconds + 120 + 2 * timeout_s)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, errors="replace",
+                              env={**os.environ, **QUIET_THREADS}, timeout=seconds + 120 + 2 * timeout_s)
+        log, returncode = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:  # a hang the worker could not report itself (the hypothesis engine)
+        log = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        log, returncode = log + "\nERROR: the worker hung past its time budget", None
     elapsed = time.monotonic() - started
-    log = proc.stdout + proc.stderr
     (workdir / "log.txt").write_text(log)
     outcome = parse_atheris(name, log, elapsed) if engine == "atheris" else parse_hypothesis(name, log, elapsed)
-    if proc.returncode != 0 and outcome.status == "ok":
+    if returncode is None:
+        outcome.status = "timeout"
+    elif returncode != 0 and outcome.status == "ok":
         outcome.status = "error"
     outcome.crashes += [{"file": str(p), "error": _last_error(log)} for p in sorted(set(artifacts.iterdir()) - earlier)
                         if str(p) not in {c["file"] for c in outcome.crashes}]
