@@ -193,7 +193,10 @@ def cmd_status(args) -> int:
 def cmd_keygen(args) -> int:
     from .transport.reliable import generate_key
 
-    key = generate_key(args.out, force=args.force)
+    try:
+        key = generate_key(args.out, force=args.force)
+    except OSError as e:
+        raise ConfigError(f"cannot write the cluster key to {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out} (mode 0600), fingerprint {key.fingerprint}")
     print(f"copy it to every device, e.g.: scp {args.out} pi@DEVICE:/etc/halo/cluster.key")
     return 0

@@ -61,6 +61,7 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["status", "--agents", "not_an_address"], "argument --agents: address 'not_an_address' is not HOST:PORT"),
     (["status", "--agents", "10.0.0.2:7070", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
     (["status"], "the following arguments are required: --agents"),
+    (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
 ])
 def test_master_refuses_bad_values(argv, expected, capsys):
     assert_one_line(*run(cli.main, argv, capsys), expected)
