@@ -38,7 +38,8 @@ def parse_endpoint(text: str, listen: bool = False) -> str:
         raise ConfigError(f"address {text!r} is not HOST:PORT ({EXAMPLE})")
     if host.startswith("[") or ":" in host:
         raise ConfigError(f"address {text!r}: IPv6 addresses are not supported; use an IPv4 address or a host name")
-    if not port_text.isdigit() or not (0 if listen else 1) <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit() and len(port_text) <= 5) \
+            or not (0 if listen else 1) <= int(port_text) <= 65535:
         low = "0 (any free port)" if listen else "1"
         raise ConfigError(f"address {text!r}: port {port_text!r} is not a number from {low} to 65535")
     port = int(port_text)

@@ -90,7 +90,8 @@ def test_valid_addresses_become_canonical_endpoints():
     assert parse_endpoints("a:1, b:2,") == ["tcp://a:1", "tcp://b:2"]
     assert parse_endpoint("tcp://*:0", listen=True) == "tcp://*:0"
     assert parse_endpoint("127.0.0.1:65535", listen=True) == "tcp://127.0.0.1:65535"
-    for bad in ("*:7070", "host:65536", "host:-1", "host:", ":1", "host:1e3", "999.1.1.1.1:5"):
+    for bad in ("*:7070", "host:65536", "host:-1", "host:", ":1", "host:1e3", "999.1.1.1.1:5", "host:\u0663",
+                "host:" + "9" * 5000, "host:007070"):
         with pytest.raises(ConfigError):
             parse_endpoint(bad)
 

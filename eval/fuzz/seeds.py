@@ -146,6 +146,7 @@ def write_seeds(corpus: Path = CORPUS) -> None:
 
     seeds = {
         "wire": wire_seeds(),
+        "address": {"list": b"192.168.1.20:7070, pi-1.local:7070,tcp://localhost:1", "one": b"10.0.0.2:65535"},
         "control": control_seeds(),
         "plan": plan_seeds(),
         "cluster": {"two-devices": CLUSTER_TOML.encode(),

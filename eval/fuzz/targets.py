@@ -132,6 +132,19 @@ def _control():
     return one_input, (MessageError,)
 
 
+@target("address", "agent addresses: arguments.parse_endpoints (--agents, cluster files)",
+        dictionary=(b"tcp://", b":7070", b"192.168.1.20", b"pi-1.local", b",", b"[::1]"), max_len=256)
+def _address():
+    from halo.arguments import parse_endpoints
+    from halo.errors import ConfigError
+
+    def one_input(data: bytes):
+        endpoints = parse_endpoints(data.decode("utf-8", errors="surrogateescape"))
+        assert all(e.startswith("tcp://") and 1 <= int(e.rsplit(":", 1)[1]) <= 65535 for e in endpoints), endpoints
+
+    return one_input, (ConfigError,)
+
+
 @target("plan", "plan file (JSON): scheduler.plan_io.load",
         dictionary=(b'"halo-plan"', b'"tp"', b'"pipeline"', b'"counts"', b'"priority"', b'"stages"', b'"units"',
                     b'"participants"', b'"worker"', b'"master"'))
