@@ -172,7 +172,7 @@ def write_seeds(corpus: Path = CORPUS) -> None:
         "hf_tokenizer": {"bpe": tokenizer_json},
         "encode": {"story": b"Once upon a time, there was a little girl named Lily.",
                    "unicode": "caf\u00e9 \u4e16\u754c \U0001f600\n\t".encode(), "invalid-utf8": b"ab\xff\xfe\xc3(\xed\xa0\x80",
-                   "spaces": b"   a  b   "},
+                   "spaces": b"   a  b   ", "special-tokens": b" <0x0 <s>\x01 a </s>"},
         "decode": {"u8": bytes([0]) + bytes(range(0, 40)), "u16": bytes([1]) + np.arange(250, 270, dtype="<u2").tobytes(),
                    "i32-mixed": bytes([6]) + np.array([1, 300, -1, 511, 512], "<i4").tobytes()},
     }

@@ -289,12 +289,18 @@ def _encode():
 
     tokenizers = _tokenizers()
 
+    # tokenizer.json models read the text of their special tokens ("<s>", "</s>") as those tokens, as
+    # transformers does by default (chat templates rely on it), and decode drops them: no round trip there
+    specials = [[a.content for a in t._tok.get_added_tokens_decoder().values() if a.special] if hasattr(t, "_tok")
+                else [] for t in tokenizers]
+
     def one_input(data: bytes):
         text = data.decode("utf-8", errors="surrogateescape")
-        for tokenizer in tokenizers:
+        for tokenizer, special in zip(tokenizers, specials):
             ids = tokenizer.encode(text, bos=True)
             assert ids[0] == tokenizer.bos_id and all(0 <= i < tokenizer.vocab_size for i in ids), ids
-            assert tokenizer.decode(ids[1:]) == valid_text(text), "decode(encode(text)) must give the text back"
+            if not any(s in text for s in special):
+                assert tokenizer.decode(ids[1:]) == valid_text(text), "decode(encode(text)) must give the text back"
 
     return one_input, ()
 
