@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
 import tomllib
 from pathlib import Path
 
-from halo.arguments import MAX_THREADS, OneLineParser, check_integer, integer, listen_argument, parse_endpoint
+from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_path, integer, listen_argument,
+                            parse_endpoint)
 from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
 
@@ -81,6 +83,12 @@ def main(argv=None) -> int:
 
     threads = pick("threads", None) or os.cpu_count() or 1
     listen = pick("listen", DEFAULT_LISTEN)
+    try:
+        check_path("--model", pick("model", None), "model file or directory")
+        check_path("--predictors", pick("predictors", None), "directory")
+    except ConfigError as e:
+        print(f"halo-agent: error: {e}", file=sys.stderr)
+        return 2
     import numpy  # noqa: F401 - load its BLAS first: threadpool_limits only limits libraries already loaded
     import zmq
     from threadpoolctl import threadpool_limits
@@ -101,8 +109,11 @@ def main(argv=None) -> int:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2
     except (zmq.ZMQError, OSError) as e:
-        print(f"halo-agent: error: cannot listen on {listen}: {e} (is another agent using the port? "
-              "choose another with --listen)", file=sys.stderr)
+        if isinstance(e, zmq.ZMQError) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            print(f"halo-agent: error: cannot listen on {listen}: {e} (is another agent using the port? "
+                  "choose another with --listen)", file=sys.stderr)
+        else:
+            print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2
     print(f"LISTENING {agent.endpoint}", flush=True)
     agent.serve()

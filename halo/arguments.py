@@ -14,6 +14,7 @@ import math
 import numbers
 import re
 import socket
+from pathlib import Path
 from typing import Callable
 
 from .errors import ConfigError
@@ -72,6 +73,18 @@ def parse_endpoints(text: str) -> list[str]:
     if repeated:
         raise ConfigError(f"agent address {repeated[0]} is given more than once")
     return endpoints
+
+
+def check_path(option: str, path: str | None, kind: str) -> None:
+    """A path given on the command line exists (checked before anything slow starts)."""
+    if path is None:
+        return
+    try:
+        exists = Path(path).exists()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ConfigError(f"{option} {path[:200]}: {e.strerror or e}") from None
+    if not exists:
+        raise ConfigError(f"{option} {path}: no such {kind}")
 
 
 def check_integer(value, what: str = "", low: int | None = None, high: int | None = None) -> int:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .arguments import MAX_THREADS, OneLineParser, endpoints_argument, integer, number
+from .arguments import MAX_THREADS, OneLineParser, check_path, endpoints_argument, integer, number
 from .errors import ConfigError, HaloError
 from .linear import FORMATS
 
@@ -223,8 +223,6 @@ def cmd_generate(args) -> int:
 
 def check_generate(args) -> None:
     """What argparse cannot check alone: combinations, files, the settings objects' own rules."""
-    from pathlib import Path
-
     sync_settings(args)
     distributed = args.local_agents or args.agents or args.cluster or args.plan
     if args.sync != "reliable" and not distributed:
@@ -236,8 +234,7 @@ def check_generate(args) -> None:
     for option, path, kind in (("--model", args.model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", args.plan, "file"), ("--predictors", args.predictors, "directory")):
-        if path is not None and not Path(path).exists():
-            raise ConfigError(f"{option} {path}: no such {kind}")
+        check_path(option, path, kind)
 
 
 def _distributed_model(args, weights, stack):

@@ -74,6 +74,7 @@ def test_master_refuses_bad_values(argv, expected, capsys):
     (["--cluster", "a.toml", "--plan", "p.json"], "not both"),
     (["--model", "/nonexistent/model.bin"], "--model /nonexistent/model.bin: no such model file or directory"),
     (["--agents", "10.0.0.2:7070", "--cluster", "/nonexistent.toml"], "--cluster /nonexistent.toml: no such file"),
+    (["--model", "m" * 300], "File name too long"),  # was an OSError traceback
 ])
 def test_generate_checks_combinations_before_loading(argv, expected, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
@@ -111,6 +112,8 @@ def write(tmp_path, text: str | bytes):
     (["--weights", "int4"], "argument --weights: invalid choice: 'int4'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
     (["--config", "/nonexistent/agent.toml"], "cannot read /nonexistent/agent.toml"),
+    (["--insecure", "--model", "/nonexistent/model.bin"], "--model /nonexistent/model.bin: no such model file"),
+    (["--insecure", "--model", "m" * 300], "File name too long"),  # was blamed on --listen
 ])
 def test_agent_refuses_bad_options(argv, expected, capsys):
     assert_one_line(*run(agent_main.main, argv, capsys), expected)

@@ -115,6 +115,7 @@ def test_hf_config_documents(tmp_path, text, message):
     (["model-1.safetensors"], "weight_map must map"),  # was AttributeError
     ({"a": "../model-1.safetensors"}, "is not a file name in the model directory"),  # read outside the model
     ({"a": "/etc/passwd"}, "is not a file name in the model directory"),
+    ({"a": "m" * 300 + ".safetensors"}, "cannot read it: File name too long"),  # was OSError
 ])
 def test_hf_shard_index(tmp_path, weight_map, message):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

@@ -24,20 +24,23 @@ MAX_HEADER = 100 << 20
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFormatError(self.path, "no such safetensors file")
-        size = os.path.getsize(self.path)
-        if size < 8:
-            raise ModelFormatError(self.path, f"truncated: {size} bytes, shorter than the 8-byte header length")
-        with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > min(MAX_HEADER, size - 8):
-                raise ModelFormatError(self.path, f"header length {header_len} exceeds the file ({size} bytes): "
-                                       "truncated or not a safetensors file")
-            try:
-                header = json.loads(f.read(header_len))
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting beyond the stack
-                raise ModelFormatError(self.path, f"header is not valid JSON: {type(e).__name__}: {e}") from e
+        try:
+            if not self.path.is_file():
+                raise ModelFormatError(self.path, "no such safetensors file")
+            size = os.path.getsize(self.path)
+            if size < 8:
+                raise ModelFormatError(self.path, f"truncated: {size} bytes, shorter than the 8-byte header length")
+            with open(self.path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > min(MAX_HEADER, size - 8):
+                    raise ModelFormatError(self.path, f"header length {header_len} exceeds the file ({size} bytes): "
+                                           "truncated or not a safetensors file")
+                try:
+                    header = json.loads(f.read(header_len))
+                except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
+                    raise ModelFormatError(self.path, f"header is not valid JSON: {type(e).__name__}: {e}") from e
+        except OSError as e:  # unreadable, a directory, a name too long for the file system ...
+            raise ModelFormatError(self.path, f"cannot read it: {e.strerror or e}") from None
         if not isinstance(header, dict):
             raise ModelFormatError(self.path, "header is not a JSON object")
         self.metadata = header.pop("__metadata__", {}) or {}
