@@ -14,6 +14,7 @@ from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_pat
                             parse_endpoint)
 from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
+from halo.models import resolve_model
 
 DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
 
@@ -61,9 +62,11 @@ def main(argv=None) -> int:
                         help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
     parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
     parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
-    parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
+    parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
+                                        "a fetched model's name (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
-    parser.add_argument("--weights", choices=FORMATS, help="weight format in memory (default fp32)")
+    parser.add_argument("--weights", choices=FORMATS, help="weight format in memory when the master does not say "
+                        "(default native: the file's own); a master's choice applies to the whole cluster")
     parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: all cores)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     threads = pick("threads", None) or os.cpu_count() or 1
     listen = pick("listen", DEFAULT_LISTEN)
     try:
-        check_path("--model", pick("model", None), "model file or directory")
+        model = pick("model", None)
+        check_path("--model", str(resolve_model(model)) if model else None, "model file or directory")
         check_path("--predictors", pick("predictors", None), "directory")
     except ConfigError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
@@ -103,7 +107,7 @@ def main(argv=None) -> int:
         import socket
 
         agent = Agent(pick("model", None), listen, key, args.insecure,
-                      pick("name", socket.gethostname()), pick("weights", "fp32"), threads,
+                      pick("name", socket.gethostname()), pick("weights", "native"), threads,
                       pick("predictors", None))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)

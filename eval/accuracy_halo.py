@@ -26,7 +26,7 @@ import numpy as np
 
 from halo import BUNDLED_MODEL
 from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
+from halo.tracing import TracingTransformer
 from halo.predictors.profiler import split_text
 
 from .report import command_line, write_report
@@ -75,11 +75,12 @@ class RelaxedMerge:
         return np.atleast_2d(heads if kind == "attention" else mlp)
 
 
-def evaluate(model: Transformer, merge, windows, prompts, reference) -> dict:
+def evaluate(model: TracingTransformer, merge, windows, prompts, reference) -> dict:
+    model.merge = merge
     nll, agree, count = 0.0, 0, 0
     for w, ref_logits in zip(windows, reference["logits"]):
         model.reset()
-        logits = model.forward(w, all_logits=True, merge=merge)
+        logits = model.forward(w, all_logits=True)
         z = logits[:-1] - logits[:-1].max(-1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
         nll -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
@@ -94,14 +95,15 @@ def evaluate(model: Transformer, merge, windows, prompts, reference) -> dict:
             "exact_match": exact / len(prompts), "continuation_token_match": token_match / len(prompts)}
 
 
-def greedy(model: Transformer, prompt: list[int], n: int, merge) -> list[int]:
+def greedy(model: TracingTransformer, prompt: list[int], n: int, merge) -> list[int]:
+    model.merge = merge
     model.reset()
-    logits = model.forward(prompt, merge=merge)
+    logits = model.forward(prompt)
     out = []
     for _ in range(n):
         token = int(np.argmax(logits))
         out.append(token)
-        logits = model.forward([token], merge=merge)
+        logits = model.forward([token])
     return out
 
 
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
 
     weights = load_weights()
     tokenizer = load_tokenizer(weights)
-    model = Transformer(weights, max_seq_len=256)
+    model = TracingTransformer(weights, max_seq_len=256)
     train_text, val_text = split_text(Path(args.data).read_text(), 0.8)
     val = tokenizer.encode(val_text, bos=False)
     windows = [[tokenizer.bos_id] + val[i * 127:(i + 1) * 127] for i in range(args.windows)]
@@ -151,14 +153,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def static_ranking(model: Transformer, tokenizer, train_text: str) -> dict:
+def static_ranking(model: TracingTransformer, tokenizer, train_text: str) -> dict:
     """Mean group norms per layer over (a slice of) the training text: the static baseline."""
     ids = tokenizer.encode(train_text[:60000], bos=False)
     sums = None
     for i in range(0, len(ids) - 127, 127):
+        model.merge = None
         model.reset()
-        trace = []
-        model.forward([tokenizer.bos_id] + ids[i:i + 127], trace=trace)
+        model.forward([tokenizer.bos_id] + ids[i:i + 127])
+        trace = model.trace
         part = {"attention": [t.attention_norms[1:].sum(0) for t in trace], "mlp": [t.mlp_norms[1:].sum(0) for t in trace]}
         sums = part if sums is None else {k: [a + b for a, b in zip(sums[k], part[k])] for k in sums}
     return sums

@@ -14,7 +14,7 @@ mode) a fresh master decodes --tokens tokens after a 6-token warm-up: time per o
 straggler: stories260K over 4 local agents on loopback, no loss; one agent's CPU is cut to 5 % of a
 core during every other 300 ms (cgroup v1 CFS quota, rpi/throttle.py). Time per output token and
 accuracy (top-1 agreement with the single-process model, exact match of the greedy text) for
-reliable vs halo, against the same cluster without the straggler.
+exact vs halo, against the same cluster without the straggler.
 
 ablation (HALO Table VI in kind): halo mode with prediction/communication overlap and load/compute
 overlap on or off, and the upper bound with neither prediction nor loading (static groups).
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,8 @@ import numpy as np
 from .report import command_line, write_report
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
-MODES = ("reliable", "lossy", "halo")
+MODES = ("tcp", "exact", "lossy", "halo", "halo-tcp")
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975]
 WARMUP = 6  # tokens before timing: page tables of the memory-mapped weights, deadline estimates
 ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
              "Pred-Comm only": dict(pred_overlap=True, load_overlap=False),
@@ -59,51 +59,64 @@ def checkpoint(layers: int) -> Path:
 
 # ---- the master, inside its namespace ------------------------------------------------------------------
 def master(args) -> None:
-    from halo.distributed import DistributedModel, even_plan, shares_from_plan
+    from halo.distributed import cluster_model
     from halo.loader import load_weights
-    from halo.neuron_groups import GroupLayout
+    from halo.model import Transformer
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
     weights = load_weights(args.model)
-    layout = GroupLayout.for_model(weights.config)
-    endpoints = args.endpoints.split(",")
-    shares = shares_from_plan(even_plan(weights, layout, len(endpoints) + 1, context=256), weights.config.n_layers)
+    fmt = resolved_format(args.weights, weights)
+    if args.sync == "single":
+        out = decode(Transformer(weights, fmt=fmt, max_seq_len=256), args.tokens, args.time_limit)
+        print("RESULT " + json.dumps(out), flush=True)
+        return
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
-    model = DistributedModel(weights, shares, endpoints, load_key(args.key), layout=layout, max_seq_len=256,
-                             timeout_s=60.0, sync=sync)
-    times, token = [], 1
-    deadline = time.monotonic() + args.time_limit
+    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0,
+                          hello_timeout_s=600.0, sync=sync, fmt=fmt)
     try:
-        for step in range(args.tokens + WARMUP):
-            t = time.perf_counter()
-            logits = model.forward([token])
-            if step >= WARMUP:
-                times.append(time.perf_counter() - t)
-            token = int(np.argmax(logits))
-            if time.monotonic() > deadline:
-                break
-        out = {"ms_per_token": [1e3 * t for t in times], "sync": model.sync_report(),
-               "udp": [r.get("udp") for r in model.report()]}
+        out = decode(model, args.tokens, args.time_limit)
+        out.update(sync=model.sync_report(), udp=[r.get("udp") for r in model.report()])
     finally:
         model.close()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def resolved_format(fmt: str, weights) -> str:
+    from halo import linear
+
+    return linear.resolve_format(fmt, weights) if hasattr(linear, "resolve_format") else fmt
+
+
+def decode(model, tokens: int, time_limit: float) -> dict:
+    """Greedy from a fixed prompt: WARMUP steps, then up to `tokens` timed ones (or until time_limit)."""
+    times, out = [], []
+    deadline = time.monotonic() + time_limit
+    logits = model.forward(PROMPT)
+    for step in range(tokens + WARMUP):
+        token = int(np.argmax(logits))
+        out.append(token)
+        t = time.perf_counter()
+        logits = model.forward([token])
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t)
+        if time.monotonic() > deadline and len(times) >= 8:
+            break
+    return {"ms_per_token": [1e3 * t for t in times], "tokens": out}
 
 
 class Cluster:
     """N agents in the test bed's namespaces, listening on their namespace addresses."""
 
     def __init__(self, bed, model: Path, key: Path, n: int):
-        from halo.distributed import read_endpoint
+        from halo.distributed import AgentProcess, agent_command
 
-        self.bed, self.processes, self.endpoints = bed, [], []
+        self.bed, self.processes = bed, []
         for i in range(1, n + 1):
-            address = bed.address(f"agent-{i}")
-            p = bed.popen(f"agent-{i}", [sys.executable, "-m", "halo.edge_agent", "--listen", f"tcp://{address}:7070",
-                                         "--key", str(key), "--model", str(model), "--threads", "1", "--name",
-                                         f"agent-{i}", "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
-            self.processes.append(p)
-            self.endpoints.append(read_endpoint(p, 60.0))
+            host = f"agent-{i}"
+            argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, model)
+            self.processes.append(AgentProcess(host, argv, popen=lambda a, host=host, **kw: bed.popen(host, a, **kw)))
+        self.endpoints = [p.wait_listening(60.0) for p in self.processes]
 
     def close(self) -> None:
         from halo.distributed import stop_processes
@@ -112,9 +125,10 @@ class Cluster:
 
 
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
-               time_limit: float) -> dict:
-    argv = [sys.executable, "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
-            "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens),
+               time_limit: float, weights: str = "native") -> dict:
+    """sync "single": the single-process model, in the master's namespace (same machine, same weights)."""
+    argv = [sys.executable, "-P", "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
+            "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
             "--settings", json.dumps(settings), "--time-limit", str(time_limit)]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=time_limit + 180)
@@ -126,11 +140,15 @@ def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tok
 
 def summarize(result: dict) -> dict:
     ms = np.asarray(result["ms_per_token"])
-    loss = result["sync"]["loss"]
-    return {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
-            "ms_p90": float(np.percentile(ms, 90)),
-            "partials_dropped": loss["partials_dropped"], "partials": loss["partials"],
-            "groups_dropped": loss["groups_dropped"], "groups_offered_lossy": loss["groups_offered_lossy"]}
+    out = {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
+           "ms_p90": float(np.percentile(ms, 90)), "generated": result["tokens"]}
+    if "sync" in result:
+        loss, breakdown = result["sync"]["loss"], result["sync"].get("breakdown", {})
+        out.update(partials_dropped=loss["partials_dropped"], partials=loss["partials"],
+                   dropped_for_loss=loss.get("dropped_for_loss"), dropped_late=loss.get("dropped_late"),
+                   groups_dropped=loss["groups_dropped"], groups_offered_lossy=loss["groups_offered_lossy"],
+                   round_overhead_ms=breakdown.get("round_overhead_ms"), per_token_ms=breakdown.get("per_token_ms"))
+    return out
 
 
 def with_testbed(n: int):
@@ -140,44 +158,98 @@ def with_testbed(n: int):
 
 
 def speed(args) -> None:
+    """Every sync mode under 0-5 % real loss, with the single-process time of the same weights in the same run."""
     from halo.transport.reliable import generate_key
 
-    model = checkpoint(args.layers)
+    model = Path(args.model) if args.model else checkpoint(args.layers)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         for n in [int(a) for a in args.agents.split(",")]:
             with with_testbed(n) as bed:
+                single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights)
+                rows.append({"agents": n, "plr": 0.0, "sync": "single process", **summarize(single)})
+                print(json.dumps(rows[-1]), flush=True)
                 cluster = Cluster(bed, model, key, n)
                 try:
                     for plr in [float(p) for p in args.plr.split(",")]:
                         bed.set_loss(plr)
-                        for sync in MODES:
-                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {}, args.time_limit)
-                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result)})
+                        for sync in args.modes.split(","):
+                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {},
+                                                args.time_limit, args.weights)
+                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result),
+                                         "dropped_frames": bed.drop_counters()})
                             print(json.dumps(rows[-1]), flush=True)
                 finally:
                     cluster.close()
+    lines = render_speed(rows, args)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+                                        "layers": args.layers, "weights": args.weights, "model": str(model),
+                                        "rows": rows}, lines)
+    plot_speed(rows, Path(args.out) / f"{args.name}.png")
+
+
+def render_speed(rows: list[dict], args) -> list[str]:
     by = {(r["agents"], r["plr"], r["sync"]): r for r in rows}
-    lines = [f"# HALO mode speed under real packet loss (TinyLlama-1.1B shape, {args.layers} layers, random weights)", "",
-             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed, nftables "
-             "drops on every agent link both ways; master + agents share this machine's 2 cores. Time per output "
-             "token (mean of the decode steps after a 6-token warm-up).", "",
-             "| agents | PLR | reliable ms | lossy ms | halo ms | halo speedup over reliable | halo vs own 0 % | "
-             "lossy partials dropped | halo partials dropped |", "|---|---|---|---|---|---|---|---|---|"]
+    modes = args.modes.split(",")
+    lines = [f"# Time per output token under real packet loss ({args.weights} weights, {args.layers} layers)", "",
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
+             "every agent link's frames both ways with the given probability; master + agents share this machine's "
+             f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
+             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace.", ""]
     for n in sorted({r["agents"] for r in rows}):
-        for plr in sorted({r["plr"] for r in rows}):
-            rel, los, hal = (by.get((n, plr, m)) for m in MODES)
-            if not (rel and los and hal):
-                continue
-            base = by.get((n, 0.0, "halo"))
-            lines.append(f"| {n} | {100 * plr:g} % | {rel['ms_mean']:.1f} | {los['ms_mean']:.1f} | {hal['ms_mean']:.1f} | "
-                         f"{rel['ms_mean'] / hal['ms_mean']:.2f}x | "
-                         f"{hal['ms_mean'] / base['ms_mean'] if base else float('nan'):.2f}x | "
-                         f"{los['partials_dropped']}/{los['partials']} | {hal['partials_dropped']}/{hal['partials']} |")
-    write_report(args.out, "halo_speed", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
-                                          "layers": args.layers, "rows": rows}, lines)
+        base = by.get((n, 0.0, "single process"))
+        lines += [f"## master + {n} agents (single process: {base['ms_mean']:.1f} ms/token)" if base else
+                  f"## master + {n} agents", "",
+                  "| PLR | " + " | ".join(f"{m} ms" for m in modes) + " | exact = tcp tokens | "
+                  "exact = single tokens | halo dropped (loss / late) | overhead per round p50 ms (exact) |",
+                  "|---|" + "---|" * (len(modes) + 4)]
+        for plr in sorted({r["plr"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
+            cells = [f"{by[(n, plr, m)]['ms_mean']:.1f}" if (n, plr, m) in by else "-" for m in modes]
+            exact, tcp, halo = by.get((n, plr, "exact")), by.get((n, plr, "tcp")), by.get((n, plr, "halo"))
+            same = lambda a, b: "-" if not (a and b) else ("yes" if a["generated"] == b["generated"] else "no")  # noqa: E731
+            drops = f"{halo['dropped_for_loss']} / {halo['dropped_late']}" if halo else "-"
+            overhead = (exact or {}).get("round_overhead_ms") or {}
+            lines.append(f"| {100 * plr:g} % | " + " | ".join(cells) + f" | {same(exact, tcp)} | {same(exact, base)} | "
+                         f"{drops} | {overhead.get('p50', '-')} |")
+        lines.append("")
+        zero = {m: by.get((n, 0.0, m)) for m in modes}
+        worst = max(r["plr"] for r in rows if r["agents"] == n)
+        ratios = []
+        for m in modes:
+            if zero[m] and by.get((n, worst, m)):
+                ratios.append(f"{m} {by[(n, worst, m)]['ms_mean'] / zero[m]['ms_mean']:.2f}x")
+        if base:
+            lines.append("At 0 % loss vs single process: " + ", ".join(
+                f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
+        lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
+        lines.append("")
+    return lines
+
+
+def plot_speed(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["agents"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for m in sorted({r["sync"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
+            points = sorted((r["plr"], r["ms_mean"]) for r in rows if r["agents"] == n and r["sync"] == m)
+            ax.plot([100 * p for p, _ in points], [v for _, v in points], marker="o", label=m)
+        single = [r["ms_mean"] for r in rows if r["agents"] == n and r["sync"] == "single process"]
+        if single:
+            ax.axhline(single[0], color="black", linestyle="--", label="single process")
+        ax.set_yscale("log")
+        ax.set_xlabel("packet loss rate on every agent link (%)")
+        ax.set_ylabel("ms per output token")
+        ax.set_title(f"master + {n} agents")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def ablation(args) -> None:
@@ -237,7 +309,7 @@ def straggler(args) -> None:
         ref_tokens.append(token)
     rows = []
     for throttled in (False, True):
-        for sync in ("reliable", "halo"):
+        for sync in ("exact", "halo"):
             with ExitStack() as stack:
                 cluster = stack.enter_context(LocalCluster(4))
                 model = _model_for(weights, cluster, sync, stack)
@@ -258,13 +330,13 @@ def straggler(args) -> None:
                              "partials_dropped": loss["partials_dropped"], "partials": loss["partials"]})
                 print(json.dumps(rows[-1]), flush=True)
     by = {(r["straggler"], r["sync"]): r for r in rows}
-    lines = ["# A straggling agent: reliable vs halo (stories260K, 4 local agents, no loss)", "",
+    lines = ["# A straggling agent: exact vs halo (stories260K, 4 local agents, no loss)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Agent 2's CPU is cut to 5 % of a "
              "core during every other 300 ms (cgroup v1). Inputs are teacher-forced with the single-process "
              "model's greedy tokens, so every setting sees the same sequence.", "",
              "| sync | ms/token, no straggler | ms/token, straggler | slowdown | p90 ms, straggler | "
              "top-1 agreement, straggler | partial sums dropped |", "|---|---|---|---|---|---|---|"]
-    for sync in ("reliable", "halo"):
+    for sync in ("exact", "halo"):
         a, b = by[(False, sync)], by[(True, sync)]
         lines.append(f"| {sync} | {a['ms_mean']:.2f} | {b['ms_mean']:.2f} | {b['ms_mean'] / a['ms_mean']:.2f}x | "
                      f"{b['ms_p90']:.2f} | {b['top1_agreement']:.3f} | {b['partials_dropped']}/{b['partials']} |")
@@ -273,14 +345,10 @@ def straggler(args) -> None:
 
 
 def _model_for(weights, cluster, sync: str, stack):
-    from halo.distributed import DistributedModel, even_plan, shares_from_plan
-    from halo.neuron_groups import GroupLayout
+    from halo.distributed import cluster_model
     from halo.sync import SyncSettings
 
-    layout = GroupLayout.for_model(weights.config)
-    shares = shares_from_plan(even_plan(weights, layout, cluster.n + 1, context=256), weights.config.n_layers)
-    model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=256,
-                             timeout_s=30.0, sync=SyncSettings(mode=sync))
+    model = cluster_model(weights, cluster.endpoints, cluster.key, context=256, timeout_s=30.0, sync=SyncSettings(mode=sync))
     stack.callback(model.close)
     return model
 
@@ -288,10 +356,13 @@ def _model_for(weights, cluster, sync: str, stack):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("speed", "straggler", "ablation", "master"))
-    parser.add_argument("--agents", default="4,8")
+    parser.add_argument("--agents", default="3,7", help="agents besides the master (default 3,7: 4 and 8 nodes)")
     parser.add_argument("--plr", default="0,0.01,0.02,0.05")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--weights", default="int8", help="weight format of every device (default int8)")
+    parser.add_argument("--name", default="halo_speed", help="results file name under --out")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--out", default="eval/results")
@@ -299,7 +370,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model")
     parser.add_argument("--key")
     parser.add_argument("--endpoints")
-    parser.add_argument("--sync", default="reliable")
+    parser.add_argument("--sync", default="exact")
     parser.add_argument("--settings", default="{}")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.scheduler.cost import eq1_objective
+from halo.scheduler.objective import eq1_objective
 from halo.scheduler.milp import lower_bound, solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory

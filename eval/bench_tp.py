@@ -20,11 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.distributed import DistributedModel, LocalCluster, even_plan, shares_from_plan
+from halo.distributed import LocalCluster, cluster_model
 from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
-from halo.neuron_groups import GroupLayout
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama
 from .report import command_line, write_report
@@ -40,12 +39,9 @@ def measure(model_path, agents: list[int], tokens: int, context: int) -> list[di
     rows = []
     single = Transformer(weights, max_seq_len=context)
     rows.append({"agents": 0, **run(single, tokenizer, tokens, weights)})
-    layout = GroupLayout.for_model(weights.config)
     for n in agents:
         with LocalCluster(n, model_path=str(model_path) if model_path else None) as cluster:
-            shares = shares_from_plan(even_plan(weights, layout, n + 1, context=context), weights.config.n_layers)
-            model = DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout,
-                                     max_seq_len=context, timeout_s=30)
+            model = cluster_model(weights, cluster.endpoints, cluster.key, context=context, timeout_s=30)
             try:
                 row = run(model, tokenizer, tokens, weights)
                 steps = model.step

@@ -41,7 +41,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def agent(args) -> None:
     from halo.transport import wire
-    from halo.transport.udp import UdpEndpoint
+    from halo.transport.udp import GatherPolicy, UdpEndpoint
 
     partial = np.full(args.dim, float(args.node), dtype=np.float32)
     if args.mode == "tcp":
@@ -60,18 +60,18 @@ def agent(args) -> None:
             return
     endpoint = UdpEndpoint(bytes.fromhex(args.key), 1, args.node, bind=(args.bind, PORT))
     print("READY", flush=True)
-    master = (args.master, PORT)
+    master = endpoint.peers[0] = (args.master, PORT)
     parity = 6 if args.mode == "fast" else 0
     for r in range(args.rounds):
-        epoch = wire.make_epoch(r, 0, 0)
-        endpoint.gather(epoch, {0: args.dim}, deadline_s=5.0, nack=True, addresses={0: master})
-        endpoint.send_vector(master, 0, epoch, partial, wire.FLOAT32, parity)
+        epoch = r << 20
+        endpoint.gather(epoch, {0: args.dim}, policy=GatherPolicy(deadline_s=5.0, nack=True))
+        endpoint.send_vector({0: master}, epoch, partial, wire.FLOAT32, parity)
     endpoint.serve(1.0)  # answer the master's last NACKs
 
 
 def master(args) -> None:
     from halo.transport import wire
-    from halo.transport.udp import UdpEndpoint
+    from halo.transport.udp import GatherPolicy, UdpEndpoint
 
     addresses = {i: (a, PORT) for i, a in enumerate(args.agents.split(","), start=1)}
     hidden = np.random.default_rng(0).standard_normal(args.dim).astype(np.float32)
@@ -101,14 +101,14 @@ def master(args) -> None:
             c.close()
     else:
         endpoint = UdpEndpoint(bytes.fromhex(args.key), 1, 0, bind=(args.bind, PORT))
+        endpoint.peers.update(addresses)
         for r in range(args.rounds):
-            epoch = wire.make_epoch(r, 0, 0)
+            epoch = r << 20
             t = time.perf_counter()
-            for i, address in addresses.items():
-                endpoint.send_vector(address, i, epoch, hidden, wire.FLOAT32, parity_group=6)
+            endpoint.send_vector(addresses, epoch, hidden, wire.FLOAT32, parity_group=6)
             fast = args.mode == "fast"
-            result = endpoint.gather(epoch, {i: args.dim for i in addresses}, deadline_s=1.0 if fast else DEADLINE_S,
-                                     nack=fast, addresses=addresses)
+            policy = GatherPolicy(deadline_s=1.0 if fast else DEADLINE_S, nack=fast)
+            result = endpoint.gather(epoch, {i: args.dim for i in addresses}, policy=policy)
             times.append(time.perf_counter() - t)
             delivered.append(result.delivered_fraction())
             if time.perf_counter() > deadline:

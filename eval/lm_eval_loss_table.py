@@ -2,7 +2,7 @@
 
     python -m halo.eval.lm_eval_loss_table [--agents 4] [--plr 0,0.01,0.02,0.05] [--limit N]
 
-For each sync mode (reliable, lossy = static groups + deadline drops, halo = predictors + recover
+For each sync mode (exact, lossy = static groups + deadline drops, halo = predictors + recover
 first, drop last) and each PLR, runs lm-eval's `simple_evaluate` on tinystories_ppl and
 tinystories_cloze with the `halo` backend over N local agents, every sender dropping PLR of its UDP
 datagrams (seeded). Reliable mode sends nothing over UDP (TCP recovers every loss, exactly): its
@@ -52,20 +52,20 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     plrs = [float(p) for p in args.plr.split(",")]
-    rows = [run(args.agents, "reliable", 0.0, args.limit, args.seed)]
+    rows = [run(args.agents, "exact", 0.0, args.limit, args.seed)]
     for sync in ("lossy", "halo"):
         for plr in plrs:
             rows.append(run(args.agents, sync, plr, args.limit, args.seed))
             print(rows[-1], flush=True)
     lines = [f"# lm-eval under injected loss: stories260K, {args.agents} local agents + master", "",
              f"Command: `{command_line('halo.eval.lm_eval_loss_table', argv)}`. Every sender drops PLR of its UDP "
-             "datagrams (seeded). reliable = TCP, exact at every PLR (run once). Partial sums lost = fraction of "
+             "datagrams (seeded). exact = every lost datagram recovered, the same at every PLR (run once). Partial sums lost = fraction of "
              "agents' partial sums with a zero-filled chunk.", "",
              "| sync | PLR | " + " | ".join(n for *_, n in METRICS) + " | partial sums lost | seconds |",
              "|---|---|" + "---|" * (len(METRICS) + 2)]
     for r in rows:
         lost = (r["loss"]["partials_dropped"] / r["loss"]["partials"]) if r["loss"].get("partials") else 0.0
-        plr = "any" if r["sync"] == "reliable" else f"{100 * r['plr']:g} %"
+        plr = "any" if r["sync"] == "exact" else f"{100 * r['plr']:g} %"
         lines.append(f"| {r['sync']} | {plr} | {r['word ppl']:.3f} | {r['bits/byte']:.4f} | {r['cloze acc']:.3f} | "
                      f"{r['cloze acc_norm']:.3f} | {100 * lost:.2f} % | {r['seconds']} |")
     write_report(args.out, "lm_eval_loss", {"command": command_line("halo.eval.lm_eval_loss_table", argv),

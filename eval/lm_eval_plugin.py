@@ -13,7 +13,7 @@ model_args (all optional):
   agents=H:P;H:P        running agents (';'-separated: lm-eval splits model_args at commas)
   cluster=FILE.toml     plan over a cluster file;  plan=FILE.json  a saved plan
   key=FILE, insecure=true   the cluster key, or plaintext agents
-  sync=reliable|lossy|halo|halo-tcp, deadline_floor_ms, deadline_ceiling_ms, critical_fraction,
+  sync=exact|tcp|lossy|halo|halo-tcp, deadline_floor_ms, deadline_ceiling_ms, critical_fraction,
   inject_plr=P, seed=S  drop P of every sender's UDP datagrams (seeded): accuracy under loss
   weights=fp32|int8, context=N, timeout=S, predictors=DIR, max_gen_toks=N
   cache_dir=DIR         keep answers in DIR/halo-lm-eval.sqlite, keyed by the model's sha256 and
@@ -51,7 +51,7 @@ SETTINGS = ("model", "tokenizer", "local_agents", "agents", "cluster", "plan", "
 class HaloLM(LM):
     def __init__(self, model: str | None = None, tokenizer: str | None = None, local_agents: int = 0,
                  agents: str | None = None, cluster: str | None = None, plan: str | None = None,
-                 key: str = "/etc/halo/cluster.key", insecure: bool = False, sync: str = "reliable",
+                 key: str = "/etc/halo/cluster.key", insecure: bool = False, sync: str | None = None,
                  deadline_floor_ms: float = 5.0, deadline_ceiling_ms: float = 100.0, critical_fraction: float = 0.25,
                  inject_plr: float = 0.0, seed: int = 0, weights: str = "fp32", context: int | None = None,
                  timeout: float = 2.0, predictors: str | None = None, max_gen_toks: int = 256,
@@ -71,7 +71,7 @@ class HaloLM(LM):
         self.bos = self.weights.config.bos_id
         self.eos = set(self.weights.config.eos_ids)
         self.max_gen_toks = int(max_gen_toks)
-        settings = SyncSettings(mode=sync, deadline_floor_ms=float(deadline_floor_ms),
+        settings = SyncSettings(mode=sync or "exact", deadline_floor_ms=float(deadline_floor_ms),
                                 deadline_ceiling_ms=float(deadline_ceiling_ms),
                                 critical_fraction=float(critical_fraction), inject_plr=float(inject_plr), seed=int(seed))
         self._stack = ExitStack()
@@ -84,7 +84,7 @@ class HaloLM(LM):
                                  context=context, timeout=float(timeout), fmt=weights, sync=settings,
                                  predictors=predictors)
         else:
-            if sync != "reliable":
+            if sync is not None:
                 raise ConfigError(f"sync={sync} synchronizes agents: add local_agents=N, agents=... or cluster=...")
             self.model = Transformer(self.weights, fmt=weights, max_seq_len=context)
         self.max_length = self.model.max_seq_len

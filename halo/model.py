@@ -1,28 +1,22 @@
-"""The single-process reference model: every neuron group in one shard per block.
+"""The single-process reference model: one device worker holding every neuron group.
 
-It is the oracle the distributed runtime is tested against, and the engine on one device.
+It is the oracle the distributed runtime is tested against, and the engine on one device. Its
+arithmetic is literally the runtime's: the same DeviceWorker and shards, holding every group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from .config import DEFAULT_CONTEXT
 from .errors import ConfigError
 from .linear import DenseProjection
-from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-from .ops import Rotary, rmsnorm
+from .neuron_groups import GroupLayout
+from .shares import Block, everything
 from .weights import ModelWeights
+from .worker import DeviceWorker
 
-DEFAULT_CONTEXT = 2048
-
-
-@dataclass
-class LayerTrace:
-    hidden: np.ndarray  # [T, D] residual stream entering the layer
-    attention_norms: np.ndarray  # [T, H] L2 norm of each head's contribution
-    mlp_norms: np.ndarray  # [T, G] L2 norm of each MLP group's contribution
+__all__ = ["DEFAULT_CONTEXT", "Transformer"]
 
 
 class Transformer:
@@ -34,25 +28,14 @@ class Transformer:
             raise ConfigError(f"context length must be positive, got {self.max_seq_len}")
         self.layout = layout or GroupLayout.for_model(c)
         self.fmt = fmt
+        self.weights = weights
         self.tok_embeddings = weights.tok_embeddings  # [V, D]; a lookup, never multiplied
-        self.rotary = Rotary(c, self.max_seq_len)
-        L = self.layout
-        self.attn_norms = [layer.attn_norm for layer in weights.layers]
-        self.mlp_norms = [layer.mlp_norm for layer in weights.layers]
-        self.attention = [AttentionShard(layer, L, range(L.n_attention_groups), self.max_seq_len, fmt, threads)
-                          for layer in weights.layers]
-        self.mlp = [MlpShard(layer, L, range(L.n_mlp_groups), fmt, threads) for layer in weights.layers]
-        self.final_norm = weights.final_norm
-        self.lm_head = LmHeadShard(weights.lm_head, L, range(L.n_vocab_groups), fmt, threads)
+        self.worker = DeviceWorker(weights, self.layout, everything(c, self.layout), self.max_seq_len, fmt, threads)
         self.pos = 0  # tokens already in the KV cache
 
-    def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False,
-                trace: list | None = None, merge=None) -> np.ndarray:
+    def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
         """Run tokens at positions start_pos.. (default: right after the cache) -> logits of the last
-        token [V] (or of all tokens [T, V]). With trace, appends a LayerTrace per layer: the hidden
-        state entering it and its groups' activation norms (what the predictors learn from).
-        With merge(layer, kind, contributions [T, G, D], hidden_in [T, D]) -> [T, D], each block's
-        output is what merge makes of its groups' contributions (relaxed synchronization studies)."""
+        token [V] (or of all tokens [T, V])."""
         tokens = np.asarray(tokens, dtype=np.int64)
         start = self.pos if start_pos is None else start_pos
         if tokens.ndim != 1 or len(tokens) == 0:
@@ -61,51 +44,30 @@ class Transformer:
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
-        eps = self.config.norm_eps
-        per_group = trace is not None or merge is not None
         x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for i in range(self.config.n_layers):
-            layer_input = x
-            h = rmsnorm(x, self.attn_norms[i], eps)
-            if per_group:
-                attn_out, attn_norms = self._merge(i, "attention", self.attention[i].forward_groups(h, start, self.rotary),
-                                                   layer_input, merge)
-            else:
-                attn_out = self.attention[i].forward(h, start, self.rotary)
-            x = x + attn_out
-            h = rmsnorm(x, self.mlp_norms[i], eps)
-            if per_group:
-                mlp_out, mlp_norms = self._merge(i, "mlp", self.mlp[i].forward_groups(h), layer_input, merge)
-            else:
-                mlp_out = self.mlp[i].forward(h)
-            x = x + mlp_out
-            if trace is not None:
-                trace.append(LayerTrace(layer_input, attn_norms, mlp_norms))
+            x = self.layer(i, x, start)
         self.pos = start + len(tokens)
-        h = rmsnorm(x if all_logits else x[-1:], self.final_norm, eps)
-        logits = self.lm_head.forward(h)
+        logits = self.worker.compute(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
         return logits if all_logits else logits[0]
 
-    @staticmethod
-    def _merge(layer: int, kind: str, groups: np.ndarray, layer_input: np.ndarray, merge):
-        """A block's output from its groups' contributions [T, G, D] (all of them, or what merge keeps),
-        and the groups' norms."""
-        out = groups.sum(axis=1) if merge is None else merge(layer, kind, groups, layer_input)
-        return out, np.linalg.norm(groups, axis=-1)
+    def layer(self, i: int, x: np.ndarray, start: int) -> np.ndarray:
+        """Decoder layer i on the residual stream x [T, D] at positions start.."""
+        x = x + self.worker.compute(Block("attention", i), x, start)
+        return x + self.worker.compute(Block("mlp", i), x, start)
 
     def reset(self) -> None:
         self.pos = 0
-        for shard in self.attention:
-            shard.reset()
+        self.worker.reset()
 
     def weight_nbytes(self) -> int:
-        shards = [*self.attention, *self.mlp, self.lm_head]
-        norms = sum(n.nbytes for n in [*self.attn_norms, *self.mlp_norms, self.final_norm])
-        total = sum(s.nbytes for s in shards) + norms + self.tok_embeddings.nbytes
-        head = self.lm_head.proj
+        w = self.weights
+        norms = sum(n.nbytes for n in [*(l.attn_norm for l in w.layers), *(l.mlp_norm for l in w.layers), w.final_norm])
+        total = self.worker.nbytes + norms + self.tok_embeddings.nbytes
+        head = self.worker.lm_head.proj
         if isinstance(head, DenseProjection) and np.shares_memory(head.matrices[0], self.tok_embeddings):
             total -= head.nbytes  # tied head: the embedding table counted once
         return total
 
     def kv_cache_nbytes(self) -> int:
-        return sum(s.cache_nbytes for s in self.attention)
+        return sum(s.cache_nbytes for s in self.worker.attention.values())

@@ -27,16 +27,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from .neuron_groups import GroupLayout, MlpGroupBank
-from .sync import ranking_digest
+from .sync.framing import ranking_digest
 from .weights import ModelWeights
 
 
 class Remapper:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, rank_ranges: dict[int, tuple[int, int]],
-                 predictors=None, load_overlap: bool = True):
-        """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted)."""
+                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1):
+        """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted); fmt: the
+        weight format its candidate groups are computed in (compact: every group's kernels built now)."""
         self.ranges = {l: r for l, r in rank_ranges.items() if r[1] > r[0]}
-        self.banks = {l: MlpGroupBank(weights.layers[l], layout) for l in self.ranges}
+        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads) for l in self.ranges}
         self.predictors = predictors
         self.n_groups = layout.n_mlp_groups
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="halo-load") if load_overlap else None
@@ -45,7 +46,6 @@ class Remapper:
         self.loading: dict[int, Future] = {}
         self.predict_ms = 0.0
         self.load_ms = 0.0
-        self.loaded_bytes = 0
 
     def begin(self) -> None:
         """A new forward pass: rankings of the previous one must not be reused."""
@@ -87,7 +87,7 @@ class Remapper:
     def _load(self, layer: int) -> None:
         t = time.perf_counter()
         groups, _ = self._assignment(layer, len(self.rankings[layer]))
-        self.loaded_bytes += self.banks[layer].prefetch(groups)
+        self.banks[layer].prefetch(groups)
         self.load_ms += 1e3 * (time.perf_counter() - t)
 
     def mlp_partial(self, layer: int, x: np.ndarray) -> np.ndarray | None:

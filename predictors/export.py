@@ -14,10 +14,8 @@ import numpy as np
 
 from halo import __version__
 
+from .runtime import FORMAT, MANIFEST, VERSION
 from .trainer import LayerPredictor
-
-MANIFEST = "manifest.json"
-FORMAT, VERSION = "halo-predictors", 1
 
 
 def predictor_graph(p: LayerPredictor):

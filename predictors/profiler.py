@@ -22,7 +22,7 @@ import numpy as np
 
 from halo.errors import ConfigError
 from halo.loader import load_tokenizer, load_weights, model_fingerprint
-from halo.model import Transformer
+from halo.tracing import TracingTransformer
 from halo.neuron_groups import GroupLayout
 
 
@@ -66,7 +66,7 @@ def profile(model_path: str | os.PathLike | None, text_path: str | os.PathLike, 
     tokenizer = load_tokenizer(weights)
     window = min(window, weights.config.max_seq_len)
     layout = GroupLayout.for_model(weights.config, mlp_group_size)
-    model = Transformer(weights, max_seq_len=window, layout=layout)
+    model = TracingTransformer(weights, max_seq_len=window, layout=layout)
     out.mkdir(parents=True, exist_ok=True)
     c = weights.config
     parts = dict(zip(("train", "val"), split_text(text, train_fraction)))
@@ -91,10 +91,9 @@ def profile(model_path: str | os.PathLike | None, text_path: str | os.PathLike, 
             iterator = tqdm(chunks, desc=f"profiling {split}", unit="window")
         for chunk in iterator:
             model.reset()
-            trace = []
-            model.forward(chunk, trace=trace)
+            model.forward(chunk)
             t = len(chunk) - 1
-            for l, layer in enumerate(trace):
+            for l, layer in enumerate(model.trace):
                 hidden[l][row:row + t] = layer.hidden[1:]
                 norms[l][row:row + t] = np.concatenate([layer.attention_norms[1:], layer.mlp_norms[1:]], axis=1)
             row += t

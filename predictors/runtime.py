@@ -15,7 +15,8 @@ import numpy as np
 
 from halo.errors import ConfigError
 
-from .export import FORMAT, MANIFEST, VERSION
+MANIFEST = "manifest.json"  # the format of a predictor directory, which export.py writes
+FORMAT, VERSION = "halo-predictors", 1
 
 
 class PredictorSet:

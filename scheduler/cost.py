@@ -1,19 +1,19 @@
-"""Estimated time per output token of a tensor-parallel plan.
+"""Estimated time per output token of a tensor-parallel plan in a sync mode, packet loss included.
 
-Computation is Eq. 1's: for every layer and block, the slowest participant's share
-(FLOPs of its groups / its FLOP/s), plus the LM head. Communication: every layer synchronizes twice
-(after attention and after the MLP) and the LM head once; in each synchronization the master sends
-the hidden state to, and receives a partial sum from, each other participant over its own link,
-so the (n - 1) transfers of one round queue on the master's link: T_c = latency + D * 4 bytes / bandwidth
-per transfer, 2 L (n - 1) T_c per token as in Eq. 1.
+Eq. 1 (objective.py) is the loss-free part. Loss (PLR) adds, per synchronization round, the chance
+that any packet of the round's inputs, or of its partial sums, is lost (1 - prod (1 - p)^packets, p
+combining the participant's link and the master's) times the price of such a loss in the sync mode
+(the runtime's modes, halo/sync/modes.py):
 
-Loss (PLR) adds, per round, the chance that any packet of the round is lost
-(1 - prod (1 - p)^packets, with p combining the participant's link and the master's) times the
-price of a loss in the chosen sync mode:
-- "tcp": the retransmission timeout (Linux's minimum RTO, 200 ms);
-- "deadline": waiting out the deadline (lossy sync: late or lost data is dropped);
-- "fast": a NACK-driven UDP retransmission, about two link latencies plus a 1 ms timer;
-- "ideal": loss ignored: exactly Eq. 1's objective.
+| mode | a lost input costs | a lost partial costs |
+|---|---|---|
+| exact | a NACK-driven UDP retransmission: two link latencies + a 1 ms timer | the same |
+| tcp | TCP's retransmission timeout (Linux's minimum RTO, 200 ms) | the same |
+| lossy | a NACK-driven retransmission | waiting out the deadline |
+| halo | a NACK-driven retransmission | the same (recovered while the deadline allows) |
+| halo-tcp | TCP's RTO | a NACK-driven retransmission |
+
+"ideal" ignores loss: exactly Eq. 1.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from halo.errors import ConfigError
+from halo.sync.modes import POLICIES, SYNC_MODES, Transport
+from halo.transport.wire import DATA_PAYLOAD
 
-from .tp_plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan
+from .objective import comm_seconds, compute_seconds, sync_rounds
+from .plan import SYNC_BYTES_PER_VALUE, TensorParallelPlan
 
 TCP_MIN_RTO_S = 0.200
 FAST_RETRY_TIMER_S = 0.001
-UDP_PAYLOAD = 1400  # bytes of data per packet
-SYNC_MODES = ("ideal", "tcp", "deadline", "fast")
+ESTIMATE_MODES = ("ideal",) + SYNC_MODES
 
 
 @dataclass(frozen=True)
@@ -48,42 +48,31 @@ class Estimate:
                 "loss_ms": 1e3 * self.loss_s}
 
 
-def compute_seconds(plan: TensorParallelPlan) -> float:
-    compute = np.array([d.compute_flops for d in plan.profiles()])
-    total = 0.0
-    for kind in TP_KINDS:
-        per_device = getattr(plan.model, kind).flops * plan.counts[kind] / compute[:, None]  # [n, L]
-        total += per_device.max(axis=0).sum()
-    return total + float((plan.model.lm_head.flops * plan.counts["lm_head"] / compute).max())
+def loss_prices(plan: TensorParallelPlan, mode: str, deadline_s: float) -> tuple[float, float]:
+    """(price of a lost input packet, of a lost partial packet) in seconds, for a sync mode."""
+    policy = POLICIES[mode]
+    fast = FAST_RETRY_TIMER_S + 2 * max(d.latency_s for d in plan.profiles())
+    price_in = TCP_MIN_RTO_S if policy.input is Transport.TCP else fast
+    if policy.all_critical:
+        price_out = TCP_MIN_RTO_S if policy.critical is Transport.TCP else fast
+    elif policy.other is Transport.TCP:
+        price_out = TCP_MIN_RTO_S
+    else:
+        price_out = fast if policy.recover_other else deadline_s
+    return price_in, price_out
 
 
-def transfer_seconds(plan: TensorParallelPlan) -> float:
-    """T_c: one hidden-state transfer on the master's link."""
-    master = plan.cluster.devices[plan.cluster.master]
-    return master.latency_s + plan.model.dim * SYNC_BYTES_PER_VALUE * 8 / master.bandwidth_bps
-
-
-def estimate(plan: TensorParallelPlan, sync: str = "ideal", deadline_s: float = 0.010) -> Estimate:
-    if sync not in SYNC_MODES:
-        raise ConfigError(f"unknown sync mode {sync!r}; choose one of {', '.join(SYNC_MODES)}")
-    rounds = 2 * plan.model.n_layers + 1
-    others = plan.n - 1
-    t_c = transfer_seconds(plan)
-    comm = rounds * others * t_c
+def estimate(plan: TensorParallelPlan, mode: str = "ideal", deadline_s: float = 0.010) -> Estimate:
+    if mode not in ESTIMATE_MODES:
+        raise ConfigError(f"unknown sync mode {mode!r}; choose one of {', '.join(ESTIMATE_MODES)}")
     loss = 0.0
-    if sync != "ideal" and others:
+    if mode != "ideal" and plan.n > 1:
         master = plan.cluster.devices[plan.cluster.master]
-        packets = 2 * math.ceil(plan.model.dim * SYNC_BYTES_PER_VALUE / UDP_PAYLOAD)  # there and back
+        packets = math.ceil(plan.model.dim * SYNC_BYTES_PER_VALUE / DATA_PAYLOAD)  # each way, per participant
         clean = 1.0
         for d in plan.profiles()[1:]:
             p = 1 - (1 - d.plr) * (1 - master.plr)
             clean *= (1 - p) ** packets
-        price = {"tcp": TCP_MIN_RTO_S, "deadline": deadline_s,
-                 "fast": FAST_RETRY_TIMER_S + 2 * max(d.latency_s for d in plan.profiles())}[sync]
-        loss = rounds * (1 - clean) * price
-    return Estimate(compute_seconds(plan), comm, loss)
-
-
-def eq1_objective(plan: TensorParallelPlan) -> float:
-    """Eq. 1 of the HALO paper (plus the LM head), in seconds per token."""
-    return estimate(plan, "ideal").total_s
+        price_in, price_out = loss_prices(plan, mode, deadline_s)
+        loss = sync_rounds(plan.model) * (1 - clean) * (price_in + price_out)
+    return Estimate(compute_seconds(plan), comm_seconds(plan), loss)

@@ -16,8 +16,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
+from .objective import transfer_seconds
+from .plan import TP_KINDS, TensorParallelPlan
 from .profiles import Cluster, ModelProfile
-from .tp_plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan, prune_idle
+from .tp_plan import prune_idle
 
 
 @dataclass
@@ -29,110 +31,113 @@ class MilpResult:
     message: str
 
 
+class _ExactProgram:
+    """The MILP's variables (W, V, z, t, t_v in one vector), objective, bounds and constraint rows."""
+
+    def __init__(self, cluster: Cluster, model: ModelProfile):
+        self.cluster, self.model = cluster, model
+        self.n, self.L = len(cluster.devices), model.n_layers
+        self.blocks = [getattr(model, k) for k in TP_KINDS]
+        self.K = len(self.blocks)
+        self.compute = np.array([d.compute_flops for d in cluster.devices])
+        self.budget = np.array([d.memory_bytes for d in cluster.devices])
+        self.t_c = transfer_seconds(cluster, model)
+        nw = self.L * self.n * self.K
+        self.v0, self.z0, self.t0 = nw, nw + self.n, nw + 2 * self.n
+        self.tv = self.t0 + self.L * self.K
+        self.size = self.tv + 1
+        self.rows, self.lo, self.hi = [], [], []
+
+    def w(self, l: int, i: int, k: int) -> int:
+        return (l * self.n + i) * self.K + k
+
+    def cost(self) -> np.ndarray:
+        cost = np.zeros(self.size)
+        cost[self.t0:self.t0 + self.L * self.K] = 1.0
+        cost[self.tv] = 1.0
+        cost[self.z0:self.z0 + self.n] = (2 * self.L + 1) * self.t_c
+        return cost
+
+    def bounds(self, participants: set[int] | None) -> Bounds:
+        lower, upper = np.zeros(self.size), np.full(self.size, np.inf)
+        for l, i, k in np.ndindex(self.L, self.n, self.K):
+            upper[self.w(l, i, k)] = self.blocks[k].count
+        upper[self.v0:self.v0 + self.n] = self.model.lm_head.count
+        upper[self.z0:self.z0 + self.n] = 1
+        lower[self.z0 + self.cluster.master] = 1
+        if participants is not None:
+            for i in range(self.n):
+                taking_part = i in participants or i == self.cluster.master
+                lower[self.z0 + i] = upper[self.z0 + i] = 1.0 if taking_part else 0.0
+        return Bounds(lower, upper)
+
+    def integrality(self, relax: bool) -> np.ndarray:
+        integrality = np.zeros(self.size)
+        if not relax:
+            integrality[:self.t0] = 1  # W, V, z integer; t continuous
+        return integrality
+
+    def _row(self, coefficients: dict[int, float], lo: float, hi: float) -> None:
+        self.rows.append(coefficients)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def constraints(self) -> LinearConstraint:
+        m, ctx, n, K = self.model, self.cluster.context, self.n, self.K
+        for l, k in np.ndindex(self.L, K):  # all groups assigned
+            self._row({self.w(l, i, k): 1 for i in range(n)}, self.blocks[k].count, self.blocks[k].count)
+        self._row({self.v0 + i: 1 for i in range(n)}, m.lm_head.count, m.lm_head.count)
+        for l, k, i in np.ndindex(self.L, K, n):  # t >= each device's time
+            self._row({self.t0 + l * K + k: 1, self.w(l, i, k): -self.blocks[k].flops / self.compute[i]}, 0, np.inf)
+        for i in range(n):
+            self._row({self.tv: 1, self.v0 + i: -m.lm_head.flops / self.compute[i]}, 0, np.inf)
+        for i in range(n):  # memory
+            row = {self.w(l, i, k): m.group_bytes(self.blocks[k], ctx) for l, k in np.ndindex(self.L, K)}
+            row[self.v0 + i] = m.lm_head.bytes
+            row[self.z0 + i] = m.predictor_bytes + (m.embedding_bytes if i == self.cluster.master else 0)
+            self._row(row, -np.inf, self.budget[i])
+        for i in range(n):  # groups only on participants (big-M: what fits in its memory at most)
+            for l, k in np.ndindex(self.L, K):
+                b = self.blocks[k]
+                self._row({self.w(l, i, k): 1, self.z0 + i: -min(b.count, self.budget[i] // m.group_bytes(b, ctx))},
+                          -np.inf, 0)
+            self._row({self.v0 + i: 1, self.z0 + i: -min(m.lm_head.count, self.budget[i] // m.lm_head.bytes)},
+                      -np.inf, 0)
+        # cut: the participants must hold the whole model
+        self._row({self.z0 + i: self.budget[i] for i in range(n)}, m.total_bytes(ctx) + m.predictor_bytes, np.inf)
+        for l, k in np.ndindex(self.L - 1, K):  # layers are interchangeable: order them by time (breaks symmetry)
+            self._row({self.t0 + l * K + k: 1, self.t0 + (l + 1) * K + k: -1}, 0, np.inf)
+        A = lil_matrix((len(self.rows), self.size))
+        for r, row in enumerate(self.rows):
+            for column, value in row.items():
+                A[r, column] = value
+        return LinearConstraint(A.tocsr(), np.array(self.lo), np.array(self.hi))
+
+    def plan(self, x: np.ndarray) -> TensorParallelPlan:
+        x = np.rint(x).astype(np.int64)
+        n, master = self.n, self.cluster.master
+        counts = {kind: np.array([[x[self.w(l, i, k)] for l in range(self.L)] for i in range(n)])
+                  for k, kind in enumerate(TP_KINDS)}
+        counts["lm_head"] = x[self.v0:self.v0 + n]
+        order = [master] + [i for i in range(n) if i != master]
+        plan = TensorParallelPlan(self.cluster, self.model, "exact", order, {k: v[order] for k, v in counts.items()})
+        return prune_idle(plan)
+
+
 def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.0,
                 participants: set[int] | None = None, relax: bool = False) -> MilpResult:
     """participants fixes who takes part (the master always does); relax solves the LP relaxation."""
-    n, L = len(cluster.devices), model.n_layers
-    master = cluster.master
-    blocks = [getattr(model, k) for k in TP_KINDS]
-    K = len(blocks)
-    ctx = cluster.context
-    compute = np.array([d.compute_flops for d in cluster.devices])
-    budget = np.array([d.memory_bytes for d in cluster.devices])
-    md = cluster.devices[master]
-    t_c = md.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / md.bandwidth_bps
-
-    def w(l, i, k):
-        return (l * n + i) * K + k
-
-    nw = L * n * K
-    v0, z0, t0 = nw, nw + n, nw + 2 * n
-    tv = t0 + L * K
-    nvar = tv + 1
-    cost = np.zeros(nvar)
-    cost[t0:t0 + L * K] = 1.0
-    cost[tv] = 1.0
-    cost[z0:z0 + n] = (2 * L + 1) * t_c
-    lower, upper = np.zeros(nvar), np.full(nvar, np.inf)
-    integrality = np.zeros(nvar)
-    for l in range(L):
-        for i in range(n):
-            for k, b in enumerate(blocks):
-                upper[w(l, i, k)] = b.count
-    upper[v0:v0 + n] = model.lm_head.count
-    upper[z0:z0 + n] = 1
-    lower[z0 + master] = 1
-    if participants is not None:
-        for i in range(n):
-            lower[z0 + i] = upper[z0 + i] = 1.0 if (i in participants or i == master) else 0.0
-    if not relax:
-        integrality[:tv - L * K] = 1  # W, V, z integer; t continuous
-    lo, hi = [], []
-    A = lil_matrix((L * K + 1 + L * n * K + n + n + n * (L * K + 1) + L * K + 1, nvar))
-    r = 0
-    for l in range(L):  # all groups assigned
-        for k, b in enumerate(blocks):
-            for i in range(n):
-                A[r, w(l, i, k)] = 1
-            lo.append(b.count); hi.append(b.count); r += 1
-    for i in range(n):
-        A[r, v0 + i] = 1
-    lo.append(model.lm_head.count); hi.append(model.lm_head.count); r += 1
-    for l in range(L):  # t >= each device's time
-        for k, b in enumerate(blocks):
-            for i in range(n):
-                A[r, t0 + l * K + k] = 1
-                A[r, w(l, i, k)] = -b.flops / compute[i]
-                lo.append(0); hi.append(np.inf); r += 1
-    for i in range(n):
-        A[r, tv] = 1
-        A[r, v0 + i] = -model.lm_head.flops / compute[i]
-        lo.append(0); hi.append(np.inf); r += 1
-    for i in range(n):  # memory
-        for l in range(L):
-            for k, b in enumerate(blocks):
-                A[r, w(l, i, k)] = model.group_bytes(b, ctx)
-        A[r, v0 + i] = model.lm_head.bytes
-        A[r, z0 + i] = model.predictor_bytes + (model.embedding_bytes if i == master else 0)
-        lo.append(-np.inf); hi.append(budget[i]); r += 1
-    for i in range(n):  # groups only on participants (big-M: what fits in its memory at most)
-        for l in range(L):
-            for k, b in enumerate(blocks):
-                A[r, w(l, i, k)] = 1
-                A[r, z0 + i] = -min(b.count, budget[i] // model.group_bytes(b, ctx))
-                lo.append(-np.inf); hi.append(0); r += 1
-        A[r, v0 + i] = 1
-        A[r, z0 + i] = -min(model.lm_head.count, budget[i] // model.lm_head.bytes)
-        lo.append(-np.inf); hi.append(0); r += 1
-    for i in range(n):  # cut: the participants must hold the whole model
-        A[r, z0 + i] = budget[i]
-    lo.append(model.total_bytes(ctx) + model.predictor_bytes); hi.append(np.inf); r += 1
-    for l in range(L - 1):  # layers are interchangeable: order them by time (breaks symmetry)
-        for k in range(K):
-            A[r, t0 + l * K + k] = 1
-            A[r, t0 + (l + 1) * K + k] = -1
-            lo.append(0); hi.append(np.inf); r += 1
-    A = A[:r].tocsr()
-    res = milp(cost, integrality=integrality, bounds=Bounds(lower, upper),
-               constraints=LinearConstraint(A, np.array(lo), np.array(hi)),
-               options={"time_limit": time_limit_s, "disp": False})
-    constant = -(2 * L + 1) * t_c  # the "- 1" of (sum(z) - 1): the master's own transfers are free
+    program = _ExactProgram(cluster, model)
+    res = milp(program.cost(), integrality=program.integrality(relax), bounds=program.bounds(participants),
+               constraints=program.constraints(), options={"time_limit": time_limit_s, "disp": False})
+    constant = -(2 * model.n_layers + 1) * program.t_c  # the "- 1" of (sum(z) - 1): the master's transfers are free
     bound = getattr(res, "mip_dual_bound", None)
     bound_s = float(bound) + constant if bound is not None and np.isfinite(bound) else 0.0
     if res.x is None:
         return MilpResult(None, float("inf"), bound_s, False, res.message)
-    x = np.rint(res.x).astype(np.int64)
-    counts = {kind: np.array([[x[w(l, i, k)] for l in range(L)] for i in range(n)])
-              for k, kind in enumerate(TP_KINDS)}
-    counts["lm_head"] = x[v0:v0 + n]
-    plan = TensorParallelPlan(cluster, model, "exact", list(range(n)), counts)
-    order = [master] + [i for i in range(n) if i != master]
-    plan.devices = order
-    plan.counts = {k: v[order] for k, v in counts.items()}
-    plan = prune_idle(plan)
     optimal = res.status == 0
     objective = float(res.fun) + constant
-    return MilpResult(plan, objective, objective if optimal else bound_s, optimal, res.message)
+    return MilpResult(program.plan(res.x), objective, objective if optimal else bound_s, optimal, res.message)
 
 
 def _integer_block_bound(compute: np.ndarray, flops: float, count: int) -> float:
@@ -152,8 +157,7 @@ def lower_bound(cluster: Cluster, model: ModelProfile, time_limit_s: float = 5.0
     import itertools
 
     n, master = len(cluster.devices), cluster.master
-    md = cluster.devices[master]
-    t_c = md.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / md.bandwidth_bps
+    t_c = transfer_seconds(cluster, model)
     others = [i for i in range(n) if i != master]
     best = float("inf")
     for k in range(n):

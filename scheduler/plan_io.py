@@ -8,7 +8,7 @@ mode "tp" adds: "algorithm"; "participants": [device names, master first]; "coun
 [[groups per layer] per participant], "mlp": same, "lm_head": [groups per participant]};
 "priority": {"attention" | "mlp": [[[start, stop] per layer] per participant], "lm_head":
 [[start, stop] per participant]} (Algorithm 3 rank ranges, rank 0 = most important);
-"estimate": {sync mode: {ms_per_token, compute_ms, comm_ms, loss_ms}}.
+"estimate": {sync mode ("ideal" = Eq. 1, or a runtime --sync mode): {ms_per_token, compute_ms, comm_ms, loss_ms}}.
 
 mode "pipeline" adds: "units": [unit names]; "stages": [{"worker": name, "start": i, "stop": j}]
 (half-open unit ranges in order); "complete": bool; "cost_ms".
@@ -24,10 +24,10 @@ import numpy as np
 from halo.arguments import check_integer, check_number
 from halo.errors import ConfigError
 
-from .cost import SYNC_MODES, estimate
+from .cost import ESTIMATE_MODES, estimate
 from .pipeline import PipelinePlan
+from .plan import TP_KINDS, TensorParallelPlan
 from .profiles import BlockProfile, Cluster, DeviceProfile, ModelProfile
-from .tp_plan import TP_KINDS, TensorParallelPlan
 
 FORMAT, VERSION = "halo-plan", 1
 
@@ -54,7 +54,7 @@ def tp_plan_json(plan: TensorParallelPlan) -> dict:
             "model": _model_json(plan.model), "cluster": _cluster_json(plan.cluster), "participants": names,
             "counts": {k: v.tolist() for k, v in plan.counts.items()}, "priority": priority,
             "memory_used_bytes": plan.memory_used().tolist(), "oom": plan.oom,
-            "estimate": {mode: estimate(plan, mode).to_json() for mode in SYNC_MODES}}
+            "estimate": {mode: estimate(plan, mode).to_json() for mode in ESTIMATE_MODES}}
 
 
 def pipeline_plan_json(plan: PipelinePlan, cluster: Cluster, model: ModelProfile) -> dict:

@@ -17,69 +17,14 @@ planner also chooses who takes part, minimizing Eq. 1 over candidate subsets (se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from halo.errors import ConfigError
 
+from .objective import compute_seconds, eq1_objective, transfer_seconds
+from .plan import TP_KINDS, TensorParallelPlan, fixed_bytes
 from .profiles import Cluster, ModelProfile
 from .ratios import ALGORITHMS, InsufficientMemory, check_capacity, exact_threshold
-
-TP_KINDS = ("attention", "mlp")
-SYNC_BYTES_PER_VALUE = 4  # partial sums and broadcasts travel as float32
-
-
-@dataclass
-class TensorParallelPlan:
-    cluster: Cluster
-    model: ModelProfile
-    algorithm: str
-    devices: list[int]  # indices into cluster.devices of the participants, master first
-    counts: dict[str, np.ndarray]  # "attention"/"mlp": [n, L]; "lm_head": [n]
-    oom: list[str] = field(default_factory=list)  # devices over budget (only for algorithms that ignore memory)
-
-    @property
-    def n(self) -> int:
-        return len(self.devices)
-
-    def profiles(self):
-        return [self.cluster.devices[i] for i in self.devices]
-
-    def memory_used(self) -> np.ndarray:
-        """Bytes each participant holds: its groups, their KV cache, predictors, embeddings on the master."""
-        m, ctx = self.model, self.cluster.context
-        used = np.zeros(self.n)
-        for kind in TP_KINDS:
-            block = getattr(m, kind)
-            used += self.counts[kind].sum(axis=1) * m.group_bytes(block, ctx)
-        used += self.counts["lm_head"] * m.lm_head.bytes
-        used += fixed_bytes(self.cluster, m, self.devices)
-        return used
-
-    def priority_ranks(self, kind: str) -> np.ndarray:
-        """Algorithm 3: [n, L, 2] half-open rank ranges (lm_head: [n, 1, 2]); rank 0 = most important."""
-        counts = self.counts[kind]
-        counts = counts[:, None] if counts.ndim == 1 else counts
-        plr = np.array([d.plr for d in self.profiles()])
-        order = np.argsort(plr, kind="stable")
-        ranges = np.zeros(counts.shape + (2,), dtype=np.int64)
-        start = np.zeros(counts.shape[1], dtype=np.int64)
-        for i in order:
-            ranges[i, :, 0] = start
-            start = start + counts[i]
-            ranges[i, :, 1] = start
-        return ranges
-
-
-def fixed_bytes(cluster: Cluster, model: ModelProfile, devices: list[int]) -> np.ndarray:
-    """Memory a participant needs whatever its share: predictors, and the embeddings on the master."""
-    fixed = np.full(len(devices), model.predictor_bytes, dtype=float)
-    for j, i in enumerate(devices):
-        if i == cluster.master:
-            fixed[j] += model.embedding_bytes
-    return fixed
-
 
 def round_counts(ratios: np.ndarray, n_groups: int, n_layers: int) -> np.ndarray:
     """[n, L] integer counts: each layer sums to n_groups; device totals within one group of r*N*L."""
@@ -252,8 +197,6 @@ def trade_memory(plan: TensorParallelPlan, max_rounds: int = 200) -> None:
     groups where that costs the least time per byte (another device with room takes them) to take a
     group where it saves the most time per byte (from the block's slowest device). Each exchange is
     kept only when Eq. 1's computation time drops."""
-    from .cost import compute_seconds
-
     budgets = np.array([d.memory_bytes for d in plan.profiles()])
     compute = np.array([d.compute_flops for d in plan.profiles()])
     m, ctx = plan.model, plan.cluster.context
@@ -341,8 +284,7 @@ def candidate_subsets(cluster: Cluster, model: ModelProfile, keep: int = 2) -> l
     """Participant sets worth rounding: the best `keep` found by growing the set fastest-first,
     by greedy addition and by greedy removal, scored with the fractional Eq. 1."""
     master = cluster.master
-    md = cluster.devices[master]
-    sync_s = (2 * model.n_layers + 1) * (md.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / md.bandwidth_bps)
+    sync_s = (2 * model.n_layers + 1) * transfer_seconds(cluster, model)
     n = len(cluster.devices)
     fixed = fixed_bytes(cluster, model, list(range(n)))
     usable = [max(d.memory_bytes - f, 0.0) for d, f in zip(cluster.devices, fixed)]
@@ -381,8 +323,6 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
     """The default planner: Min-Max over the participant set that minimizes Eq. 1.
 
     With select=False (or any algorithm but minmax) every device takes part, as in the paper's algorithms."""
-    from .cost import eq1_objective
-
     if not select or algorithm != "minmax":
         return build_plan(cluster, model, algorithm)
     plans = []

@@ -60,7 +60,9 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["plan", "--cluster", "c.toml", "--mlp-group-size", "0"], "argument --mlp-group-size: must be >= 1, got 0"),
     (["status", "--agents", "not_an_address"], "argument --agents: address 'not_an_address' is not HOST:PORT"),
     (["status", "--agents", "10.0.0.2:7070", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
-    (["status"], "the following arguments are required: --agents"),
+    (["status"], "one of the arguments --agents --server is required"),
+    (["serve", "--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
+    (["status", "--server", "http://127.0.0.1:1", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
     (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
 ])
 def test_master_refuses_bad_values(argv, expected, capsys):
@@ -124,7 +126,7 @@ def test_agent_refuses_bad_options(argv, expected, capsys):
     ("threads = \"4\"\n", "threads must be an integer, got '4'"),
     ("listen = \"tcp://0.0.0.0:99999\"\n", "listen: address 'tcp://0.0.0.0:99999': port '99999'"),
     ("listen = 7070\n", "listen must be a non-empty string, got 7070"),
-    ("weights = \"int4\"\n", "weights must be one of fp32, int8, got 'int4'"),
+    ("weights = \"int4\"\n", "weights must be one of native, fp32, int8, got 'int4'"),
     ("speed = 3\n", "unknown keys ['speed']; allowed: listen, key, model"),
     ("model = [1]\n", "model must be a non-empty string"),
     ("threads = \n", "cannot read"),

@@ -9,7 +9,7 @@ import pytest
 from halo import BUNDLED_TOKENIZER
 from halo.errors import ConfigError, ModelFormatError
 from halo.eval.fuzz.targets import FIXTURES
-from halo.formats import hf, llama2c
+from halo.formats import gguf, hf, llama2c
 from halo.formats.safetensors_file import SafetensorsFile
 from halo.scheduler import plan_io
 from halo.scheduler.profiles import load_cluster
@@ -209,3 +209,50 @@ def test_plan_file_nested_beyond_the_stack(tmp_path):
     path.write_text("[" * 100_000)
     with pytest.raises(ConfigError, match="not valid JSON"):
         plan_io.load(path)
+
+
+# ---- GGUF (halo/formats/gguf.py) ----------------------------------------------------------------------------
+def gguf_string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_file(tmp_path, metadata: list[bytes], tensors: list[bytes] = (), data: bytes = b""):
+    """GGUF v3 bytes by hand: header, metadata entries, tensor infos, then `data` at the 32-byte boundary."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata)) + b"".join(metadata) + b"".join(tensors)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(head + b"\0" * (-len(head) % 32) + data)
+    return path
+
+
+def u32(key: str, value: int) -> bytes:
+    return gguf_string(key) + struct.pack("<II", 4, value)
+
+
+def f32_tensor(name: str, *dims: int) -> bytes:
+    return gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", 0, 0)
+
+
+def test_gguf_metadata_arrays_nested_beyond_the_stack(tmp_path):
+    """An array of arrays of ... 2000 deep raised RecursionError."""
+    entry = gguf_string("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000 + struct.pack("<IQ", 4, 0)
+    with pytest.raises(ModelFormatError, match="arrays nested more than 16 deep"):
+        gguf.GGUFFile(gguf_file(tmp_path, [entry]))
+
+
+def test_gguf_tensor_dimensions_beyond_64_bits(tmp_path):
+    """Dimensions whose product needs more than 64 bits wrapped around in numpy's int64 product: the tensor's size
+    read as 0 bytes and the file was taken."""
+    with pytest.raises(ModelFormatError, match="ends past the end of the file"):
+        gguf.GGUFFile(gguf_file(tmp_path, [], [f32_tensor("t", 2**63, 4)]))
+
+
+def test_gguf_heads_not_a_multiple_of_kv_heads(tmp_path):
+    """Found by the campaign (corpus/gguf/crash-heads-not-multiple-of-kv-heads): ModelConfig's ConfigError escaped
+    the GGUF reader instead of ModelFormatError."""
+    metadata = [gguf_string("general.architecture") + struct.pack("<I", 8) + gguf_string("llama"),
+                u32("llama.embedding_length", 8), u32("llama.attention.head_count", 2),
+                u32("llama.attention.head_count_kv", 3), u32("llama.feed_forward_length", 16), u32("llama.block_count", 1)]
+    path = gguf_file(tmp_path, metadata, [f32_tensor("token_embd.weight", 8, 4)], bytes(128))
+    with pytest.raises(ModelFormatError, match="n_heads=2 is not a multiple of n_kv_heads=3"):
+        gguf.read_config(path)

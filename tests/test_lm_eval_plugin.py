@@ -144,7 +144,7 @@ def run_cli(tmp_path, name, model_args):
 
 def test_offline_tasks_over_two_agents_equal_the_single_process_reference(tmp_path):
     reference = run_cli(tmp_path, "reference", None)
-    cluster = run_cli(tmp_path, "cluster", "local_agents=2,sync=reliable")
+    cluster = run_cli(tmp_path, "cluster", "local_agents=2,sync=tcp")
     for task in ("tinystories_ppl", "tinystories_cloze"):
         for metric, value in reference[task].items():
             if isinstance(value, float):

@@ -4,14 +4,16 @@ import numpy as np
 
 from halo.eval.accuracy_halo import RelaxedMerge
 from halo.model import Transformer
+from halo.tracing import TracingTransformer
 
 
 def test_no_loss_policy_is_the_reference(stories_weights):
     model = Transformer(stories_weights)
     ids = [1, 403, 407, 261, 378, 300, 301]
     expected = model.forward(ids, all_logits=True)
-    model.reset()
-    got = model.forward(ids, all_logits=True, merge=RelaxedMerge("none", 0.5, 4, 0))
+    traced = TracingTransformer(stories_weights, merge=RelaxedMerge("none", 0.5, 4, 0))
+    got = traced.forward(ids, all_logits=True)
+    assert len(traced.trace) == stories_weights.config.n_layers
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 

@@ -6,11 +6,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from halo.errors import ConfigError
-from halo.scheduler.cost import eq1_objective, estimate
+from halo.scheduler.cost import estimate
+from halo.scheduler.objective import eq1_objective
 from halo.scheduler.milp import solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
-from halo.scheduler.tp_plan import TP_KINDS, build_plan, plan_tp
+from halo.scheduler.plan import TP_KINDS
+from halo.scheduler.tp_plan import build_plan, plan_tp
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
 
@@ -110,8 +112,12 @@ def test_unfit_cluster_names_the_shortfall():
 def test_loss_costs_more_over_tcp_than_over_the_fast_path():
     devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, plr=0.05, bandwidth_bps=1e9) for i in range(4))
     plan = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
-    tcp, deadline, fast, ideal = (estimate(plan, m).total_s for m in ("tcp", "deadline", "fast", "ideal"))
-    assert tcp > deadline > fast > ideal
+    modes = ("tcp", "halo-tcp", "lossy", "halo", "exact", "ideal")
+    tcp, halo_tcp, lossy, halo, exact, ideal = (estimate(plan, m).total_s for m in modes)
+    assert tcp > halo_tcp > lossy > halo == exact > ideal
+    clean = build_plan(Cluster(tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9) for i in range(4)),
+                               context=512, weights="int4"), TINY, "minmax")
+    assert estimate(clean, "tcp").total_s == estimate(clean, "ideal").total_s == eq1_objective(clean)
 
 
 def test_unknown_algorithm_and_sync_mode():

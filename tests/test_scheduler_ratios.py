@@ -5,7 +5,8 @@ import pytest
 
 from halo.scheduler.profiles import Cluster, DeviceProfile
 from halo.scheduler.ratios import InsufficientMemory, computation_greedy, galaxy, memory_aware, min_max, vanilla
-from halo.scheduler.tp_plan import TensorParallelPlan, round_counts
+from halo.scheduler.plan import TensorParallelPlan
+from halo.scheduler.tp_plan import round_counts
 
 
 def test_paper_example_for_algorithm_3():

@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from halo.distributed import AgentError, DistributedModel, LocalCluster, even_plan, shares_from_plan
+from halo.distributed import AgentError, LocalCluster, cluster_model
 from halo.errors import ConfigError
 from halo.model import Transformer
-from halo.neuron_groups import GroupLayout
-from halo.sync import AdaptiveDeadline, SyncSettings, frame, ranking_digest
+from halo.sync import AdaptiveDeadline, Epoch, Point, SyncSettings, ranking_digest
+from halo.sync.framing import frame_broadcast, read_broadcast
 from halo.transport import wire
-from halo.transport.udp import UdpEndpoint
+from halo.transport.udp import GatherPolicy, UdpEndpoint
 
 CONTEXT = 256
 PROMPT = [1, 403, 407, 261, 378, 282]
@@ -24,10 +24,18 @@ RELAXED = ("lossy", "halo", "halo-tcp")
 
 
 def distributed(weights, cluster, **sync):
-    layout = GroupLayout.for_model(weights.config)
-    shares = shares_from_plan(even_plan(weights, layout, cluster.n + 1, context=CONTEXT), weights.config.n_layers)
-    return DistributedModel(weights, shares, cluster.endpoints, cluster.key, layout=layout, max_seq_len=CONTEXT,
-                            sync=SyncSettings(**sync))
+    return cluster_model(weights, cluster.endpoints, cluster.key, context=CONTEXT, sync=SyncSettings(**sync))
+
+
+def forced_agreement(model, tokens) -> float:
+    """Next-token top-1 agreement with `tokens` fed one by one (teacher forcing: a drop affects its own
+    step, it does not send the rest of the text elsewhere)."""
+    model.reset()
+    logits, agree = model.forward(PROMPT), 0
+    for token in tokens:
+        agree += int(np.argmax(logits)) == token
+        logits = model.forward([token])
+    return agree / len(tokens)
 
 
 def greedy(model, steps):
@@ -68,7 +76,7 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
     for mode in ("lossy", "halo"):
         model = distributed(stories_weights, cluster, mode=mode, inject_plr=0.10, seed=3)
         try:
-            tokens = greedy(model, 40)
+            agreement = forced_agreement(model, ref_tokens)
             loss = model.sync_report()["loss"]
             udp = [row["udp"] for row in model.report()]
         finally:
@@ -77,7 +85,7 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
         assert all(u["observed_plr"] > 0.03 for u in udp)  # the loss really happened
         if mode == "halo":
             assert sum(u["chunks_recovered_parity"] + u["chunks_recovered_nack"] for u in udp) > 0
-            assert np.mean(np.array(tokens) == np.array(ref_tokens)) >= 0.9
+            assert agreement >= 0.9 and loss["dropped_late"] <= loss["dropped_for_loss"]
     assert missing["lossy"] > 0.02
     assert missing["halo"] < missing["lossy"] / 4
 
@@ -108,9 +116,21 @@ def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tm
             model.close()
 
 
-def test_halo_needs_fp32_and_valid_settings(stories_weights):
-    with pytest.raises(ConfigError, match="fp32"):
-        DistributedModel(stories_weights, [], [], fmt="int8", sync=SyncSettings(mode="halo"))
+def test_halo_mode_runs_compact_weights(stories_weights, cluster):
+    """Re-mapped MLP groups computed by per-group int8 kernels, no loss: the single-process int8 model's
+    next tokens (teacher-forced; group-wise int8 blocks may round a little differently from whole rows)."""
+    tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT, fmt="int8",
+                          sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
+    try:
+        assert forced_agreement(model, tokens) >= 0.95
+        assert model.sync_report()["loss"]["partials_dropped"] == 0
+        assert all(row["weight_bytes"] < 0.5 * stories_weights.nbytes() for row in model.report())
+    finally:
+        model.close()
+
+
+def test_sync_settings_are_checked():
     with pytest.raises(ConfigError, match="unknown sync mode"):
         SyncSettings(mode="fast")
     with pytest.raises(ConfigError, match="floor"):
@@ -133,15 +153,17 @@ def test_deadline_rule_follows_the_median_and_is_clamped():
 def test_broadcast_framing_lets_the_receiver_learn_the_size():
     per = wire.values_per_chunk(wire.FLOAT32)
     x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)
-    body = frame([3, 17, ranking_digest(np.arange(8)), 0], x, per)
-    assert len(body) % per == 0 and body[0] == 3 and body[1] == 17
+    body = frame_broadcast(x, 17, ranking_digest(np.arange(8)), per)
+    assert len(body) % per == 0
     key = bytes(32)
     a, b = UdpEndpoint(key, 1, 0), UdpEndpoint(key, 1, 1)
     try:
-        a.send_vector(b.address, 1, 99, body)
-        result = b.gather(99, {0: None}, deadline_s=1.0, nack=True)
+        a.send_vector({1: b.address}, 99, body)
+        result = b.gather(99, {0: None}, policy=GatherPolicy(deadline_s=1.0, nack=True))
         assert result.complete
-        np.testing.assert_array_equal(result.values[0][4:4 + x.size].reshape(3, 64), x)
+        got = read_broadcast(result.values[0], 64)
+        assert (got.tokens, got.start, got.digest) == (3, 17, ranking_digest(np.arange(8)))
+        np.testing.assert_array_equal(got.x, x)
     finally:
         a.close()
         b.close()
@@ -153,11 +175,11 @@ def test_late_data_is_heard_but_not_used():
     key = bytes(32)
     a, b = UdpEndpoint(key, 1, 0), UdpEndpoint(key, 1, 1)
     try:
-        threading.Timer(0.05, lambda: a.send_vector(b.address, 1, 6, np.ones(64))).start()
-        result = b.gather(6, {0: 64}, deadline_s=0.01, must_complete=(), hard_deadline_s=2.0)
+        threading.Timer(0.05, lambda: a.send_vector({1: b.address}, 6, np.ones(64))).start()
+        result = b.gather(6, {0: 64}, policy=GatherPolicy(deadline_s=0.01, hard_deadline_s=2.0))
         assert not result.heard  # the gather ended at the deadline
         time.sleep(0.1)
-        result = b.gather(6, {0: 64}, deadline_s=0.0)
+        result = b.gather(6, {0: 64}, policy=GatherPolicy(deadline_s=0.0))
         assert result.heard == {0} and result.masks[0].all()  # queued before the gather: in time
     finally:
         a.close()
@@ -195,9 +217,13 @@ def test_a_malformed_broadcast_does_not_hurt_the_agent(stories_weights, cluster)
     model = distributed(stories_weights, cluster, mode="lossy", deadline_floor_ms=500, deadline_ceiling_ms=1000)
     try:
         greedy(model, 2)
-        forger = UdpEndpoint(cluster.key.udp_key, model.udp.session, 0)
-        bogus = frame([10_000, 0, 0, 0], np.zeros(64, np.float32), wire.values_per_chunk(wire.FLOAT32))
-        forger.send_vector(model.addresses[0], 1, wire.make_epoch(model.forward_id + 1, 0, 0), bogus)
+        udp = model.session.udp
+        forger = UdpEndpoint(cluster.key.udp_key, udp.session, 0)
+        forger.counter = udp.counter  # fresh counters (an old one would be refused as a replay before anything else)
+        bogus = np.zeros(wire.values_per_chunk(wire.FLOAT32), np.float32)
+        bogus[0] = 10_000  # claims 10,000 tokens in one chunk
+        forger.send_vector({1: model.agents[1].udp_address}, Epoch(model.forward_id + 1, 0, Point.ATTENTION).encode(), bogus)
+        udp.counter = forger.counter  # the master's own datagrams go on after those
         forger.close()
         assert greedy(model, 8) == ref  # the agent skipped it and serves the next forward passes
     finally:

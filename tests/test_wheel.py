@@ -32,3 +32,47 @@ def test_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
                           "--max-new-tokens", "8", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env,
                          check=True, timeout=120)
     assert json.loads(out.stdout)["text"] == ", there was a little girl"
+
+
+def readme_commands() -> list[str]:
+    """The bash blocks under the README's "Two commands" heading, in order: install+run, then test."""
+    section = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    return [block.split("\n", 1)[1].strip() for block in section.split("```")[1::2] if block.startswith("bash")]
+
+
+@pytest.mark.slow
+def test_readme_main_command_works_from_the_repository_root(tmp_path, known_answer):
+    """What a newcomer does: a fresh virtualenv, the README's first command verbatim, from the repository
+    root, with a plain (non-editable) install. The source folder halo/ sits on the working directory there:
+    local agents must still import the installed package (halo.edge_agent lives only there)."""
+    command = readme_commands()[0]
+    assert command.startswith("pip install '.[master]'") and "--local-agents 2" in command
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")
+    bin_dir = tmp_path / "venv" / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", VIRTUAL_ENV=str(tmp_path / "venv"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    out = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # after pip's output: the prompt's 4 tokens + 256 new ones, i.e. the known answer (256 tokens from BOS)
+    # and a few tokens more
+    generated = out.stdout[out.stdout.rfind("Once upon a time"):]
+    assert generated.startswith(known_answer) and len(generated) < len(known_answer) + 40
+    known = subprocess.run([str(bin_dir / "halo-master"), "generate", "--prompt", "", "--local-agents", "2", "--json"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert known.returncode == 0, known.stderr[-3000:]
+    assert json.loads(known.stdout)["text"] == known_answer
+
+
+def test_a_local_agent_that_dies_at_start_is_reported_at_once_with_its_own_words(tmp_path):
+    """An agent that crashes at start (here: a model file that does not exist) is named with its stderr,
+    within seconds, not after the start-up timeout."""
+    import time
+
+    from halo.distributed import LocalCluster
+    from halo.errors import HaloError
+
+    start = time.monotonic()
+    with pytest.raises(HaloError, match=r"(?s)local-1 exited with code 2 before it listened.*no such file"):
+        with LocalCluster(1, model_path=str(tmp_path / "missing.bin"), startup_timeout_s=60):
+            pass
+    assert time.monotonic() - start < 15

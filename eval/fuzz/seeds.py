@@ -73,20 +73,45 @@ def hf_config(**overrides) -> bytes:
 
 
 def wire_seeds() -> dict[str, bytes]:
-    from halo.transport import wire
+    """Datagrams as a peer's UdpEndpoint sends them (sender 1, session 7, the fuzz key), framed for the wire
+    target: flags, values per peer, the epoch gathered, then (2-byte length, datagram) pairs."""
+    from halo.transport import udp, wire
+
+    from .targets import DATAGRAM_LENGTH
 
     key = bytes(range(wire.KEY_BYTES))
-    values = np.linspace(-1, 1, 8, dtype=np.float32)
-    seeds = {}
-    for dtype in (wire.FLOAT32, wire.FLOAT16, wire.INT8):
-        payload = wire.encode_values(values, dtype)
-        datagram = wire.pack(wire.Header(wire.DATA, dtype, 1, 7, wire.make_epoch(3, 2, 1), 0, 1, len(payload)), payload, key)
-        seeds[f"data-{dtype}"] = bytes([3]) + (8).to_bytes(2, "little") + datagram
-    nack = wire.pack(wire.Header(wire.NACK, 0, 0, 7, 5, 0, 1, 4), struct.pack("<2H", 0, 3), key)
-    probe = wire.pack(wire.Header(wire.PROBE, 0, 2, 7, 9, 0, 2, 0), b"", key)
-    parity = wire.pack(wire.Header(wire.PARITY, 0, 1, 7, 5, 0, 2, 6), struct.pack("<H", 2) + bytes(4), key)
-    seeds.update({"nack": bytes([0, 0, 0]) + nack, "probe": bytes([2, 0, 0]) + probe, "parity": bytes([1, 1, 0]) + parity})
-    return seeds
+    peer = udp.UdpEndpoint(key, 7, 1)
+    sent: list[bytes] = []
+    peer.send_hook = lambda sock, datagram, address: sent.append(datagram)
+
+    def vector(epoch: int, n: int, dtype: int, parity_group: int = 0) -> list[bytes]:
+        sent.clear()
+        peer.send_vector({0: ("127.0.0.1", 9)}, epoch, np.linspace(-1, 1, n, dtype=np.float32), dtype, parity_group)
+        return list(sent)
+
+    def framed(flags: int, n: int, epoch: int, datagrams: list[bytes]) -> bytes:
+        return bytes([flags]) + n.to_bytes(2, "little") + bytes([epoch]) + b"".join(
+            DATAGRAM_LENGTH.pack(len(d)) + d for d in datagrams)
+
+    try:
+        f32 = vector(5, 800, wire.FLOAT32, parity_group=2)  # 3 data chunks, 2 parity chunks (f16: 2 whole chunks, as senders of unknown sizes pad)
+        f16, int8 = vector(5, 2 * 711, wire.FLOAT16), vector(5, 300, wire.INT8)
+        old, new = vector(4, 10, wire.FLOAT32), vector(6, 10, wire.FLOAT32)
+        nack = peer.pack(wire.NACK, wire.FLOAT32, 5, 0, 1, np.array([0, 2, 9], "<u2").tobytes())
+        probe = [peer.pack(wire.PROBE, 0, 9, 0, 2, b"ping"), peer.pack(wire.PROBE, 0, 9, 1, 2, b"pong")]
+        forged = bytearray(f32[0])
+        forged[18:26] = (1 << 40).to_bytes(8, "little")  # another counter: valid only once re-tagged (flag bit 0)
+    finally:
+        peer.close()
+    return {"vector-f32": framed(2, 800, 5, f32[:3]),
+            "parity-repair": framed(2, 800, 5, [f32[0], f32[2], f32[3], f32[4]]),
+            "replayed": framed(2, 800, 5, [f32[0], f32[1], f32[0], f32[2], f32[1]]),
+            "f16-unknown-size": framed(wire.FLOAT16 << 2, 0, 5, f16),
+            "int8": framed(2 | wire.INT8 << 2, 300, 5, int8),
+            "stale-and-early": framed(2, 800, 5, old + new + f32[:1]),
+            "nack-probe": framed(0, 800, 5, [nack, *probe]),
+            "retag": framed(1, 800, 5, [bytes(forged), f32[1]]),
+            "garbage": framed(1, 800, 5, [b"", b"HL\x02", f32[0][:40], f32[0] + b"x", bytes(1500)])}
 
 
 def control_seeds() -> dict[str, bytes]:
@@ -135,6 +160,49 @@ def hf_tokenizer_json() -> bytes:
     return json.dumps(json.loads(tok.to_str()), separators=(",", ":")).encode()
 
 
+def gguf_seeds() -> dict[str, bytes]:
+    """Tiny Llama GGUF files: F16 matrices with llama.cpp's byte-level (gpt2) tokenizer, and Q8_0 blocks with
+    a SentencePiece-style (llama) vocabulary of 259 byte pieces and a few merges."""
+    import gguf
+    import gguf.quants
+
+    from halo.eval.random_checkpoint import gguf_tensor_name, random_tensors, write_llama_gguf
+
+    small = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=258, max_position_embeddings=16, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, tie_word_embeddings=True)
+    blocks = dict(small, hidden_size=32, intermediate_size=32, num_attention_heads=1, vocab_size=262)
+    with tempfile.TemporaryDirectory() as scratch:
+        f16 = write_llama_gguf(Path(scratch) / "f16.gguf", small, random_tensors(small), "F16").read_bytes()
+        path = Path(scratch) / "q8.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(1)
+        writer.add_context_length(16)
+        writer.add_embedding_length(32)
+        writer.add_feed_forward_length(32)
+        writer.add_head_count(1)
+        writer.add_head_count_kv(1)
+        writer.add_layer_norm_rms_eps(1e-5)
+        pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a", "\u2581b", "ab"]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0])
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1, 1, 1])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        for name, array in random_tensors(blocks):
+            kind = gguf.GGMLQuantizationType.F32 if array.ndim == 1 else gguf.GGMLQuantizationType.Q8_0
+            stored = array if array.ndim == 1 else gguf.quants.quantize(array, kind)
+            writer.add_tensor(gguf_tensor_name(name), stored, raw_dtype=None if array.ndim == 1 else kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        q8 = path.read_bytes()
+    header_only = f16[:f16.index(b"token_embd.weight") - 8]  # metadata, cut before the tensor table
+    return {"f16-gpt2": f16, "q8-llama-vocab": q8, "truncated": header_only}
+
+
 def write_seeds(corpus: Path = CORPUS) -> None:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     shard = safetensors({"model.norm.weight": ("F32", np.array([1.0, 2.0], "<f4")),
@@ -157,6 +225,7 @@ def write_seeds(corpus: Path = CORPUS) -> None:
                     "export-magic": struct.pack("<7i", 0x616B3432, 2, 0, 0, 0, 0, 0)},
         "llama2c_tokenizer": {"small": (262).to_bytes(2, "little") + llama2c_tokenizer([b" ", b"a", b" a"]),
                               "tok512": (512).to_bytes(2, "little") + Path(str(BUNDLED_TOKENIZER)).read_bytes()},
+        "gguf": gguf_seeds(),
         "safetensors": {"three-dtypes": safetensors(
             {"a": ("F32", np.arange(6, dtype="<f4").reshape(2, 3)), "b": ("F16", np.ones(3, "<f2")),
              "c": ("BF16", np.array([[0x3F80]], "<u2")), "empty": ("F32", np.zeros((0, 4), "<f4"))},

@@ -6,14 +6,7 @@ a hang (the per-input timeout) or a runaway allocation (the worker's address-spa
 MemoryError).
 
 Adding a target is a few lines: a builder that returns (one-input function, allowed exceptions),
-registered with `@target`, plus one or more seed files in corpus/NAME/ (see corpus/README.md). E.g. for
-the GGUF reader, once it lands:
-
-    @target("gguf", "GGUF header, metadata and tensor table", dictionary=(b"GGUF",))
-    def _gguf():
-        from halo.errors import ModelFormatError
-        from halo.formats import gguf
-        return in_file(gguf.read_checkpoint), (ModelFormatError,)
+registered with `@target`, plus one or more seed files in corpus/NAME/ (see corpus/README.md).
 """
 
 from __future__ import annotations
@@ -89,34 +82,101 @@ def in_file(parse: Callable[[Path], object], name: str = "input") -> OneInput:
 
 
 # ---- the targets ----------------------------------------------------------------------------------------------
-@target("wire", "UDP datagram: wire.unpack, then decode_values of the payload",
-        dictionary=(b"HL\x01", b"HL\x01\x00\x00", b"HL\x01\x01\x02", b"HL\x01\x02\x00"))
+DATAGRAM_LENGTH = struct.Struct("<H")  # wire target: each datagram of an input follows its 2-byte length
+
+
+def split_datagrams(data: bytes) -> list[bytes]:
+    """The datagrams of a wire-target input body: (2-byte little-endian length, bytes) repeated."""
+    out, at = [], 0
+    while at + DATAGRAM_LENGTH.size <= len(data):
+        (n,) = DATAGRAM_LENGTH.unpack_from(data, at)
+        at += DATAGRAM_LENGTH.size
+        out.append(data[at:at + n])
+        at += n
+    return out
+
+
+@target("wire", "UDP datagrams (wire v2) into an endpoint: Codec.unpack, replay window (counter), NACK/probe "
+        "answers, then a gather's Inbound states (chunks, parity repair, vectors)",
+        dictionary=(b"HL\x02", b"HL\x02\x00\x00", b"HL\x02\x01\x00", b"HL\x02\x02\x02", b"HL\x02\x03\x00",
+                    b"\x07\x00\x00\x00", b"\xff\xff\xff\xff\xff\xff\xff\xff"), max_len=8192)
 def _wire():
     import numpy as np
 
-    from halo.transport import wire
+    from halo.transport import udp, wire
 
-    key = bytes(range(wire.KEY_BYTES))
+    endpoint = udp.UdpEndpoint(bytes(range(wire.KEY_BYTES)), 7, 0)  # bound, never read: datagrams come from here
+    endpoint.send_hook = lambda sock, datagram, address: None  # NACK and probe answers go nowhere
+    sender = ("127.0.0.1", 9)
+    endpoint.send_vector({1: sender, 2: sender}, 5, np.arange(1000, dtype=np.float32))  # what NACKs may ask for
+    policy = udp.GatherPolicy(nack=True)
+
+    def retag(datagram: bytes) -> bytes:
+        """The datagram as the key holder would send it (header fields kept, length and tag made right), so
+        inputs reach the checks after the tag."""
+        payload = datagram[wire.HEADER.size:len(datagram) - wire.TAG_BYTES]
+        if len(datagram) < wire.HEADER.size + wire.TAG_BYTES or len(payload) > wire.MAX_PAYLOAD:
+            return datagram
+        return endpoint.codec.pack(*wire.HEADER.unpack_from(datagram)[2:10], payload)
+
+    def rejected() -> int:
+        return sum(sum(s.rejected.values()) for s in endpoint.stats.values())
 
     def one_input(data: bytes):
-        """Byte 0: bit 0 = re-tag with the key (reach the checks after the tag), bit 1 = expect session 7.
-        Bytes 1-2: how many values the receiver expects. The rest: the datagram."""
-        if len(data) < 3:
+        """Byte 0: bit 0 = re-tag every datagram, bit 1 = the receiver knows the vector size, bits 2-3 = its
+        dtype. Bytes 1-2: values per peer; byte 3: the epoch gathered. Then (length, datagram) pairs."""
+        if len(data) < 4:
             return
-        flags, wanted, datagram = data[0], int.from_bytes(data[1:3], "little"), data[3:]
-        if flags & 1 and len(datagram) >= wire.TAG_BYTES:
-            body = datagram[:-wire.TAG_BYTES]
-            datagram = body + wire.tag(key, body)
-        header, payload = wire.unpack(datagram, key, 7 if flags & 2 else None)
-        per = wire.values_per_chunk(header.dtype)
-        for n in (per, min(wanted, per)):  # what gather expects, and a short last chunk
-            try:
-                values = wire.decode_values(payload, header.dtype, n)
-            except wire.WireError:
-                continue
-            assert values.dtype == np.float32 and values.shape == (n,), (values.dtype, values.shape, n)
+        flags, n_values, epoch = data[0], max(1, int.from_bytes(data[1:3], "little")), data[3]
+        dtype = (flags >> 2) & 3 if (flags >> 2) & 3 <= wire.INT8 else wire.FLOAT32
+        endpoint.join(7, 0)
+        endpoint.probe_replies.clear()
+        inbound = endpoint._open_inbound(0.0, {1: n_values if flags & 2 else None, 2: None}, dtype, policy, None)
+        accepted: dict[int, set[int]] = {}
+        for datagram in split_datagrams(data[4:]):
+            datagram = retag(datagram) if flags & 1 else datagram
+            before, fresh = rejected(), None
+            if _authentic(endpoint, datagram):
+                header = wire.HEADER.unpack_from(datagram)
+                fresh = _fresh(accepted, header[4], header[7])
+            admitted = endpoint.admit(datagram)
+            assert (admitted is None) == (rejected() == before + 1) and rejected() <= before + 1, "counted once"
+            if fresh is not None:
+                assert (admitted is not None) == fresh, f"replay window: counter {header[7]}, fresh={fresh}"
+            if admitted is not None:
+                endpoint._take(epoch, *admitted, sender, inbound, True, None, policy)
+        result = endpoint._close_gather(0.0, inbound)
+        for peer, state in inbound.items():
+            values, mask = result.values[peer], result.masks[peer]
+            assert values.dtype == np.float32 and values.shape == ((state.n_values or 0),), (values.shape, state.n_values)
+            assert state.received == int(np.count_nonzero(np.frombuffer(bytes(state.got), np.uint8)))
+            assert not state.complete or mask.all()
 
-    return one_input, (wire.WireError,)
+    return one_input, ()
+
+
+def _authentic(endpoint, datagram: bytes) -> bool:
+    """Whether the endpoint's codec takes the datagram (the replay oracle only judges those)."""
+    from halo.transport import wire
+
+    try:
+        endpoint.codec.unpack(datagram, endpoint.session)
+    except wire.WireError:
+        return False
+    return True
+
+
+def _fresh(accepted: dict[int, set[int]], sender: int, counter: int) -> bool:
+    """The replay rule stated plainly: a counter is taken once, and only within REPLAY_WINDOW of the newest
+    taken from that sender (the oracle ReplayWindow's bit set must agree with)."""
+    from halo.transport.wire import REPLAY_WINDOW
+
+    seen = accepted.setdefault(sender, set())
+    top = max(seen, default=-1)
+    fresh = counter > top or (top - counter < REPLAY_WINDOW and counter not in seen)
+    if fresh:
+        seen.add(counter)
+    return fresh
 
 
 @target("control", "control message: reliable.decode of frames (split at b'\\xfe\\xfe')",
@@ -218,6 +278,28 @@ def _safetensors():
         del file  # release the memory map before the next input overwrites the file
 
     return in_file(parse, "model.safetensors"), (ModelFormatError,)
+
+
+@target("gguf", "GGUF file: formats.gguf.read_checkpoint (header, metadata, tensor table, weights), then the "
+        "tokenizer its metadata describes (encode and decode a text)",
+        dictionary=(b"GGUF", b"general.architecture", b"llama", b"general.alignment", b"llama.embedding_length",
+                    b"llama.attention.head_count", b"llama.block_count", b"tokenizer.ggml.model", b"tokenizer.ggml.tokens",
+                    b"tokenizer.ggml.scores", b"tokenizer.ggml.merges", b"gpt2", b"token_embd.weight",
+                    struct.pack("<I", 8), struct.pack("<I", 9), struct.pack("<Q", 1 << 62)), max_len=32768)
+def _gguf():
+    from halo.errors import ModelFormatError
+    from halo.formats import gguf
+    from halo.tokenizer import gguf_tokenizer
+
+    def parse(path: Path):
+        weights = gguf.read_checkpoint(path)
+        file = weights.extra["gguf_file"]
+        if "tokenizer.ggml.model" in file.metadata:
+            tokenizer = gguf_tokenizer(file, weights.config)
+            tokenizer.decode(tokenizer.encode("Once upon a time, \u00e9\u4e16"))
+        del weights, file  # release the memory map before the next input overwrites the file
+
+    return in_file(parse, "model.gguf"), (ModelFormatError,)
 
 
 @target("hf_config", "Hugging Face config.json: formats.hf.read_config",

@@ -1,0 +1,158 @@
+"""The agent's side of every round: compute its partial of a block, send it back, predict the next layer.
+
+Inputs come over the control connection (reliable and halo-tcp modes: `Agent._block`) or as UDP
+broadcasts (lossy and halo modes: `poll`). UDP inputs our KV caches need (attention of our layers)
+are handled in order and never skipped: one we never saw a datagram of is asked for with a blind
+NACK; one that still never comes marks the caches incomplete (`kv_gap`) and every later attention
+partial says Status.KV_GAP until the master resets the session. Other inputs are answered only while
+current: a newer broadcast means the master has moved on, so an older MLP / LM-head input is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from halo.errors import HaloError
+from halo.shares import Block
+from halo.sync import Epoch, FramingError, Point, Status, SyncSettings
+from halo.sync.framing import (attention_inputs_between, forward_passes_between, frame_partial, is_reply,
+                               read_broadcast, reply_epoch)
+from halo.transport import wire
+from halo.transport.udp import GatherPolicy, UdpEndpoint
+from halo.worker import DeviceWorker
+
+log = logging.getLogger("halo.agent")
+MASTER = 0  # the master's UDP sender id
+KINDS = {Point.ATTENTION: "attention", Point.MLP: "mlp", Point.LM_HEAD: "lm_head"}
+MAX_FORWARD_JUMP = 4  # forward passes skipped at once beyond which a jump is not a lost packet
+RESEND_INTERVAL_S = 0.002
+
+
+class AgentRounds:
+    def __init__(self, worker: DeviceWorker, sync: SyncSettings, udp: UdpEndpoint, served: dict):
+        self.worker, self.sync, self.udp, self.served = worker, sync, udp, served
+        self.forward = 0  # the master's forward pass we are in
+        self.last_epoch = 0  # newest UDP input handled
+        self.kv_gap = False  # an attention input never arrived: our KV caches are incomplete until reset
+        self._resent: dict[int, float] = {}  # input epoch -> when we last re-sent its partial
+
+    def reset(self) -> None:
+        self.worker.reset()
+        self.kv_gap = False
+
+    # ---- one block ----------------------------------------------------------------------------------
+    def run(self, block: Block, epoch: int, x: np.ndarray, start: int, digest: int, send) -> None:
+        """Compute our partial of a block, hand it to send(out, status, compute_ms, cpu_ms), and predict the
+        next layer (before computing, or after sending when prediction overlaps communication)."""
+        forward = Epoch.decode(epoch).forward
+        if forward != self.forward:  # a new forward pass: rankings of the last one must not be reused
+            self.forward = forward
+            self.worker.begin_forward()
+        predicts = self.worker.predicts_from(block)
+        if predicts and not self.sync.pred_overlap:
+            self._predict(block, x)
+        t, cpu = time.perf_counter(), time.thread_time()
+        out, status = self._compute(block, x, start, digest)
+        compute_ms = 1e3 * (time.perf_counter() - t)
+        self.served["blocks"] += 1
+        self.served["compute_ms"] += compute_ms
+        t = time.perf_counter()
+        send(out, status, compute_ms, 1e3 * (time.thread_time() - cpu))
+        self.served["send_ms"] += 1e3 * (time.perf_counter() - t)
+        if predicts and self.sync.pred_overlap:
+            self._predict(block, x)
+
+    def _predict(self, block: Block, x: np.ndarray) -> None:
+        t = time.perf_counter()
+        self.worker.predict_next(block, x)
+        self.served["predict_ms"] += 1e3 * (time.perf_counter() - t)
+
+    def _compute(self, block: Block, x: np.ndarray, start: int, digest: int) -> tuple[np.ndarray | None, Status]:
+        """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
+        if not self.worker.holds(block):
+            if self.worker.predicts_from(block):
+                return None, Status.OK  # a listener: it only needed the input to predict
+            raise HaloError(f"this agent holds no groups of the {block}")
+        if block.kind == "attention":
+            if self.kv_gap:
+                return np.zeros_like(x), Status.KV_GAP
+            if start < 0 or start + len(x) > self.worker.rotary.cos.shape[0]:
+                raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context")
+        if block.kind == "mlp" and self.worker.digest(block.layer) != digest:
+            return np.zeros_like(x), Status.RANKING_MISMATCH  # full size, so the master reads the status
+        return self.worker.compute(block, x, start), Status.OK
+
+    def send_partial(self, epoch: int, out, status: Status, compute_ms: float) -> None:
+        """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
+        recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
+        parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
+        self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
+                             parity_group=parity)
+
+    # ---- UDP inputs ---------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Handle the master's broadcasts that have arrived (call when the UDP socket is readable)."""
+        pending = self.udp.pending_epochs(MASTER, self.last_epoch, 0.0, on_stale=self._resend_partial)
+        if not pending:
+            return
+        newest = pending[-1]
+        if forward_passes_between(self.last_epoch, newest) > MAX_FORWARD_JUMP:
+            log.warning("broadcast epochs jumped from %#x to %#x: starting over from there", self.last_epoch, newest)
+            required = []
+        else:
+            required = attention_inputs_between(self.last_epoch, newest, self.worker.attention)
+        for epoch in required:
+            if not self._serve_broadcast(epoch, required=True):
+                self.kv_gap = True  # our caches miss a position: refuse attention until the master resets
+                self.served["errors"] += 1
+                log.warning("never received attention input %#x: KV cache incomplete until the next reset", epoch)
+                self.last_epoch = max(self.last_epoch, epoch)
+        if newest > self.last_epoch:
+            self._serve_broadcast(newest, required=False)
+
+    def _serve_broadcast(self, epoch: int, required: bool) -> bool:
+        """Gather one broadcast (NACKing its holes), compute, send the partial; False: it never came."""
+        def ask(_peer):  # not one datagram of it arrived: ask the master for all of it
+            self.udp.request_all(epoch, MASTER, None)
+
+        policy = GatherPolicy(deadline_s=1.0, nack=True, stop_on_newer=not required,
+                              silent_s=0.005 if required else None)
+        t = time.perf_counter()
+        result = self.udp.gather(epoch, {MASTER: None}, wire.FLOAT32, policy, on_silent=ask if required else None,
+                                 on_stale=self._resend_partial)
+        self.served["input_wait_ms"] += 1e3 * (time.perf_counter() - t)
+        if not result.complete:  # the master moved on (or went quiet): nothing to answer
+            self.served["broadcasts_incomplete"] += 1
+            return False
+        try:
+            if is_reply(epoch):
+                raise FramingError(f"epoch {epoch:#x} is a reply, not an input")
+            point = Epoch.decode(epoch)
+            broadcast = read_broadcast(result.values[MASTER], self.worker.config.dim)
+        except FramingError as e:
+            self.served["errors"] += 1
+            log.warning("ignored a malformed broadcast (epoch %#x): %s", epoch, e)
+            return True
+        self.last_epoch = max(self.last_epoch, epoch)  # only inputs we answer: a bad one must not hide a good one
+        block = Block(KINDS[point.point], point.layer)
+        try:
+            self.run(block, epoch, broadcast.x, broadcast.start, broadcast.digest,
+                     lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms))
+        except HaloError as e:
+            self.served["errors"] += 1
+            log.warning("block refused: %s", e)
+        return True
+
+    def _resend_partial(self, header: wire.Header, _address) -> None:
+        """The master sent an input again that we already answered: our partial got lost (or is late);
+        send it again (once per re-sent input: its chunks arrive together)."""
+        now = time.monotonic()
+        if now - self._resent.get(header.epoch, 0.0) < RESEND_INTERVAL_S:
+            return
+        self._resent = {e: t for e, t in self._resent.items() if now - t < 1.0}
+        self._resent[header.epoch] = now
+        if self.udp.resend(reply_epoch(header.epoch), MASTER):
+            self.served["partials_resent"] += 1

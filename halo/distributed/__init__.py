@@ -1,0 +1,18 @@
+"""The master side of a tensor-parallel cluster, by concern:
+
+- remote.py: `RemoteAgent`, one object per agent (address, node id, share, stats, liveness);
+- session.py: the control plane of a session (hello, UDP endpoint, link probes, reset, bye);
+- rounds.py: `MasterRound`, one block's synchronization as the sync policy plans it;
+- master.py: `DistributedModel`, a device worker plus the coordinator of the forward pass;
+- connect.py: `cluster_model` / `connect`, the one way to build a master over agents with a plan;
+- local.py: `LocalCluster`, agents started on this machine.
+"""
+
+from .connect import cluster_model, connect
+from .local import AgentProcess, LocalCluster, agent_command, stop_processes
+from .master import DistributedModel
+from .remote import AgentError, RemoteAgent
+from .session import DEFAULT_TIMEOUT_S, MasterSettings
+
+__all__ = ["AgentError", "AgentProcess", "DEFAULT_TIMEOUT_S", "DistributedModel", "LocalCluster", "MasterSettings",
+           "RemoteAgent", "agent_command", "cluster_model", "connect", "stop_processes"]

@@ -1,0 +1,207 @@
+"""The master of a tensor-parallel cluster: a device worker plus a coordinator.
+
+`DistributedModel` has the same interface as the single-process `Transformer` (forward, reset,
+max_seq_len), so `generate()` drives either. For every block it opens a round (rounds.py) that sends
+the residual stream to the agents that need it, computes its own share meanwhile (HALO: the master is
+a worker too), and adds the partial outputs in a fixed order (its own share, then agents by node id),
+so the result is deterministic. The LM head's vocabulary slices are gathered into full logits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from halo.errors import HaloError
+from halo.neuron_groups import GroupLayout
+from halo.shares import Block, Shares, rank_range
+from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, plan_round
+from halo.worker import DeviceWorker
+from halo.weights import ModelWeights
+
+from .remote import RemoteAgent
+from .rounds import MasterRound, RoundContext
+from .session import MasterSettings, Session
+from .timing import RoundTime, Timings
+
+POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
+
+
+class DistributedModel:
+    def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
+                 insecure: bool = False, layout: GroupLayout | None = None, settings: MasterSettings = MasterSettings()):
+        """shares: plan order, the master's first; endpoints: one per agent, in the same order."""
+        if len(endpoints) != len(shares) - 1:
+            raise HaloError(f"the plan has {len(shares)} participants: the master and {len(shares) - 1} agents, "
+                            f"but {len(endpoints)} agent addresses were given")
+        c = self.config = weights.config
+        self.weights, self.settings, self.sync = weights, settings, settings.sync
+        self.layout = layout or GroupLayout.for_model(c)
+        self.max_seq_len = min(c.max_seq_len, settings.context)
+        self.timeout_s = settings.timeout_s
+        predictors = None
+        if self.sync.policy.remap and self.sync.predict:
+            from halo.loader import load_predictors
+
+            predictors = load_predictors(weights, settings.predictors)
+        self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
+                                   remap=self.sync.policy.remap, predictors=predictors,
+                                   load_overlap=self.sync.load_overlap)
+        self.own_vocab_ids = self.worker.lm_head.token_ids if self.worker.lm_head else None
+        self.pos = self.step = self.forward_id = 0
+        self.ledger = LossLedger()
+        self.timings = Timings()
+        self.deadline = AdaptiveDeadline(self.sync)
+        self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
+                                    insecure)
+        self.agents: dict[int, RemoteAgent] = self.session.agents
+        self.rounds = RoundContext(self.agents, self.session.udp, self.sync, self.deadline, self.ledger,
+                                   self.timeout_s, c.dim, self._ranks_of)
+        # who holds groups of which block, worked out once: the per-token loop only looks them up
+        self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
+
+    def _blocks(self):
+        for l in range(self.config.n_layers):
+            yield Block("attention", l)
+            yield Block("mlp", l)
+        yield Block("lm_head", self.config.n_layers)
+
+    # ---- one token ------------------------------------------------------------------------------------
+    def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        start = self.pos if start_pos is None else start_pos
+        if tokens.ndim != 1 or len(tokens) == 0 or tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise ValueError("forward needs a non-empty 1-D sequence of valid token ids")
+        if start + len(tokens) > self.max_seq_len:
+            raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
+        self.forward_id += 1
+        self.timings.forwards += len(tokens) == 1
+        self.worker.begin_forward()
+        x = np.array(self.weights.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
+        for l in range(self.config.n_layers):
+            x = x + self._block(Block("attention", l), x, start)
+            x = x + self._block(Block("mlp", l), x, start)
+        logits = self._block(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
+        self.pos = start + len(tokens)
+        self.step += 1
+        return logits if all_logits else logits[0]
+
+    def _block(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+        """One round: send the input, compute the own share, merge the partials (own share first, then
+        agents by node id: deterministic). Decode rounds are timed (timing.py)."""
+        t0 = time.perf_counter()
+        round_ = self._open_round(block, x, start)
+        round_.send()
+        t1 = time.perf_counter()
+        out = self._own(block, x, start)
+        t2 = time.perf_counter()
+        if self.sync.pred_overlap:
+            self.worker.predict_next(block, x)  # while the partial sums are in flight
+        t3 = time.perf_counter()
+        partials = round_.collect()
+        t4 = time.perf_counter()
+        for i, partial in sorted(partials.items()):
+            if partial is not None:
+                out = self._merge(block, out, self.agents[i], partial)
+        t5 = time.perf_counter()
+        if not self.sync.pred_overlap:
+            self.worker.predict_next(block, x)
+        t6 = time.perf_counter()
+        if len(x) == 1:
+            self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
+                                          1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
+                                round_.agent_compute)
+        return out
+
+    def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:
+        holders = self.holders[block]
+        listeners = []
+        if self.worker.remapper is not None and block.kind == "attention" and block.layer + 1 < self.config.n_layers:
+            listeners = self.holders[Block("mlp", block.layer + 1)]  # they predict the next layer from this input
+        plan = plan_round(self.sync.policy, holders, listeners, self._critical(block, holders))
+        epoch = Epoch(self.forward_id, block.layer, POINTS[block.kind]).encode()
+        digest = self.worker.digest(block.layer) if block.kind == "mlp" else 0
+        label = f"{block.kind} of layer {block.layer} at position {start} (step {self.step})"
+        return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label)
+
+    def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+        if block.kind == "lm_head":
+            out = np.zeros((len(x), self.config.vocab_size), dtype=np.float32)
+            if self.worker.lm_head is not None:
+                out[:, self.own_vocab_ids] = self.worker.compute(block, x, start)
+            return out
+        return self.worker.compute(block, x, start) if self.worker.holds(block) else np.zeros_like(x)
+
+    @staticmethod
+    def _merge(block: Block, out: np.ndarray, agent: RemoteAgent, partial: np.ndarray) -> np.ndarray:
+        if block.kind == "lm_head":
+            out[:, agent.vocab_ids] = partial
+            return out
+        return out + partial
+
+    # ---- what is critical, and the ranks of what was dropped ------------------------------------------
+    def _critical(self, block: Block, holders: list[int]) -> set[int]:
+        """Agents whose partial must arrive whole: layer 0 and the LM head always; in HALO mode any holding a
+        group in the predicted top `critical_fraction` (MLP: by its rank range; heads: by the ranking)."""
+        if block.kind == "lm_head" or block.layer == 0:
+            return set(holders)
+        if not self.sync.policy.remap:
+            return set()
+        if block.kind == "mlp":
+            cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
+            return {i for i in holders if rank_range(self.agents[i].share.mlp[block.layer])[0] < cut}
+        ranking = self.worker.remapper.head_rankings.get(block.layer)
+        if ranking is None:
+            return set(holders)
+        top = set(np.unique(ranking[:, :math.ceil(self.sync.critical_fraction * self.layout.n_heads)]).tolist())
+        return {i for i in holders if top & set(self.agents[i].share.attention[block.layer])}
+
+    def _ranks_of(self, agent: RemoteAgent, block: Block) -> list[int]:
+        """Predicted importance ranks (0 = most important) of an agent's groups of a block."""
+        groups = agent.share.groups(block)
+        if self.worker.remapper is None:
+            return list(groups)
+        if block.kind == "mlp":
+            return list(range(*rank_range(groups)))
+        ranking = self.worker.remapper.head_rankings.get(block.layer)
+        return list(groups) if ranking is None else [int(np.flatnonzero(ranking[-1] == h)[0]) for h in groups]
+
+    # ---- reports and lifecycle --------------------------------------------------------------------------
+    @property
+    def own_compute_ms(self) -> float:
+        return self.worker.compute_ms
+
+    @property
+    def own_cpu_ms(self) -> float:
+        return self.worker.cpu_ms
+
+    def report(self) -> list[dict]:
+        """Per agent: profile, share, and the time the master spent waiting for it vs its own compute."""
+        rows = []
+        for i, agent in sorted(self.agents.items()):
+            row = agent.report()
+            if self.session.udp is not None and self.sync.policy.uses_udp:
+                row["udp"] = self.session.udp.stats[i].to_json()
+            rows.append(row)
+        return rows
+
+    def sync_report(self) -> dict:
+        """The sync mode, its settings and what it lost (the loss ledger)."""
+        out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json(), "breakdown": self.timings.to_json()}
+        if self.session.udp is not None:
+            out["rejected"] = self.session.udp.rejections()  # datagrams refused here, by reason
+        if self.worker.remapper is not None:
+            out["predict_ms"] = round(self.worker.remapper.predict_ms, 3)
+            out["load_ms"] = round(self.worker.remapper.load_ms, 3)
+        return out
+
+    def reset(self) -> None:
+        self.pos = self.step = 0
+        self.worker.reset()
+        self.session.reset()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.session.close()

@@ -1,0 +1,156 @@
+"""One agent as the master sees it: where it is, what it computes, how it is doing.
+
+A `RemoteAgent` owns the control connection to one agent (a ZeroMQ DEALER with the cluster key) and
+everything the master knows about it: its node id (its sender id on UDP; the master is 0), its share,
+its UDP address (from its hello reply: the control plane, never a datagram, says where a peer is),
+its profile, counters and when it was last heard from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import zmq
+
+from halo.errors import HaloError
+from halo.shares import Block, Shares
+from halo.transport.reliable import Message, MessageError, decode, encode
+
+
+class AgentError(HaloError):
+    """An agent refused, failed or went silent."""
+
+
+@dataclass
+class AgentStats:
+    requests: int = 0  # replies received over the control connection
+    wait_ms: float = 0.0  # time the master spent waiting for those replies
+    compute_ms: float = 0.0  # the agent's own compute, as it reports it
+    cpu_ms: float = 0.0
+
+
+@dataclass
+class RemoteAgent:
+    node_id: int  # 1..254; its UDP sender id
+    endpoint: str  # tcp://host:port of its control socket
+    share: Shares
+    socket: object  # zmq DEALER
+    timeout_s: float
+    name: str = ""
+    profile: dict = field(default_factory=dict)
+    udp_address: tuple | None = None
+    weight_bytes: int = 0
+    stats: AgentStats = field(default_factory=AgentStats)
+    last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
+    vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
+    monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
+    link: str = "connecting"  # connecting, connected, secured (handshake done)
+    keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
+
+    def __post_init__(self):
+        self.name = self.name or f"agent-{self.node_id}"
+
+    @property
+    def host(self) -> str:
+        return self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+
+    def holds(self, block: Block) -> bool:
+        return self.share.holds(block)
+
+    def width(self, block: Block, dim: int) -> int:
+        """Values per token of its partial of a block (0: it holds none, an acknowledgement)."""
+        if not self.holds(block):
+            return 0
+        return len(self.vocab_ids) if block.kind == "lm_head" else dim
+
+    def send(self, kind: str, fields: dict, arrays=()) -> None:
+        try:
+            self.socket.send_multipart(encode(Message(kind, fields, list(arrays))))
+        except zmq.Again:  # the socket's send timeout: its connection is gone or stuck
+            raise AgentError(f"could not send {kind!r} to agent {self} within {self.timeout_s:.1f} s: it stopped, "
+                             "crashed or lost its network") from None
+
+    def receive(self, what: str) -> Message:
+        t = time.perf_counter()
+        if not self._wait(t + self.timeout_s):
+            raise AgentError(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: {self._why_silent()}")
+        try:
+            reply = decode(self.socket.recv_multipart())
+        except MessageError as e:
+            raise AgentError(f"agent {self} sent a malformed reply to {what}: {e}") from None
+        self.stats.requests += 1
+        self.stats.wait_ms += 1e3 * (time.perf_counter() - t)
+        self.last_heard = time.monotonic()
+        if reply.kind in ("error", "refused"):
+            raise AgentError(f"agent {self} {reply.kind} {what}: {reply.fields.get('reason')}")
+        return reply
+
+    def _wait(self, deadline: float) -> bool:
+        """Until a reply is ready (True) or the deadline; a failed security handshake raises at once."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
+        while (left := deadline - time.perf_counter()) > 0:
+            events = dict(poller.poll(max(1, int(1000 * left))))
+            if self.socket in events:
+                return True
+            if self.monitor in events:
+                self._read_monitor()
+        return False
+
+    def _read_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.link = "connected"
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link = "secured"
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                    event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                raise AgentError(f"agent {self} refused the security handshake: " + self._handshake_advice(mismatch))
+
+    def _handshake_advice(self, mismatch: bool) -> str:
+        if not self.keyed:  # a plaintext agent accepts a plaintext master: this one wants the key
+            return ("master and agent disagree on security: this master runs plaintext (--insecure), the agent holds "
+                    "the cluster key; give the master --key (or start the agent with --insecure on a trusted bed)")
+        if mismatch:
+            return ("master and agent disagree on security: the agent runs plaintext (--insecure), this master holds "
+                    "the cluster key; start the agent with --key, or the master with --insecure")
+        return ("it holds another cluster key (or runs plaintext); copy the coordinator's cluster.key to "
+                "/etc/halo/cluster.key on the agent, or pass the same --key to both")
+
+    def _why_silent(self) -> str:
+        if self.monitor is not None:
+            self._read_monitor()
+        if self.link == "connecting":
+            return "nothing accepted a connection there (no agent running, wrong address or port, or a firewall)"
+        return "it stopped, crashed or lost its network"
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
+
+    def heard(self) -> None:
+        self.last_heard = time.monotonic()
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self.last_heard
+
+    def report(self) -> dict:
+        return {"name": self.name, "endpoint": self.endpoint, "node_id": self.node_id, "profile": self.profile,
+                "weight_bytes": self.weight_bytes, "heads": sum(map(len, self.share.attention)),
+                "mlp_groups": sum(map(len, self.share.mlp)), "vocab_groups": len(self.share.lm_head),
+                **{k: round(v, 3) for k, v in asdict(self.stats).items()}}
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.endpoint})"

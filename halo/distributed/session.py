@@ -1,0 +1,141 @@
+"""The master's control plane for one session: connect to the agents, say hello, open UDP, probe links.
+
+Hello tells each agent the protocol, the model's sha256, its share and node id, the sync settings,
+the weight format (cluster-wide) and where the master's UDP endpoint listens (its port; the agent
+takes the master's address from the control connection). Each agent loads its share while
+answering, with its own profile and UDP port. Every blocking call has a bound: a hello within
+`hello_timeout_s`, every later reply within `timeout_s`, every send within `timeout_s`, and `close`
+never waits for an agent that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from halo.config import DEFAULT_CONTEXT
+from halo.neuron_groups import GroupLayout
+from halo.shares import Shares
+from halo.sync import SyncSettings
+from halo.weights import ModelWeights
+
+from halo.transport.reliable import Message, encode
+
+from .remote import AgentError, RemoteAgent
+
+DEFAULT_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    context: int = DEFAULT_CONTEXT  # KV-cache length (clamped to the model's)
+    fmt: str = "fp32"  # weight format, cluster-wide
+    timeout_s: float = DEFAULT_TIMEOUT_S  # an agent silent this long is an error
+    hello_timeout_s: float = 10.0  # agents load their share while answering hello
+    probe_links: bool = True  # measure every link (loss, RTT, bandwidth) at start
+    sync: SyncSettings = field(default_factory=SyncSettings)
+    predictors: str | None = None  # HALO mode: trained predictors (default: beside the model)
+
+
+@dataclass
+class Session:
+    agents: dict[int, RemoteAgent]  # by node id
+    udp: object | None  # UdpEndpoint
+    zmq_context: object
+
+    @classmethod
+    def open(cls, weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, context: int,
+             shares: list[Shares], endpoints: list[str], key=None, insecure: bool = False) -> "Session":
+        """Hello to every agent (shares and endpoints in plan order: node ids 1, 2, ...)."""
+        from halo.loader import model_fingerprint
+        from halo.transport.reliable import PROTOCOL_VERSION
+
+        session = cls({}, None, zmq.Context())
+        try:
+            hello = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
+                     "context": context, "mlp_group_size": layout.mlp_group_size,
+                     "vocab_group_size": layout.vocab_group_size, "master": os.uname().nodename,
+                     "weights": settings.fmt, "sync": settings.sync.to_json()}
+            if settings.sync.policy.uses_udp or settings.probe_links:
+                hello.update(session._open_udp(key, settings))
+            for node_id, (endpoint, share) in enumerate(zip(endpoints, shares), start=1):
+                agent = session._connect(node_id, endpoint, share, key, insecure, settings.hello_timeout_s, layout)
+                agent.send("hello", {**hello, "node_id": node_id, **share.to_json()})
+            for agent in session.agents.values():
+                session._welcome(agent, settings)
+            if settings.sync.policy.uses_udp and any(a.udp_address is None for a in session.agents.values()):
+                raise AgentError(f"--sync {settings.sync.mode} needs every agent's UDP port; upgrade the agents")
+            if settings.probe_links:
+                session._probe_links()
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def _open_udp(self, key, settings: MasterSettings) -> dict:
+        from halo.transport.udp import UdpEndpoint
+
+        udp_session = int.from_bytes(os.urandom(4), "little") or 1
+        self.udp = UdpEndpoint(key.udp_key if key else bytes(32), udp_session, 0, bind=("0.0.0.0", 0))
+        if settings.sync.inject_plr:
+            from halo.transport.loss import LossInjector
+
+            self.udp.send_hook = LossInjector(seed=settings.sync.seed, drop=settings.sync.inject_plr)
+        return {"udp_session": udp_session, "udp_port": self.udp.address[1]}
+
+    def _connect(self, node_id: int, endpoint: str, share: Shares, key, insecure: bool, timeout_s: float,
+                 layout: GroupLayout) -> RemoteAgent:
+        from halo.transport.reliable import client_socket
+
+        sock = client_socket(self.zmq_context, key, insecure)
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # a send never blocks longer than a reply may take
+        monitor = sock.get_monitor_socket()  # tells a refused key or a security mismatch from a dead device
+        sock.connect(endpoint)
+        vocab = (np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, share.lm_head)])
+                 if share.lm_head else None)
+        agent = RemoteAgent(node_id, endpoint, share, sock, timeout_s, vocab_ids=vocab, monitor=monitor,
+                            keyed=key is not None)
+        self.agents[node_id] = agent
+        return agent
+
+    def _welcome(self, agent: RemoteAgent, settings: MasterSettings) -> None:
+        reply = agent.receive("hello")  # loading weights may take a while: hello_timeout_s
+        agent.name = f"{reply.fields.get('name', agent.name)}#{agent.node_id}"
+        agent.profile = reply.fields.get("profile", {})
+        agent.weight_bytes = int(reply.fields.get("weight_bytes", 0))
+        port = reply.fields.get("udp_port")
+        agent.udp_address = (agent.host, int(port)) if port else None
+        agent.timeout_s = settings.timeout_s
+        agent.socket.setsockopt(zmq.SNDTIMEO, int(settings.timeout_s * 1000))
+        if self.udp is not None and agent.udp_address is not None:
+            self.udp.peers[agent.node_id] = agent.udp_address
+
+    def _probe_links(self) -> None:
+        """Measure each agent's link (loss, RTT, bandwidth) over UDP: the scheduler's PLR and latency."""
+        from halo.transport.probe import probe
+
+        for agent in self.agents.values():
+            if agent.udp_address is not None:
+                result = probe(self.udp, agent.udp_address, count=50, interval_s=0.0002, burst=16, wait_s=0.05)
+                agent.profile = {**agent.profile, "link": result.to_json()}
+
+    def reset(self) -> None:
+        for agent in self.agents.values():
+            agent.send("reset", {})
+        for agent in self.agents.values():
+            agent.receive("reset")
+
+    def close(self) -> None:
+        """Say bye where that can be done at once; never wait for an agent that is gone."""
+        for agent in self.agents.values():
+            try:
+                agent.socket.send_multipart(encode(Message("bye")), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # no connection to it: nothing to say goodbye to
+            agent.close()
+        if self.udp is not None:
+            self.udp.close()
+        self.zmq_context.destroy(linger=100)

@@ -1,0 +1,256 @@
+"""The pipeline coordinator: a model object that runs a forward pass through stage workers.
+
+`PipelineModel` has the interface of the single-process `Transformer` (forward, reset, max_seq_len),
+so halo/generate.py and the lm-eval plugin drive it unchanged. Per forward, the token ids go to the
+stage holding the embedding, each stage's residual stream goes to the next (a star: every hop passes
+through the coordinator, which therefore sees and counts all traffic), and the head stage sends back
+only what sampling needs: the top-k logits of the last position (k = 1 for greedy), or full logits
+when asked (`head_top_k=0`, or `all_logits` for lm-eval scoring).
+
+Recovery by recomputation (thesis 001 §5.2.4, Petals' replay): the coordinator keeps the token ids of
+every forward pass it completed, as the calls that computed them. When a worker disappears it
+re-plans over the workers left (halo/pipeline/replan.py), opens the new stages, replays those calls
+so every new stage rebuilds its KV cache with the same kernels on the same inputs, and runs the
+interrupted pass again. The continuation equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from halo.errors import ConfigError, HaloError
+from halo.config import DEFAULT_CONTEXT
+from halo.weights import ModelWeights
+
+from .links import StageFailed, StageRefused, Traffic
+from .profile import WorkerProfile
+from .replan import Stage, model_costs, plan_stages, predicted_s, validate_stages
+from .stage import HeadRequest, dense_from_top_k
+
+
+class PipelineError(HaloError):
+    """The pipeline cannot go on: a worker refused, or too few workers are left to hold the model."""
+
+
+@dataclass
+class Recovery:
+    lost: str
+    detected_after_s: float  # from the start of the failed call to the failure
+    recovery_s: float  # re-plan + open new stages + replay
+    replayed_positions: int
+    stages: list  # the new plan, as (worker name, start, stop)
+
+    def to_json(self) -> dict:
+        return {"lost": self.lost, "detected_after_s": round(self.detected_after_s, 4),
+                "recovery_s": round(self.recovery_s, 4), "replayed_positions": self.replayed_positions,
+                "stages": self.stages}
+
+
+@dataclass
+class StageStats:
+    calls: int = 0
+    compute_ms: float = 0.0
+    wall_ms: float = 0.0
+
+
+@dataclass
+class History:
+    """The forward calls whose results the KV caches hold: (start position, token ids)."""
+
+    calls: list = field(default_factory=list)
+
+    def truncate(self, position: int) -> None:
+        kept = []
+        for start, tokens in self.calls:
+            if start < position:
+                kept.append((start, tokens[:position - start]))
+        self.calls = kept
+
+    @property
+    def positions(self) -> int:
+        return sum(len(t) for _, t in self.calls)
+
+
+class PipelineModel:
+    def __init__(self, weights: ModelWeights, workers: list, stages: list[Stage] | None = None,
+                 max_seq_len: int | None = None, fmt: str = "fp32", head_top_k: int = 1, recover: bool = True,
+                 profiles: list[WorkerProfile] | None = None):
+        c = self.config = weights.config
+        self.max_seq_len = min(c.max_seq_len, max_seq_len or DEFAULT_CONTEXT)
+        if head_top_k < 0:
+            raise ConfigError(f"head_top_k must be >= 0 (0: full logits), got {head_top_k}")
+        self.weights, self.fmt, self.head_top_k, self.recover = weights, fmt, head_top_k, recover
+        self.workers = list(workers)
+        self.traffic = Traffic()
+        for w in self.workers:
+            if hasattr(w, "traffic"):
+                w.traffic = self.traffic
+        self.alive = [True] * len(self.workers)
+        self.history = History()
+        self.recoveries: list[Recovery] = []
+        self.pos = 0
+        self.step = 0
+        self.ready: dict[int, dict] = {}
+        self.profiles = profiles if profiles is not None else measure_profiles(self.workers)
+        if len(self.profiles) != len(self.workers):
+            raise ConfigError(f"{len(self.profiles)} profiles for {len(self.workers)} workers")
+        if stages is None:
+            stages, _ = plan_stages(self.devices(), c, fmt, self.max_seq_len)
+        validate_stages(stages, c, [w.name for w in self.workers])
+        self.stages = list(stages)
+        self.stats = {}
+        self._open()
+        self.traffic.sent = self.traffic.received = 0  # from here on: what generation costs
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+    def devices(self, indices: list[int] | None = None):
+        model = model_costs(self.config, self.fmt)
+        indices = range(len(self.workers)) if indices is None else indices
+        return [self.profiles[i].to_device(model) for i in indices]
+
+    def predicted_ms(self) -> float:
+        """What the cost model says one decode step of the current plan takes."""
+        return 1e3 * predicted_s(self.stages, self.devices(), self.config, self.fmt, self.max_seq_len)
+
+    def _open(self) -> None:
+        self.ready = {}
+        for s in self.stages:
+            link = self.workers[s.worker]
+            self.ready[s.worker] = link.open(s.start, s.stop, self.max_seq_len, self.fmt)
+        self.stats = {s.worker: StageStats() for s in self.stages}
+
+    def plan_json(self) -> list[dict]:
+        return [{"worker": self.workers[s.worker].name, "start": s.start, "stop": s.stop,
+                 "engine": self.ready.get(s.worker, {}).get("engine", "?"),
+                 "weight_bytes": self.ready.get(s.worker, {}).get("weight_bytes", 0)} for s in self.stages]
+
+    # ---- the forward pass ----------------------------------------------------------------------------------
+    def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        start = self.pos if start_pos is None else start_pos
+        if tokens.ndim != 1 or len(tokens) == 0 or tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise ValueError(f"forward needs a non-empty 1-D sequence of token ids within 0..{self.config.vocab_size - 1}")
+        if not 0 <= start <= self.pos:
+            raise ValueError(f"start position {start} would leave a hole after the {self.pos} cached positions")
+        if start + len(tokens) > self.max_seq_len:
+            raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
+        self.history.truncate(start)
+        head = HeadRequest(0, True) if all_logits else HeadRequest(self.head_top_k, False)
+        failure, detected_after_s = None, 0.0
+        while True:  # a worker lost while recovering is recovered from in turn
+            t = time.perf_counter()
+            try:
+                if failure is not None:
+                    self._recover(failure, detected_after_s)
+                    failure = None
+                out = self._run(tokens, start, head)
+                break
+            except StageFailed as e:
+                if not self.recover:
+                    raise PipelineError(str(e)) from None
+                failure, detected_after_s = e, time.perf_counter() - t
+        self.history.calls.append((start, tokens.copy()))
+        self.pos = start + len(tokens)
+        self.step += 1
+        if all_logits or self.head_top_k == 0:
+            return out[0] if all_logits else out[0][-1]
+        return dense_from_top_k(out[0], out[1], self.config.vocab_size)
+
+    def _run(self, tokens: np.ndarray, start: int, head: HeadRequest) -> list[np.ndarray]:
+        x, c = tokens, self.config
+        for k, s in enumerate(self.stages):
+            link, last = self.workers[s.worker], k == len(self.stages) - 1
+            t = time.perf_counter()
+            try:
+                arrays, compute_ms = link.forward(x, start, head if last else HeadRequest())
+            except StageRefused as e:
+                raise PipelineError(str(e)) from None
+            stats = self.stats[s.worker]
+            stats.calls += 1
+            stats.compute_ms += compute_ms
+            stats.wall_ms += 1e3 * (time.perf_counter() - t)
+            if not last:
+                if len(arrays) != 1 or arrays[0].shape != (len(tokens), c.dim) or arrays[0].dtype != np.float32:
+                    raise PipelineError(f"stage worker {link.name} returned {_shapes(arrays)}, expected one "
+                                        f"float32 [{len(tokens)}, {c.dim}] residual stream")
+                x = arrays[0]
+                continue
+            rows = len(tokens) if head.all_positions else 1
+            if head.all_positions or head.top_k == 0:
+                ok = len(arrays) == 1 and arrays[0].shape == (rows, c.vocab_size)
+            else:
+                k = min(head.top_k, c.vocab_size)
+                ok = (len(arrays) == 2 and arrays[0].shape == (k,) and arrays[1].shape == (k,)
+                      and arrays[0].dtype == np.int64 and bool(np.all((arrays[0] >= 0) & (arrays[0] < c.vocab_size))))
+            if not ok:
+                raise PipelineError(f"the head stage ({link.name}) returned {_shapes(arrays)}, which is not what "
+                                    f"was asked ({head.to_json()})")
+            return arrays
+        raise PipelineError("the plan's last stage does not hold the head")  # validate_stages prevents this
+
+    # ---- recovery ------------------------------------------------------------------------------------------
+    def _recover(self, failure: StageFailed, detected_after_s: float) -> None:
+        t = time.perf_counter()
+        lost = next((i for i, w in enumerate(self.workers) if w.name == failure.worker), None)
+        if lost is None:
+            raise PipelineError(str(failure)) from None
+        self.alive[lost] = False
+        survivors = [i for i, ok in enumerate(self.alive) if ok]
+        try:
+            planned, _ = plan_stages(self.devices(survivors), self.config, self.fmt, self.max_seq_len)
+        except ConfigError as e:
+            raise PipelineError(f"{failure}; re-planning without it failed: {e}") from None
+        self.stages = [Stage(survivors[s.worker], s.start, s.stop) for s in planned]
+        self._open()  # a failure here is another lost worker: forward()'s loop recovers from it too
+        replayed = 0
+        for start, tokens in self.history.calls:
+            self._run(tokens, start, HeadRequest(1))
+            replayed += len(tokens)
+        self.recoveries.append(Recovery(self.workers[lost].name, detected_after_s, time.perf_counter() - t, replayed,
+                                        [(self.workers[s.worker].name, s.start, s.stop) for s in self.stages]))
+
+    # ---- the rest of the model interface ---------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pos = 0
+        self.history = History()
+        for s in self.stages:
+            try:
+                self.workers[s.worker].reset()
+            except StageFailed:
+                pass  # noticed (and recovered from) by the next forward pass
+
+    def report(self) -> dict:
+        steps = max(self.step, 1)
+        stages = []
+        for entry, s in zip(self.plan_json(), self.stages):
+            st = self.stats.get(s.worker, StageStats())
+            stages.append({**entry, "calls": st.calls, "compute_ms": round(st.compute_ms, 3),
+                           "wall_ms": round(st.wall_ms, 3)})
+        return {"stages": stages, "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
+                "bytes_per_forward": self.traffic.total / steps, "predicted_ms_per_token": round(self.predicted_ms(), 3),
+                "profiles": [p.to_json() for p in self.profiles],
+                "recoveries": [r.to_json() for r in self.recoveries]}
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - closing must not fail
+                pass
+
+
+def measure_profiles(links) -> list[WorkerProfile]:
+    """Every worker's self-benchmark and memory, and its link as measured from the coordinator."""
+    out = []
+    for link in links:
+        fields = link.probe()
+        rtt, bandwidth = link.link()
+        out.append(WorkerProfile.from_json(link.name, {**fields, "rtt_s": rtt, "bandwidth_bps": bandwidth}))
+    return out
+
+
+def _shapes(arrays) -> str:
+    return "[" + ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays) + "]"

@@ -1,0 +1,73 @@
+"""Measured worker profiles: what the planner knows about each stage worker.
+
+A worker times its own engine on the model it holds (thesis 000 §4.3.2): decode steps through one
+layer and through two, so per-layer time = t2 - t1 and session overhead = t1 - per-layer time; it
+reports its free memory. The coordinator adds the link: round-trip time of a ping and bandwidth of
+an echoed payload. `to_device` turns that into the scheduler's DeviceProfile: compute speed =
+layer FLOPs / per-layer time, and the fixed per-stage costs (overhead + RTT) as its latency, so
+scheduler/pipeline.py's cost (overhead + FLOPs / speed + delta + latency + bytes / bandwidth) is the
+measured model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from halo.errors import ConfigError
+from halo.scheduler.profiles import DeviceProfile, ModelProfile
+
+
+@dataclass
+class WorkerProfile:
+    name: str
+    engine: str  # numpy-cpu, torch-cuda, onnx-webgpu, onnx-wasm ...
+    memory_bytes: float  # what it may use for weights and KV cache
+    layer_s: float  # one decoder layer, one token (decode)
+    overhead_s: float = 0.0  # fixed cost of a call into the engine
+    rtt_s: float = 0.0  # coordinator <-> worker round trip
+    bandwidth_bps: float = 1e9
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, name: str, raw: dict) -> "WorkerProfile":
+        try:
+            profile = cls(name, str(raw["engine"]), float(raw["memory_bytes"]), float(raw["layer_s"]),
+                          float(raw.get("overhead_s", 0.0)), float(raw.get("rtt_s", 0.0)),
+                          float(raw.get("bandwidth_bps", 1e9)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"worker {name}: malformed profile {raw!r} ({e!r})") from None
+        if not (profile.memory_bytes > 0 and profile.layer_s > 0 and profile.bandwidth_bps > 0):
+            raise ConfigError(f"worker {name}: profile needs positive memory, layer time and bandwidth: {raw!r}")
+        return profile
+
+    def to_device(self, model: ModelProfile) -> DeviceProfile:
+        layer_flops = sum(b.count * b.flops for b in model.tp_blocks)
+        return DeviceProfile(self.name, self.memory_bytes, layer_flops / self.layer_s, 0.0, self.bandwidth_bps,
+                             max(0.0, self.overhead_s) + self.rtt_s)
+
+
+def time_engine(make_engine, n_layers: int, dim: int, tokens: int = 8, warmup: int = 2) -> tuple[float, float]:
+    """(per-layer seconds, overhead seconds) from decode steps through 1 and 2 layers (units [1, 2), [1, 3)).
+    make_engine(start, stop) builds an engine; the fastest of `tokens` timed steps after `warmup` (the
+    minimum: other processes on the device only ever add time)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, dim)).astype(np.float32)
+    times = []
+    for stop in ([2, 3] if n_layers >= 2 else [2]):
+        engine = make_engine(1, stop)
+        samples = []
+        for pos in range(warmup + tokens):
+            t = time.perf_counter()
+            engine.forward(x, pos)
+            samples.append(time.perf_counter() - t)
+        times.append(float(np.min(samples[warmup:])))
+        del engine
+    if len(times) == 1:
+        return times[0], 0.0
+    per_layer = max(times[1] - times[0], 0.2 * times[1])  # noise can make the difference tiny or negative
+    return per_layer, max(0.0, times[0] - per_layer)

@@ -1,0 +1,95 @@
+"""Who computes what: a plan (scheduler) translated into each device's neuron groups.
+
+A plan says how many groups of each block every device takes, and Algorithm 3's priority ranks say
+which: rank r = group r, except MLP groups in HALO mode, where a device's share of a layer is a rank
+range [a, b) that halo/remap.py maps to groups per token. Master and agents both read shares from
+here (neither imports the other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .config import DEFAULT_CONTEXT
+from .neuron_groups import GroupLayout
+from .weights import ModelWeights
+
+KINDS = ("attention", "mlp", "lm_head")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One synchronization unit: a layer's attention or MLP block, or the LM head (layer = n_layers)."""
+
+    kind: str
+    layer: int
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"unknown block kind {self.kind!r}")
+
+    def __str__(self) -> str:
+        return "LM head" if self.kind == "lm_head" else f"{self.kind} of layer {self.layer}"
+
+
+@dataclass
+class Shares:
+    """The groups one device computes: heads and MLP groups per layer, LM-head vocabulary groups."""
+
+    attention: list[list[int]]
+    mlp: list[list[int]]
+    lm_head: list[int]
+
+    def groups(self, block: Block) -> list[int]:
+        return self.lm_head if block.kind == "lm_head" else getattr(self, block.kind)[block.layer]
+
+    def holds(self, block: Block) -> bool:
+        return bool(self.groups(block))
+
+    def to_json(self) -> dict:
+        return {"attention": self.attention, "mlp": self.mlp, "lm_head": self.lm_head}
+
+
+def everything(config, layout: GroupLayout, layers=None, lm_head: bool = True) -> Shares:
+    """Every group of `layers` (default: all) and of the LM head: the single-process reference's share, or a
+    pipeline stage's."""
+    layers = set(range(config.n_layers) if layers is None else layers)
+    return Shares(attention=[list(range(layout.n_attention_groups)) if l in layers else [] for l in range(config.n_layers)],
+                  mlp=[list(range(layout.n_mlp_groups)) if l in layers else [] for l in range(config.n_layers)],
+                  lm_head=list(range(layout.n_vocab_groups)) if lm_head else [])
+
+
+def shares_from_plan(plan, n_layers: int) -> list[Shares]:
+    """Concrete group indices per participant (plan order, master first) from a TensorParallelPlan."""
+    ranks = {kind: plan.priority_ranks(kind) for kind in KINDS}
+    return [Shares(attention=[list(range(*ranks["attention"][j, l])) for l in range(n_layers)],
+                   mlp=[list(range(*ranks["mlp"][j, l])) for l in range(n_layers)],
+                   lm_head=list(range(*ranks["lm_head"][j, 0])))
+            for j in range(plan.n)]
+
+
+def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,
+              context: int = DEFAULT_CONTEXT):
+    """A plan for n equal local devices (or devices with the given relative compute), all taking part."""
+    from .scheduler.profiles import Cluster, DeviceProfile, model_profile
+    from .scheduler.tp_plan import build_plan
+
+    compute = compute or [1.0] * n_devices
+    if len(compute) != n_devices:
+        raise ConfigError(f"{len(compute)} compute figures for {n_devices} devices")
+    devices = tuple(DeviceProfile(f"device-{i}", 64e9, c * 1e9, is_master=i == 0) for i, c in enumerate(compute))
+    profile = model_profile(weights.config, "fp32", mlp_group_size=layout.mlp_group_size,
+                            vocab_group_size=layout.vocab_group_size)
+    # every device stays a participant (one may get no groups): the caller has one agent per device
+    return build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
+
+
+def rank_range(ranks: list[int]) -> tuple[int, int]:
+    """A device's MLP share of a layer as a rank range [a, b) (Algorithm 3 gives contiguous ranks)."""
+    if not ranks:
+        return (0, 0)
+    a, b = min(ranks), max(ranks) + 1
+    if b - a != len(ranks):
+        raise ConfigError(f"MLP ranks {ranks} are not one contiguous range; HALO mode needs a priority-rank plan")
+    return a, b

@@ -1,0 +1,75 @@
+"""When the master stops waiting for a round's droppable partials.
+
+Per agent, block kind and input size (tokens, in powers of two: a prefill is not a decode step),
+an exponentially weighted mean (alpha 0.2) of its turnaround: the time from the master sending a
+block's input to that agent's partial being complete (its compute + the link round trip + recovery).
+A round's droppable partials get
+
+    deadline = clamp(floor, ceiling, slack * median(turnaround of the round's holders))
+
+measured from the moment the input was sent. The median, not the maximum: one straggling agent does
+not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2); its low-importance
+share is what gets dropped. Before any measurement the ceiling applies. An agent that has sent
+nothing is chased (halo/sync/modes.py) after 0.6 x the deadline: with slack 2, when it is 20 % later
+than usual.
+
+That deadline is for partials that showed loss (holes, NACKs, a chase): what HALO saves is the
+retransmission wait. A partial with no sign of loss (arriving in order, or not yet sent: its agent
+is computing) is only late, and gets the looser
+
+    late deadline = clamp(max(floor, late floor), ceiling, late slack * median)   (20 ms, 4 x)
+
+so a busy or descheduled device is not cut off for timing alone (at 0 % loss nothing is dropped
+that arrives within 4 x the usual turnaround). Drops are counted by cause (loss / late).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .modes import SyncSettings
+
+CHASE_FRACTION = 0.6
+LATE_SLACK = 4.0
+LATE_FLOOR_S = 0.020
+
+
+class AdaptiveDeadline:
+    ALPHA = 0.2
+
+    def __init__(self, settings: SyncSettings):
+        self.floor = settings.deadline_floor_ms / 1e3
+        self.ceiling = settings.deadline_ceiling_ms / 1e3
+        self.slack = settings.deadline_slack
+        self.turnaround: dict[tuple, float] = {}  # (block kind, agent, size class) -> EWMA seconds
+
+    @staticmethod
+    def _key(kind: str, agent: int, tokens: int) -> tuple:
+        return kind, agent, max(0, int(tokens) - 1).bit_length()  # work grows with tokens: powers of two
+
+    def observe(self, kind: str, agent: int, seconds: float, tokens: int = 1) -> None:
+        key = self._key(kind, agent, tokens)
+        old = self.turnaround.get(key)
+        self.turnaround[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
+
+    def _median(self, kind: str, agents, tokens: int) -> float | None:
+        known = sorted(self.turnaround[k] for k in (self._key(kind, a, tokens) for a in agents) if k in self.turnaround)
+        if not known:
+            return None
+        middle = len(known) // 2  # a few agents: plain Python beats numpy's per-call cost here (every round)
+        return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+
+    def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        """For partials that showed loss."""
+        median = self._median(kind, agents, tokens)
+        return self.ceiling if median is None else float(np.clip(self.slack * median, self.floor, self.ceiling))
+
+    def late_deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        """For partials with no sign of loss (in order, or not sent yet)."""
+        median = self._median(kind, agents, tokens)
+        floor = max(self.floor, LATE_FLOOR_S)
+        return self.ceiling if median is None else float(np.clip(LATE_SLACK * median, floor, max(floor, self.ceiling)))
+
+    @staticmethod
+    def chase_after_s(deadline_s: float) -> float:
+        return max(CHASE_FRACTION * deadline_s, 0.001)

@@ -1,0 +1,151 @@
+"""What master and agents put inside UDP vectors: the epoch of a round, the prefix of each vector, statuses.
+
+The datagram format itself (header, chunks, tag) is transport/wire.py; this module is the one place
+that gives its opaque 64-bit epoch and the vector's first floats a meaning, for both sides.
+
+Epoch = (forward pass << 20) | (layer << 4) | sync point. A layer has three sync points for inputs
+(attention 0, MLP 2, LM head 4); a partial answering an input carries the input's epoch + 1, so
+epochs grow monotonically through a forward pass and a reply never collides with an input.
+The forward-pass counter only grows within a session: a re-run of the same positions never reuses
+an epoch.
+
+Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so digests are 24-bit):
+- broadcast (an input): [tokens, start position, ranking digest, 0], padded with zeros to whole
+  chunks, so a receiver learns the size from the chunk count;
+- partial (an answer): [compute ms, 0, status, 0].
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+PREFIX = 4
+FORWARD_SHIFT, LAYER_SHIFT = 20, 4
+MAX_LAYERS = 1 << (FORWARD_SHIFT - LAYER_SHIFT)
+
+
+class Point(IntEnum):
+    """Sync points of a layer's inputs; a partial answering one carries point + 1."""
+
+    ATTENTION = 0
+    MLP = 2
+    LM_HEAD = 4
+
+
+class Status(IntEnum):
+    """What an agent says about the partial it sends."""
+
+    OK = 1
+    RANKING_MISMATCH = 2  # its predictors ranked the layer differently from the master's digest
+    KV_GAP = 3  # an attention input never reached it: its KV caches are incomplete until the next reset
+
+
+class FramingError(ValueError):
+    """A vector whose prefix or size makes no sense (a bug or a forgery with a valid tag)."""
+
+
+@dataclass(frozen=True)
+class Epoch:
+    forward: int
+    layer: int
+    point: Point
+
+    def encode(self) -> int:
+        if not (0 <= self.layer < MAX_LAYERS and self.forward >= 0):
+            raise ValueError(f"epoch fields out of range: forward={self.forward} layer={self.layer}")
+        return (self.forward << FORWARD_SHIFT) | (self.layer << LAYER_SHIFT) | int(self.point)
+
+    @classmethod
+    def decode(cls, value: int) -> "Epoch":
+        """The input epoch a value names (a reply's value decodes to the input it answers)."""
+        point = value & ((1 << LAYER_SHIFT) - 1)
+        point -= point % 2
+        if point not in Point._value2member_map_:
+            raise FramingError(f"epoch {value:#x} names no sync point")
+        return cls(value >> FORWARD_SHIFT, (value >> LAYER_SHIFT) & (MAX_LAYERS - 1), Point(point))
+
+
+def reply_epoch(input_epoch: int) -> int:
+    """The epoch of the partial that answers an input."""
+    return input_epoch + 1
+
+
+def is_reply(epoch: int) -> bool:
+    return bool(epoch & 1)
+
+
+def attention_inputs_between(after: int, newest: int, layers) -> list[int]:
+    """Epochs of attention inputs of `layers` strictly between two input epochs, oldest first: the inputs
+    an agent's KV caches need that it has not handled (forward passes are numbered consecutively, so
+    every one of them was sent)."""
+    first, last = max(1, after >> FORWARD_SHIFT), newest >> FORWARD_SHIFT
+    epochs = [Epoch(f, l, Point.ATTENTION).encode() for f in range(first, last + 1) for l in sorted(layers)]
+    return [e for e in epochs if after < e < newest]
+
+
+def forward_passes_between(after: int, newest: int) -> int:
+    return (newest >> FORWARD_SHIFT) - (after >> FORWARD_SHIFT)
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    tokens: int
+    start: int
+    digest: int
+    x: np.ndarray  # [tokens, dim]
+
+
+def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int) -> np.ndarray:
+    """An input [T, D] as one float32 vector, padded to whole chunks of per_chunk values."""
+    return _frame([len(x), start, digest, 0], x, per_chunk)
+
+
+def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
+    tokens, start, digest = int(values[0]), int(values[1]), int(values[2])
+    if tokens <= 0 or start < 0 or PREFIX + tokens * dim > len(values):
+        raise FramingError(f"a broadcast of {len(values)} values claims {tokens} tokens at position {start}")
+    return Broadcast(tokens, start, digest, values[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim))
+
+
+def frame_partial(out: np.ndarray | None, status: Status, compute_ms: float) -> np.ndarray:
+    """A partial output (None: an acknowledgement, no values) as one float32 vector."""
+    return _frame([compute_ms, 0, int(status), 0], np.zeros(0, np.float32) if out is None else out)
+
+
+def partial_size(tokens: int, width: int) -> int:
+    return PREFIX + tokens * width
+
+
+@dataclass(frozen=True)
+class Partial:
+    compute_ms: float
+    status: Status
+    values: np.ndarray  # [tokens, width]
+
+
+def read_partial(values: np.ndarray, tokens: int, width: int) -> Partial:
+    """The prefix must have arrived (chunk 0); an unknown status is a FramingError."""
+    try:
+        status = Status(int(values[2]))
+    except ValueError:
+        raise FramingError(f"unknown partial status {values[2]!r}") from None
+    body = values[PREFIX:PREFIX + tokens * width].reshape(tokens, width)
+    return Partial(float(values[0]), status, body)
+
+
+def _frame(prefix: list[float], array: np.ndarray, per_chunk: int | None = None) -> np.ndarray:
+    body = np.concatenate([np.asarray(prefix, dtype=np.float32), np.asarray(array, dtype=np.float32).reshape(-1)])
+    if per_chunk:
+        body = np.concatenate([body, np.zeros(-len(body) % per_chunk, dtype=np.float32)])
+    return body
+
+
+def ranking_digest(ranking: np.ndarray | None) -> int:
+    """24 bits of CRC-32 over a ranking (int16), sent in the broadcast prefix: every device must hold the same."""
+    if ranking is None:
+        return 0
+    return zlib.crc32(np.ascontiguousarray(ranking, dtype="<i2").tobytes()) & 0xFFFFFF

@@ -1,0 +1,146 @@
+"""Sync modes: one vocabulary for the runtime and the scheduler, and what each mode does with a block.
+
+A *round* is one block's synchronization: the master sends the block's input (the residual stream)
+to the agents that need it, every holder computes its partial output, the partials come back and
+are summed. A mode decides, per round, how the input travels, how each partial comes back, which
+partials are *critical* (recovered until complete) and what happens to the others. `plan_round`
+turns a mode and a block into a `RoundPlan`: plain data that tests read without sockets.
+
+| mode | input | critical partials | other partials | groups |
+|---|---|---|---|---|
+| exact (default) | UDP until complete | every partial, UDP until complete | – | plan's, fixed |
+| tcp | TCP | every partial, TCP | – | plan's, fixed |
+| lossy | UDP until complete | layer 0 and the LM head, UDP until complete | UDP until the deadline, no recovery | fixed |
+| halo | UDP until complete | + any holding a predicted-top group | UDP, recovered while the deadline allows, then zero-filled | MLP re-mapped per token |
+| halo-tcp | TCP | TCP | as halo | as halo |
+
+"UDP until complete" is the fast reliable path of transport/udp.py: XOR parity and NACKs, so a lost
+packet costs about a millisecond instead of TCP's 200 ms minimum retransmission timeout; exact and tcp
+give the same tokens as one device. Agents
+that hold no groups of a block but need its input (they predict the next layer from it) are
+*listeners*: they acknowledge the input with an empty partial, which is critical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+from halo.errors import ConfigError
+
+
+class Transport(str, Enum):
+    TCP = "tcp"  # the control connection (ZeroMQ): exact, a lost packet costs TCP's retransmission timeout
+    UDP = "udp"  # chunked datagrams (transport/udp.py)
+
+
+@dataclass(frozen=True)
+class ModePolicy:
+    """What one sync mode does with a round's traffic."""
+
+    input: Transport  # how a block's input reaches the agents
+    critical: Transport  # how critical partials come back (always recovered until complete)
+    other: Transport  # how the other partials come back
+    all_critical: bool  # every partial is critical: the mode is exact
+    recover_other: bool  # NACK / parity / re-sent inputs for non-critical partials while the deadline allows
+    remap: bool  # MLP groups re-mapped per token by the predictors; criticality from their ranking
+
+    @property
+    def uses_udp(self) -> bool:
+        """Whether any of a round's traffic can travel over UDP."""
+        return Transport.UDP in (self.input, self.critical) or (not self.all_critical and self.other is Transport.UDP)
+
+
+POLICIES: dict[str, ModePolicy] = {
+    "exact": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=True, recover_other=True,
+                        remap=False),
+    "tcp": ModePolicy(Transport.TCP, Transport.TCP, Transport.TCP, all_critical=True, recover_other=True, remap=False),
+    "lossy": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=False, recover_other=False,
+                        remap=False),
+    "halo": ModePolicy(Transport.UDP, Transport.UDP, Transport.UDP, all_critical=False, recover_other=True, remap=True),
+    "halo-tcp": ModePolicy(Transport.TCP, Transport.TCP, Transport.UDP, all_critical=False, recover_other=True,
+                           remap=True),
+}
+SYNC_MODES = tuple(POLICIES)
+RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
+                       "--sync tcp (the control connection)"}
+
+
+@dataclass
+class SyncSettings:
+    mode: str = "exact"
+    deadline_floor_ms: float = 5.0
+    deadline_ceiling_ms: float = 100.0
+    deadline_slack: float = 2.0
+    critical_fraction: float = 0.25
+    predict: bool = True  # False: static ranking, groups loaded once (the ablation's upper bound)
+    pred_overlap: bool = True  # run prediction while partial sums are in flight
+    load_overlap: bool = True  # load the next layer's groups in a background thread
+    parity_group: int = 4  # one XOR parity chunk per this many data chunks (0: none)
+    inject_plr: float = 0.0  # drop this fraction of UDP datagrams at every sender (seeded, for accuracy runs)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.mode in RENAMED:
+            raise ConfigError(RENAMED[self.mode])
+        if self.mode not in POLICIES:
+            raise ConfigError(f"unknown sync mode {self.mode!r}; choose one of {', '.join(SYNC_MODES)}")
+        if not 0 < self.deadline_floor_ms <= self.deadline_ceiling_ms:
+            raise ConfigError(f"deadline floor {self.deadline_floor_ms} ms must be positive and at most the ceiling "
+                              f"{self.deadline_ceiling_ms} ms")
+        if not 0.0 <= self.critical_fraction <= 1.0 or not 0.0 <= self.inject_plr < 1.0:
+            raise ConfigError("critical_fraction must lie in [0, 1] and inject_plr in [0, 1)")
+        if self.parity_group < 0 or self.deadline_slack <= 0:
+            raise ConfigError("parity_group must be >= 0 and deadline_slack > 0")
+
+    @property
+    def policy(self) -> ModePolicy:
+        return POLICIES[self.mode]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "SyncSettings":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(fields) - known
+        if unknown:
+            raise ConfigError(f"unknown sync settings {sorted(unknown)}")
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """One round's traffic, by peer id: who gets the input how, and how each partial comes back."""
+
+    input_udp: frozenset[int]
+    input_tcp: frozenset[int]
+    partial_udp: frozenset[int]  # holders and listeners answering over UDP
+    partial_tcp: frozenset[int]  # holders answering over the control connection
+    critical: frozenset[int]  # partials that must arrive whole (hard deadline: the master's timeout)
+    nack: frozenset[int]  # UDP partials whose holes are NACKed
+    chase: frozenset[int]  # UDP partials the master chases when their sender is silent: it sends a UDP input
+    # again (the peer may have lost all of it), or asks for every chunk of a partial whose input went over TCP
+
+    @property
+    def receivers(self) -> frozenset[int]:
+        return self.input_udp | self.input_tcp
+
+
+def plan_round(policy: ModePolicy, holders, listeners=(), critical=()) -> RoundPlan:
+    """The traffic of a round whose partials come from `holders`; `listeners` need the input but hold no
+    groups (they acknowledge it); `critical` are the holders whose partial must arrive whole (ignored when
+    every partial is critical in this mode)."""
+    holders, listeners = frozenset(holders), frozenset(listeners) - frozenset(holders)
+    critical = holders if policy.all_critical else frozenset(critical) & holders
+    other = holders - critical
+    receivers = holders | listeners
+    udp_input = policy.input is Transport.UDP
+    acks = listeners if udp_input else frozenset()  # a TCP input needs no acknowledgement
+    partial_tcp = (critical if policy.critical is Transport.TCP else frozenset()) | (
+        other if policy.other is Transport.TCP else frozenset())
+    partial_udp = (holders - partial_tcp) | acks
+    must = (critical | acks) & partial_udp
+    recovered = must | (other & partial_udp if policy.recover_other else frozenset())
+    return RoundPlan(input_udp=receivers if udp_input else frozenset(), input_tcp=frozenset() if udp_input else receivers,
+                     partial_udp=partial_udp, partial_tcp=partial_tcp, critical=critical | acks, nack=recovered, chase=recovered)

@@ -1,0 +1,82 @@
+"""The shape of the code: no import cycles, short functions, the data path readable top to bottom.
+
+Read statically (ast), so the checks see imports inside functions too (the lazy imports that keep an
+agent light must not hide a cycle).
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"halo": "halo", "predictors": "halo.predictors", "scheduler": "halo.scheduler",
+            "transport": "halo.transport", "edge_agent": "halo.edge_agent", "rpi": "halo.rpi"}
+MAX_FUNCTION_LINES = 80
+# the modules one token's data path runs through: each function fits on a screen
+DATA_PATH = {"halo.distributed.master", "halo.distributed.rounds", "halo.edge_agent.rounds", "halo.worker",
+             "halo.transport.udp", "halo.sync.modes", "halo.sync.framing"}
+MAX_DATA_PATH_LINES = 60
+
+
+def modules():
+    """(module name, parsed tree) of every product module (eval/ and tests/ are not product code)."""
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join([package, *parts]), path, ast.parse(path.read_text())
+
+
+def imported(name: str, path: Path, tree: ast.AST) -> set[str]:
+    """Every halo module a module imports, at module level or inside functions."""
+    found = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module or ""
+            found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {m for m in found if m.startswith("halo")}
+
+
+def test_no_import_cycles():
+    graph = {name: imported(name, path, tree) for name, path, tree in modules()}
+    graph = {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
+    state, cycles = {}, []
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert cycles == []
+
+
+def test_functions_are_short():
+    too_long = []
+    for name, _, tree in modules():
+        limit = MAX_DATA_PATH_LINES if name in DATA_PATH else MAX_FUNCTION_LINES
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    too_long.append(f"{name}.{node.name}: {lines} lines (limit {limit})")
+    assert too_long == []
+
+
+def test_master_and_agent_share_one_worker_and_neither_imports_the_other():
+    graph = {name: imported(name, path, tree) for name, path, tree in modules()}
+    agent = {d for m, deps in graph.items() if m.startswith("halo.edge_agent") for d in deps}
+    assert not any(d.startswith("halo.distributed") for d in agent)
+    assert "halo.worker" in graph["halo.distributed.master"] and "halo.worker" in graph["halo.edge_agent.agent"]
