@@ -4,6 +4,7 @@ domain error. Each one, written out readably; the raw crashing files are replaye
 import json
 import struct
 
+import numpy as np
 import pytest
 
 from halo import BUNDLED_TOKENIZER
@@ -256,3 +257,25 @@ def test_gguf_heads_not_a_multiple_of_kv_heads(tmp_path):
     path = gguf_file(tmp_path, metadata, [f32_tensor("token_embd.weight", 8, 4)], bytes(128))
     with pytest.raises(ModelFormatError, match="n_heads=2 is not a multiple of n_kv_heads=3"):
         gguf.read_config(path)
+
+
+# ---- UDP datagrams (transport/udp.py) --------------------------------------------------------------------------
+def test_a_chunk_of_another_dtype_before_the_size_is_known_is_counted_not_raised():
+    """Found by the campaign (corpus/wire/crash-other-dtype-before-the-size-is-known): a gather of a vector of
+    unknown size (expected None) with NACKs on raised TypeError in Inbound.arm_nack when the first authentic
+    chunk had another dtype (its count stayed None); it is now counted as malformed and the gather goes on."""
+    from halo.transport import wire
+    from halo.transport.udp import GatherPolicy, UdpEndpoint
+
+    key = bytes(range(wire.KEY_BYTES))
+    master, agent = UdpEndpoint(key, 7, 0), UdpEndpoint(key, 7, 1)
+    try:
+        master.peers[1] = agent.address
+        agent.send_vector({0: master.address}, 5, np.ones(300, np.float32), wire.FLOAT16)
+        agent.send_vector({0: master.address}, 5, np.ones(355, np.float32), wire.FLOAT32)  # the same epoch, right
+        result = master.gather(5, {1: None}, wire.FLOAT32, GatherPolicy(deadline_s=0.2, nack=True))
+    finally:
+        master.close()
+        agent.close()
+    assert master.stats[1].rejected["malformed"] == 1
+    np.testing.assert_array_equal(result.values[1], np.ones(355, np.float32))

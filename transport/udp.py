@@ -213,7 +213,7 @@ class Inbound:
 
     def arm_nack(self, header: wire.Header, now: float, gap_s: float) -> None:
         """The burst's tail came with holes: NACK now; else after a short gap without news."""
-        if self.complete or not self.nack:
+        if self.complete or not self.nack or self.count is None:  # None: nothing valid came yet (e.g. another dtype)
             return
         last = header.index >= self.count - 1 if header.kind == wire.DATA else True
         self.next_nack = now if last else min(self.next_nack, now + gap_s)
