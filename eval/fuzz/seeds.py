@@ -160,47 +160,69 @@ def hf_tokenizer_json() -> bytes:
     return json.dumps(json.loads(tok.to_str()), separators=(",", ":")).encode()
 
 
-def gguf_seeds() -> dict[str, bytes]:
-    """Tiny Llama GGUF files: F16 matrices with llama.cpp's byte-level (gpt2) tokenizer, and Q8_0 blocks with
-    a SentencePiece-style (llama) vocabulary of 259 byte pieces and a few merges."""
+def gguf_model(cfg: dict, qtype: str, tokenizer) -> bytes:
+    """A small Llama GGUF: norms F32, matrices `qtype` (F16 or a block type), `tokenizer(writer)` writes the
+    tokenizer metadata."""
     import gguf
     import gguf.quants
 
-    from halo.eval.random_checkpoint import gguf_tensor_name, random_tensors, write_llama_gguf
+    from halo.eval.random_checkpoint import gguf_tensor_name, random_tensors
 
-    small = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=258, max_position_embeddings=16, rms_norm_eps=1e-5,
-                 rope_theta=10000.0, tie_word_embeddings=True)
-    blocks = dict(small, hidden_size=32, intermediate_size=32, num_attention_heads=1, vocab_size=262)
     with tempfile.TemporaryDirectory() as scratch:
-        f16 = write_llama_gguf(Path(scratch) / "f16.gguf", small, random_tensors(small), "F16").read_bytes()
-        path = Path(scratch) / "q8.gguf"
+        path = Path(scratch) / "model.gguf"
         writer = gguf.GGUFWriter(str(path), "llama")
-        writer.add_block_count(1)
-        writer.add_context_length(16)
-        writer.add_embedding_length(32)
-        writer.add_feed_forward_length(32)
-        writer.add_head_count(1)
-        writer.add_head_count_kv(1)
-        writer.add_layer_norm_rms_eps(1e-5)
-        pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a", "\u2581b", "ab"]
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(pieces)
-        writer.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0])
-        writer.add_token_types([2, 3, 3] + [6] * 256 + [1, 1, 1])
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        for name, array in random_tensors(blocks):
-            kind = gguf.GGMLQuantizationType.F32 if array.ndim == 1 else gguf.GGMLQuantizationType.Q8_0
-            stored = array if array.ndim == 1 else gguf.quants.quantize(array, kind)
-            writer.add_tensor(gguf_tensor_name(name), stored, raw_dtype=None if array.ndim == 1 else kind)
+        writer.add_block_count(cfg["num_hidden_layers"])
+        writer.add_context_length(cfg["max_position_embeddings"])
+        writer.add_embedding_length(cfg["hidden_size"])
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_head_count(cfg["num_attention_heads"])
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+        tokenizer(writer)
+        kind = gguf.GGMLQuantizationType[qtype]
+        for name, array in random_tensors(cfg):
+            if array.ndim == 1 or qtype in ("F32", "F16"):
+                writer.add_tensor(gguf_tensor_name(name), array.astype(np.float16 if array.ndim > 1 else np.float32))
+            else:
+                writer.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(array, kind), raw_dtype=kind)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        q8 = path.read_bytes()
+        return path.read_bytes()
+
+
+def gguf_seeds() -> dict[str, bytes]:
+    """Tiny Llama GGUF files: F16 matrices with a byte-level BPE (gpt2) tokenizer of 8 tokens, and Q8_0 blocks
+    with a SentencePiece-style (llama) vocabulary: 256 byte pieces (which that encoder needs) and merges."""
+
+    def gpt2(writer):
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(["<s>", "</s>", "a", "b", "\u0120", "ab", "\u0120a", "<|im_start|>"])
+        writer.add_token_types([3, 3, 1, 1, 1, 1, 1, 3])
+        writer.add_token_merges(["a b", "\u0120 a"])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_add_bos_token(True)
+        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}{% endfor %}")
+
+    def llama(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a", "\u2581b", "ab"])
+        writer.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0])
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1, 1, 1])
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+
+    small = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=8, max_position_embeddings=16, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, tie_word_embeddings=False)
+    blocks = dict(small, hidden_size=32, intermediate_size=32, num_attention_heads=1, vocab_size=262,
+                  tie_word_embeddings=True)
+    f16 = gguf_model(small, "F16", gpt2)
     header_only = f16[:f16.index(b"token_embd.weight") - 8]  # metadata, cut before the tensor table
-    return {"f16-gpt2": f16, "q8-llama-vocab": q8, "truncated": header_only}
+    return {"f16-gpt2": f16, "q8-llama-vocab": gguf_model(blocks, "Q8_0", llama), "truncated": header_only}
 
 
 def write_seeds(corpus: Path = CORPUS) -> None:
