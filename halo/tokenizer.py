@@ -185,6 +185,10 @@ class HFTokenizer:
         if self.vocab_size > model_vocab_size:
             raise ModelFormatError(path, f"tokenizer has {self.vocab_size} tokens but the model's embedding has only "
                                    f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
+        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)  # ids need not be dense
+        if top >= model_vocab_size:
+            raise ModelFormatError(path, f"tokenizer has token id {top} but the model's embedding has only "
+                                   f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
         self.model_vocab_size = model_vocab_size  # ids the model can emit; those the tokenizer lacks decode to ""
         self.bos_id, self.eos_ids = bos_id, eos_ids
         self.add_bos = add_bos  # False: the model's text starts without BOS (its chat template writes its own)
@@ -265,6 +269,8 @@ def gguf_tokenizer(file, config) -> Tokenizer:
         raise ModelFormatError(path, "the file carries no tokenizer (tokenizer.ggml.model is missing)",
                                "pass --tokenizer PATH to the model's tokenizer.json")
     tokens = file.get("tokenizer.ggml.tokens", list)
+    if not all(isinstance(t, str) for t in tokens):
+        raise ModelFormatError(path, "tokenizer.ggml.tokens must be an array of strings")
     if len(tokens) > config.vocab_size:
         raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens but the model's embedding has only "
                                f"{config.vocab_size} rows")
@@ -280,6 +286,11 @@ def gguf_tokenizer(file, config) -> Tokenizer:
                             f"{path} (tokenizer.chat_template)") if template_source else None
     if kind == "llama":
         scores = file.get("tokenizer.ggml.scores", np.ndarray)
+        if len(scores) != len(tokens):
+            raise ModelFormatError(path, f"{len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens")
+        outside = [t for t in (config.bos_id, *config.eos_ids) if t is not None and t >= len(tokens)]
+        if outside:
+            raise ModelFormatError(path, f"special token id {outside[0]} is outside the {len(tokens)} tokens")
         pieces = [t.replace("\u2581", " ").encode("utf-8") for t in tokens]
         tokenizer = Llama2cTokenizer(path, len(tokens), config.bos_id, config.eos_ids[0] if config.eos_ids else -1,
                                      pieces=pieces, scores=np.asarray(scores, np.float32),
@@ -317,12 +328,14 @@ def _byte_level_bpe(file, tokens: list[str], types: np.ndarray):
     try:
         backend = _Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
                                         [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-    except Exception as e:  # the library raises its own untyped errors
-        raise ModelFormatError(file.path, f"the tokenizer's vocabulary and merges do not fit together: {e}") from e
-    backend.pre_tokenizer = splitter
-    backend.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL]
-    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-    backend.add_special_tokens(special)
-    backend.add_tokens(added)
+        backend.pre_tokenizer = splitter
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, k in zip(tokens, types) if k == CONTROL])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the library's own untyped errors, and Rust panics (PanicException is no Exception)
+        raise ModelFormatError(file.path, f"the tokenizer's vocabulary and merges do not fit together: "
+                               f"{type(e).__name__}: {e}") from None
     return backend

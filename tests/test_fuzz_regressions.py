@@ -67,6 +67,18 @@ def test_a_tokenizer_json_that_panics_the_tokenizers_library(tmp_path):
         HFTokenizer(path, 1000, 0, (1,))
 
 
+def test_a_tokenizer_json_with_ids_beyond_the_model(tmp_path):
+    """Found by the campaign (corpus/hf_tokenizer/crash-token-id-beyond-the-vocabulary-size): a vocabulary of few
+    tokens but an id past the model's embedding passed the token-count check; encode then produced that id (the
+    model would index past its embedding). Now refused when the tokenizer is read."""
+    document = json.loads((FIXTURES / "tokenizer.json").read_text())
+    document["model"]["vocab"]["a"] = 79888888
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ModelFormatError, match="tokenizer has token id 79888888 but the model's embedding has only 1000"):
+        HFTokenizer(path, 1000, 0, (1,))
+
+
 # ---- model headers ------------------------------------------------------------------------------------------
 def test_llama2c_header_with_an_odd_head_dim(tmp_path):
     """dim 6 / 2 heads: ModelConfig raised ConfigError out of the model reader."""
@@ -279,3 +291,39 @@ def test_a_chunk_of_another_dtype_before_the_size_is_known_is_counted_not_raised
         agent.close()
     assert master.stats[1].rejected["malformed"] == 1
     np.testing.assert_array_equal(result.values[1], np.ones(355, np.float32))
+
+
+def sentencepiece_vocabulary(scores: int | None = None, bos: int = 1):
+    """tokenizer.* metadata of a llama (SentencePiece-style) vocabulary for tests/gguf_models.raw_gguf."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a"]
+
+    def write(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores([0.0] * (len(pieces) if scores is None else scores))
+        writer.add_bos_token_id(bos)
+        writer.add_eos_token_id(2)
+    return write
+
+
+@pytest.mark.parametrize("vocabulary, message", [
+    (sentencepiece_vocabulary(scores=10), "10 tokenizer.ggml.scores for 260 tokens"),  # was IndexError in encode
+    (sentencepiece_vocabulary(bos=300), "special token id 300 is outside the 260 tokens"),  # was TokenIdError
+    (sentencepiece_vocabulary(bos=5000), "tokenizer.ggml.bos_token_id=5000 is outside the vocabulary"),
+])
+def test_gguf_tokenizer_metadata(tmp_path, vocabulary, message):
+    from gguf_models import raw_gguf
+
+    from halo.loader import load_tokenizer, load_weights
+
+    path = raw_gguf(tmp_path / "model.gguf", tokenizer=vocabulary)
+    with pytest.raises(ModelFormatError, match=message):
+        load_tokenizer(load_weights(path)).encode("a b")
+
+
+def test_a_chat_template_nested_beyond_the_stack():
+    """jinja2's parser raised RecursionError on 3000 nested parentheses (a GGUF's tokenizer.chat_template)."""
+    from halo.chat import ChatTemplate
+
+    with pytest.raises(ModelFormatError, match="nested too deeply"):
+        ChatTemplate("{{" + "(" * 3000 + "1" + ")" * 3000 + "}}")

@@ -303,7 +303,11 @@ def report(outcomes: list[Outcome], command: str, out: Path) -> None:
         status = "" if r["status"] == "ok" else f" ({r['status']})"
         lines.append(f"| {r['target']} | {r['engine']} | {r['executions']:,} | {r['seconds']:.0f} | {r['exec_per_s']:,} | "
                      f"{dash(r['coverage'])} | {dash(r['features'])} | {dash(r['corpus'])} | {len(r['crashes'])}{status} |")
-    write_report(out, "fuzzing", {"targets": rows}, lines)
+    findings = sorted((t.name, p.name) for t in TARGETS.values() if t.seeds.is_dir() for p in t.seeds.glob("crash-*"))
+    lines += ["", "Crashes found so far (this campaign's and earlier runs'), each fixed, kept in the corpus (replayed by "
+              "tests/test_fuzz.py) and written out readably in tests/test_fuzz_regressions.py:", "",
+              *[f"- {name}: `eval/fuzz/corpus/{name}/{file}`" for name, file in findings]]
+    write_report(out, "fuzzing", {"targets": rows, "crash_files": [f"{n}/{f}" for n, f in findings]}, lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

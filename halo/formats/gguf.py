@@ -36,6 +36,8 @@ FLOAT_TYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(
 # metadata value types (GGUFValueType) -> struct format; 8 = string, 9 = array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
+SPECIAL_TOKEN_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                      "tokenizer.ggml.eom_token_id")
 MAX_ARRAY_NESTING = 16  # arrays of arrays: real files nest at most once (e.g. per-layer lists)
 LAYER_TENSORS = {  # halo's name -> GGUF's, with the shape as a function of the config
     "attn_norm": ("attn_norm", lambda c: (c.dim,)), "wq": ("attn_q", lambda c: (c.q_dim, c.dim)),
@@ -218,15 +220,19 @@ def read_config(path: str | os.PathLike, file: GGUFFile | None = None) -> ModelC
     if embedding is None:
         raise ModelFormatError(file.path, "tensor token_embd.weight is missing")
     vocab = file.get("llama.vocab_size", default=embedding.shape[0])
-    eos = [file.get(key, default=None, required=False)
-           for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    special = {key: file.get(key, default=None, required=False) for key in SPECIAL_TOKEN_KEYS}
     try:
-        return _model_config(file, dim, heads, head_dim, vocab, eos)
+        config = _model_config(file, dim, heads, head_dim, vocab, special)
     except ConfigError as e:  # shapes the metadata states but a model cannot have (e.g. heads not a multiple of kv)
         raise ModelFormatError(file.path, str(e)) from None
+    for key, token in special.items():  # a BOS outside the embedding would fail only once generation starts
+        if token is not None and not 0 <= token < config.vocab_size:
+            raise ModelFormatError(file.path, f"{key}={token} is outside the vocabulary (0..{config.vocab_size - 1})")
+    return config
 
 
-def _model_config(file: GGUFFile, dim: int, heads: int, head_dim: int, vocab: int, eos: list) -> ModelConfig:
+def _model_config(file: GGUFFile, dim: int, heads: int, head_dim: int, vocab: int, special: dict) -> ModelConfig:
+    eos = [special[key] for key in SPECIAL_TOKEN_KEYS[1:]]
     return ModelConfig(
         dim=dim, hidden_dim=file.get("llama.feed_forward_length"), n_layers=file.get("llama.block_count"),
         n_heads=heads, n_kv_heads=file.get("llama.attention.head_count_kv", default=heads), vocab_size=vocab,
@@ -234,7 +240,7 @@ def _model_config(file: GGUFFile, dim: int, heads: int, head_dim: int, vocab: in
         norm_eps=file.get("llama.attention.layer_norm_rms_epsilon", float, 1e-5),
         rope_theta=file.get("llama.rope.freq_base", float, 10000.0),
         tied_embeddings="output.weight" not in file.tensors,
-        bos_id=file.get("tokenizer.ggml.bos_token_id", default=None, required=False),
+        bos_id=special["tokenizer.ggml.bos_token_id"],
         eos_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
     )
 
