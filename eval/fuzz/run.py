@@ -294,7 +294,9 @@ def report(outcomes: list[Outcome], command: str, out: Path) -> None:
              "Every target may raise only its parser's domain error (see `eval/fuzz/targets.py`); anything else, "
              "a hang (libFuzzer -timeout) or a runaway allocation (address-space limit) counts as a crash. "
              "Crashes found on the way are fixed and kept as regressions (eval/fuzz/corpus/*/crash-*, "
-             "tests/test_fuzz_regressions.py).", "", "Commands:", "",
+             "tests/test_fuzz_regressions.py). The goal is 10^6 executions per target; a target that reached its "
+             "time cap first shows fewer executions (what libFuzzer counted) and status ok. A target re-run after a "
+             "fix replaces its row; the row's command and commit say how it ran.", "", "Commands:", "",
              *sorted({f"- `{row['command']}` (commit {row['commit']})" for row in rows}), "",
              "| target | engine | executions | time (s) | exec/s | coverage (edges) | features | corpus | crashes |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
