@@ -10,4 +10,6 @@ run --target address --target control --target wire --target hf_config --target 
     --target llama2c --target safetensors --seconds 1000 || status=1
 run --target plan --target llama2c_tokenizer --target decode --target cluster --target encode --target gguf \
     --seconds 600 || status=1
+# After a fix, the target is run again to 10^6 from the start (its row is replaced), e.g. on 2026-11-23:
+#   run --target gguf --target hf_tokenizer --target llama2c_tokenizer --seconds 1100
 exit "${status:-0}"
