@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
 import tomllib
 from pathlib import Path
 
-from halo.errors import HaloError
+from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_path, integer, listen_argument,
+                            parse_endpoint)
+from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
+from halo.models import resolve_model
+
+DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
@@ -18,11 +24,42 @@ EPILOG = """examples:
 """
 
 
+CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def read_config(path: str) -> dict:
+    """The agent's TOML file, every value checked as its command-line option would be."""
+    try:
+        settings = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"cannot read {path}: nested too deeply for an agent configuration") from None
+    unknown = sorted(set(settings) - set(CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {unknown}; allowed: {', '.join(CONFIG_KEYS)}")
+    for name, value in settings.items():
+        if name == "threads":
+            check_integer(value, f"{path}: threads", 1, MAX_THREADS)
+        elif not isinstance(value, str) or not value:
+            raise ConfigError(f"{path}: {name} must be a non-empty string, got {value!r}")
+    if "listen" in settings:
+        try:
+            settings["listen"] = parse_endpoint(settings["listen"], listen=True)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: listen: {e}") from None
+    if settings.get("weights", FORMATS[0]) not in FORMATS:
+        raise ConfigError(f"{path}: weights must be one of {', '.join(FORMATS)}, got {settings['weights']!r}")
+    return settings
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="halo-agent", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description="Serve a share of a model's neuron groups to a halo master.")
+    parser = OneLineParser(prog="halo-agent", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Serve a share of a model's neuron groups to a halo master.")
     parser.add_argument("--config", help="TOML file with any of the options below")
-    parser.add_argument("--listen", help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
+    parser.add_argument("--listen", type=listen_argument,
+                        help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
     parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
     parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
     parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
@@ -30,22 +67,34 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
     parser.add_argument("--weights", choices=FORMATS, help="weight format in memory when the master does not say "
                         "(default native: the file's own); a master's choice applies to the whole cluster")
-    parser.add_argument("--threads", type=int, help="compute threads (default: all cores)")
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: all cores)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = {}
-    if args.config:
-        try:
-            settings = tomllib.loads(Path(args.config).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            print(f"halo-agent: error: cannot read {args.config}: {e}", file=sys.stderr)
-            return 2
-    pick = lambda name, default: getattr(args, name) or settings.get(name, default)  # noqa: E731
-    threads = int(pick("threads", 0) or os.cpu_count() or 1)
+    try:
+        settings = read_config(args.config) if args.config else {}
+    except ConfigError as e:
+        print(f"halo-agent: error: {e}", file=sys.stderr)
+        return 2
+
+    def pick(name, default):
+        """The command line, else the config file, else the default."""
+        given = getattr(args, name)
+        return given if given is not None else settings.get(name, default)
+
+    threads = pick("threads", None) or os.cpu_count() or 1
+    listen = pick("listen", DEFAULT_LISTEN)
+    try:
+        model = pick("model", None)
+        check_path("--model", str(resolve_model(model)) if model else None, "model file or directory")
+        check_path("--predictors", pick("predictors", None), "directory")
+    except ConfigError as e:
+        print(f"halo-agent: error: {e}", file=sys.stderr)
+        return 2
     import numpy  # noqa: F401 - load its BLAS first: threadpool_limits only limits libraries already loaded
+    import zmq
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)
@@ -57,11 +106,18 @@ def main(argv=None) -> int:
         key = None if args.insecure else load_key(pick("key", "/etc/halo/cluster.key"))
         import socket
 
-        agent = Agent(pick("model", None), pick("listen", "tcp://0.0.0.0:7070"), key, args.insecure,
+        agent = Agent(pick("model", None), listen, key, args.insecure,
                       pick("name", socket.gethostname()), pick("weights", "native"), threads,
                       pick("predictors", None))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
+        return 2
+    except (zmq.ZMQError, OSError) as e:
+        if isinstance(e, zmq.ZMQError) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            print(f"halo-agent: error: cannot listen on {listen}: {e} (is another agent using the port? "
+                  "choose another with --listen)", file=sys.stderr)
+        else:
+            print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2
     print(f"LISTENING {agent.endpoint}", flush=True)
     agent.serve()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from halo.errors import ConfigError, HaloError
+from halo.errors import HaloError
 from halo.transport.reliable import Message
 
 from .daemon import ControlServer
@@ -202,22 +202,24 @@ EPILOG = """examples:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="halo-stage-worker", epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description="Serve a contiguous range of a model's layers to a halo pipeline "
-                                                 "coordinator (halo-master generate --mode pipeline).")
-    parser.add_argument("--listen", default="tcp://0.0.0.0:7080", help="where to listen (port 0 = any free port)")
+    from halo.arguments import MAX_THREADS, OneLineParser, check_path, integer, listen_argument, number
+    from halo.models import resolve_model
+
+    parser = OneLineParser(prog="halo-stage-worker", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Serve a contiguous range of a model's layers to a halo pipeline "
+                                       "coordinator (halo-master generate --mode pipeline).")
+    parser.add_argument("--listen", type=listen_argument, default="tcp://0.0.0.0:7080", help="where to listen (port 0 = any free port)")
     parser.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key file (default /etc/halo/cluster.key)")
     parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
     parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the coordinator (default: the host name)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "torch-cpu"), default="auto",
                         help="auto: torch on CUDA where a GPU is present, else numpy on the CPU (default)")
-    parser.add_argument("--threads", type=int, default=0, help="BLAS threads (default: all cores)")
-    parser.add_argument("--memory-mb", type=float, help="memory the planner may give this worker (default: free memory)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--threads", type=integer(0, MAX_THREADS), default=0, help="BLAS threads (default: all cores)")
+    parser.add_argument("--memory-mb", type=number(0, low_open=True), help="memory the planner may give this worker (default: free memory)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     threads = args.threads or os.cpu_count() or 1
     from threadpoolctl import threadpool_limits
@@ -226,11 +228,10 @@ def main(argv=None) -> int:
     try:
         from halo.transport.reliable import load_key
 
+        check_path("--model", str(resolve_model(args.model)) if args.model else None, "model file or directory")
         key = None if args.insecure else load_key(args.key)
         import socket
 
-        if args.memory_mb is not None and args.memory_mb <= 0:
-            raise ConfigError(f"--memory-mb must be positive, got {args.memory_mb}")
         worker = StageWorker(args.model, args.listen, key, args.insecure, args.name or socket.gethostname(),
                              args.device, threads, args.memory_mb * 1e6 if args.memory_mb else None)
     except HaloError as e:

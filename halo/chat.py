@@ -43,6 +43,8 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ModelFormatError(origin or "chat template", f"the chat template does not parse: {e} (line {e.lineno})") from e
+        except (RecursionError, SyntaxError) as e:  # nested beyond the parser's stack or Python's 20 static blocks
+            raise ModelFormatError(origin or "chat template", f"the chat template is nested too deeply: {e}") from None
         self._errors = (jinja2.exceptions.TemplateError,)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

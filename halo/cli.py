@@ -7,8 +7,11 @@ import json
 import sys
 import time
 
+from .arguments import MAX_THREADS, OneLineParser, check_path, endpoints_argument, integer, number
 from .errors import ConfigError, HaloError
 from .linear import FORMATS, resolve_format
+
+MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
@@ -45,7 +48,7 @@ EPILOG_PLAN = """examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
+    parser = OneLineParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_generate, _add_plan, _add_keygen, _add_fetch, _add_serve, _add_status):
         add(sub)
@@ -61,12 +64,12 @@ def _add_generate(sub) -> None:
     g.add_argument("--prompt", default="", help='text to continue (with --chat: the user\'s message); "" starts '
                                                  'from BOS (default: "")')
     add_model_arguments(g)
-    g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+    g.add_argument("--max-new-tokens", type=integer(1), default=256, metavar="N", help="stop after N new tokens (default 256)")
+    g.add_argument("--temperature", type=number(0), default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--top-k", type=integer(0), default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
+    g.add_argument("--seed", type=integer(0), default=0, help="random seed for sampling (default 0)")
     g.add_argument("--chat", action="store_true",
                    help="treat --prompt as a user message in the model's chat template and print the answer "
                         "(what POST /v1/chat/completions of `halo-master serve` does)")
@@ -95,7 +98,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--algorithm", choices=("minmax", "greedy", "galaxy", "vanilla", "memory", "exact"), default="minmax",
                    help="ratio algorithm for tp (default minmax, which also chooses the participating devices)")
     p.add_argument("--all-devices", action="store_true", help="tp: make every device take part (no device selection)")
-    p.add_argument("--mlp-group-size", type=int, default=None,
+    p.add_argument("--mlp-group-size", type=integer(1), default=None,
                    help="MLP neurons per group (default 256; hidden/8 for models with fewer than 8 such groups)")
     p.add_argument("--out", metavar="plan.json", help="write the plan as versioned JSON")
     p.set_defaults(func=cmd_plan)
@@ -125,18 +128,18 @@ def _add_serve(sub) -> None:
     http.add_argument("--host", default="127.0.0.1",
                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface, "
                            "then set an API key)")
-    http.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    http.add_argument("--port", type=integer(0, 65535), default=8000, help="TCP port (default 8000)")
     http.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (visible in ps: "
                       "prefer --api-key-file)")
     http.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
     http.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model's file "
                       "or directory name; stories260K for the bundled model)")
-    http.add_argument("--max-queue", type=int, default=32, metavar="N",
+    http.add_argument("--max-queue", type=integer(0), default=32, metavar="N",
                       help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
-    http.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
+    http.add_argument("--request-timeout", type=number(0, low_open=True), default=300.0, metavar="S",
                       help="a request that is not done S seconds after it arrived (queue time included) is stopped "
                            "with HTTP 504 / an error event (default 300)")
-    http.add_argument("--seed", type=int, default=0, help="seed of --inject-plr's drops (each request carries its own "
+    http.add_argument("--seed", type=integer(0), default=0, help="seed of --inject-plr's drops (each request carries its own "
                       "sampling seed)")
     http.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_cluster_arguments(sv)
@@ -166,16 +169,17 @@ def _add_status(sub) -> None:
                                     "With --server, show a running `halo-master serve`'s cluster view instead "
                                     "(share, time per token, link loss, what relaxed sync dropped).")
     where = st.add_mutually_exclusive_group(required=True)
-    where.add_argument("--agents", metavar="HOST:PORT,...")
+    where.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="the agents to ask, comma-separated")
     where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
     st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
     st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
-    st.add_argument("--key", default="/etc/halo/cluster.key")
-    st.add_argument("--insecure", action="store_true")
-    st.add_argument("--timeout", type=float, default=2.0)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    st.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    st.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
+                    help="wait at most S seconds for each agent (default 2)")
+    st.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
     st.add_argument("--watch", action="store_true", help="keep the view on screen, refreshed live (Ctrl-C ends)")
-    st.add_argument("--interval", type=float, default=1.0, metavar="S", help="--watch refresh period (default 1 s)")
+    st.add_argument("--interval", type=number(0, low_open=True), default=1.0, metavar="S", help="--watch refresh period (default 1 s)")
     st.set_defaults(func=cmd_status)
 
 
@@ -190,30 +194,30 @@ def add_model_arguments(parser) -> None:
                              "stay 4/8-bit; fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks "
                              "dequantized), int8 (per-block, ~3.5x smaller than fp32); in a cluster every agent "
                              "uses it too")
-    parser.add_argument("--context", type=int, default=None, metavar="N",
+    parser.add_argument("--context", type=integer(1), default=None, metavar="N",
                         help="KV-cache length in tokens (default: the model's, at most 2048)")
-    parser.add_argument("--threads", type=int, default=1, help="compute threads for int8/4-bit kernels (default 1)")
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8/4-bit kernels (default 1)")
 
 
 def add_cluster_arguments(parser) -> None:
     """Where the model runs: one process, or a tensor-parallel cluster (generate, serve)."""
     cluster = parser.add_argument_group("distributed (tensor-parallel)")
-    cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
+    cluster.add_argument("--local-agents", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
                          help="start N halo-agent processes on this machine, run across them, stop them")
-    cluster.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
+    cluster.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
     cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
                          "addresses are the agents; the master = the device marked master)")
     cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
-    cluster.add_argument("--timeout", type=float, default=2.0, metavar="S",
+    cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
     pipe = parser.add_argument_group("pipeline mode (contiguous layer ranges on stage workers; see halo/pipeline/)")
     pipe.add_argument("--mode", choices=("tp", "pipeline"), default="tp",
                       help="tp: tensor-parallel agents (default) · pipeline: halo-stage-worker processes and browser "
                            "tabs; --local-agents/--agents/--cluster then mean stage workers (a pipeline --plan "
                            "implies it)")
-    pipe.add_argument("--browser-workers", type=int, default=0, metavar="N",
+    pipe.add_argument("--browser-workers", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
                       help="wait for N browser tabs to open the worker page (printed at start) and use them too")
     pipe.add_argument("--serve-worker", default="127.0.0.1:8765", metavar="HOST:PORT",
                       help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN)")
@@ -233,17 +237,17 @@ def add_sync_arguments(parser) -> None:
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
                         "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
                         "critical traffic")
-    s.add_argument("--deadline-floor", type=float, default=d.deadline_floor_ms, metavar="MS",
+    s.add_argument("--deadline-floor", type=number(0, low_open=True), default=d.deadline_floor_ms, metavar="MS",
                    help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
-    s.add_argument("--deadline-ceiling", type=float, default=d.deadline_ceiling_ms, metavar="MS",
+    s.add_argument("--deadline-ceiling", type=number(0, low_open=True), default=d.deadline_ceiling_ms, metavar="MS",
                    help=f"... nor longer (default {d.deadline_ceiling_ms:g} ms); between them: "
                         f"{d.deadline_slack:g} x the median agent turnaround")
-    s.add_argument("--critical-fraction", type=float, default=d.critical_fraction, metavar="F",
+    s.add_argument("--critical-fraction", type=number(0, 1), default=d.critical_fraction, metavar="F",
                    help=f"partials holding a group in the predicted top F always arrive whole (default {d.critical_fraction:g})")
     s.add_argument("--predictors", metavar="DIR", help="trained predictors (default: predictors/ beside the model)")
     s.add_argument("--no-pred-overlap", action="store_true", help="ablation: predict before sending, not while waiting")
     s.add_argument("--no-load-overlap", action="store_true", help="ablation: load the next layer's groups inline")
-    s.add_argument("--inject-plr", type=float, default=0.0, metavar="P",
+    s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
                         "accuracy-under-loss runs without a lossy network")
 
@@ -291,19 +295,22 @@ def _agents_status(args) -> int:
 def _query_agents(args) -> tuple[list[dict], int]:
     import zmq
 
-    from .transport.reliable import Message, client_socket, decode, encode, load_key
+    from .transport.reliable import Message, MessageError, client_socket, decode, encode, load_key
 
     key = None if args.insecure else load_key(args.key)
     context = zmq.Context()
     rows, failed = [], 0
     try:
-        for address in [a for a in args.agents.split(",") if a]:
-            endpoint = address if address.startswith("tcp://") else f"tcp://{address}"
+        for endpoint in args.agents:
             sock = client_socket(context, key, args.insecure)
             sock.connect(endpoint)
             sock.send_multipart(encode(Message("status")))
             if sock.poll(int(args.timeout * 1000)):
-                rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
+                try:
+                    rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
+                except MessageError as e:
+                    rows.append({"endpoint": endpoint, "error": f"not a halo agent's answer: {e}"})
+                    failed += 1
             else:
                 rows.append({"endpoint": endpoint, "error": f"no answer within {args.timeout:.1f} s"})
                 failed += 1
@@ -357,7 +364,10 @@ def cmd_fetch(args) -> int:
 def cmd_keygen(args) -> int:
     from .transport.reliable import generate_key
 
-    key = generate_key(args.out, force=args.force)
+    try:
+        key = generate_key(args.out, force=args.force)
+    except OSError as e:
+        raise ConfigError(f"cannot write the cluster key to {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out} (mode 0600), fingerprint {key.fingerprint}")
     print(f"copy it to every device, e.g.: scp {args.out} pi@DEVICE:/etc/halo/cluster.key")
     return 0
@@ -371,6 +381,7 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingSettings
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
+    check_model_and_cluster(args)  # every setting, before minutes of loading a large model
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
     prompt = args.prompt
@@ -383,21 +394,41 @@ def cmd_generate(args) -> int:
         return _run_generation(args, weights, tokenizer, model, sampling, prompt)
 
 
+def _distributed(args) -> bool:
+    return bool(args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers)
+
+
+def check_model_and_cluster(args) -> None:
+    """What argparse cannot check alone (generate, serve): combinations, files, the settings objects' own rules."""
+    from .models import resolve_model
+
+    sync_settings(args)
+    if args.sync is not None and not _distributed(args):
+        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
+    if args.local_agents and (args.agents or args.cluster):
+        raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
+    if args.cluster and args.plan:
+        raise ConfigError("give --cluster (plan now) or --plan (a saved plan), not both")
+    model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
+    for option, path, kind in (("--model", model, "model file or directory"),
+                               ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
+                               ("--plan", args.plan, "file"), ("--predictors", args.predictors, "directory")):
+        check_path(option, path, kind)
+
+
 def open_model(args, weights, stack):
     """The model the arguments describe: a single-process Transformer, or the master of a cluster from
     --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
     from .model import Transformer
 
     args.weights = resolve_format(args.weights, weights)
-    distributed = args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers
-    if not distributed:
+    if not _distributed(args):
         if args.sync is not None:
             raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
         return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
 
-    agents = [a for a in args.agents.split(",") if a] if args.agents else None
-    return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=agents,
+    return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
@@ -408,6 +439,7 @@ def open_model(args, weights, stack):
 def cmd_serve(args) -> int:
     from .serve.cli import serve
 
+    check_model_and_cluster(args)
     return serve(args, open_model)
 
 

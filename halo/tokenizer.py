@@ -21,6 +21,23 @@ from .errors import ModelFormatError
 from .formats import llama2c
 
 BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class TokenIdError(ValueError):
+    """A token id outside the vocabulary was given to decode (a caller's bug or a model/tokenizer mismatch)."""
+
+
+def valid_text(text: str) -> str:
+    """`text` with lone surrogates (a str that is not valid Unicode, e.g. from undecodable bytes with
+    errors="surrogateescape") replaced by U+FFFD, which both encoders can represent."""
+    return LONE_SURROGATE.sub("\ufffd", text)
+
+
+def check_ids(ids, vocab_size: int) -> None:
+    for token in ids:
+        if not 0 <= token < vocab_size:
+            raise TokenIdError(f"token id {token} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 class Tokenizer(Protocol):
@@ -69,7 +86,7 @@ class Llama2cTokenizer:
         if not text:
             return ids
         symbols: list[int] = [self.piece_id[b" "]] if self.add_dummy_prefix and b" " in self.piece_id else []
-        for ch in text:
+        for ch in valid_text(text):
             encoded = ch.encode("utf-8")
             if encoded in self.piece_id:
                 symbols.append(self.piece_id[encoded])
@@ -131,8 +148,7 @@ class Llama2cTokenizer:
         def step(token: int | None) -> str:
             if token is None:
                 return decoder.decode(b"", final=True)
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})")
+            check_ids((token,), self.vocab_size)
             data = self._bytes(token)
             if first[0] and data:
                 first[0] = False
@@ -159,14 +175,21 @@ class HFTokenizer:
                                        "pip install 'halo-edge[master]'") from e
             try:
                 backend = _Tokenizer.from_file(str(path))
-            except Exception as e:  # the library raises its own untyped errors
-                raise ModelFormatError(path, f"cannot parse tokenizer.json: {e}") from e
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # the library's own untyped errors, and Rust panics (PanicException is no Exception)
+                raise ModelFormatError(path, f"cannot parse tokenizer.json: {type(e).__name__}: {e}") from None
             chat_template = chat_template or read_hf_chat_template(self.path.parent)
         self._tok = backend
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         if self.vocab_size > model_vocab_size:
             raise ModelFormatError(path, f"tokenizer has {self.vocab_size} tokens but the model's embedding has only "
                                    f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
+        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)  # ids need not be dense
+        if top >= model_vocab_size:
+            raise ModelFormatError(path, f"tokenizer has token id {top} but the model's embedding has only "
+                                   f"{model_vocab_size} rows", "use the tokenizer that belongs to this checkpoint")
+        self.model_vocab_size = model_vocab_size  # ids the model can emit; those the tokenizer lacks decode to ""
         self.bos_id, self.eos_ids = bos_id, eos_ids
         self.add_bos = add_bos  # False: the model's text starts without BOS (its chat template writes its own)
         self.chat_template = chat_template
@@ -174,12 +197,14 @@ class HFTokenizer:
     def encode(self, text: str, bos: bool = True) -> list[int]:
         """Special tokens written in the text (e.g. a rendered chat template's <|im_start|>) stay whole.
         BOS goes first when asked for and the model uses one, and always before an empty text (a start)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        ids = self._tok.encode(valid_text(text), add_special_tokens=False).ids
         prepend = bos and self.bos_id is not None and (self.add_bos or not ids)
         return ([self.bos_id] if prepend else []) + ids
 
     def decode(self, ids: list[int], at_start: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        check_ids(ids, self.model_vocab_size)
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def stream(self, at_start: bool = True) -> Callable[[int | None], str]:
         """Decode the growing sequence and emit only the new, complete characters."""
@@ -244,6 +269,8 @@ def gguf_tokenizer(file, config) -> Tokenizer:
         raise ModelFormatError(path, "the file carries no tokenizer (tokenizer.ggml.model is missing)",
                                "pass --tokenizer PATH to the model's tokenizer.json")
     tokens = file.get("tokenizer.ggml.tokens", list)
+    if not all(isinstance(t, str) for t in tokens):
+        raise ModelFormatError(path, "tokenizer.ggml.tokens must be an array of strings")
     if len(tokens) > config.vocab_size:
         raise ModelFormatError(path, f"tokenizer has {len(tokens)} tokens but the model's embedding has only "
                                f"{config.vocab_size} rows")
@@ -259,6 +286,11 @@ def gguf_tokenizer(file, config) -> Tokenizer:
                             f"{path} (tokenizer.chat_template)") if template_source else None
     if kind == "llama":
         scores = file.get("tokenizer.ggml.scores", np.ndarray)
+        if len(scores) != len(tokens):
+            raise ModelFormatError(path, f"{len(scores)} tokenizer.ggml.scores for {len(tokens)} tokens")
+        outside = [t for t in (config.bos_id, *config.eos_ids) if t is not None and t >= len(tokens)]
+        if outside:
+            raise ModelFormatError(path, f"special token id {outside[0]} is outside the {len(tokens)} tokens")
         pieces = [t.replace("\u2581", " ").encode("utf-8") for t in tokens]
         tokenizer = Llama2cTokenizer(path, len(tokens), config.bos_id, config.eos_ids[0] if config.eos_ids else -1,
                                      pieces=pieces, scores=np.asarray(scores, np.float32),
@@ -296,12 +328,14 @@ def _byte_level_bpe(file, tokens: list[str], types: np.ndarray):
     try:
         backend = _Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
                                         [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
-    except Exception as e:  # the library raises its own untyped errors
-        raise ModelFormatError(file.path, f"the tokenizer's vocabulary and merges do not fit together: {e}") from e
-    backend.pre_tokenizer = splitter
-    backend.decoder = decoders.ByteLevel()
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL]
-    added = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-    backend.add_special_tokens(special)
-    backend.add_tokens(added)
+        backend.pre_tokenizer = splitter
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                    for t, k in zip(tokens, types) if k == CONTROL])
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # the library's own untyped errors, and Rust panics (PanicException is no Exception)
+        raise ModelFormatError(file.path, f"the tokenizer's vocabulary and merges do not fit together: "
+                               f"{type(e).__name__}: {e}") from None
     return backend

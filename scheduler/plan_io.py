@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.arguments import check_integer, check_number
 from halo.errors import ConfigError
 
 from .cost import ESTIMATE_MODES, estimate
@@ -79,8 +80,10 @@ def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, 
         doc = json.loads(Path(path).read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"{where}: no such plan file") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: not valid JSON ({e})") from e
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read the plan file ({e})") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting beyond the stack
+        raise ConfigError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from e
     _require(isinstance(doc, dict) and doc.get("format") == FORMAT, where, f"not a {FORMAT} file")
     _require(doc.get("version") == VERSION, where,
              f"plan version {doc.get('version')!r} is not supported (this halo reads version {VERSION}); re-run halo-master plan")
@@ -88,14 +91,20 @@ def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, 
         cluster = Cluster(tuple(DeviceProfile(d["name"], d["memory_bytes"], d["compute_flops"], d["plr"], d["bandwidth_bps"],
                                               d["latency_s"], d.get("address", ""), bool(d.get("master")))
                                 for d in doc["cluster"]["devices"]),
-                          int(doc["cluster"]["context"]), doc["cluster"]["weights"])
+                          check_integer(doc["cluster"]["context"], "cluster.context", 1), doc["cluster"]["weights"])
         mj = doc["model"]
-        blocks = {k: BlockProfile(k, int(b["count"]), float(b["bytes"]), float(b["flops"]), float(b["kv_bytes_per_token"]))
-                  for k, b in mj["blocks"].items()}
-        model = ModelProfile(mj["name"], int(mj["n_layers"]), int(mj["dim"]), blocks["attention"], blocks["mlp"],
-                             blocks["lm_head"], float(mj["embedding_bytes"]), float(mj["predictor_bytes"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: malformed model or cluster section ({e!r})") from e
+        blocks = {k: BlockProfile(k, check_integer(mj["blocks"][k]["count"], f"model.blocks.{k}.count", 1),
+                                  *(check_number(mj["blocks"][k][f], f"model.blocks.{k}.{f}", 0)
+                                    for f in ("bytes", "flops", "kv_bytes_per_token")))
+                  for k in ("attention", "mlp", "lm_head")}
+        model = ModelProfile(str(mj["name"]), check_integer(mj["n_layers"], "model.n_layers", 1),
+                             check_integer(mj["dim"], "model.dim", 1), blocks["attention"], blocks["mlp"], blocks["lm_head"],
+                             check_number(mj["embedding_bytes"], "model.embedding_bytes", 0),
+                             check_number(mj["predictor_bytes"], "model.predictor_bytes", 0))
+    except (KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"{where}: malformed model or cluster section ({e!r:.200})") from e
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if doc.get("mode") == "tp":
         return _load_tp(doc, cluster, model, where)
     if doc.get("mode") == "pipeline":
@@ -106,6 +115,8 @@ def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, 
 def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> TensorParallelPlan:
     index = {d.name: i for i, d in enumerate(cluster.devices)}
     names = doc.get("participants", [])
+    _require(isinstance(names, list) and all(isinstance(n, str) for n in names), where,
+             "participants must be a list of device names")
     _require(len(set(names)) == len(names) and all(n in index for n in names), where,
              f"participants {names} must be distinct devices of the cluster")
     _require(bool(names) and index[names[0]] == cluster.master, where, "the master must be the first participant")
@@ -113,9 +124,11 @@ def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> Te
     for kind in TP_KINDS + ("lm_head",):
         block = getattr(model, kind)
         try:
-            array = np.asarray(doc["counts"][kind], dtype=np.int64)
+            array = np.asarray(doc["counts"][kind])
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"{where}: counts.{kind} is missing or not integers") from e
+        _require(array.dtype.kind in "iu" or array.size == 0, where, f"counts.{kind} must hold integers")
+        array = array.astype(np.int64)
         shape = (len(names), model.n_layers) if kind != "lm_head" else (len(names),)
         _require(array.shape == shape, where, f"counts.{kind} has shape {array.shape}, expected {shape}")
         _require((array >= 0).all(), where, f"counts.{kind} has negative entries")
@@ -126,7 +139,12 @@ def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> Te
     plan = TensorParallelPlan(cluster, model, str(doc.get("algorithm", "")), [index[n] for n in names], counts)
     for kind in TP_KINDS + ("lm_head",):
         expected = plan.priority_ranks(kind)
-        given = np.asarray(doc.get("priority", {}).get(kind, []))
+        priority = doc.get("priority", {})
+        _require(isinstance(priority, dict), where, "priority must map block kinds to rank ranges")
+        try:
+            given = np.asarray(priority.get(kind, []))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: priority.{kind} is not a regular array of rank ranges") from e
         if kind == "lm_head":
             given = given[:, None] if given.ndim == 2 else given
         _require(given.shape == expected.shape and np.array_equal(given, expected), where,
@@ -137,14 +155,17 @@ def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> Te
 def _load_pipeline(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> PipelinePlan:
     index = {d.name: i for i, d in enumerate(cluster.devices)}
     units = doc.get("units", [])
+    _require(isinstance(units, list) and all(isinstance(u, str) for u in units), where, "units must be a list of names")
+    _require(isinstance(doc.get("stages", []), list), where, "stages must be a list")
     _require(len(units) == model.n_layers + 2, where, f"expected {model.n_layers + 2} units, found {len(units)}")
     stages, position, seen = [], 0, set()
     for k, stage in enumerate(doc.get("stages", [])):
         try:
-            worker, start, stop = stage["worker"], int(stage["start"]), int(stage["stop"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"{where}: stage {k} is malformed ({e!r})") from e
-        _require(worker in index, where, f"stage {k}: unknown worker {worker!r}")
+            worker = stage["worker"]
+            start, stop = (check_integer(stage[end], f"stage {k} {end}") for end in ("start", "stop"))
+        except (KeyError, TypeError, IndexError, ConfigError) as e:
+            raise ConfigError(f"{where}: stage {k} is malformed ({e!r:.200})") from e
+        _require(isinstance(worker, str) and worker in index, where, f"stage {k}: unknown worker {worker!r}")
         _require(worker not in seen, where, f"stage {k}: worker {worker!r} appears twice")
         _require(start == position, where, f"stage {k}: range [{start}, {stop}) overlaps or leaves a gap after unit {position}")
         _require(start < stop <= len(units), where, f"stage {k}: range [{start}, {stop}) is empty or beyond {len(units)} units")
@@ -152,4 +173,6 @@ def _load_pipeline(doc: dict, cluster: Cluster, model: ModelProfile, where: str)
         stages.append((index[worker], start, stop))
         position = stop
     cost = doc.get("cost_ms")
+    _require(cost is None or (isinstance(cost, (int, float)) and not isinstance(cost, bool)), where,
+             f"cost_ms must be a number or null, got {cost!r:.50}")
     return PipelinePlan(stages, len(units), cost / 1e3 if cost is not None else float("inf"), list(cluster.devices), units)

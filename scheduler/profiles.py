@@ -24,6 +24,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from halo.arguments import check_integer, check_number, parse_endpoint
 from halo.config import ModelConfig
 from halo.errors import ConfigError
 from halo.neuron_groups import default_mlp_group_size
@@ -47,15 +48,21 @@ class DeviceProfile:
     is_master: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a device name must be a non-empty string, got {self.name!r}")
         where = f"device {self.name!r}"
-        if self.memory_bytes <= 0:
-            raise ConfigError(f"{where}: memory budget must be positive, got {self.memory_bytes}")
-        if self.compute_flops <= 0:
-            raise ConfigError(f"{where}: compute power must be positive, got {self.compute_flops}")
-        if not 0 <= self.plr < 1:
-            raise ConfigError(f"{where}: plr is a loss rate in [0, 1), got {self.plr}")
-        if self.bandwidth_bps <= 0 or self.latency_s < 0:
-            raise ConfigError(f"{where}: bandwidth must be positive and latency non-negative")
+        check_number(self.memory_bytes, f"{where}: the memory budget", 0, low_open=True)
+        check_number(self.compute_flops, f"{where}: the compute power", 0, low_open=True)
+        check_number(self.plr, f"{where}: plr is a loss rate and", 0, 1, high_open=True)
+        check_number(self.bandwidth_bps, f"{where}: the bandwidth", 0, low_open=True)
+        check_number(self.latency_s, f"{where}: the latency", 0)
+        if not isinstance(self.address, str):
+            raise ConfigError(f"{where}: address must be a string such as \"192.168.1.20:7070\", got {self.address!r}")
+        if self.address:
+            try:
+                parse_endpoint(self.address)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -92,28 +99,45 @@ def load_cluster(path: str | Path) -> Cluster:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"{path}: no such cluster file") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the cluster file ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested too deeply for a cluster file") from None
     settings = raw.get("cluster", {})
+    tables = raw.get("device", [])
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{path}: 'cluster' must be a [cluster] table")
+    if not isinstance(tables, list) or not all(isinstance(d, dict) for d in tables):
+        raise ConfigError(f"{path}: 'device' must be [[device]] tables")
     devices = []
     allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master"}
-    for i, d in enumerate(raw.get("device", [])):
+    for i, d in enumerate(tables):
+        where = f"{path}: device #{i + 1}"
         unknown = set(d) - allowed
         if unknown:
-            raise ConfigError(f"{path}: device #{i + 1} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+            raise ConfigError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+        missing = sorted({"memory_mb", "compute_gflops"} - set(d))
+        if missing:
+            raise ConfigError(f"{where} lacks the required key {missing[0]}")
+        if not isinstance(d.get("master", False), bool):
+            raise ConfigError(f"{where}: master must be true or false, got {d['master']!r}")
+        number = {key: check_number(d.get(key, default), f"{where}: {key}")
+                  for key, default in (("memory_mb", 0), ("compute_gflops", 0), ("plr", 0.0), ("bandwidth_mbps", 1000),
+                                       ("latency_ms", 0.5))}
         try:
             devices.append(DeviceProfile(
-                name=str(d.get("name", f"device-{i}")), memory_bytes=float(d["memory_mb"]) * MB,
-                compute_flops=float(d["compute_gflops"]) * 1e9, plr=float(d.get("plr", 0.0)),
-                bandwidth_bps=float(d.get("bandwidth_mbps", 1000)) * 1e6, latency_s=float(d.get("latency_ms", 0.5)) / 1e3,
-                address=str(d.get("address", "")), is_master=bool(d.get("master", False))))
-        except KeyError as e:
-            raise ConfigError(f"{path}: device #{i + 1} lacks the required key {e.args[0]}") from e
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: device #{i + 1}: {e}") from e
+                name=str(d.get("name", f"device-{i}")), memory_bytes=number["memory_mb"] * MB,
+                compute_flops=number["compute_gflops"] * 1e9, plr=number["plr"],
+                bandwidth_bps=number["bandwidth_mbps"] * 1e6, latency_s=number["latency_ms"] / 1e3,
+                address=d.get("address", ""), is_master=d.get("master", False)))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     if not devices:
         raise ConfigError(f"{path}: no [[device]] tables; see `halo-master plan --help` for the format")
-    return Cluster(tuple(devices), int(settings.get("context", 2048)), str(settings.get("weights", "int8")))
+    context = check_integer(settings.get("context", 2048), f"{path}: [cluster] context", 1)
+    return Cluster(tuple(devices), context, str(settings.get("weights", "int8")))
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ def test_a_local_agent_that_dies_at_start_is_reported_at_once_with_its_own_words
     from halo.errors import HaloError
 
     start = time.monotonic()
-    with pytest.raises(HaloError, match=r"(?s)local-1 exited with code 2 before it listened.*no such file"):
+    with pytest.raises(HaloError, match=r"(?s)local-1 exited with code 2 before it listened.*no such (model )?file"):
         with LocalCluster(1, model_path=str(tmp_path / "missing.bin"), startup_timeout_s=60):
             pass
     assert time.monotonic() - start < 15

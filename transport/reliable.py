@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ PROTOCOL = b"HALO"
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAY_BYTES = 1 << 30
+MAX_ARRAY_DIMS = 8
+MAX_HEADER_DEPTH = 32  # protocol headers nest a few levels; json's own limit is the interpreter's stack
 ARRAY_DTYPES = {"float32", "float16", "int64", "int32", "uint8", "int8"}
 
 
@@ -58,31 +61,49 @@ def decode(frames: list[bytes]) -> Message:
     if preamble[4] != PROTOCOL_VERSION:
         raise MessageError(f"protocol version {preamble[4]} but this halo speaks {PROTOCOL_VERSION}: "
                            "run the same halo version on the master and every agent")
-    if len(frames[1]) > MAX_HEADER_BYTES:
-        raise MessageError(f"header of {len(frames[1])} bytes exceeds {MAX_HEADER_BYTES}")
+    raw = bytes(frames[1])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise MessageError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = json.loads(bytes(frames[1]))
+        header = json.loads(raw)
         kind, fields, specs = header["kind"], header["fields"], header["arrays"]
+    except RecursionError:
+        raise MessageError(f"malformed header: nested deeper than {MAX_HEADER_DEPTH} levels") from None
     except (ValueError, KeyError, TypeError) as e:
-        raise MessageError(f"malformed header: {e!r}") from None
+        raise MessageError(f"malformed header: {e!r:.200}") from None
     if not isinstance(kind, str) or not isinstance(fields, dict) or not isinstance(specs, list):
         raise MessageError("malformed header: kind/fields/arrays have the wrong types")
+    # a nesting bound keeps later recursive walks (logging, re-encoding) of `fields` safe; an object
+    # cannot nest deeper than its count of opening brackets, so ordinary headers skip the walk
+    if raw.count(b"[") + raw.count(b"{") > MAX_HEADER_DEPTH and _depth(header) > MAX_HEADER_DEPTH:
+        raise MessageError(f"malformed header: nested deeper than {MAX_HEADER_DEPTH} levels")
     if len(specs) != len(frames) - 2:
         raise MessageError(f"header announces {len(specs)} arrays but {len(frames) - 2} frames follow")
     arrays = []
     for spec, frame in zip(specs, frames[2:]):
-        try:
-            dtype, shape = spec
-            shape = tuple(int(s) for s in shape)
-        except (TypeError, ValueError):
-            raise MessageError(f"malformed array spec {spec!r}") from None
-        if dtype not in ARRAY_DTYPES or any(s < 0 for s in shape):
-            raise MessageError(f"array spec {spec!r} is not allowed")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str) and spec[0] in ARRAY_DTYPES
+                and isinstance(spec[1], list)
+                and len(spec[1]) <= MAX_ARRAY_DIMS
+                and all(type(s) is int and 0 <= s <= MAX_ARRAY_BYTES for s in spec[1])):
+            raise MessageError(f"array spec {spec!r:.200} is not allowed: expected [dtype, shape], dtype one of "
+                               f"{sorted(ARRAY_DTYPES)}, at most {MAX_ARRAY_DIMS} non-negative integer sizes")
+        dtype, shape = np.dtype(spec[0]), tuple(spec[1])
+        expected = math.prod(shape) * dtype.itemsize
         if expected > MAX_ARRAY_BYTES or expected != len(frame):
             raise MessageError(f"array {dtype}{list(shape)} needs {expected} bytes, frame has {len(frame)}")
         arrays.append(np.frombuffer(frame, dtype=dtype).reshape(shape))
     return Message(kind, fields, arrays)
+
+
+def _depth(value) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 # ---- the cluster key -----------------------------------------------------------------------------------

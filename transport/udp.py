@@ -213,7 +213,7 @@ class Inbound:
 
     def arm_nack(self, header: wire.Header, now: float, gap_s: float) -> None:
         """The burst's tail came with holes: NACK now; else after a short gap without news."""
-        if self.complete or not self.nack:
+        if self.complete or not self.nack or self.count is None:  # None: nothing valid came yet (e.g. another dtype)
             return
         last = header.index >= self.count - 1 if header.kind == wire.DATA else True
         self.next_nack = now if last else min(self.next_nack, now + gap_s)
@@ -393,16 +393,23 @@ class UdpEndpoint:
                 n, address = self.sock.recvfrom_into(self._scratch)
             except (BlockingIOError, InterruptedError, OSError):
                 return
-            try:
-                header, payload = self.codec.unpack(self._view[:n], self.session)
-            except wire.WireError as e:
-                self.stats[-1].rejected[e.reason] += 1
-                continue
-            if not self.windows[header.sender].accept(header.counter):
-                self.stats[header.sender].rejected["replayed"] += 1  # a copy of a datagram already taken
-                continue
-            self.stats[header.sender].received_bytes += n
-            yield header, bytes(payload), address
+            admitted = self.admit(self._view[:n])
+            if admitted is not None:
+                yield admitted[0], admitted[1], address
+
+    def admit(self, datagram: bytes | memoryview) -> tuple[wire.Header, bytes] | None:
+        """One received datagram checked (tag, session, format, counter): (header, payload) when valid and
+        fresh, else None with the reason counted. Never raises: this is where attacker bytes come in."""
+        try:
+            header, payload = self.codec.unpack(datagram, self.session)
+        except wire.WireError as e:
+            self.stats[-1].rejected[e.reason] += 1
+            return None
+        if not self.windows[header.sender].accept(header.counter):
+            self.stats[header.sender].rejected["replayed"] += 1  # a copy of a datagram already taken
+            return None
+        self.stats[header.sender].received_bytes += len(datagram)
+        return header, bytes(payload)
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
         """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""

@@ -15,6 +15,7 @@ rotate-half order halo and Hugging Face use, as transformers does when it loads 
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ModelFormatError
+from ..errors import ConfigError, ModelFormatError
 from ..quant import KERNEL_CODECS, QuantizedMatrix, codec_for
 from ..weights import LayerWeights, ModelWeights
 from .llama2c import interleaved_to_half_rope, permute_heads
@@ -35,6 +36,9 @@ FLOAT_TYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(
 # metadata value types (GGUFValueType) -> struct format; 8 = string, 9 = array
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
+SPECIAL_TOKEN_KEYS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                      "tokenizer.ggml.eom_token_id")
+MAX_ARRAY_NESTING = 16  # arrays of arrays: real files nest at most once (e.g. per-layer lists)
 LAYER_TENSORS = {  # halo's name -> GGUF's, with the shape as a function of the config
     "attn_norm": ("attn_norm", lambda c: (c.dim,)), "wq": ("attn_q", lambda c: (c.q_dim, c.dim)),
     "wk": ("attn_k", lambda c: (c.kv_dim, c.dim)), "wv": ("attn_v", lambda c: (c.kv_dim, c.dim)),
@@ -118,7 +122,10 @@ class GGUFFile:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")  # a vocabulary piece may hold a partial character
 
-    def _value(self, kind: int, key: str):
+    def _value(self, kind: int, key: str, depth: int = 0):
+        if depth > MAX_ARRAY_NESTING:
+            raise ModelFormatError(self.path, f"metadata {key}: arrays nested more than {MAX_ARRAY_NESTING} deep "
+                                   "(corrupted header?)")
         if kind in SCALARS:
             return self._scalar(SCALARS[kind], key)
         if kind == STRING:
@@ -132,7 +139,7 @@ class GGUFFile:
                 raw = self._bytes(count * dtype.itemsize, key)
                 return np.frombuffer(raw, dtype=dtype)
             if item == ARRAY:
-                return [self._value(ARRAY, key) for _ in range(count)]
+                return [self._value(ARRAY, key, depth + 1) for _ in range(count)]
         raise ModelFormatError(self.path, f"metadata {key}: unknown value type {kind} (corrupted header?)")
 
     def _tensor_info(self):
@@ -154,7 +161,7 @@ class GGUFFile:
         if dims[0] % block:
             raise ModelFormatError(self.path, f"tensor {name}: its rows ({dims[0]} values) are not whole "
                                    f"{qtype.name} blocks of {block}")
-        nbytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
+        nbytes = math.prod(dims) // block * type_size  # Python ints: corrupted dimensions cannot overflow
         return name, tuple(reversed(dims)), qtype.name, offset, nbytes
 
     # --- access ---------------------------------------------------------------------------------
@@ -213,8 +220,19 @@ def read_config(path: str | os.PathLike, file: GGUFFile | None = None) -> ModelC
     if embedding is None:
         raise ModelFormatError(file.path, "tensor token_embd.weight is missing")
     vocab = file.get("llama.vocab_size", default=embedding.shape[0])
-    eos = [file.get(key, default=None, required=False)
-           for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    special = {key: file.get(key, default=None, required=False) for key in SPECIAL_TOKEN_KEYS}
+    try:
+        config = _model_config(file, dim, heads, head_dim, vocab, special)
+    except ConfigError as e:  # shapes the metadata states but a model cannot have (e.g. heads not a multiple of kv)
+        raise ModelFormatError(file.path, str(e)) from None
+    for key, token in special.items():  # a BOS outside the embedding would fail only once generation starts
+        if token is not None and not 0 <= token < config.vocab_size:
+            raise ModelFormatError(file.path, f"{key}={token} is outside the vocabulary (0..{config.vocab_size - 1})")
+    return config
+
+
+def _model_config(file: GGUFFile, dim: int, heads: int, head_dim: int, vocab: int, special: dict) -> ModelConfig:
+    eos = [special[key] for key in SPECIAL_TOKEN_KEYS[1:]]
     return ModelConfig(
         dim=dim, hidden_dim=file.get("llama.feed_forward_length"), n_layers=file.get("llama.block_count"),
         n_heads=heads, n_kv_heads=file.get("llama.attention.head_count_kv", default=heads), vocab_size=vocab,
@@ -222,7 +240,7 @@ def read_config(path: str | os.PathLike, file: GGUFFile | None = None) -> ModelC
         norm_eps=file.get("llama.attention.layer_norm_rms_epsilon", float, 1e-5),
         rope_theta=file.get("llama.rope.freq_base", float, 10000.0),
         tied_embeddings="output.weight" not in file.tensors,
-        bos_id=file.get("tokenizer.ggml.bos_token_id", default=None, required=False),
+        bos_id=special["tokenizer.ggml.bos_token_id"],
         eos_ids=tuple(dict.fromkeys(e for e in eos if e is not None)),
     )
 

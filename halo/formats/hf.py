@@ -6,8 +6,9 @@ import json
 import os
 from pathlib import Path
 
+from ..arguments import check_integer, check_number
 from ..config import Llama3RopeScaling, ModelConfig
-from ..errors import ModelFormatError
+from ..errors import ConfigError, ModelFormatError
 from ..weights import LayerWeights, ModelWeights
 from .safetensors_file import SafetensorsFile
 
@@ -15,13 +16,20 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}
 
 
 def _field(config: dict, path: Path, name: str, kind=int, default=None):
+    """A positive integer (kind=int) or positive finite number (kind=float) field of config.json."""
     value = config.get(name, default)
     if value is None:
         raise ModelFormatError(path, f"config.json lacks the required field '{name}'")
     try:
-        return kind(value)
-    except (TypeError, ValueError) as e:
-        raise ModelFormatError(path, f"config.json field '{name}'={value!r} is not a valid {kind.__name__}") from e
+        return check_integer(value, "", 1) if kind is int else check_number(value, "", 0, low_open=True)
+    except ConfigError as e:
+        raise ModelFormatError(path, f"config.json field '{name}'={value!r:.80}: {e}") from None
+
+
+def _token_id(value, path: Path, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelFormatError(path, f"config.json field '{name}' must hold non-negative token ids, got {value!r:.80}")
+    return value
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -30,55 +38,71 @@ def read_config(directory: Path) -> ModelConfig:
         raise ModelFormatError(directory, "no config.json: not a Hugging Face model directory")
     try:
         raw = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(path, f"not valid JSON: {e}") from e
-    architectures = set(raw.get("architectures") or [])
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot read it: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting beyond the stack
+        raise ModelFormatError(path, f"not valid JSON: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelFormatError(path, "config.json must hold a JSON object")
+    architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelFormatError(path, f"'architectures' must be a list of names, got {architectures!r:.80}")
+    architectures = set(architectures)
     if raw.get("model_type") != "llama" and not architectures & SUPPORTED_ARCHITECTURES:
-        raise ModelFormatError(path, f"unsupported architecture {sorted(architectures) or raw.get('model_type')!r}",
+        raise ModelFormatError(path, f"unsupported architecture {sorted(architectures) or raw.get('model_type')!r:.80}",
                                "halo runs Llama-family models (LlamaForCausalLM)")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelFormatError(path, f"{flag}=true is not supported (Llama models have no biases)")
     if raw.get("hidden_act", "silu") != "silu":
-        raise ModelFormatError(path, f"hidden_act={raw['hidden_act']!r} is not supported; halo implements SwiGLU (silu)")
+        raise ModelFormatError(path, f"hidden_act={raw['hidden_act']!r:.80} is not supported; halo implements SwiGLU (silu)")
 
     # transformers 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
-    rope = dict(raw.get("rope_parameters") or {})
-    rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling")
+    if not isinstance(rope, dict) or not isinstance(scaling or {}, dict):
+        raise ModelFormatError(path, "rope_parameters and rope_scaling must be JSON objects")
+    rope_theta = _field({"rope_theta": rope.get("rope_theta", raw.get("rope_theta", 10000.0))}, path, "rope_theta", float)
+    scaling = scaling or (rope if rope.get("rope_type", "default") != "default" else None)
     rope_scaling = None
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "llama3":
-            try:
-                rope_scaling = Llama3RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                                 float(scaling["high_freq_factor"]),
-                                                 int(scaling["original_max_position_embeddings"]))
-            except KeyError as e:
-                raise ModelFormatError(path, f"rope_scaling of type llama3 lacks {e}") from e
+            for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if name not in scaling:
+                    raise ModelFormatError(path, f"rope_scaling of type llama3 lacks '{name}'")
+            rope_scaling = Llama3RopeScaling(*(_field(scaling, path, name, float) for name in
+                                               ("factor", "low_freq_factor", "high_freq_factor")),
+                                             _field(scaling, path, "original_max_position_embeddings"))
         elif kind != "default":
-            raise ModelFormatError(path, f"rope scaling type {kind!r} is not supported", "halo supports default and llama3")
+            raise ModelFormatError(path, f"rope scaling type {kind!r:.80} is not supported",
+                                   "halo supports default and llama3")
 
     heads = _field(raw, path, "num_attention_heads")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    eos_ids = tuple(_token_id(e, path, "eos_token_id") for e in eos_ids)
+    bos = raw.get("bos_token_id")
     hidden = _field(raw, path, "hidden_size")
-    return ModelConfig(
-        dim=hidden,
-        hidden_dim=_field(raw, path, "intermediate_size"),
-        n_layers=_field(raw, path, "num_hidden_layers"),
-        n_heads=heads,
-        n_kv_heads=_field(raw, path, "num_key_value_heads", default=heads),
-        vocab_size=_field(raw, path, "vocab_size"),
-        max_seq_len=_field(raw, path, "max_position_embeddings", default=2048),
-        head_dim=_field(raw, path, "head_dim", default=hidden // heads),
-        norm_eps=_field(raw, path, "rms_norm_eps", float, 1e-6),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_id=raw.get("bos_token_id"),
-        eos_ids=eos_ids,
-    )
+    try:
+        return ModelConfig(
+            dim=hidden,
+            hidden_dim=_field(raw, path, "intermediate_size"),
+            n_layers=_field(raw, path, "num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=_field(raw, path, "num_key_value_heads", default=heads),
+            vocab_size=_field(raw, path, "vocab_size"),
+            max_seq_len=_field(raw, path, "max_position_embeddings", default=2048),
+            head_dim=_field(raw, path, "head_dim", default=hidden // heads),
+            norm_eps=_field(raw, path, "rms_norm_eps", float, 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_id=None if bos is None else _token_id(bos, path, "bos_token_id"),
+            eos_ids=eos_ids,
+        )
+    except ConfigError as e:
+        raise ModelFormatError(path, str(e)) from None
 
 
 class TensorIndex:
@@ -92,9 +116,14 @@ class TensorIndex:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (KeyError, json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ModelFormatError(index, f"malformed shard index: {e}") from e
+            except (KeyError, TypeError, ValueError, RecursionError, OSError) as e:
+                raise ModelFormatError(index, f"malformed shard index: {type(e).__name__}: {e}") from e
+            if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+                raise ModelFormatError(index, "weight_map must map tensor names to shard file names")
             for name, shard in weight_map.items():
+                if Path(shard).name != shard or shard in ("", ".", ".."):
+                    raise ModelFormatError(index, f"shard {shard!r:.80} of {name} is not a file name in the model "
+                                           "directory (paths are refused: a model must not read files elsewhere)")
                 if shard not in self.files:
                     self.files[shard] = SafetensorsFile(directory / shard)
                 self.where[name] = shard

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ModelFormatError
+from ..errors import ConfigError, ModelFormatError
 from ..weights import LayerWeights, ModelWeights
 
 HEADER = struct.Struct("<7i")
@@ -43,8 +43,11 @@ def read_config(path: Path) -> tuple[ModelConfig, int]:
         raise ModelFormatError(path, f"header: dim={dim} is not divisible by n_heads={n_heads}")
     if n_heads % n_kv:
         raise ModelFormatError(path, f"header: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
-    config = ModelConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-                         vocab_size=abs(vocab), max_seq_len=seq_len, tied_embeddings=vocab > 0)
+    try:
+        config = ModelConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
+                             vocab_size=abs(vocab), max_seq_len=seq_len, tied_embeddings=vocab > 0)
+    except ConfigError as e:
+        raise ModelFormatError(path, f"header: {e}") from None
     return config, vocab < 0
 
 

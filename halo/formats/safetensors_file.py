@@ -8,6 +8,7 @@ groups, reading only those pages.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -23,20 +24,23 @@ MAX_HEADER = 100 << 20
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFormatError(self.path, "no such safetensors file")
-        size = os.path.getsize(self.path)
-        if size < 8:
-            raise ModelFormatError(self.path, f"truncated: {size} bytes, shorter than the 8-byte header length")
-        with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > min(MAX_HEADER, size - 8):
-                raise ModelFormatError(self.path, f"header length {header_len} exceeds the file ({size} bytes): "
-                                       "truncated or not a safetensors file")
-            try:
-                header = json.loads(f.read(header_len))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelFormatError(self.path, f"header is not valid JSON: {e}") from e
+        try:
+            if not self.path.is_file():
+                raise ModelFormatError(self.path, "no such safetensors file")
+            size = os.path.getsize(self.path)
+            if size < 8:
+                raise ModelFormatError(self.path, f"truncated: {size} bytes, shorter than the 8-byte header length")
+            with open(self.path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > min(MAX_HEADER, size - 8):
+                    raise ModelFormatError(self.path, f"header length {header_len} exceeds the file ({size} bytes): "
+                                           "truncated or not a safetensors file")
+                try:
+                    header = json.loads(f.read(header_len))
+                except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
+                    raise ModelFormatError(self.path, f"header is not valid JSON: {type(e).__name__}: {e}") from e
+        except OSError as e:  # unreadable, a directory, a name too long for the file system ...
+            raise ModelFormatError(self.path, f"cannot read it: {e.strerror or e}") from None
         if not isinstance(header, dict):
             raise ModelFormatError(self.path, "header is not a JSON object")
         self.metadata = header.pop("__metadata__", {}) or {}
@@ -47,12 +51,15 @@ class SafetensorsFile:
             try:
                 dtype_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
             except (KeyError, TypeError, ValueError) as e:
-                raise ModelFormatError(self.path, f"tensor {name}: malformed header entry {entry!r}") from e
-            if dtype_name not in DTYPES:
-                raise ModelFormatError(self.path, f"tensor {name}: dtype {dtype_name} is not supported",
+                raise ModelFormatError(self.path, f"tensor {name}: malformed header entry {entry!r:.200}") from e
+            if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
+                raise ModelFormatError(self.path, f"tensor {name}: shape {list(shape)!r:.100} and data_offsets "
+                                       f"[{begin!r:.20}, {end!r:.20}] must be non-negative integers")
+            if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+                raise ModelFormatError(self.path, f"tensor {name}: dtype {str(dtype_name)[:40]} is not supported",
                                        "halo reads F32, F16 and BF16 checkpoints")
             dtype = DTYPES[dtype_name]
-            expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            expected = math.prod(shape) * dtype.itemsize
             if end - begin != expected or begin < 0 or end > data_len:
                 raise ModelFormatError(self.path, f"tensor {name}: data_offsets [{begin}, {end}) do not fit shape "
                                        f"{shape} {dtype_name} ({expected} bytes) inside {data_len} data bytes "
@@ -67,7 +74,7 @@ class SafetensorsFile:
         """The stored tensor as a read-only memory map (bfloat16 shows as uint16)."""
         dtype_name, shape, begin = self.entries[name]
         stored = DTYPES[dtype_name]
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         start = self.data_start + begin
         return self._map[start:start + count * stored.itemsize].view(stored).reshape(shape)
 

@@ -1,0 +1,206 @@
+"""Every command-line value is checked before anything starts: one line naming the value, exit code 2, no traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from halo import cli
+from halo.arguments import parse_endpoint, parse_endpoints
+from halo.edge_agent import __main__ as agent_main
+from halo.errors import ConfigError
+
+
+def run(main, argv, capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse refuses the value itself
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, expected: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--agents", "not_an_address"], "argument --agents: address 'not_an_address' is not HOST:PORT"),
+    (["generate", "--agents", "10.0.0.2:7070,pi-1"], "'pi-1' is not HOST:PORT"),
+    (["generate", "--agents", "10.0.0.2:70000"], "port '70000' is not a number from 1 to 65535"),
+    (["generate", "--agents", "10.0.0.2:0"], "port '0' is not a number from 1 to 65535"),
+    (["generate", "--agents", "tcp://:7070"], "is not HOST:PORT"),
+    (["generate", "--agents", "udp://10.0.0.2:7070"], "only tcp:// is supported"),
+    (["generate", "--agents", "[::1]:7070"], "IPv6 addresses are not supported"),
+    (["generate", "--agents", "a b:7070"], "neither an IPv4 address nor a host name"),
+    (["generate", "--agents", "pi-1:7070,pi-1:7070"], "tcp://pi-1:7070 is given more than once"),
+    (["generate", "--agents", ","], "no agent addresses"),
+    (["generate", "--context", "0"], "argument --context: must be >= 1, got 0"),
+    (["generate", "--context", "-5"], "argument --context: must be >= 1, got -5"),
+    (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    (["generate", "--max-new-tokens", "ten"], "'ten' is not an integer"),
+    (["generate", "--local-agents", "-1"], "argument --local-agents: must be from 0 to 64, got -1"),
+    (["generate", "--threads", "0"], "argument --threads: must be from 1 to 1024, got 0"),
+    (["generate", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
+    (["generate", "--timeout", "-2"], "argument --timeout: must be > 0, got -2"),
+    (["generate", "--timeout", "inf"], "argument --timeout: must be a finite number, got inf"),
+    (["generate", "--temperature", "-0.5"], "argument --temperature: must be >= 0, got -0.5"),
+    (["generate", "--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["generate", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+    (["generate", "--top-p", "1.01"], "argument --top-p: must be in (0, 1], got 1.01"),
+    (["generate", "--top-k", "-1"], "argument --top-k: must be >= 0, got -1"),
+    (["generate", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["generate", "--critical-fraction", "2"], "argument --critical-fraction: must be in [0, 1], got 2"),
+    (["generate", "--inject-plr", "1"], "argument --inject-plr: must be in [0, 1), got 1"),
+    (["generate", "--deadline-floor", "0"], "argument --deadline-floor: must be > 0, got 0"),
+    (["generate", "--weights", "int3"], "argument --weights: invalid choice: 'int3'"),
+    (["plan", "--cluster", "c.toml", "--mlp-group-size", "0"], "argument --mlp-group-size: must be >= 1, got 0"),
+    (["status", "--agents", "not_an_address"], "argument --agents: address 'not_an_address' is not HOST:PORT"),
+    (["status", "--agents", "10.0.0.2:7070", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
+    (["status"], "one of the arguments --agents --server is required"),
+    (["serve", "--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
+    (["status", "--server", "http://127.0.0.1:1", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
+    (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
+])
+def test_master_refuses_bad_values(argv, expected, capsys):
+    assert_one_line(*run(cli.main, argv, capsys), expected)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--sync", "halo"], "--sync halo synchronizes agents: add --local-agents N"),
+    (["--deadline-floor", "50", "--deadline-ceiling", "10", "--local-agents", "1"], "deadline floor 50.0 ms"),
+    (["--local-agents", "2", "--agents", "10.0.0.2:7070"], "do not combine it with --agents"),
+    (["--cluster", "a.toml", "--plan", "p.json"], "not both"),
+    (["--model", "/nonexistent/model.bin"], "--model /nonexistent/model.bin: no such model file or directory"),
+    (["--agents", "10.0.0.2:7070", "--cluster", "/nonexistent.toml"], "--cluster /nonexistent.toml: no such file"),
+    (["--model", "m" * 300], "File name too long"),  # was an OSError traceback
+])
+def test_generate_checks_combinations_before_loading(argv, expected, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr("halo.loader.load_weights", no_loading)
+    assert_one_line(*run(cli.main, ["generate", *argv], capsys), expected)
+
+
+def test_valid_addresses_become_canonical_endpoints():
+    assert parse_endpoint("192.168.1.20:7070") == "tcp://192.168.1.20:7070"
+    assert parse_endpoint("tcp://pi-1.local:7070") == "tcp://pi-1.local:7070"
+    assert parse_endpoint(" localhost:1 ") == "tcp://localhost:1"
+    assert parse_endpoints("a:1, b:2,") == ["tcp://a:1", "tcp://b:2"]
+    assert parse_endpoint("tcp://*:0", listen=True) == "tcp://*:0"
+    assert parse_endpoint("127.0.0.1:65535", listen=True) == "tcp://127.0.0.1:65535"
+    for bad in ("*:7070", "host:65536", "host:-1", "host:", ":1", "host:1e3", "999.1.1.1.1:5", "host:\u0663",
+                "host:" + "9" * 5000, "host:007070"):
+        with pytest.raises(ConfigError):
+            parse_endpoint(bad)
+
+
+def write(tmp_path, text: str | bytes):
+    path = tmp_path / "agent.toml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--listen", "nothing"], "argument --listen: address 'nothing' is not HOST:PORT"),
+    (["--listen", "tcp://0.0.0.0:70000"], "port '70000' is not a number from 0 (any free port) to 65535"),
+    (["--listen", "tcp://no-such-host.invalid:7070"], "is not an address of this machine"),
+    (["--threads", "0"], "argument --threads: must be from 1 to 1024, got 0"),
+    (["--threads", "many"], "argument --threads: 'many' is not an integer"),
+    (["--weights", "int4"], "argument --weights: invalid choice: 'int4'"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["--config", "/nonexistent/agent.toml"], "cannot read /nonexistent/agent.toml"),
+    (["--insecure", "--model", "/nonexistent/model.bin"], "--model /nonexistent/model.bin: no such model file"),
+    (["--insecure", "--model", "m" * 300], "File name too long"),  # was blamed on --listen
+])
+def test_agent_refuses_bad_options(argv, expected, capsys):
+    assert_one_line(*run(agent_main.main, argv, capsys), expected)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("threads = 0\n", "threads must be from 1 to 1024, got 0"),
+    ("threads = \"4\"\n", "threads must be an integer, got '4'"),
+    ("listen = \"tcp://0.0.0.0:99999\"\n", "listen: address 'tcp://0.0.0.0:99999': port '99999'"),
+    ("listen = 7070\n", "listen must be a non-empty string, got 7070"),
+    ("weights = \"int4\"\n", "weights must be one of native, fp32, int8, got 'int4'"),
+    ("speed = 3\n", "unknown keys ['speed']; allowed: listen, key, model"),
+    ("model = [1]\n", "model must be a non-empty string"),
+    ("threads = \n", "cannot read"),
+    ("name = " + "[" * 600 + "]" * 600 + "\n", "nested too deeply"),
+    (b"\xff\xfe", "cannot read"),
+])
+def test_agent_refuses_bad_config_values(tmp_path, text, expected, capsys):
+    assert_one_line(*run(agent_main.main, ["--config", write(tmp_path, text)], capsys), expected)
+
+
+def test_agent_command_line_overrides_the_config(tmp_path, capsys):
+    """A valid option on the command line wins over the file; the first error is then the missing key file."""
+    config = write(tmp_path, "threads = 2\nlisten = \"tcp://127.0.0.1:0\"\nkey = \"/nonexistent/cluster.key\"\n")
+    code, err = run(agent_main.main, ["--config", config, "--key", str(tmp_path / "other.key")], capsys)
+    assert_one_line(code, err, f"{tmp_path / 'other.key'}: no cluster key file")
+
+
+def test_agent_says_when_its_port_is_taken():
+    import zmq
+
+    context = zmq.Context()
+    holder = context.socket(zmq.ROUTER)
+    try:
+        port = holder.bind_to_random_port("tcp://127.0.0.1")
+        proc = subprocess.run([sys.executable, "-m", "halo.edge_agent", "--insecure", "--listen", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        context.destroy(linger=0)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"halo-agent: error: cannot listen on tcp://127.0.0.1:{port}: Address already in use" in proc.stderr
+
+
+def test_the_issue_example_ends_in_one_line_without_traceback():
+    """The reported case end to end: it used to end in zmq.error.ZMQError: Invalid argument."""
+    proc = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--agents", "not_an_address"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "halo-master generate: error: argument --agents: address 'not_an_address' is not HOST:PORT "
+        "(e.g. 192.168.1.20:7070 or pi-1.local:7070) (see halo-master generate --help)"]
+
+
+def test_status_reports_a_peer_that_is_not_a_halo_agent(capsys):
+    """Any ZeroMQ service answering on the port: an error row and exit code 1, not a MessageError traceback."""
+    import threading
+
+    import zmq
+
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer_garbage():
+        if server.poll(10_000):
+            identity, *_ = server.recv_multipart()
+            server.send_multipart([identity, b"garbage"])
+
+    thread = threading.Thread(target=answer_garbage)
+    thread.start()
+    try:
+        code = cli.main(["status", "--agents", f"127.0.0.1:{port}", "--insecure", "--json", "--timeout", "10"])
+    finally:
+        thread.join()
+        context.destroy(linger=0)
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert rows == [{"endpoint": f"tcp://127.0.0.1:{port}",
+                     "error": "not a halo agent's answer: expected at least 2 frames, got 1"}]
+
+
+def test_the_shipped_agent_config_passes_the_checks():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "rpi" / "agent.example.toml"
+    settings = agent_main.read_config(str(example))
+    assert settings["listen"] == "tcp://0.0.0.0:7070" and settings["threads"] == 4
