@@ -207,15 +207,14 @@ def render_speed(rows: list[dict], args) -> list[str]:
         lines += [f"## master + {n} agents (single process: {base['ms_mean']:.1f} ms/token)" if base else
                   f"## master + {n} agents", "",
                   "| PLR | " + " | ".join(f"{m} ms" for m in modes) + " | exact = tcp tokens | "
-                  "exact = single tokens | halo dropped (loss / late) | overhead per round p50 ms (exact) |",
-                  "|---|" + "---|" * (len(modes) + 4)]
+                  "exact = exact at 0 % | exact = single tokens | halo dropped (loss / late) | overhead per round p50 ms (exact) |",
+                  "|---|" + "---|" * (len(modes) + 5)]
         for plr in sorted({r["plr"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
             cells = [f"{by[(n, plr, m)]['ms_mean']:.1f}" if (n, plr, m) in by else "-" for m in modes]
             exact, tcp, halo = by.get((n, plr, "exact")), by.get((n, plr, "tcp")), by.get((n, plr, "halo"))
-            same = lambda a, b: "-" if not (a and b) else ("yes" if a["generated"] == b["generated"] else "no")  # noqa: E731
             drops = f"{halo['dropped_for_loss']} / {halo['dropped_late']}" if halo else "-"
             overhead = (exact or {}).get("round_overhead_ms") or {}
-            lines.append(f"| {100 * plr:g} % | " + " | ".join(cells) + f" | {same(exact, tcp)} | {same(exact, base)} | "
+            lines.append(f"| {100 * plr:g} % | " + " | ".join(cells) + f" | {agreement(exact, tcp)} | {agreement(exact, by.get((n, 0.0, 'exact')))} | {agreement(exact, base)} | "
                          f"{drops} | {overhead.get('p50', '-')} |")
         lines.append("")
         zero = {m: by.get((n, 0.0, m)) for m in modes}
@@ -230,6 +229,18 @@ def render_speed(rows: list[dict], args) -> list[str]:
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
         lines.append("")
     return lines
+
+
+def agreement(a: dict | None, b: dict | None) -> str:
+    """Do two runs' greedy tokens agree (over the steps both made: a slow mode may stop at the time limit)?"""
+    if not (a and b):
+        return "-"
+    x, y = a["generated"], b["generated"]
+    n = min(len(x), len(y))
+    first = next((i for i in range(n) if x[i] != y[i]), None)
+    if first is not None:
+        return f"no: from token {first}"
+    return "yes" if len(x) == len(y) else f"yes (the first {n})"
 
 
 def plot_speed(rows: list[dict], path: Path) -> None:
