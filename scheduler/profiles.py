@@ -13,8 +13,13 @@ Units: bytes, FLOP/s, seconds, bits/s. A cluster file is TOML:
     compute_gflops = 14.4           # effective FLOP/s on matrix-vector work
     plr = 0.01                      # packet loss rate of its link, 0..1
     bandwidth_mbps = 100
-    latency_ms = 1.0
+    latency_ms = 1.0                # one way
+    overhead_ms = 0.05              # optional: fixed cost of one block's kernels on the device (dispatch)
+    message_ms = 0.05               # optional: CPU time to receive one block input and send its partial
     master = true                   # exactly one device coordinates; default: the first
+
+Measured profiles (halo/distributed/session.py: `measure_cluster`) fill the same fields from a kernel
+benchmark on each device, its available memory and a link probe.
 """
 
 from __future__ import annotations
@@ -45,8 +50,14 @@ class DeviceProfile:
     latency_s: float = 0.5e-3
     address: str = ""
     is_master: bool = False
+    # fixed cost of computing one block's share whatever its size (dispatch), for attention, MLP, LM head
+    overhead_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    message_s: float = 0.0  # CPU time to take in one block input and send one partial (framing, syscalls)
 
     def __post_init__(self):
+        if isinstance(self.overhead_s, (int, float)):  # one figure for every kind of block
+            object.__setattr__(self, "overhead_s", (float(self.overhead_s),) * 3)
+        object.__setattr__(self, "overhead_s", tuple(float(o) for o in self.overhead_s))
         where = f"device {self.name!r}"
         if self.memory_bytes <= 0:
             raise ConfigError(f"{where}: memory budget must be positive, got {self.memory_bytes}")
@@ -56,6 +67,8 @@ class DeviceProfile:
             raise ConfigError(f"{where}: plr is a loss rate in [0, 1), got {self.plr}")
         if self.bandwidth_bps <= 0 or self.latency_s < 0:
             raise ConfigError(f"{where}: bandwidth must be positive and latency non-negative")
+        if len(self.overhead_s) != 3 or min(self.overhead_s) < 0 or self.message_s < 0:
+            raise ConfigError(f"{where}: overhead and message times must be non-negative")
 
 
 @dataclass(frozen=True)
@@ -96,7 +109,8 @@ def load_cluster(path: str | Path) -> Cluster:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     settings = raw.get("cluster", {})
     devices = []
-    allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master"}
+    allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master",
+               "overhead_ms", "message_ms"}
     for i, d in enumerate(raw.get("device", [])):
         unknown = set(d) - allowed
         if unknown:
@@ -106,7 +120,8 @@ def load_cluster(path: str | Path) -> Cluster:
                 name=str(d.get("name", f"device-{i}")), memory_bytes=float(d["memory_mb"]) * MB,
                 compute_flops=float(d["compute_gflops"]) * 1e9, plr=float(d.get("plr", 0.0)),
                 bandwidth_bps=float(d.get("bandwidth_mbps", 1000)) * 1e6, latency_s=float(d.get("latency_ms", 0.5)) / 1e3,
-                address=str(d.get("address", "")), is_master=bool(d.get("master", False))))
+                address=str(d.get("address", "")), is_master=bool(d.get("master", False)),
+                overhead_s=float(d.get("overhead_ms", 0.0)) / 1e3, message_s=float(d.get("message_ms", 0.0)) / 1e3))
         except KeyError as e:
             raise ConfigError(f"{path}: device #{i + 1} lacks the required key {e.args[0]}") from e
         except (TypeError, ValueError) as e:
@@ -203,3 +218,30 @@ def named_config(name: str) -> ModelConfig:
         return NAMED_CONFIGS[name.lower()]
     except KeyError:
         raise ConfigError(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}") from None
+
+
+MEMORY_HEADROOM = 0.85  # of the memory a device reports available, what a plan may fill
+
+
+def measured_device(name: str, measured: dict, link: dict | None = None, address: str = "",
+                    is_master: bool = False) -> DeviceProfile:
+    """A device profile from what the device measured (halo/scheduler/measure.py: kernels, message cost,
+    available memory) and, for an agent, the master's probe of its link (transport/probe.py). Malformed
+    figures raise ConfigError naming the device."""
+    try:
+        overhead = tuple(float(o) for o in measured["overhead_s"])
+        memory = float(measured["memory_available_bytes"]) * MEMORY_HEADROOM
+        compute, message = float(measured["compute_flops"]), float(measured["message_s"])
+        plr = latency = 0.0
+        bandwidth = 1e9
+        if link:
+            # the least round trip: the path's delay without the echo's own waiting (a busy or capped peer's
+            # CPU time is in message_s already)
+            plr, latency = float(link["plr"]), float(link.get("rtt_ms_min", link["rtt_ms_p50"])) / 2e3
+            bandwidth = float(link["bandwidth_bps"]) or bandwidth  # 0: too few burst echoes to tell
+        if not math.isfinite(latency):
+            raise ConfigError(f"device {name!r}: no probe of its link came back; check its UDP port and firewall")
+        return DeviceProfile(name, memory, compute, plr=plr, bandwidth_bps=bandwidth, latency_s=latency, address=address,
+                             is_master=is_master, overhead_s=overhead, message_s=message)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"device {name!r} reported a malformed profile ({e!r}); run the same halo version everywhere")
