@@ -1,0 +1,207 @@
+"""Plans from measured profiles: loss in the objective, Algorithm 3 from measured PLR, heads by importance,
+memory refusal with the numbers, the cost model's arithmetic, and the kernel benchmark's fit and cache."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from halo.errors import ConfigError
+from halo.scheduler.cost import Outcome, estimate, expected_max, p_needs_nack
+from halo.scheduler.importance import head_order, mean_head_scores
+from halo.scheduler.measure import FREE_FLOPS, fit_kernels
+from halo.scheduler.plan import TensorParallelPlan
+from halo.scheduler.profiles import Cluster, DeviceProfile, measured_device, model_profile, named_config
+from halo.scheduler.ratios import InsufficientMemory
+from halo.scheduler.tp_plan import build_plan, plan_tp
+from halo.shares import place_by_rank, shares_from_plan
+from halo.sync import SyncSettings
+
+TINY = model_profile(named_config("tinyllama-1.1b"), "int8", "tinyllama", mlp_group_size=512)
+
+
+def measured(gflops: float, memory_gb: float = 4.0, message_ms: float = 0.2) -> dict:
+    """What halo/scheduler/measure.py reports for a device."""
+    return {"compute_flops": gflops * 1e9, "overhead_s": [1e-4, 5e-5, 5e-5], "message_s": message_ms / 1e3,
+            "memory_available_bytes": memory_gb * 1e9}
+
+
+def link(plr: float, rtt_ms: float = 0.4, mbps: float = 500.0) -> dict:
+    """What transport/probe.py reports for a link."""
+    return {"plr": plr, "rtt_ms_p50": rtt_ms * 1.5, "rtt_ms_min": rtt_ms, "bandwidth_bps": mbps * 1e6}
+
+
+def cluster_of(plrs: list[float], gflops: list[float] | None = None, memory_gb: float = 4.0) -> Cluster:
+    gflops = gflops or [4.0] * (len(plrs) + 1)
+    devices = [measured_device("master", measured(gflops[0], memory_gb), None, is_master=True)]
+    devices += [measured_device(f"agent-{i}", measured(g, memory_gb), link(p), f"tcp://10.0.0.{i}:7070")
+                for i, (p, g) in enumerate(zip(plrs, gflops[1:]), start=1)]
+    return Cluster(tuple(devices), context=512, weights="int8")
+
+
+def test_a_five_percent_link_holds_no_top_ranked_groups():
+    cluster = cluster_of([0.0, 0.05, 0.0])
+    sync = SyncSettings(mode="halo")
+    plan = plan_tp(cluster, TINY, mode="halo", sync=sync)
+    lossy = cluster.devices.index(next(d for d in cluster.devices if d.plr == 0.05))
+    assert lossy in plan.devices  # fast enough to be worth it: it takes part, so the check below says something
+    j = plan.devices.index(lossy)
+    assert plan.reliability_order()[-1] == j  # Algorithm 3: the least reliable link is ranked last
+    for kind in ("attention", "mlp"):
+        ranks = plan.priority_ranks(kind)[j]
+        cut = int(np.ceil(sync.critical_fraction * getattr(TINY, kind).count))
+        held = ranks[:, 1] > ranks[:, 0]
+        assert held.any() and (ranks[held, 0] >= cut).all(), f"{kind}: the lossy device holds top-ranked groups"
+
+
+def test_over_tcp_a_lossy_link_is_left_out_and_the_blind_plan_keeps_it():
+    cluster = cluster_of([0.05, 0.0], gflops=[4.0, 4.0, 2.0])
+    aware = plan_tp(cluster, TINY, mode="tcp")
+    clean = Cluster(tuple(DeviceProfile(**{**vars(d), "plr": 0.0}) for d in cluster.devices), 512, "int8")
+    blind = plan_tp(clean, TINY, mode="tcp")
+    assert 1 not in aware.devices and 1 in blind.devices
+    blind_here = TensorParallelPlan(cluster, TINY, blind.algorithm, blind.devices, blind.counts)
+    assert estimate(aware, "tcp").total_s < estimate(blind_here, "tcp").total_s
+
+
+def test_the_master_ranks_first_even_when_its_link_is_lossy():
+    devices = (DeviceProfile("m", 4e9, 4e9, plr=0.02, is_master=True), DeviceProfile("a", 4e9, 4e9),
+               DeviceProfile("b", 4e9, 4e9, plr=0.01))
+    plan = build_plan(Cluster(devices, 512, "int8"), TINY, "minmax")
+    assert plan.reliability_order() == [0, 1, 2]  # master, then by PLR: a (0 %), b (1 %)
+    assert plan.priority_ranks("mlp")[0, :, 0].max() == 0
+
+
+def test_measured_memory_that_cannot_hold_the_model_is_refused_with_the_numbers():
+    cluster = cluster_of([0.0, 0.0], memory_gb=0.2)
+    with pytest.raises(InsufficientMemory, match=r"can hold \d+\.\d MB but the model needs \d+\.\d MB \(short by"):
+        plan_tp(cluster, TINY, mode="exact")
+
+
+def test_measured_plan_names_every_device_s_measured_memory(monkeypatch):
+    import importlib
+
+    from halo.distributed.session import MasterSettings
+    from halo.loader import load_weights
+    from halo.neuron_groups import GroupLayout
+
+    connect = importlib.import_module("halo.distributed.connect")  # the module (the package exports a function)
+    weights = load_weights()
+    small = Cluster((DeviceProfile("master", 0.3e6, 1e9, is_master=True), DeviceProfile("pi", 0.2e6, 1e9)), 512, "fp32")
+    monkeypatch.setattr(connect, "measure_cluster", lambda *a, **k: small)
+    with pytest.raises(InsufficientMemory, match=r"short by .*measured for the plan: master 0.3 MB, pi 0.2 MB"):
+        connect.measured_plan(weights, GroupLayout.for_model(weights.config), MasterSettings(), ["tcp://x:1"], None,
+                              True)
+
+
+def test_a_profile_without_a_probe_answer_is_refused():
+    with pytest.raises(ConfigError, match="no probe of its link came back"):
+        measured_device("pi", measured(1.0), {"plr": 1.0, "rtt_ms_p50": float("inf"), "rtt_ms_min": float("inf"),
+                                              "bandwidth_bps": 0.0})
+    with pytest.raises(ConfigError, match="malformed profile"):
+        measured_device("pi", {"compute_flops": "fast"})
+
+
+def test_loss_costs_time_in_proportion_to_what_the_mode_recovers():
+    clean, lossy = cluster_of([0.0, 0.0]), cluster_of([0.05, 0.05])
+    plan = build_plan(lossy, TINY, "minmax")
+    same = TensorParallelPlan(clean, TINY, plan.algorithm, plan.devices, plan.counts)
+    for mode in ("exact", "halo", "tcp", "lossy", "halo-tcp"):
+        assert estimate(same, mode).loss_s == 0.0
+        assert estimate(plan, mode).loss_s > 0.0
+        assert estimate(plan, mode).compute_s == estimate(same, mode).compute_s
+    assert estimate(plan, "tcp").loss_s > 20 * estimate(plan, "exact").loss_s  # a 200 ms RTO vs a NACK
+
+
+def test_expected_max_is_exact():
+    rng = np.random.default_rng(0)
+    arrivals = [(float(rng.uniform(0, 3)), Outcome.maybe(float(rng.uniform(0, 0.5)), float(rng.uniform(0, 4))).plus(
+        Outcome.maybe(0.1, 1.0))) for _ in range(3)]
+    brute = 0.0
+    for picks in itertools.product(*(range(len(o.values)) for _, o in arrivals)):
+        p = np.prod([o.probs[k] for (_, o), k in zip(arrivals, picks)])
+        brute += p * max(1.5, *(base + o.values[k] for (base, o), k in zip(arrivals, picks)))
+    assert expected_max(1.5, arrivals) == pytest.approx(brute, rel=1e-12)
+
+
+def test_parity_repairs_single_losses():
+    assert p_needs_nack(0.0, 6, 4) == 0.0
+    assert p_needs_nack(0.05, 1, 4) == pytest.approx(0.05 ** 2)  # the lone chunk and its parity copy both lost
+    assert p_needs_nack(0.05, 6, 0) == pytest.approx(1 - 0.95 ** 6)  # no parity: any loss needs a NACK
+    assert p_needs_nack(0.05, 6, 4) < p_needs_nack(0.05, 6, 0)
+
+
+def test_kernel_fit_recovers_overheads_and_speed():
+    truth = (2e-4, 5e-5, 1e-5)
+    samples = [{"kind": kind, "groups": g, "flops": f * g, "seconds": truth[k] + f * g / 3e9}
+               for k, (kind, f) in enumerate((("attention", 4e6), ("mlp", 1e7), ("lm_head", 2e6))) for g in (1, 5)]
+    overheads, compute = fit_kernels(samples)
+    assert compute == pytest.approx(3e9, rel=1e-6)
+    assert overheads == pytest.approx(truth, abs=1e-9)
+    flat = [{**s, "seconds": 1e-4} for s in samples]  # a tiny model: size makes no difference
+    overheads, compute = fit_kernels(flat)
+    assert compute == FREE_FLOPS and overheads == pytest.approx((1e-4,) * 3)
+
+
+def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, stories_weights):
+    from halo.neuron_groups import GroupLayout
+    from halo.scheduler import measure
+
+    monkeypatch.setenv("HALO_CACHE", str(tmp_path))
+    layout = GroupLayout.for_model(stories_weights.config)
+    first = measure.measure_device(stories_weights, layout, "fp32", name="pi")
+    assert first["compute_flops"] > 0 and len(first["overhead_s"]) == 3 and first["memory_available_bytes"] > 0
+    assert first["benchmark_s"] < 10
+    again = measure.measure_device(stories_weights, layout, "fp32", name="pi")
+    assert again["samples"] == first["samples"]  # from the cache: not timed again
+    monkeypatch.setattr(measure, "cpu_limit", lambda: 0.25)  # another quota: measured anew
+    assert measure.measure_device(stories_weights, layout, "fp32", name="pi")["samples"] != first["samples"]
+    assert len(list(tmp_path.glob("device-*.json"))) == 2
+
+
+def test_place_by_rank_maps_ranks_to_the_most_important_groups():
+    ranges = np.array([[[0, 2], [0, 1]], [[2, 3], [1, 3]]])  # 2 devices, 2 layers
+    order = [[2, 0, 1], [1, 2, 0]]
+    assert place_by_rank(ranges, order) == [[[0, 2], [1]], [[1], [0, 2]]]
+    assert place_by_rank(ranges) == [[[0, 1], [0]], [[2], [1, 2]]]
+    with pytest.raises(ConfigError, match="permutation"):
+        place_by_rank(ranges, [[0, 0, 1], [1, 2, 0]])
+
+
+def test_heads_that_matter_most_go_to_the_master_and_the_reliable_links():
+    cluster = cluster_of([0.05, 0.0])
+    model = model_profile(named_config("stories260k"), "fp32", "stories", mlp_group_size=22, vocab_group_size=256)
+    plan = build_plan(cluster, model, "vanilla")
+    scores = np.tile(np.arange(8.0), (5, 1))  # head 7 matters most in every layer, head 0 least
+    shares = shares_from_plan(plan, 5, head_order(scores))
+    lossy = plan.devices.index(1)
+    for layer in range(1, 5):
+        assert 7 in shares[0].attention[layer]  # the master holds the top head
+        assert 0 in shares[lossy].attention[layer]  # the lossy link the least important
+        assert sorted(h for s in shares for h in s.attention[layer]) == list(range(8))
+
+
+def test_head_scores_average_the_predictors_over_the_calibration_text():
+    class Predictors:
+        sessions = {1: None, 2: None}
+
+        def scores(self, layer, hidden):
+            return np.concatenate([hidden[:, :3] * layer, np.zeros((len(hidden), 4))], axis=1)
+
+    entering = [np.array([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])] * 3
+    scores = mean_head_scores(Predictors(), entering, 3, 3)
+    assert scores.tolist() == [[0, 0, 0], [2, 1, 0], [4, 2, 0]]  # layer 0: no predictor, index order
+    assert head_order(scores)[1].tolist() == [0, 1, 2] and head_order(scores)[0].tolist() == [0, 1, 2]
+
+
+def test_plan_summary_says_why(tmp_path):
+    from halo.scheduler.plan_io import plan_summary
+
+    cluster = cluster_of([0.0, 0.0], gflops=[8.0, 8.0, 0.01])
+    plan = plan_tp(cluster, TINY, mode="exact")
+    summary = plan_summary(plan, "exact")
+    json.dumps(summary)
+    rows = {d["name"]: d for d in summary["devices"]}
+    assert not rows["agent-2"]["participant"] and rows["agent-2"]["with_it"]["minmax_ms"] >= summary["estimate"]["ms_per_token"]
+    assert rows["master"]["attention"]["ranks"][0] == 0
