@@ -33,9 +33,8 @@ log = logging.getLogger("halo.scheduler")
 POINT_S = 0.06  # timing per (kind, size) point
 MAX_SHARD_BYTES = 256e6  # a point's groups over all layers stay below this (big models: a few groups)
 KERNEL_KINDS = ("attention", "mlp", "lm_head")
-BENCHMARK_VERSION = 4  # part of the cache key: a changed benchmark measures anew
+BENCHMARK_VERSION = 5  # part of the cache key: a changed benchmark measures anew
 CACHE_MAX_AGE_S = 24 * 3600  # a day-old measurement is taken again (load, thermals and software change)
-FREE_FLOPS = 1e15  # "compute costs nothing measurable": the fit found no slope
 
 
 def cache_dir() -> Path:
@@ -145,8 +144,8 @@ def kernel_samples(weights, layout, fmt: str, threads: int = 1, seconds: float =
 
 def fit_kernels(samples: list[dict]) -> tuple[tuple[float, float, float], float]:
     """(overhead per kind: attention, MLP, LM head; compute_flops) of time = overhead[kind] + FLOPs / compute,
-    least squares. Where noise leaves no positive slope (tiny models: all overhead), compute is taken as
-    free and every kind's overhead is its mean time."""
+    least squares. Where noise leaves no positive slope (tiny models: all overhead), the speed is the best
+    any point showed (a lower bound: as if its whole time were compute) and the overheads what is left."""
     kinds = [KERNEL_KINDS.index(s["kind"]) for s in samples]
     flops = np.array([s["flops"] for s in samples], dtype=float)
     seconds = np.array([s["seconds"] for s in samples], dtype=float)
@@ -154,12 +153,12 @@ def fit_kernels(samples: list[dict]) -> tuple[tuple[float, float, float], float]
     design[np.arange(len(samples)), kinds] = 1.0
     design[:, -1] = flops
     solution, *_ = np.linalg.lstsq(design, seconds, rcond=None)
-    per_flop = float(solution[-1]) if solution[-1] > 0 else 0.0
+    per_flop = float(solution[-1]) if solution[-1] > 0 else float(np.min(seconds / flops))
     overheads = []
     for k in range(len(KERNEL_KINDS)):
         rest = [t - f * per_flop for t, f, kind in zip(seconds, flops, kinds) if kind == k]
         overheads.append(max(float(np.mean(rest)), 0.0) if rest else 0.0)
-    return tuple(overheads), (1.0 / per_flop if per_flop > 0 else FREE_FLOPS)
+    return tuple(overheads), 1.0 / per_flop
 
 
 def message_seconds(dim: int, seconds: float = POINT_S) -> float:

@@ -121,7 +121,7 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
                                  f"the embeddings and predictors ({fixed[0] / 1e6:.0f} MB): make a device with more "
                                  "memory the master (master = true in the cluster file)")
     usable = np.array([d.memory_bytes for d in profiles]) - fixed
-    compute = np.array([d.compute_flops for d in profiles])
+    compute = whole_model_speed(profiles, model)
     ctx = cluster.context
     demand = model.total_bytes(ctx) - model.embedding_bytes
     if algorithm != "vanilla":
@@ -138,6 +138,17 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
         if algorithm == "minmax":
             polish(plan)  # Min-Max's own objective, finished in integers: rounding alone can lose to Galaxy's
     return prune_idle(plan) if prune else plan
+
+
+def whole_model_speed(profiles, model: ModelProfile) -> np.ndarray:
+    """The FLOP/s each device would deliver computing the whole model, its per-block overheads included: the
+    speed the ratio algorithms balance by (without overheads it is compute_flops; for a tiny model whose
+    blocks are all overhead, devices come out about equal, as they are)."""
+    blocks = (model.attention, model.mlp, model.lm_head)
+    repeats = (model.n_layers, model.n_layers, 1)
+    work = sum(b.flops * b.count * r for b, r in zip(blocks, repeats))
+    return np.array([work / (work / d.compute_flops + sum(o * r for o, r in zip(d.overhead_s, repeats)))
+                     for d in profiles])
 
 
 def prune_idle(plan: TensorParallelPlan) -> TensorParallelPlan:

@@ -10,7 +10,7 @@ import pytest
 from halo.errors import ConfigError
 from halo.scheduler.cost import Outcome, estimate, expected_max, p_needs_nack
 from halo.scheduler.importance import head_order, mean_head_scores
-from halo.scheduler.measure import FREE_FLOPS, fit_kernels
+from halo.scheduler.measure import fit_kernels
 from halo.scheduler.plan import TensorParallelPlan
 from halo.scheduler.profiles import Cluster, DeviceProfile, measured_device, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
@@ -141,7 +141,8 @@ def test_kernel_fit_recovers_overheads_and_speed():
     assert overheads == pytest.approx(truth, abs=1e-9)
     flat = [{**s, "seconds": 1e-4} for s in samples]  # a tiny model: size makes no difference
     overheads, compute = fit_kernels(flat)
-    assert compute == FREE_FLOPS and overheads == pytest.approx((1e-4,) * 3)
+    assert compute == pytest.approx(5e7 / 1e-4)  # the best speed any point showed: a finite lower bound
+    assert all(0 <= o < 1e-4 for o in overheads)
 
 
 def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, stories_weights):
