@@ -103,16 +103,19 @@ def _time_calls(call, seconds: float, batches: int = 3) -> float:
     return float(np.median(means))
 
 
-def _sizes(count: int, layer_bytes: float) -> tuple[int, ...]:
-    """One group, and as many as half the groups in every layer within MAX_SHARD_BYTES (at least two)."""
-    big = int(min(max(count // 2, 2), max(MAX_SHARD_BYTES // max(layer_bytes, 1.0), 2), count))
-    return tuple(sorted({1, big}))
+def _points(count: int, group_bytes: float, n_layers: int) -> tuple[tuple[int, ...], int]:
+    """(group counts to time, layers to hold them in): one group and half the groups (at least two; no more
+    than MAX_SHARD_BYTES hold), in as many layers as keep the larger point within MAX_SHARD_BYTES."""
+    big = int(min(max(count // 2, 2), count, max(2, MAX_SHARD_BYTES // max(group_bytes, 1.0))))
+    layers = int(min(n_layers, max(1, MAX_SHARD_BYTES // max(group_bytes * big, 1.0))))
+    return tuple(sorted({1, big})), layers
 
 
 def kernel_samples(weights, layout, fmt: str, threads: int = 1, seconds: float = POINT_S) -> list[dict]:
     """(kind, groups, FLOPs, seconds per call) at two sizes per kind. A point holds its groups in every layer
-    and calls the layers in turn, as a token does: the weights stream through the caches as in a run (one
-    layer's share alone would stay cache-hot and look several times faster than it is)."""
+    (a big model: as many as MAX_SHARD_BYTES allows) and calls the layers in turn, as a token does: the
+    weights stream through the caches as in a run (one layer's share alone would stay cache-hot and look
+    several times faster than it is)."""
     from halo.shares import Block, Shares
     from halo.worker import DeviceWorker
 
@@ -126,10 +129,10 @@ def kernel_samples(weights, layout, fmt: str, threads: int = 1, seconds: float =
     samples = []
     for kind in KERNEL_KINDS:
         block = getattr(profile, kind)
-        layers = 1 if kind == "lm_head" else c.n_layers
-        for size in _sizes(counts[kind], block.bytes * layers):
+        sizes, layers = _points(counts[kind], block.bytes, 1 if kind == "lm_head" else c.n_layers)
+        for size in sizes:
             groups = list(range(size))
-            every = [groups] * c.n_layers
+            every = [groups if l < layers else [] for l in range(c.n_layers)]
             nothing = [[] for _ in range(c.n_layers)]
             share = Shares(attention=every if kind == "attention" else nothing, mlp=every if kind == "mlp" else nothing,
                            lm_head=groups if kind == "lm_head" else [])

@@ -104,7 +104,12 @@ class Session:
             for node_id, endpoint in enumerate(endpoints, start=1):
                 agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.hello_timeout_s, layout)
                 agent.send("profile", request)
-                reply = agent.receive("the profile request")  # within hello_timeout_s: a first benchmark
+                try:
+                    reply = agent.receive("the profile request")  # within hello_timeout_s: a first benchmark
+                except AgentError as e:
+                    if "before hello" in str(e):
+                        raise AgentError(f"{e} (it predates measured plans: upgrade it, or give --plan even)") from None
+                    raise
                 port = reply.fields.get("udp_port")
                 if not isinstance(reply.fields.get("measured"), dict) or not isinstance(port, int):
                     raise AgentError(f"agent {agent} sent a profile without measurements or UDP port; "
