@@ -24,8 +24,10 @@ datagrams silently (nftables: 0 / 1 / 2 %). Three parts:
    placed by importance vs by index. --ppl-model runs this part on another model (e.g. SmolLM2, with
    its predictors beside it) instead.
 
-Needs root (namespaces, cgroups); skips otherwise. Machine noise: all processes share this machine's
-cores, so run it on a quiet machine; about 10-15 minutes. Writes eval/results/cost_model.{json,md,png}.
+Needs root (namespaces, cgroups); skips otherwise. With at least 4 cores every device gets a core of its
+own (the master core 0, agent i core i); with fewer they share them, and when several compute at once
+they slow each other down, which no per-device profile can predict: run it on a quiet machine, with 4+
+cores for numbers to quote. About 10 minutes. Writes eval/results/cost_model.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ AGENTS = {"agent-1": dict(cpu=1.0, mbit=200, plr=0.0), "agent-2": dict(cpu=0.5, 
 LOSSY_LINK = {"agent-1": 0.05}
 CFS_PERIOD_US = 4_000  # short (a 25 % quota is then the kernel's least, 1 ms): a capped agent is slow within every burst of work, as a slow CPU is
 WARMUP = 4
+PIN = (os.cpu_count() or 1) >= len(AGENTS) + 1  # every device on a core of its own where there are enough
 CONTEXT = 256
 DATA = next((p / "shared" / "data" / "tinystories_valid_dev.txt" for p in Path(__file__).resolve().parents[2:4]
              if (p / "shared" / "data" / "tinystories_valid_dev.txt").is_file()), None)
@@ -301,7 +304,10 @@ class ThrottledAgents:
         self.stack = ExitStack()
         self.cluster = Cluster(bed, model, key, len(AGENTS))
         self.stack.callback(self.cluster.close)
-        for process, (host, spec) in zip(self.cluster.processes, AGENTS.items()):
+        for core, (process, (host, spec)) in enumerate(zip(self.cluster.processes, AGENTS.items()), start=1):
+            if PIN:  # a core of its own, as a device has (the master has core 0)
+                for task in Path(f"/proc/{process.pid}/task").iterdir():
+                    os.sched_setaffinity(int(task.name), {core})
             if spec["cpu"] < 1:
                 self.stack.enter_context(CpuThrottle(process.pid, spec["cpu"], period_s=None,
                                                      cfs_period_us=CFS_PERIOD_US, name=f"halo-sched-{host}"))
@@ -319,6 +325,8 @@ def run_master(bed, job: str, model: Path, key: Path, endpoints: list[str], args
             "--key", str(key), "--endpoints", ",".join(endpoints), "--tokens", str(args.tokens),
             "--ppl-tokens", str(args.ppl_tokens), "--data", str(args.data)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if PIN:
+        argv = ["taskset", "-c", "0", *argv]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out, err = p.communicate(timeout=args.time_limit)
     sys.stderr.write(err[-4000:])
@@ -453,8 +461,10 @@ def report(data: dict, args) -> None:
              f"quotas {quotas} of a core, links {rates} Mbit/s (tbf, both ways), loss {losses}. Model for timing: a "
              f"random Llama ({shape['num_hidden_layers']} layers, dim {shape['hidden_size']}, "
              f"{shape['num_attention_heads']} heads, hidden {shape['intermediate_size']}, vocab {shape['vocab_size']}), "
-             f"fp32, {args.tokens} decode tokens per plan after {WARMUP} warm-up tokens. Every process shares this "
-             "machine's cores: re-run on a quiet machine for numbers to quote.", ""]
+             f"fp32, {args.tokens} decode tokens per plan after {WARMUP} warm-up tokens. "
+             + ("Every device on its own core." if PIN else f"The 4 devices share this machine's {os.cpu_count()} "
+                "cores (slowing each other down when they compute at once, which no profile predicts): re-run on a "
+                "quiet machine with 4+ cores for numbers to quote."), ""]
     if "sweep" in data:
         lines += sweep_lines(data["sweep"])
         plot(data["sweep"]["rows"], out)
