@@ -1,6 +1,6 @@
 """The scheduler's cost model against real runs, and measured plans against even and PLR-blind ones.
 
-    python -m halo.eval.bench_cost_model [--tokens 16] [--ppl-tokens 256] [--ppl-model PATH] [--out eval/results]
+    python -m halo.eval.bench_cost_model [--tokens 16] [--ppl-tokens 1024] [--ppl-model PATH] [--out eval/results]
 
 A heterogeneous cluster on the namespace test bed (rpi/testbed.py): the master and three agents, each in
 its own network namespace, the agents' CPUs capped with cgroup v1 CFS quotas (100 / 50 / 25 % of a core,
@@ -260,9 +260,9 @@ def job_accuracy(weights, args) -> dict:
     unaware = rebased(aware, blind(cluster))  # the same counts; Algorithm 3 ranks as if every link were clean
     configs = [("exact (lossless reference)", "exact", aware, "index")]
     for mode in ("halo", "lossy"):
-        configs += [(f"{mode}: PLR-aware ranks, heads by importance (default)", mode, aware, "importance"),
-                    (f"{mode}: PLR-blind ranks, heads by importance", mode, unaware, "importance"),
-                    (f"{mode}: PLR-aware ranks, heads by index", mode, aware, "index")]
+        configs += [(f"{mode}: PLR-aware ranks, heads by importance", mode, aware, "importance"),
+                    (f"{mode}: PLR-aware ranks, heads by index", mode, aware, "index"),
+                    (f"{mode}: PLR-blind ranks, heads by index", mode, unaware, "index")]
     rows = []
     for name, mode, plan, heads in configs:
         endpoints = [d.address for d in plan.profiles()[1:]]
@@ -449,15 +449,31 @@ def accuracy_lines(accuracy: dict) -> list[str]:
     return lines
 
 
+def merged(data: dict, args) -> dict:
+    """This run's parts over those of an earlier run in the same results file (--parts reruns one part)."""
+    command = command_line("halo.eval.bench_cost_model", args.argv)
+    for part in ("sweep", "lossy", "accuracy"):
+        if part in data:
+            data[part]["command"] = command
+    try:
+        earlier = json.loads((Path(args.out) / "cost_model.json").read_text())
+    except (OSError, ValueError):
+        return data
+    kept = {k: {"command": earlier.get("command", "?"), **v} for k, v in earlier.items() if k in ("sweep", "lossy", "accuracy")}
+    return {**kept, **data}
+
+
 def report(data: dict, args) -> None:
+    data = merged(data, args)
     command = command_line("halo.eval.bench_cost_model", args.argv)
     out = Path(args.out)
     quotas = ", ".join(f"{100 * a['cpu']:.0f} %" for a in AGENTS.values())
     rates = ", ".join(str(a["mbit"]) for a in AGENTS.values())
     losses = ", ".join(f"{100 * a['plr']:g} %" for a in AGENTS.values())
     shape = MODEL_SHAPE
+    commands = sorted({data[p]["command"] for p in ("sweep", "lossy", "accuracy") if p in data and "command" in data[p]})
     lines = ["# The scheduler's cost model against real runs (namespace test bed)", "",
-             f"Command: `flock /tmp/halo-heavy.lock {command}`. Master + 3 agents in network namespaces; agents' CPU "
+             f"Command: {', '.join(f'`flock /tmp/halo-heavy.lock {c}`' for c in commands or [command])}. Master + 3 agents in network namespaces; agents' CPU "
              f"quotas {quotas} of a core, links {rates} Mbit/s (tbf, both ways), loss {losses}. Model for timing: a "
              f"random Llama ({shape['num_hidden_layers']} layers, dim {shape['hidden_size']}, "
              f"{shape['num_attention_heads']} heads, hidden {shape['intermediate_size']}, vocab {shape['vocab_size']}), "
@@ -479,7 +495,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="run", choices=("run", "master"))
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens timed per plan (default 16)")
-    parser.add_argument("--ppl-tokens", type=int, default=256, help="held-out tokens per perplexity (default 256)")
+    parser.add_argument("--ppl-tokens", type=int, default=1024, help="held-out tokens per perplexity (default 1024)")
     parser.add_argument("--ppl-model", help="model for the accuracy part (default: the bundled stories260K)")
     parser.add_argument("--data", default=DATA, help="text whose last 20 %% is the held-out set (default: "
                         "shared/data/tinystories_valid_dev.txt beside the checkout)")

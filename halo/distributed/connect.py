@@ -30,8 +30,8 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
     - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
     heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
-    the master and the most reliable links) or "auto" (importance where partials can be dropped and
-    predictors exist: what `connect`, hence the CLI, uses).
+    the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
+    what protects the important heads, when predictors exist: what `connect`, hence the CLI, uses).
     settings: MasterSettings fields (context, fmt, timeout_s, sync, ...). What was planned and why:
     `model.planning`."""
     layout = layout or GroupLayout.for_model(weights.config)
@@ -101,8 +101,12 @@ def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "au
     """[L, H] heads by importance (halo/scheduler/importance.py), or None for index order."""
     if heads not in ("auto", "importance", "index"):
         raise ConfigError(f"heads={heads!r}: choose auto, importance or index")
-    if heads == "index" or (heads == "auto" and settings.sync.policy.all_critical):
-        return None  # nothing is ever dropped: where a head sits does not change the result
+    policy = settings.sync.policy
+    if heads == "index" or (heads == "auto" and (policy.all_critical or policy.remap)):
+        # exact modes drop nothing; halo modes already make every partial holding a predicted top head of the
+        # token critical, so placing heads by mean importance only leaves agents droppable more often
+        # (eval/results/cost_model.md, part 4): by importance where placement is the only protection (lossy)
+        return None
     from halo.loader import load_predictors
     from halo.scheduler.importance import cached_head_order
 
