@@ -10,6 +10,7 @@ import tomllib
 from pathlib import Path
 
 from halo.errors import HaloError
+from halo.linear import FORMATS
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
@@ -24,9 +25,11 @@ def main(argv=None) -> int:
     parser.add_argument("--listen", help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
     parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
     parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
-    parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
+    parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
+                                        "a fetched model's name (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
-    parser.add_argument("--weights", choices=("fp32", "int8"), help="weight format in memory (default fp32)")
+    parser.add_argument("--weights", choices=FORMATS, help="weight format in memory when the master does not say "
+                        "(default native: the file's own); a master's choice applies to the whole cluster")
     parser.add_argument("--threads", type=int, help="compute threads (default: all cores)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
     parser.add_argument("--log-level", default="INFO")
@@ -55,7 +58,7 @@ def main(argv=None) -> int:
         import socket
 
         agent = Agent(pick("model", None), pick("listen", "tcp://0.0.0.0:7070"), key, args.insecure,
-                      pick("name", socket.gethostname()), pick("weights", "fp32"), threads,
+                      pick("name", socket.gethostname()), pick("weights", "native"), threads,
                       pick("predictors", None))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)

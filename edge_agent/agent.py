@@ -12,26 +12,24 @@ validated; a bad one is answered with an error and logged, never crashes the age
 from __future__ import annotations
 
 import logging
-import signal
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from halo.errors import HaloError
-from halo.loader import load_weights, model_fingerprint
+from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares
 from halo.sync import Status, SyncSettings, Transport
-from halo.transport.reliable import (PROTOCOL_VERSION, ClusterKey, Message, MessageError, decode, encode,
-                                     server_socket, start_authenticator)
+from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
 from halo.worker import DeviceWorker
 
+from .daemon import ControlServer
 from .rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
-FORMATS = ("fp32", "int8")
 
 
 @dataclass
@@ -44,89 +42,49 @@ class Session:
     last_seen: float
 
 
-class Agent:
+class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
                  name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None):
-        import zmq
-
         from halo.transport.udp import UdpEndpoint
 
         from .profile import device_profile
 
-        self.weights = load_weights(model_path)
-        self.model_sha256 = model_fingerprint(self.weights.source)
-        self.name, self.format, self.threads = name, weights_format, threads
-        self.context = zmq.Context()
-        self.auth = start_authenticator(self.context, key) if key else None
-        self.socket = server_socket(self.context, key, insecure)
-        if listen.endswith(":0"):
-            port = self.socket.bind_to_random_port(listen.rsplit(":", 1)[0])
-            self.endpoint = f"{listen.rsplit(':', 1)[0]}:{port}"
-        else:
-            self.socket.bind(listen)
-            self.endpoint = listen
+        super().__init__(model_path, listen, key, insecure, name)
+        self.format, self.threads = weights_format, threads
         self.session: Session | None = None
-        self.running = True
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         self.profile = device_profile()
-        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "refused": 0, "errors": 0,
-                       "broadcasts_incomplete": 0, "partials_resent": 0}
+        # what it did, cumulative: blocks and their compute, time gathering UDP inputs, sending partials, predicting
+        self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "input_wait_ms": 0.0, "send_ms": 0.0,
+                       "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
-        # before anyone can learn our address: a SIGTERM from then on drains instead of killing
-        signal.signal(signal.SIGTERM, self.stop)
 
-    def stop(self, *_) -> None:
-        self.running = False
+    def poll_sources(self) -> list:
+        return [self.udp.sock.fileno()]
 
-    def serve(self) -> None:
-        import zmq
+    def tick(self, events: dict) -> None:
+        if self.udp.sock.fileno() in events:
+            if self.session is not None and self.session.sync.policy.input is Transport.UDP:
+                self.session.rounds.poll()
+            else:
+                self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
+        elif self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
+            log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
+            self._end_session()
 
-        log.info("%s listening on %s (model %s, sha256 %s...)", self.name, self.endpoint, self.weights.source,
-                 self.model_sha256[:12])
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.udp.sock.fileno(), zmq.POLLIN)
-        while self.running:
-            events = dict(poller.poll(200))
-            if self.udp.sock.fileno() in events:
-                if self.session is not None and self.session.sync.policy.input is Transport.UDP:
-                    self.session.rounds.poll()
-                else:
-                    self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
-            if self.socket in events:
-                self._receive()
-            elif self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
-                log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
-                self._end_session()
-        log.info("%s stopping", self.name)
-        self.close()
-
-    def _receive(self) -> None:
-        """One control message: handled, answered; nothing a peer sends takes the agent down."""
-        import zmq
-
-        identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-        try:
-            reply = self.handle(decode([f.buffer for f in frames]), identity.bytes, frames[0].get("Peer-Address"))
-        except MessageError as e:
-            log.warning("refused a malformed message: %s", e)
-            reply = Message("error", {"reason": f"malformed message: {e}"})
-        except HaloError as e:
-            self.served["errors"] += 1
-            log.warning("error: %s", e)
-            reply = Message("error", {"reason": str(e)})
-        except Exception as e:  # a bug must not take the agent down mid-cluster
-            log.exception("unexpected error while handling a message")
-            reply = Message("error", {"reason": f"agent error: {type(e).__name__}: {e}"})
-        if reply is not None:
-            self.socket.send_multipart([identity.bytes, *encode(reply)])
+    def count_error(self) -> None:
+        self.served["errors"] += 1
 
     def _end_session(self) -> None:
         if self.session is not None:
             self.session.worker.close()
+            rejected = self.udp.rejections()
+            if rejected:
+                log.warning("session with %s: datagrams refused, by reason: %s", self.session.master,
+                            ", ".join(f"{reason} {count}" for reason, count in rejected.items()))
         self.session = None
         self.udp.send_hook = None
         self.udp.peers.clear()
@@ -134,9 +92,7 @@ class Agent:
     def close(self) -> None:
         self._end_session()
         self.udp.close()
-        if self.auth:
-            self.auth.stop()
-        self.context.destroy(linger=0)
+        super().close()
 
     # ---- messages ----------------------------------------------------------------------------------------
     def handle(self, message: Message, peer: bytes = b"", address: str | None = None) -> Message | None:
@@ -173,9 +129,10 @@ class Agent:
                        "mlp_groups": sum(map(len, w.share.mlp)), "sync": self.session.sync.mode}
             if self.session.sync.policy.uses_udp:
                 session["udp"] = self.udp.stats[MASTER].to_json()
+            session["rejected"] = self.udp.rejections()
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
-                "served": self.served, "udp_port": self.udp.address[1]}
+                "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
 
     def _hello(self, f: dict, peer: bytes, address: str | None) -> Message:
         def refuse(reason: str) -> Message:
@@ -244,8 +201,6 @@ class Agent:
         if fmt not in FORMATS:
             raise HaloError(f"unknown weight format {fmt!r}")
         sync = SyncSettings.from_json(f.get("sync") or {})
-        if sync.policy.remap and fmt != "fp32":
-            raise HaloError(f"sync mode {sync.mode} needs fp32 weights")
         node_id = int(f.get("node_id", 0))
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")
@@ -258,7 +213,7 @@ class Agent:
         """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""
         if "udp_session" not in f:
             return
-        self.udp.session, self.udp.node_id = int(f["udp_session"]), node_id
+        self.udp.join(int(f["udp_session"]), node_id)
         if address and f.get("udp_port"):
             self.udp.peers[MASTER] = (address, int(f["udp_port"]))
         if sync.inject_plr:

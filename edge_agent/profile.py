@@ -39,7 +39,7 @@ def device_profile() -> dict:
 
 def measured_profile(agent, f: dict) -> dict | str:
     """The reply to a `profile` request (fields: weights, mlp_group_size, vocab_group_size, fresh,
-    udp_session), or why it cannot be served."""
+    udp_session, node_id), or why it cannot be served."""
     from halo.linear import FORMATS
     from halo.neuron_groups import GroupLayout
     from halo.scheduler.measure import measure_device
@@ -48,12 +48,14 @@ def measured_profile(agent, f: dict) -> dict | str:
     fmt = f.get("weights") or agent.format
     if fmt not in FORMATS:
         return f"unknown weight format {fmt!r}; this agent computes in {', '.join(FORMATS)}"
-    udp_session = int(f.get("udp_session", 0))
+    udp_session, node_id = int(f.get("udp_session", 0)), int(f.get("node_id", 0))
     if not 0 <= udp_session < 1 << 32:
         return f"udp_session {udp_session} is not a 32-bit session id"
+    if udp_session and not 0 < node_id < 255:
+        return f"node id {node_id} outside 1..254"
     measured = measure_device(agent.weights, layout, fmt, agent.threads, agent.name, fresh=bool(f.get("fresh")))
-    if udp_session:
-        agent.udp.session = udp_session  # probes of this master's session are echoed from now on
+    if udp_session:  # probes of this master's session are echoed from now on, under our own sender id (each
+        agent.udp.join(udp_session, node_id)  # sender has its own replay window at the master)
     return {"name": agent.name, "profile": agent.profile, "measured": measured, "udp_port": agent.udp.address[1]}
 
 

@@ -56,16 +56,23 @@ class AgentRounds:
             self.worker.begin_forward()
         predicts = self.worker.predicts_from(block)
         if predicts and not self.sync.pred_overlap:
-            self.worker.predict_next(block, x)
+            self._predict(block, x)
         t, cpu = time.perf_counter(), time.thread_time()
         out, status = self._compute(block, x, start, digest)
         compute_ms = 1e3 * (time.perf_counter() - t)
         self.served["blocks"] += 1
         self.served["compute_ms"] += compute_ms
         self.times.observe(block.kind, len(self.worker.share.groups(block)), compute_ms)  # scheduler hook
+        t = time.perf_counter()
         send(out, status, compute_ms, 1e3 * (time.thread_time() - cpu))
+        self.served["send_ms"] += 1e3 * (time.perf_counter() - t)
         if predicts and self.sync.pred_overlap:
-            self.worker.predict_next(block, x)
+            self._predict(block, x)
+
+    def _predict(self, block: Block, x: np.ndarray) -> None:
+        t = time.perf_counter()
+        self.worker.predict_next(block, x)
+        self.served["predict_ms"] += 1e3 * (time.perf_counter() - t)
 
     def _compute(self, block: Block, x: np.ndarray, start: int, digest: int) -> tuple[np.ndarray | None, Status]:
         """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
@@ -84,8 +91,9 @@ class AgentRounds:
 
     def send_partial(self, epoch: int, out, status: Status, compute_ms: float) -> None:
         """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
-        parity = self.sync.parity_group if self.sync.policy.recover_other else 0
-        self.udp.send_vector(self.udp.peers[MASTER], MASTER, reply_epoch(epoch), frame_partial(out, status, compute_ms),
+        recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
+        parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
+        self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
                              parity_group=parity)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
@@ -116,8 +124,10 @@ class AgentRounds:
 
         policy = GatherPolicy(deadline_s=1.0, nack=True, stop_on_newer=not required,
                               silent_s=0.005 if required else None)
+        t = time.perf_counter()
         result = self.udp.gather(epoch, {MASTER: None}, wire.FLOAT32, policy, on_silent=ask if required else None,
                                  on_stale=self._resend_partial)
+        self.served["input_wait_ms"] += 1e3 * (time.perf_counter() - t)
         if not result.complete:  # the master moved on (or went quiet): nothing to answer
             self.served["broadcasts_incomplete"] += 1
             return False

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from halo.errors import ConfigError, HaloError
-from halo.transport.reliable import Message, MessageError, decode, encode, server_socket, start_authenticator
+from halo.transport.reliable import Message
+
+from .daemon import ControlServer
 
 log = logging.getLogger("halo.stage_worker")
 IDLE_SESSION_S = 120.0
@@ -44,70 +45,29 @@ class StageSession:
     last_seen: float = 0.0
 
 
-class StageWorker:
+class StageWorker(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key, insecure: bool = False, name: str = "stage",
                  device: str = "auto", threads: int = 1, memory_bytes: float | None = None):
-        import zmq
-
-        from halo.loader import load_weights, model_fingerprint
-
-        self.weights = load_weights(model_path)
-        self.model_sha256 = model_fingerprint(self.weights.source)
-        self.name, self.device, self.threads, self.memory_limit = name, device, threads, memory_bytes
-        self.context = zmq.Context()
-        self.auth = start_authenticator(self.context, key) if key else None
-        self.socket = server_socket(self.context, key, insecure)
-        if listen.endswith(":0"):
-            port = self.socket.bind_to_random_port(listen.rsplit(":", 1)[0])
-            self.endpoint = f"{listen.rsplit(':', 1)[0]}:{port}"
-        else:
-            self.socket.bind(listen)
-            self.endpoint = listen
+        super().__init__(model_path, listen, key, insecure, name)
+        self.device, self.threads, self.memory_limit = device, threads, memory_bytes
         self.session: StageSession | None = None
-        self.running = True
         self._probe: dict | None = None
         self.served = {"sessions": 0, "forwards": 0, "compute_ms": 0.0, "refused": 0, "errors": 0}
-        signal.signal(signal.SIGTERM, self.stop)
 
-    def stop(self, *_) -> None:
-        self.running = False
+    def tick(self, events: dict) -> None:
+        if self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
+            log.warning("session %s idle for %.0f s: dropped", self.session.session, IDLE_SESSION_S)
+            self.session = None
 
-    def serve(self) -> None:
-        import zmq
-
-        log.info("%s listening on %s (model %s, sha256 %s...)", self.name, self.endpoint, self.weights.source,
-                 self.model_sha256[:12])
-        while self.running:
-            if not self.socket.poll(200):
-                if self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
-                    log.warning("session %s idle for %.0f s: dropped", self.session.session, IDLE_SESSION_S)
-                    self.session = None
-                continue
-            identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK)
-            try:
-                reply = self.handle(decode(frames), identity)
-            except MessageError as e:
-                log.warning("refused a malformed message: %s", e)
-                reply = Message("error", {"reason": f"malformed message: {e}"})
-            except HaloError as e:
-                self.served["errors"] += 1
-                log.warning("error: %s", e)
-                reply = Message("error", {"reason": str(e)})
-            except Exception as e:  # a bug must not take the worker down mid-generation
-                log.exception("unexpected error while handling a message")
-                reply = Message("error", {"reason": f"worker error: {type(e).__name__}: {e}"})
-            self.socket.send_multipart([identity, *encode(reply)])
-        log.info("%s stopping", self.name)
-        self.close()
+    def count_error(self) -> None:
+        self.served["errors"] += 1
 
     def close(self) -> None:
         self.session = None
-        if self.auth:
-            self.auth.stop()
-        self.context.destroy(linger=0)
+        super().close()
 
     # ---- messages ------------------------------------------------------------------------------------------
-    def handle(self, message: Message, peer: bytes = b"") -> Message:
+    def handle(self, message: Message, peer: bytes = b"", address: str | None = None) -> Message:
         f = message.fields
         if message.kind == "status":
             session = None if self.session is None else {

@@ -1,12 +1,20 @@
 """Single-process decode speed per weight format against the machine's memory bandwidth.
 
     python -m halo.eval.bench_engine [--layers 22] [--tokens 16] [--out eval/results]
+    python -m halo.eval.bench_engine --model smollm2-135m-instruct [--threads 1,2]
+    python -m halo.eval.bench_engine --random-gguf Q4_0          (TinyLlama-1.1B shape, 4-bit random GGUF)
 
-Builds a TinyLlama-1.1B-shaped checkpoint with random weights, then for each weight format runs a
-fresh process on ONE core (BLAS and onnxruntime limited to one thread): load, prefill 8 tokens,
-decode N tokens greedily. Reports ms per token, weight bytes streamed per token divided by time
-(effective bandwidth), that as a fraction of a STREAM-style copy bandwidth measured in the same
-run on one core, and peak RSS against weight bytes + KV cache.
+Without --model: builds a TinyLlama-1.1B-shaped checkpoint with random weights (or a GGUF with
+--random-gguf), then for each weight format runs a fresh process on ONE core (BLAS and onnxruntime
+limited to one thread): load, prefill 8 tokens, decode N tokens greedily. Reports ms per token, weight
+bytes streamed per token divided by time (effective bandwidth), that as a fraction of a STREAM-style
+copy bandwidth measured in the same run on one core, and peak RSS against weight bytes + KV cache.
+
+With --model (a path or a fetched model's name): formats native (the file's own blocks) and fp32
+(dequantized), each at every --threads count, plus llama.cpp on the same file and threads when
+llama-cpp-python is installed (the anchor). For a GGUF it also reports the resident weights (RSS growth
+over a process that has loaded the runtime, after load and decode) against the file's tensor bytes,
+and the roofline: the file's tensor bytes (what a token must read) / one core's copy bandwidth.
 """
 
 from __future__ import annotations
@@ -17,16 +25,19 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core, before numpy loa
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama  # noqa: E402
+from .random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
 from .report import command_line, write_report  # noqa: E402
 
 FORMATS = ("fp32", "int8")
@@ -44,15 +55,31 @@ def stream_copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * a.nbytes / best
 
 
-def run_worker(directory: str, fmt: str, n_tokens: int, context: int) -> dict:
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def warm_runtime() -> None:
+    """Load onnxruntime and run one tiny kernel, so that the library's own memory is not counted as weights."""
+    from halo.linear import Int8Projection
+
+    Int8Projection([np.ones((16, 64), np.float32)])(np.ones((1, 64), np.float32))
+
+
+def run_worker(directory: str, fmt: str, n_tokens: int, context: int, threads: int = 1) -> dict:
     """Inside the per-format process: load, decode, measure."""
     from halo.loader import load_weights
-    from halo.memory import peak_rss_bytes
+    from halo.memory import peak_rss_bytes, release_freed_heap
     from halo.model import Transformer
 
+    warm_runtime()
+    release_freed_heap()
+    baseline = current_rss_bytes()
     t = time.perf_counter()
     weights = load_weights(directory)
-    model = Transformer(weights, fmt=fmt, max_seq_len=context, threads=1)
+    model = Transformer(weights, fmt=fmt, max_seq_len=context, threads=threads)
     load_s = time.perf_counter() - t
     rng = np.random.default_rng(0)
     logits = model.forward(rng.integers(3, weights.config.vocab_size, 8))
@@ -64,58 +91,145 @@ def run_worker(directory: str, fmt: str, n_tokens: int, context: int) -> dict:
         times.append(time.perf_counter() - t)
     weight_bytes = model.weight_nbytes()
     streamed = weight_bytes - model.tok_embeddings.nbytes  # the embedding table is a lookup, not streamed
-    return {"format": fmt, "load_s": load_s, "ms_per_token_median": 1e3 * float(np.median(times)),
+    return {"format": fmt, "threads": threads, "load_s": load_s, "ms_per_token_median": 1e3 * float(np.median(times)),
             "ms_per_token_mean": 1e3 * float(np.mean(times)), "weight_bytes": weight_bytes,
-            "streamed_bytes_per_token": streamed, "kv_cache_bytes": model.kv_cache_nbytes(),
+            "file_tensor_bytes": weights.nbytes(), "streamed_bytes_per_token": streamed,
+            "kv_cache_bytes": model.kv_cache_nbytes(),
+            "resident_growth_bytes": current_rss_bytes() - baseline, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def run_llama_cpp_worker(path: str, n_tokens: int, context: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same file: the same 8-token prefill and greedy decode, timed per token."""
+    import llama_cpp
+
+    from halo.memory import peak_rss_bytes
+
+    baseline = current_rss_bytes()
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                          n_batch=64, verbose=False)
+    load_s = time.perf_counter() - t
+    rng = np.random.default_rng(0)
+    llm.eval(rng.integers(3, llm.n_vocab(), 8).tolist())
+    times = []
+    for _ in range(n_tokens):
+        token = int(np.argmax(llm.eval_logits[-1]))
+        t = time.perf_counter()
+        llm.eval([token])
+        times.append(time.perf_counter() - t)
+    return {"format": "llama.cpp", "threads": threads, "load_s": load_s,
+            "ms_per_token_median": 1e3 * float(np.median(times)), "ms_per_token_mean": 1e3 * float(np.mean(times)),
+            "llama_cpp_python": llama_cpp.__version__, "resident_growth_bytes": current_rss_bytes() - baseline,
             "peak_rss_bytes": peak_rss_bytes()}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=22, help="decoder layers (TinyLlama has 22)")
+    parser.add_argument("--model", help="a model file/directory or a fetched model's name (e.g. smollm2-135m-instruct); "
+                        "default: a random TinyLlama-shaped checkpoint")
+    parser.add_argument("--random-gguf", metavar="QTYPE", help="benchmark a random TinyLlama-shaped GGUF in QTYPE "
+                        "(Q4_0, Q4_1, Q8_0) instead of the fp32 checkpoint")
+    parser.add_argument("--layers", type=int, default=22, help="decoder layers of the random model (TinyLlama has 22)")
     parser.add_argument("--tokens", type=int, default=32, help="decode steps to time")
     parser.add_argument("--context", type=int, default=2048, help="KV-cache length allocated")
-    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--formats", help="weight formats (default: fp32,int8; with --model or --random-gguf: native,fp32)")
+    parser.add_argument("--threads", default="1", help="comma-separated thread counts (default 1; e.g. 1,2)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp anchor even if installed")
     parser.add_argument("--checkpoint", help="reuse this checkpoint directory instead of writing one")
     parser.add_argument("--out", default="eval/results", help="where the JSON and markdown go")
     parser.add_argument("--worker", nargs=2, metavar=("DIR", "FORMAT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(args.worker[0], args.worker[1], args.tokens, args.context)))
+        threads = int(args.threads)
+        if args.worker[1] == "llama.cpp":
+            row = run_llama_cpp_worker(args.worker[0], args.tokens, args.context, threads)
+        else:
+            row = run_worker(args.worker[0], args.worker[1], args.tokens, args.context, threads)
+        print(json.dumps(row))
         return 0
+
+    from halo.loader import load_config, model_path
 
     cfg = dict(TINYLLAMA_1_1B, num_hidden_layers=args.layers)
     tmp = None
-    if args.checkpoint:
-        directory = args.checkpoint
+    if args.model:
+        model = str(model_path(args.model))
+        description = f"{args.model} ({Path(model).name})"
+    elif args.checkpoint:
+        model, description = args.checkpoint, f"checkpoint {args.checkpoint}"
     else:
         tmp = tempfile.TemporaryDirectory(prefix="halo-bench-")
-        directory = tmp.name
-        print(f"writing a random TinyLlama-shaped checkpoint ({args.layers} layers) to {directory} ...", flush=True)
-        write_random_llama(directory, cfg)
+        if args.random_gguf:
+            model = str(Path(tmp.name) / f"tinyllama-random.{args.random_gguf}.gguf")
+            print(f"writing a random TinyLlama-shaped {args.random_gguf} GGUF ({args.layers} layers) to {model} ...",
+                  flush=True)
+            write_random_gguf(model, cfg, args.random_gguf)
+            description = f"TinyLlama-1.1B shape, random weights, GGUF {args.random_gguf}"
+        else:
+            model = tmp.name
+            print(f"writing a random TinyLlama-shaped checkpoint ({args.layers} layers) to {model} ...", flush=True)
+            write_random_llama(model, cfg)
+            description = "TinyLlama-1.1B shape, random weights"
+    config = load_config(model)
+    formats = (args.formats or ("native,fp32" if args.model or args.random_gguf else ",".join(FORMATS))).split(",")
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    runs = [(fmt, t) for t in thread_counts for fmt in formats]
+    if model.endswith(".gguf") and not args.no_llama_cpp:
+        if importlib.util.find_spec("llama_cpp"):
+            runs += [("llama.cpp", t) for t in thread_counts]
+        else:
+            print("llama.cpp anchor: not measured (llama-cpp-python is not installed)", flush=True)
     copy_samples = [stream_copy_bandwidth()]
     rows = []
-    for fmt in args.formats.split(","):
-        out = subprocess.run([sys.executable, "-m", "halo.eval.bench_engine", "--worker", directory, fmt,
-                              "--tokens", str(args.tokens), "--context", str(args.context)],
-                             capture_output=True, text=True, check=True)
+    for fmt, threads in runs:
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        out = subprocess.run([sys.executable, "-m", "halo.eval.bench_engine", "--worker", model, fmt,
+                              "--tokens", str(args.tokens), "--context", str(args.context), "--threads", str(threads)],
+                             capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise SystemExit(f"{fmt} x{threads} failed:\n{out.stderr[-2000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         copy_samples.append(stream_copy_bandwidth())
+        print(f"{fmt} x{threads}: {rows[-1]['ms_per_token_median']:.1f} ms/token", flush=True)
     # the machine's bandwidth drifts (shared VM): take the best copy seen, which makes fractions conservative
     copy_bw = max(copy_samples)
     print(f"STREAM copy, one core: {', '.join(f'{c / 1e9:.2f}' for c in copy_samples)} GB/s; using the best", flush=True)
     for row in rows:
-        row["effective_gb_s"] = row["streamed_bytes_per_token"] / (row["ms_per_token_median"] / 1e3) / 1e9
-        row["roofline_fraction"] = row["effective_gb_s"] * 1e9 / copy_bw
-        row["peak_rss_over_weights_plus_kv"] = row["peak_rss_bytes"] / (row["weight_bytes"] + row["kv_cache_bytes"])
-        print(f"{row['format']}: {row['ms_per_token_median']:.1f} ms/token, {row['effective_gb_s']:.2f} GB/s "
-              f"({100 * row['roofline_fraction']:.0f} % of copy), peak RSS {row['peak_rss_bytes'] / 1e9:.2f} GB "
-              f"({row['peak_rss_over_weights_plus_kv']:.2f}x weights+KV)", flush=True)
-    result = {"benchmark": "single-process decode, one core", "model": "TinyLlama-1.1B shape, random weights",
-              "config": cfg, "context": args.context, "decode_tokens": args.tokens,
-              "stream_copy_gb_s": copy_bw / 1e9, "stream_copy_samples_gb_s": [c / 1e9 for c in copy_samples], "machine": {"cpu": platform.processor() or platform.machine(),
-                                                            "cores": os.cpu_count()},
+        if "weight_bytes" in row:
+            row["effective_gb_s"] = row["streamed_bytes_per_token"] / (row["ms_per_token_median"] / 1e3) / 1e9
+            row["roofline_fraction"] = row["effective_gb_s"] * 1e9 / copy_bw
+            row["peak_rss_over_weights_plus_kv"] = row["peak_rss_bytes"] / (row["weight_bytes"] + row["kv_cache_bytes"])
+    file_bytes = next((r["file_tensor_bytes"] for r in rows if "file_tensor_bytes" in r), None)
+    if file_bytes and model.endswith(".gguf"):
+        roofline_ms = file_bytes / copy_bw * 1e3  # a token reads every tensor byte once (the tied head included)
+        anchor = {r["threads"]: r["ms_per_token_median"] for r in rows if r["format"] == "llama.cpp"}
+        for row in rows:
+            row["file_roofline_ms"] = roofline_ms
+            row["file_roofline_fraction"] = roofline_ms / row["ms_per_token_median"]
+            row["resident_over_file_bytes"] = row["resident_growth_bytes"] / file_bytes
+            if row["threads"] in anchor:
+                row["over_llama_cpp"] = row["ms_per_token_median"] / anchor[row["threads"]]
+    result = {"benchmark": "single-process decode", "model": description, "config": dataclasses.asdict(config),
+              "context": args.context, "decode_tokens": args.tokens, "stream_copy_gb_s": copy_bw / 1e9,
+              "stream_copy_samples_gb_s": [c / 1e9 for c in copy_samples],
+              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
               "command": command_line("halo.eval.bench_engine", argv), "results": rows}
+    if args.model or args.random_gguf:
+        stem = "engine_decode_" + Path(args.model or f"tinyllama-{args.random_gguf}").name.replace(".", "_")
+        lines = gguf_table(result, rows, copy_bw, file_bytes)
+    else:
+        stem = "engine_decode"
+        lines = fp32_table(result, rows, copy_bw, args, copy_samples)
+    write_report(args.out, stem, result, lines)
+    for line in lines:
+        if line.startswith("|"):
+            print(line)
+    if tmp:
+        tmp.cleanup()
+    return 0
+
+
+def fp32_table(result, rows, copy_bw, args, copy_samples) -> list[str]:
     lines = [f"# Single-process decode, one core ({result['model']}, {args.layers} layers)", "",
              f"Command: `{result['command']}`. STREAM copy (read + write bytes) on one core, measured before and after "
              f"each format in the same run, best of {len(copy_samples)}: **{copy_bw / 1e9:.2f} GB/s**. "
@@ -131,10 +245,37 @@ def main(argv=None) -> int:
               "not counted. Effective GB/s = those bytes / median decode time. Peak RSS is the worker "
               "process's VmHWM, compared with the weight bytes (embedding table included, in fp32) plus the "
               f"KV cache allocated for {args.context} tokens."]
-    write_report(args.out, "engine_decode", result, lines)
-    if tmp:
-        tmp.cleanup()
-    return 0
+    return lines
+
+
+def gguf_table(result, rows, copy_bw, file_bytes) -> list[str]:
+    mb = 1e6
+    lines = [f"# Single-process decode: {result['model']}", "",
+             f"Command: `{result['command']}`. Decode: median of {result['decode_tokens']} greedy steps after an "
+             f"8-token prefill, context {result['context']}. STREAM copy on one core, best of "
+             f"{len(result['stream_copy_samples_gb_s'])} samples taken between the runs: **{copy_bw / 1e9:.2f} GB/s**."]
+    if file_bytes:
+        lines.append(f"The file's tensor bytes: **{file_bytes / mb:.1f} MB**; a token reads all of them once (the tied "
+                     f"LM head reads the embedding matrix), so the one-core roofline is "
+                     f"{file_bytes / copy_bw * 1e3:.2f} ms/token.")
+    lines += ["", "| engine / weights | threads | ms/token (median) | x llama.cpp | roofline fraction | kernel weight bytes | "
+              "resident growth | resident / file bytes | peak RSS | load s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        over = f"{r['over_llama_cpp']:.2f}" if "over_llama_cpp" in r else "–"
+        roof = f"{100 * r['file_roofline_fraction']:.0f} %" if "file_roofline_fraction" in r else "–"
+        kernel = f"{r['weight_bytes'] / mb:.1f} MB" if "weight_bytes" in r else "–"
+        ratio = f"{r['resident_over_file_bytes']:.2f}" if "resident_over_file_bytes" in r else "–"
+        lines.append(f"| {'halo ' + r['format'] if r['format'] != 'llama.cpp' else 'llama.cpp'} | {r['threads']} | "
+                     f"{r['ms_per_token_median']:.1f} | {over} | {roof} | {kernel} | "
+                     f"{r['resident_growth_bytes'] / mb:.1f} MB | {ratio} | {r['peak_rss_bytes'] / mb:.0f} MB | "
+                     f"{r['load_s']:.1f} |")
+    lines += ["", "Roofline fraction = (file tensor bytes / one-core copy bandwidth) / measured time (for 2 threads "
+              "still against one core's bandwidth). Kernel weight bytes: what halo hands its kernels (native: "
+              "4/8-bit codes + float32 scales (+ Q4_1 offsets), plus the embedding blocks for lookups; fp32: "
+              "dequantized float32). Resident growth: RSS after load and decode minus RSS of the same process "
+              "with the runtime loaded (weights, kernel packing, KV pages touched, buffers); llama.cpp: minus "
+              "the interpreter's RSS before loading (its weights are a file mapping, counted once touched)."]
+    return lines
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,8 @@ import numpy as np
 from .report import command_line, write_report
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
-MODES = ("tcp", "exact", "lossy", "halo")
+MODES = ("tcp", "exact", "lossy", "halo", "halo-tcp")
+PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975]
 WARMUP = 6  # tokens before timing: page tables of the memory-mapped weights, deadline estimates
 ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
              "Pred-Comm only": dict(pred_overlap=True, load_overlap=False),
@@ -61,28 +61,48 @@ def checkpoint(layers: int) -> Path:
 def master(args) -> None:
     from halo.distributed import cluster_model
     from halo.loader import load_weights
+    from halo.model import Transformer
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
     weights = load_weights(args.model)
+    fmt = resolved_format(args.weights, weights)
+    if args.sync == "single":
+        out = decode(Transformer(weights, fmt=fmt, max_seq_len=256), args.tokens, args.time_limit)
+        print("RESULT " + json.dumps(out), flush=True)
+        return
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
-    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0, sync=sync)
-    times, token = [], 1
-    deadline = time.monotonic() + args.time_limit
+    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0,
+                          hello_timeout_s=600.0, sync=sync, fmt=fmt)
     try:
-        for step in range(args.tokens + WARMUP):
-            t = time.perf_counter()
-            logits = model.forward([token])
-            if step >= WARMUP:
-                times.append(time.perf_counter() - t)
-            token = int(np.argmax(logits))
-            if time.monotonic() > deadline:
-                break
-        out = {"ms_per_token": [1e3 * t for t in times], "sync": model.sync_report(),
-               "udp": [r.get("udp") for r in model.report()]}
+        out = decode(model, args.tokens, args.time_limit)
+        out.update(sync=model.sync_report(), udp=[r.get("udp") for r in model.report()])
     finally:
         model.close()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def resolved_format(fmt: str, weights) -> str:
+    from halo import linear
+
+    return linear.resolve_format(fmt, weights) if hasattr(linear, "resolve_format") else fmt
+
+
+def decode(model, tokens: int, time_limit: float) -> dict:
+    """Greedy from a fixed prompt: WARMUP steps, then up to `tokens` timed ones (or until time_limit)."""
+    times, out = [], []
+    deadline = time.monotonic() + time_limit
+    logits = model.forward(PROMPT)
+    for step in range(tokens + WARMUP):
+        token = int(np.argmax(logits))
+        out.append(token)
+        t = time.perf_counter()
+        logits = model.forward([token])
+        if step >= WARMUP:
+            times.append(time.perf_counter() - t)
+        if time.monotonic() > deadline and len(times) >= 8:
+            break
+    return {"ms_per_token": [1e3 * t for t in times], "tokens": out}
 
 
 class Cluster:
@@ -105,9 +125,10 @@ class Cluster:
 
 
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
-               time_limit: float) -> dict:
-    argv = [sys.executable, "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
-            "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens),
+               time_limit: float, weights: str = "native") -> dict:
+    """sync "single": the single-process model, in the master's namespace (same machine, same weights)."""
+    argv = [sys.executable, "-P", "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
+            "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
             "--settings", json.dumps(settings), "--time-limit", str(time_limit)]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=time_limit + 180)
@@ -119,11 +140,15 @@ def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tok
 
 def summarize(result: dict) -> dict:
     ms = np.asarray(result["ms_per_token"])
-    loss = result["sync"]["loss"]
-    return {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
-            "ms_p90": float(np.percentile(ms, 90)),
-            "partials_dropped": loss["partials_dropped"], "partials": loss["partials"],
-            "groups_dropped": loss["groups_dropped"], "groups_offered_lossy": loss["groups_offered_lossy"]}
+    out = {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
+           "ms_p90": float(np.percentile(ms, 90)), "generated": result["tokens"]}
+    if "sync" in result:
+        loss, breakdown = result["sync"]["loss"], result["sync"].get("breakdown", {})
+        out.update(partials_dropped=loss["partials_dropped"], partials=loss["partials"],
+                   dropped_for_loss=loss.get("dropped_for_loss"), dropped_late=loss.get("dropped_late"),
+                   groups_dropped=loss["groups_dropped"], groups_offered_lossy=loss["groups_offered_lossy"],
+                   round_overhead_ms=breakdown.get("round_overhead_ms"), per_token_ms=breakdown.get("per_token_ms"))
+    return out
 
 
 def with_testbed(n: int):
@@ -133,44 +158,98 @@ def with_testbed(n: int):
 
 
 def speed(args) -> None:
+    """Every sync mode under 0-5 % real loss, with the single-process time of the same weights in the same run."""
     from halo.transport.reliable import generate_key
 
-    model = checkpoint(args.layers)
+    model = Path(args.model) if args.model else checkpoint(args.layers)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         for n in [int(a) for a in args.agents.split(",")]:
             with with_testbed(n) as bed:
+                single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights)
+                rows.append({"agents": n, "plr": 0.0, "sync": "single process", **summarize(single)})
+                print(json.dumps(rows[-1]), flush=True)
                 cluster = Cluster(bed, model, key, n)
                 try:
                     for plr in [float(p) for p in args.plr.split(",")]:
                         bed.set_loss(plr)
-                        for sync in MODES:
-                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {}, args.time_limit)
-                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result)})
+                        for sync in args.modes.split(","):
+                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {},
+                                                args.time_limit, args.weights)
+                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result),
+                                         "dropped_frames": bed.drop_counters()})
                             print(json.dumps(rows[-1]), flush=True)
                 finally:
                     cluster.close()
+    lines = render_speed(rows, args)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+                                        "layers": args.layers, "weights": args.weights, "model": str(model),
+                                        "rows": rows}, lines)
+    plot_speed(rows, Path(args.out) / f"{args.name}.png")
+
+
+def render_speed(rows: list[dict], args) -> list[str]:
     by = {(r["agents"], r["plr"], r["sync"]): r for r in rows}
-    lines = [f"# HALO mode speed under real packet loss (TinyLlama-1.1B shape, {args.layers} layers, random weights)", "",
-             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed, nftables "
-             "drops on every agent link both ways; master + agents share this machine's 2 cores. Time per output "
-             "token (mean of the decode steps after a 6-token warm-up).", "",
-             "| agents | PLR | tcp ms | lossy ms | halo ms | halo speedup over tcp | halo vs own 0 % | "
-             "lossy partials dropped | halo partials dropped |", "|---|---|---|---|---|---|---|---|---|"]
+    modes = args.modes.split(",")
+    lines = [f"# Time per output token under real packet loss ({args.weights} weights, {args.layers} layers)", "",
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
+             "every agent link's frames both ways with the given probability; master + agents share this machine's "
+             f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
+             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace.", ""]
     for n in sorted({r["agents"] for r in rows}):
-        for plr in sorted({r["plr"] for r in rows}):
-            rel, los, hal = (by.get((n, plr, m)) for m in ("tcp", "lossy", "halo"))
-            if not (rel and los and hal):
-                continue
-            base = by.get((n, 0.0, "halo"))
-            lines.append(f"| {n} | {100 * plr:g} % | {rel['ms_mean']:.1f} | {los['ms_mean']:.1f} | {hal['ms_mean']:.1f} | "
-                         f"{rel['ms_mean'] / hal['ms_mean']:.2f}x | "
-                         f"{hal['ms_mean'] / base['ms_mean'] if base else float('nan'):.2f}x | "
-                         f"{los['partials_dropped']}/{los['partials']} | {hal['partials_dropped']}/{hal['partials']} |")
-    write_report(args.out, "halo_speed", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
-                                          "layers": args.layers, "rows": rows}, lines)
+        base = by.get((n, 0.0, "single process"))
+        lines += [f"## master + {n} agents (single process: {base['ms_mean']:.1f} ms/token)" if base else
+                  f"## master + {n} agents", "",
+                  "| PLR | " + " | ".join(f"{m} ms" for m in modes) + " | exact = tcp tokens | "
+                  "exact = single tokens | halo dropped (loss / late) | overhead per round p50 ms (exact) |",
+                  "|---|" + "---|" * (len(modes) + 4)]
+        for plr in sorted({r["plr"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
+            cells = [f"{by[(n, plr, m)]['ms_mean']:.1f}" if (n, plr, m) in by else "-" for m in modes]
+            exact, tcp, halo = by.get((n, plr, "exact")), by.get((n, plr, "tcp")), by.get((n, plr, "halo"))
+            same = lambda a, b: "-" if not (a and b) else ("yes" if a["generated"] == b["generated"] else "no")  # noqa: E731
+            drops = f"{halo['dropped_for_loss']} / {halo['dropped_late']}" if halo else "-"
+            overhead = (exact or {}).get("round_overhead_ms") or {}
+            lines.append(f"| {100 * plr:g} % | " + " | ".join(cells) + f" | {same(exact, tcp)} | {same(exact, base)} | "
+                         f"{drops} | {overhead.get('p50', '-')} |")
+        lines.append("")
+        zero = {m: by.get((n, 0.0, m)) for m in modes}
+        worst = max(r["plr"] for r in rows if r["agents"] == n)
+        ratios = []
+        for m in modes:
+            if zero[m] and by.get((n, worst, m)):
+                ratios.append(f"{m} {by[(n, worst, m)]['ms_mean'] / zero[m]['ms_mean']:.2f}x")
+        if base:
+            lines.append("At 0 % loss vs single process: " + ", ".join(
+                f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
+        lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
+        lines.append("")
+    return lines
+
+
+def plot_speed(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["agents"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for m in sorted({r["sync"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
+            points = sorted((r["plr"], r["ms_mean"]) for r in rows if r["agents"] == n and r["sync"] == m)
+            ax.plot([100 * p for p, _ in points], [v for _, v in points], marker="o", label=m)
+        single = [r["ms_mean"] for r in rows if r["agents"] == n and r["sync"] == "single process"]
+        if single:
+            ax.axhline(single[0], color="black", linestyle="--", label="single process")
+        ax.set_yscale("log")
+        ax.set_xlabel("packet loss rate on every agent link (%)")
+        ax.set_ylabel("ms per output token")
+        ax.set_title(f"master + {n} agents")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def ablation(args) -> None:
@@ -277,10 +356,13 @@ def _model_for(weights, cluster, sync: str, stack):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("speed", "straggler", "ablation", "master"))
-    parser.add_argument("--agents", default="4,8")
+    parser.add_argument("--agents", default="3,7", help="agents besides the master (default 3,7: 4 and 8 nodes)")
     parser.add_argument("--plr", default="0,0.01,0.02,0.05")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--weights", default="int8", help="weight format of every device (default int8)")
+    parser.add_argument("--name", default="halo_speed", help="results file name under --out")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--out", default="eval/results")

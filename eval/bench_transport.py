@@ -65,7 +65,7 @@ def agent(args) -> None:
     for r in range(args.rounds):
         epoch = r << 20
         endpoint.gather(epoch, {0: args.dim}, policy=GatherPolicy(deadline_s=5.0, nack=True))
-        endpoint.send_vector(master, 0, epoch, partial, wire.FLOAT32, parity)
+        endpoint.send_vector({0: master}, epoch, partial, wire.FLOAT32, parity)
     endpoint.serve(1.0)  # answer the master's last NACKs
 
 
@@ -105,8 +105,7 @@ def master(args) -> None:
         for r in range(args.rounds):
             epoch = r << 20
             t = time.perf_counter()
-            for i, address in addresses.items():
-                endpoint.send_vector(address, i, epoch, hidden, wire.FLOAT32, parity_group=6)
+            endpoint.send_vector(addresses, epoch, hidden, wire.FLOAT32, parity_group=6)
             fast = args.mode == "fast"
             policy = GatherPolicy(deadline_s=1.0 if fast else DEADLINE_S, nack=fast)
             result = endpoint.gather(epoch, {i: args.dim for i in addresses}, policy=policy)

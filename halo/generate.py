@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, HaloError
 from .sampling import Sampler, SamplingSettings
 from .tokenizer import Tokenizer
 
@@ -49,11 +49,21 @@ class GenerationResult:
         }
 
 
+class GenerationCancelled(HaloError):
+    """The caller's `cancelled()` said stop; `result` holds what was generated until then."""
+
+    def __init__(self, result: GenerationResult):
+        super().__init__(f"generation cancelled after {len(result.token_ids)} tokens")
+        self.result = result
+
+
 def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
              sampling: SamplingSettings = SamplingSettings(), on_text: Callable[[str], None] | None = None,
-             stop_at_eos: bool = True) -> GenerationResult:
+             stop_at_eos: bool = True, cancelled: Callable[[], bool] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt (BOS is prepended). on_text receives each new
-    piece of text as soon as it is decoded."""
+    piece of text as soon as it is decoded. `cancelled` is asked before every forward pass: when it
+    returns True the loop stops there (no message goes to the agents for this request any more) and
+    raises GenerationCancelled; the model needs no cleanup, the next generation resets it."""
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     prompt_ids = tokenizer.encode(prompt, bos=True)
@@ -64,13 +74,19 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
     sample = Sampler(sampling)
     # the continuation's first piece keeps its leading space unless the prompt was empty
     emit = tokenizer.stream(at_start=len(prompt_ids) == 1 and prompt_ids[0] == tokenizer.bos_id)
-    model.reset()
+    result = GenerationResult("", [], prompt_ids, "max_new_tokens", 0.0)
+    pieces: list[str] = []
 
+    def check_cancelled() -> None:
+        if cancelled is not None and cancelled():
+            result.text = "".join(pieces)
+            raise GenerationCancelled(result)
+
+    check_cancelled()
+    model.reset()
     t0 = time.perf_counter()
     logits = model.forward(prompt_ids)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    result = GenerationResult("", [], prompt_ids, "max_new_tokens", prefill_ms)
-    pieces: list[str] = []
+    result.prefill_ms = (time.perf_counter() - t0) * 1e3
     for step in range(max_new_tokens):
         token = sample(logits)
         if stop_at_eos and token in tokenizer.eos_ids:
@@ -86,6 +102,7 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
         if len(prompt_ids) + len(result.token_ids) >= model.max_seq_len:
             result.stop_reason = "context_full"
             break
+        check_cancelled()
         t = time.perf_counter()
         logits = model.forward([token])
         result.decode_ms.append((time.perf_counter() - t) * 1e3)

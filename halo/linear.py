@@ -1,26 +1,38 @@
 """Weight formats: how a block's projection matrices are stored and multiplied.
 
 A `Projection` holds one or more matrices that read the same input (q/k/v, gate/up) and returns
-one output per matrix. Two formats:
+one output per matrix. Three formats:
 
-- "fp32": the float32 arrays as loaded (memory maps stay memory maps: zero-copy), numpy BLAS.
+- "native" (the default): the model file's own format. Float32/float16/bfloat16 checkpoints run as
+  "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run on onnxruntime's MatMulNBits exactly
+  as stored: 4/8-bit codes, one scale per 32 (Q6_K: 16) weights, plus minimums where the type has
+  them, never expanded to float32.
+- "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
+  load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
-  bytes per weight), run by onnxruntime's MatMulNBits kernel with int8 activations
-  (accuracy_level 4), which streams the quantized weights at memory speed on x86 (AVX2/AVX-512
-  VNNI) and Arm (NEON dot-product). Matrices that share an input are fused into one kernel call.
+  bytes per weight), run by MatMulNBits with int8 activations (accuracy_level 4), which streams the
+  quantized weights at memory speed on x86 (AVX2/AVX-512 VNNI) and Arm (NEON dot-product).
+
+Matrices that share an input are fused into one kernel call.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import tempfile
+from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 
 from .errors import ConfigError
 from .memory import release_freed_heap, release_pages
+from .quant import QuantizedMatrix, as_float32
 
-FORMATS = ("fp32", "int8")
+FORMATS = ("native", "fp32", "int8")
+NATIVE_ACCURACY_LEVEL = 4  # int8 activations (split in two terms): ~2x faster than level 1 (fp32) here, as accurate
+NATIVE_SPLIT_ACTIVATIONS = True  # False: one int8 pass (the ablation in eval/accuracy_gguf.py --single-pass)
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
 
@@ -29,6 +41,14 @@ def int8_block_for(column_group: int) -> int:
     """The largest block (<= INT8_BLOCK) that divides a column group, so that a shard holding some of
     the groups quantizes them exactly as the whole matrix does (W_o columns come in heads)."""
     return max(MIN_INT8_BLOCK, math.gcd(INT8_BLOCK, column_group))
+
+
+def resolve_format(fmt: str, weights) -> str:
+    """The weight format a --weights value means for these weights: "native" on a model without quantized
+    blocks is "fp32" (what every float checkpoint computes in), so the cluster and reports say so."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    return "fp32" if fmt == "native" and not weights.compact else fmt
 
 
 class DenseProjection:
@@ -72,31 +92,39 @@ def dequantize_int8(codes: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray
     return ((codes.astype(np.float32) - 128.0) * scales[..., None]).reshape(n, -1)[:, :k]
 
 
-class Int8Projection:
-    """Matrices sharing an input, quantized and fused into MatMulNBits calls.
+@dataclass(frozen=True)
+class KernelSpec:
+    """How a MatMulNBits kernel stores and computes: `bits`-wide codes in blocks of `block` inputs, one float32
+    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations. With
+    split_activations, x = hi + lo: hi is x quantized per block as the kernel quantizes it (so the kernel
+    reproduces it exactly) and lo the residual, run as 2T rows of one call (the weights stream once) and
+    added: the activations' rounding error falls from 1/254 to ~1/64516 of each block's range."""
 
-    The int8 codes are written to an unlinked temporary file and handed to onnxruntime as external
-    initializers: the kernel repacks them into its own layout at session start, after which the
-    file pages are released from this process (they re-read from disk if ever touched again).
-    Rows are split into kernels of at most MAX_KERNEL_BYTES, so the repacking's transient copy
-    stays small next to the model. Peak memory stays near one copy of the int8 weights.
-    """
+    bits: int
+    block: int
+    with_offsets: bool = False
+    accuracy_level: int = 4
+    split_activations: bool = False
+
+
+class _KernelProjection:
+    """Matrices sharing an input, fused into MatMulNBits calls: rows stacked, split into kernels of at most
+    MAX_KERNEL_BYTES of codes, so a kernel's transient copy while onnxruntime repacks it stays small next to
+    the model. `fill(rows, codes, scales, offsets)` writes a run of rows in the kernel's terms."""
 
     MAX_KERNEL_BYTES = 32 << 20
 
-    def __init__(self, matrices: list[np.ndarray], threads: int = 1, block: int = INT8_BLOCK):
+    def __init__(self, matrices: list, threads: int, spec: KernelSpec, fill):
         k = matrices[0].shape[1]
         if any(m.shape[1] != k for m in matrices):
             raise ValueError("fused matrices must share their input size")
-        while block > MIN_INT8_BLOCK and -k % block > k // 16:
-            block //= 2  # small inputs (tiny models): a smaller block instead of > 6 % zero padding
         bounds = np.concatenate([[0], np.cumsum([m.shape[0] for m in matrices])]).tolist()
         self.outputs = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
         n = bounds[-1]
-        blocks = -(-k // block)
-        rows_per_kernel = max(1, self.MAX_KERNEL_BYTES // (blocks * block))
+        row_bytes = -(-k // spec.block) * spec.block * spec.bits // 8
+        rows_per_kernel = max(1, self.MAX_KERNEL_BYTES // row_bytes)
         stacked = _RowStack(matrices)
-        self.kernels = [_Int8Kernel(stacked, start, min(n, start + rows_per_kernel), k, threads, block)
+        self.kernels = [_NBitsKernel(stacked, start, min(n, start + rows_per_kernel), k, spec, fill, threads)
                         for start in range(0, n, rows_per_kernel)]
         self.nbytes = sum(kernel.nbytes for kernel in self.kernels)
 
@@ -107,10 +135,48 @@ class Int8Projection:
         return [y[:, s] for s in self.outputs]
 
 
+class Int8Projection(_KernelProjection):
+    """Float32 matrices (or compact ones, dequantized a chunk at a time) quantized to per-block int8,
+    run with int8 activations (accuracy_level 4)."""
+
+    def __init__(self, matrices: list, threads: int = 1, block: int = INT8_BLOCK):
+        k = matrices[0].shape[1]
+        while block > MIN_INT8_BLOCK and -k % block > k // 16:
+            block //= 2  # small inputs (tiny models): a smaller block instead of > 6 % zero padding
+
+        def fill(rows, codes, scales, offsets):
+            quantize_int8(rows, block, out=(codes, scales))
+
+        super().__init__(matrices, threads, KernelSpec(8, block), fill)
+
+
+class CompactProjection(_KernelProjection):
+    """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
+    (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
+    keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
+
+    def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None):
+        codec = matrices[0].codec
+        if any(m.codec != codec for m in matrices):
+            raise ValueError("fused compact matrices must share their block type")
+        if not codec.native:
+            matrices[0].kernel_blocks()  # raises the error that names the type, the tensor and the fix
+
+        def fill(rows: QuantizedMatrix, codes, scales, offsets):
+            codes[:], scales[:], rows_offsets = rows.kernel_blocks()
+            if offsets is not None:
+                offsets[:] = rows_offsets
+            rows.release()
+
+        level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+        super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
+                                                       split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill)
+
+
 class _RowStack:
     """Rows start..stop of several matrices stacked on top of each other, without copying them all."""
 
-    def __init__(self, matrices: list[np.ndarray]):
+    def __init__(self, matrices: list):
         self.matrices = matrices
         self.offsets = np.concatenate([[0], np.cumsum([m.shape[0] for m in matrices])])
 
@@ -118,55 +184,136 @@ class _RowStack:
         for m, first in zip(self.matrices, self.offsets[:-1]):
             a, b = max(start, first), min(stop, first + m.shape[0])
             if a < b:
-                yield a - start, m[a - first:b - first]
+                rows = m.take_rows(np.arange(a - first, b - first)) if isinstance(m, QuantizedMatrix) else m[a - first:b - first]
+                yield a - start, rows
 
 
-class _Int8Kernel:
-    """One onnxruntime MatMulNBits session over rows start..stop of a row stack."""
+class _NBitsKernel:
+    """One onnxruntime MatMulNBits session over rows start..stop of a row stack.
 
-    def __init__(self, stack: _RowStack, start: int, stop: int, k: int, threads: int, block: int):
+    The codes, scales (and offsets) are written to an unlinked temporary file and handed to onnxruntime as
+    external initializers: the kernel repacks them into its own layout at session start, after which the
+    file pages are released from this process (they re-read from disk if ever touched again).
+    """
+
+    def __init__(self, stack: _RowStack, start: int, stop: int, k: int, spec: KernelSpec, fill, threads: int):
         import onnxruntime as ort
-        from onnx import TensorProto, helper
+        from onnx import TensorProto
 
-        n, blocks = stop - start, -(-k // block)
-        self._file = tempfile.TemporaryFile(prefix="halo-int8-")
-        self._file.truncate(n * blocks * block)
-        codes = np.memmap(self._file, dtype=np.uint8, mode="r+", shape=(n, blocks, block))
-        scales = np.empty((n, blocks), dtype=np.float32)
-        for offset, rows in stack.pieces(start, stop):
-            quantize_int8(rows, block, out=(codes[offset:offset + len(rows)], scales[offset:offset + len(rows)]))
-        self.nbytes = codes.nbytes + scales.nbytes
-        initializers = []
-        for name, array, dtype in (("codes", codes, TensorProto.UINT8), ("scales", scales, TensorProto.FLOAT)):
-            tensor = TensorProto(name=name, data_type=dtype, dims=array.shape, data_location=TensorProto.EXTERNAL)
-            tensor.external_data.add(key="location", value="in-memory")  # supplied below as OrtValues
-            initializers.append(tensor)
-        node = helper.make_node("MatMulNBits", ["x", "codes", "scales"], ["y"], domain="com.microsoft",
-                                K=k, N=n, bits=8, block_size=block, accuracy_level=4)
-        graph = helper.make_graph([node], "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])],
-                                  initializer=initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        n, blocks = stop - start, -(-k // spec.block)
+        shapes = {"codes": ((n, blocks, spec.block * spec.bits // 8), np.uint8, TensorProto.UINT8),
+                  "scales": ((n, blocks), np.float32, TensorProto.FLOAT)}
+        if spec.with_offsets:
+            shapes["offsets"] = ((n, blocks), np.float32, TensorProto.FLOAT)
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in shapes.values()]
+        with tempfile.TemporaryFile(prefix="halo-kernel-") as file:  # one mapping; its own descriptor outlives the file
+            file.truncate(sum(sizes))
+            self._mapping = mmap.mmap(file.fileno(), sum(sizes))
+        arrays, at = {}, 0
+        for (name, (shape, dtype, _)), size in zip(shapes.items(), sizes):
+            arrays[name] = np.frombuffer(self._mapping, dtype=dtype, count=size // np.dtype(dtype).itemsize,
+                                         offset=at).reshape(shape)
+            at += size
+        offsets = arrays.get("offsets")
+        for first, rows in stack.pieces(start, stop):
+            end = first + rows.shape[0]
+            fill(rows, arrays["codes"][first:end], arrays["scales"][first:end],
+                 None if offsets is None else offsets[first:end])
+        self.nbytes = sum(sizes)
+        model = _kernel_graph(k, n, spec, {name: (shape, proto) for name, (shape, _, proto) in shapes.items()})
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         # onnxruntime reads these buffers without owning them: keep them alive as long as the session
-        self._buffers = (codes, scales, ort.OrtValue.ortvalue_from_numpy(codes), ort.OrtValue.ortvalue_from_numpy(scales))
-        options.add_external_initializers(["codes", "scales"], list(self._buffers[2:]))
+        values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in shapes]
+        self._buffers = (arrays, values)
+        options.add_external_initializers(list(shapes), values)
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        codes.flush()
-        release_pages(codes)
+        self._mapping.flush()
+        self._mapping.madvise(mmap.MADV_DONTNEED)  # onnxruntime has its own packed copy; these re-read from disk if touched
         release_freed_heap()
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.session.run(None, {"x": x})[0]
 
 
-def make_projection(matrices: list[np.ndarray], fmt: str, threads: int = 1, int8_block: int = INT8_BLOCK):
+def _kernel_graph(k: int, n: int, spec: KernelSpec, weights: dict):
+    """y = x @ W.T as an ONNX graph around MatMulNBits (see KernelSpec); `weights` name the external
+    initializers: codes, scales (and offsets), as name -> (shape, ONNX type)."""
+    from onnx import TensorProto, helper
+
+    blocks = -(-k // spec.block)
+    initializers = []
+    for name, (shape, proto_type) in weights.items():
+        tensor = TensorProto(name=name, data_type=proto_type, dims=shape, data_location=TensorProto.EXTERNAL)
+        tensor.external_data.add(key="location", value="in-memory")  # supplied as OrtValues
+        initializers.append(tensor)
+    node = helper.make_node
+    nodes, kernel_input = [], "x"
+    if spec.split_activations or spec.with_offsets:
+        initializers.append(helper.make_tensor("block_shape", TensorProto.INT64, [3], [-1, blocks, spec.block]))
+        nodes.append(node("Reshape", ["x", "block_shape"], ["x_blocks"]))
+    if spec.split_activations:  # x = hi + lo, one kernel call on [hi; lo], the two halves added
+        initializers += [helper.make_tensor("int8_max", TensorProto.FLOAT, [], [127.0]),
+                         helper.make_tensor("tiny", TensorProto.FLOAT, [], [1e-30]),
+                         helper.make_tensor("row_shape", TensorProto.INT64, [2], [-1, k]),
+                         helper.make_tensor("halves_shape", TensorProto.INT64, [3], [2, -1, n]),
+                         helper.make_tensor("first_axis", TensorProto.INT64, [1], [0])]
+        nodes += [node("Abs", ["x_blocks"], ["x_abs"]),
+                  node("ReduceMax", ["x_abs"], ["x_amax"], axes=[2], keepdims=1),
+                  node("Div", ["x_amax", "int8_max"], ["x_step"]),
+                  node("Max", ["x_step", "tiny"], ["x_step_safe"]),
+                  node("Div", ["x_blocks", "x_step_safe"], ["x_steps"]),
+                  node("Round", ["x_steps"], ["x_codes"]),
+                  node("Mul", ["x_codes", "x_step_safe"], ["hi_blocks"]),
+                  node("Reshape", ["hi_blocks", "row_shape"], ["hi"]),
+                  node("Sub", ["x", "hi"], ["lo"]),
+                  node("Concat", ["hi", "lo"], ["hi_lo"], axis=0)]
+        kernel_input = "hi_lo"
+    codes_output = "y_codes" if spec.with_offsets else "y"  # x @ (scaled codes).T
+    nodes.append(node("MatMulNBits", [kernel_input, "codes", "scales"],
+                      ["y_halves_flat" if spec.split_activations else codes_output], domain="com.microsoft",
+                      K=k, N=n, bits=spec.bits, block_size=spec.block, accuracy_level=spec.accuracy_level))
+    if spec.split_activations:
+        nodes += [node("Reshape", ["y_halves_flat", "halves_shape"], ["y_halves"]),
+                  node("ReduceSum", ["y_halves", "first_axis"], [codes_output], keepdims=0)]
+    if spec.with_offsets:  # y += block_sums(x) @ offsets.T
+        initializers.append(helper.make_tensor("sum_axis", TensorProto.INT64, [1], [2]))
+        nodes += [node("ReduceSum", ["x_blocks", "sum_axis"], ["block_sums"], keepdims=0),
+                  node("Gemm", ["block_sums", "offsets"], ["y_offsets"], transB=1),
+                  node("Add", ["y_codes", "y_offsets"], ["y"])]
+    graph = helper.make_graph(nodes, "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], initializer=initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+class SplitProjection:
+    """Matrices sharing an input but stored in different kinds (float32 and compact blocks, or two block
+    types): one projection per run of the same kind, outputs in the original order."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.nbytes = sum(p.nbytes for p in parts)
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        return [y for part in self.parts for y in part(x)]
+
+
+def make_projection(matrices: list, fmt: str, threads: int = 1, int8_block: int = INT8_BLOCK):
+    """The projection of `matrices` (float32 arrays or QuantizedMatrix) in weight format `fmt`."""
     if fmt == "fp32":
-        return DenseProjection(matrices)
+        return DenseProjection([as_float32(m) for m in matrices])
     if fmt == "int8":
         return Int8Projection(matrices, threads, int8_block)
+    if fmt == "native":
+        runs = [list(run) for _, run in groupby(matrices, key=_kind)]
+        parts = [CompactProjection(run, threads) if isinstance(run[0], QuantizedMatrix) else DenseProjection(run)
+                 for run in runs]
+        return parts[0] if len(parts) == 1 else SplitProjection(parts)
     raise ConfigError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def _kind(w) -> str:
+    return w.codec.name if isinstance(w, QuantizedMatrix) else "float32"

@@ -1,4 +1,4 @@
-"""Find the format of a model path and load weights and tokenizer from it."""
+"""Find the format of a model path (or a named model: halo/models.py) and load weights and tokenizer from it."""
 
 from __future__ import annotations
 
@@ -7,26 +7,48 @@ from pathlib import Path
 
 from . import BUNDLED_MODEL, BUNDLED_TOKENIZER
 from .errors import ModelFormatError
-from .formats import hf, llama2c
-from .tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer
+from .formats import gguf, hf, llama2c
+from .models import resolve_model
+from .tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer, gguf_tokenizer
 from .weights import ModelWeights
+
+NOT_FOUND_FIX = ("pass a GGUF file, a llama2.c .bin file, a Hugging Face directory with config.json, or a model "
+                 "name (halo-master fetch --list)")
+
+
+def model_path(path: str | os.PathLike | None) -> Path:
+    """The file or directory a --model value means: a path, a named model's cached file, or the bundled model."""
+    return resolve_model(path) if path is not None else Path(str(BUNDLED_MODEL))
+
+
+def is_gguf(path: Path) -> bool:
+    """GGUF by its magic number (or its suffix, so that a damaged .gguf gets the GGUF reader's diagnosis)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == gguf.MAGIC
 
 
 def load_weights(path: str | os.PathLike | None = None) -> ModelWeights:
-    """A Hugging Face directory (has config.json) or a llama2.c checkpoint file; None: the bundled model."""
-    path = Path(path) if path is not None else Path(str(BUNDLED_MODEL))
+    """A GGUF file, a Hugging Face directory (has config.json), a llama2.c checkpoint file or a model name;
+    None: the bundled model."""
+    path = model_path(path)
     if path.is_dir():
         return hf.read_checkpoint(path)
     if path.is_file():
-        return llama2c.read_checkpoint(path)
-    raise ModelFormatError(path, "no such file or directory",
-                           "pass a llama2.c .bin file or a Hugging Face directory with config.json")
+        return gguf.read_checkpoint(path) if is_gguf(path) else llama2c.read_checkpoint(path)
+    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
 
 
 def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | None = None) -> Tokenizer:
-    """The tokenizer that belongs to the weights: tokenizer.json in a HF directory, else a llama2.c
-    tokenizer.bin given explicitly, found beside the checkpoint (tok*.bin / tokenizer.bin), or bundled."""
+    """The tokenizer that belongs to the weights: a GGUF file's metadata, tokenizer.json in a HF directory
+    (or any tokenizer.json given), else a llama2.c tokenizer.bin given explicitly, found beside the
+    checkpoint (tok*.bin / tokenizer.bin), or bundled."""
     config, source = weights.config, Path(weights.source)
+    if source.is_file() and is_gguf(source) and not tokenizer_path:  # its metadata holds the tokenizer
+        return gguf_tokenizer(weights.extra.get("gguf_file") or gguf.GGUFFile(source), config)
+    if tokenizer_path and Path(tokenizer_path).suffix == ".json":
+        return HFTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids)
     if source.is_dir():
         path = Path(tokenizer_path) if tokenizer_path else source / "tokenizer.json"
         if not path.is_file():
@@ -40,13 +62,12 @@ def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | No
 
 def load_config(path: str | os.PathLike | None = None):
     """Only the model's shape (no weights read): for planning."""
-    path = Path(path) if path is not None else Path(str(BUNDLED_MODEL))
+    path = model_path(path)
     if path.is_dir():
         return hf.read_config(path)
     if path.is_file():
-        return llama2c.read_config(path)[0]
-    raise ModelFormatError(path, "no such file or directory",
-                           "pass a llama2.c .bin file or a Hugging Face directory with config.json")
+        return gguf.read_config(path) if is_gguf(path) else llama2c.read_config(path)[0]
+    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
@@ -54,7 +75,7 @@ def model_fingerprint(path: str | os.PathLike) -> str:
     what agents, masters and predictors compare to be sure they mean the same model."""
     import hashlib
 
-    path = Path(path)
+    path = model_path(path)
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
         or p.name in ("model.safetensors.index.json", "tokenizer.json"))

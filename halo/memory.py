@@ -47,6 +47,14 @@ def release_pages(array: np.ndarray) -> None:
     _advise(array, mmap.MADV_DONTNEED, whole_pages_only=True)
 
 
+def release_mapping(array: np.ndarray) -> None:
+    """madvise(DONTNEED) the whole file mapping a memory-mapped array belongs to. Reading one tensor makes the
+    kernel map its neighbours too (fault-around, readahead); releasing only the tensor's span leaves those."""
+    mapping = _mapping_of(array)
+    if mapping is not None and hasattr(mapping, "madvise") and len(mapping):
+        mapping.madvise(mmap.MADV_DONTNEED, 0, len(mapping) // PAGE * PAGE)
+
+
 def load_pages(array: np.ndarray) -> int:
     """madvise(WILLNEED) the pages a memory-mapped array spans: the kernel starts reading them from the
     file now (asynchronously), so a later computation finds them in memory. Returns the bytes covered."""

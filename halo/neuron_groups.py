@@ -31,6 +31,7 @@ from .config import ModelConfig
 from .linear import DenseProjection, int8_block_for, make_projection
 from .memory import load_pages
 from .ops import Rotary, silu, softmax
+from .quant import QuantizedMatrix, Weight, as_float32
 from .weights import LayerWeights
 
 DEFAULT_MLP_GROUP_SIZE = 256
@@ -96,18 +97,29 @@ def _check_groups(groups: Sequence[int], total: int, kind: str) -> tuple[int, ..
     return groups
 
 
-def take_rows(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Rows of w: a view when they are one contiguous run (no copy of a memory-mapped model)."""
+def take_rows(w: Weight, rows: np.ndarray) -> Weight:
+    """Rows of w: a view when they are one contiguous run (no copy of a memory-mapped model); compact
+    weights select rows lazily (whole quantized rows, free)."""
+    if isinstance(w, QuantizedMatrix):
+        return w.take_rows(rows)
     if len(rows) and rows[-1] - rows[0] + 1 == len(rows) and np.all(np.diff(rows) == 1):
         return w[rows[0]:rows[-1] + 1]
     return np.ascontiguousarray(w[rows])
 
 
-def take_cols(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
+def take_cols(w: Weight, cols: np.ndarray, fmt: str = "fp32") -> Weight:
     """Columns of w as a contiguous copy (all of them: the array itself). A strided view would make every
-    token read the whole matrix from memory and BLAS fall back to slow paths."""
+    token read the whole matrix from memory and BLAS fall back to slow paths.
+
+    Compact weights in the native format are cut along whole quantization blocks; a neuron group boundary
+    that splits a block is refused (ConfigError naming the tensor): dequantizing just that slice would make
+    the shard's arithmetic differ from the whole matrix's. Every real layout is aligned (head_dim 64 = 2
+    blocks of 32, MLP groups of 192/256 = 6/8 blocks). In the fp32/int8 formats they are dequantized
+    (only the blocks the columns touch)."""
     if len(cols) == w.shape[1] and np.all(cols == np.arange(w.shape[1])):
         return w
+    if isinstance(w, QuantizedMatrix):
+        return w.take_cols(cols) if fmt == "native" else w.columns_float32(cols)
     return np.ascontiguousarray(w[:, cols])
 
 
@@ -121,11 +133,10 @@ class AttentionShard:
         hd = self.head_dim = layout.head_dim
         q_rows = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in self.heads])
         kv_rows = np.concatenate([np.arange(k * hd, (k + 1) * hd) for k in self.kv_heads])
-        wo = take_cols(layer.wo, q_rows)
         self.qkv = make_projection([take_rows(layer.wq, q_rows), take_rows(layer.wk, kv_rows),
                                     take_rows(layer.wv, kv_rows)], fmt, threads)
-        self.out = make_projection([wo], fmt, threads, int8_block_for(hd))
-        self._wo_dense = wo if isinstance(self.out, DenseProjection) else None
+        self.out = make_projection([take_cols(layer.wo, q_rows, fmt)], fmt, threads, int8_block_for(hd))
+        self._wo_dense = self.out.matrices[0] if isinstance(self.out, DenseProjection) else None
         # local query heads grouped by the local KV head they read
         local_kv = {k: i for i, k in enumerate(self.kv_heads)}
         self.heads_of_kv = [[i for i, h in enumerate(self.heads) if local_kv[layout.kv_head(h)] == j]
@@ -212,9 +223,8 @@ class MlpShard:
         self.groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
         neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, self.groups)])
         self.gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads)
-        w_down = take_cols(layer.w_down, neurons)
-        self.down = make_projection([w_down], fmt, threads)
-        self._down_dense = w_down if isinstance(self.down, DenseProjection) else None
+        self.down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads)
+        self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -243,13 +253,24 @@ class MlpShard:
 
 
 class MlpGroupBank:
-    """Every MLP group of a layer, any subset computed per call without copying weights (HALO mode
-    re-maps groups per token). The checkpoint's own layout is group-major enough: a group's W_gate and
-    W_up rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of
-    group-size floats), so nothing is gathered per token; loading = bringing those pages in."""
+    """Every MLP group of a layer, any subset computed per call (HALO mode re-maps groups per token).
 
-    def __init__(self, layer: LayerWeights, layout: GroupLayout):
-        self.w_gate, self.w_up, self.w_down, self.layout = layer.w_gate, layer.w_up, layer.w_down, layout
+    fp32: nothing is copied. The checkpoint's own layout is group-major enough: a group's W_gate and W_up
+    rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of group-size
+    floats), so nothing is gathered per token; loading = bringing those pages in (`prefetch`).
+    Compact formats (int8, native 4/8-bit): one MlpShard per group, built when the bank is, so a group
+    is computed from its compact blocks by its own kernels (a re-mapped group costs a kernel call, never a
+    dequantization); the weights then live in the kernels, and `prefetch` has nothing left to read."""
+
+    def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1):
+        self.layout, self.fmt = layout, fmt
+        if fmt == "fp32":
+            self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
+            self.shards = {}
+        else:
+            self.shards = {g: MlpShard(layer, layout, [g], fmt, threads) for g in range(layout.n_mlp_groups)}
+            self.w_down = None
+        self.dim = layer.w_down.shape[0]
 
     def _rows(self, group: int) -> slice:
         r = self.layout.mlp_neurons(group)
@@ -258,34 +279,44 @@ class MlpGroupBank:
     def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
         """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says
         which tokens each group serves (None: all)."""
-        out = np.zeros((len(x), self.w_down.shape[0]), dtype=np.float32)
+        out = np.zeros((len(x), self.dim), dtype=np.float32)
         for j, g in enumerate(groups):
-            s = self._rows(int(g))
             tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
             xs = x[tokens]
             if len(xs) == 0:
                 continue
-            act = silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)
-            out[tokens] += act @ self.w_down[:, s].T
+            out[tokens] += self._group(int(g), xs)
         return out
 
+    def _group(self, g: int, x: np.ndarray) -> np.ndarray:
+        if self.shards:
+            return self.shards[g].forward(x)
+        s = self._rows(g)
+        return (silu(x @ self.w_gate[s].T) * (x @ self.w_up[s].T)) @ self.w_down[:, s].T
+
     def prefetch(self, groups: Sequence[int]) -> int:
-        """Have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
-        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read.
-        Returns the bytes asked for (W_down columns span whole rows of pages: its rows are advised)."""
+        """fp32: have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
+        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read. Returns the
+        bytes asked for (W_down columns span whole rows of pages: its rows are advised). Compact: 0."""
+        if self.shards or not len(groups):
+            return 0
         covered = 0
         for g in groups:
             s = self._rows(int(g))
             covered += load_pages(self.w_gate[s]) + load_pages(self.w_up[s])
-        if len(groups):
-            covered += load_pages(self.w_down)
-        return covered
+        return covered + load_pages(self.w_down)
+
+    @property
+    def nbytes(self) -> int:
+        if self.shards:
+            return sum(s.nbytes for s in self.shards.values())
+        return sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
 
 
 class LmHeadShard:
     """A set of vocabulary groups: the logits of its rows."""
 
-    def __init__(self, lm_head: np.ndarray, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
+    def __init__(self, lm_head: Weight, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
                  threads: int = 1):
         self.groups = _check_groups(groups, layout.n_vocab_groups, "LM-head")
         self.token_ids = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, self.groups)])

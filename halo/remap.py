@@ -33,10 +33,11 @@ from .weights import ModelWeights
 
 class Remapper:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, rank_ranges: dict[int, tuple[int, int]],
-                 predictors=None, load_overlap: bool = True):
-        """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted)."""
+                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1):
+        """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted); fmt: the
+        weight format its candidate groups are computed in (compact: every group's kernels built now)."""
         self.ranges = {l: r for l, r in rank_ranges.items() if r[1] > r[0]}
-        self.banks = {l: MlpGroupBank(weights.layers[l], layout) for l in self.ranges}
+        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads) for l in self.ranges}
         self.predictors = predictors
         self.n_groups = layout.n_mlp_groups
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="halo-load") if load_overlap else None

@@ -1,10 +1,11 @@
-"""ModelWeights: every tensor of a Llama model as float32 numpy arrays, in one canonical layout.
+"""ModelWeights: every tensor of a Llama model in one canonical layout.
 
-Loaders (llama2.c, Hugging Face) convert to this layout; everything else reads only this.
-Matrices are row-major (out_features, in_features). Rotary embeddings use the Hugging Face
-"rotate half" convention: within each head, the first half of the q/k features pairs with the
-second half. llama2.c checkpoints rotate adjacent pairs and are permuted on load.
-Arrays may be read-only memory maps of the checkpoint (zero-copy fp32 loading).
+Loaders (llama2.c, Hugging Face, GGUF) convert to this layout; everything else reads only this.
+Matrices are row-major (out_features, in_features): float32 arrays, or `QuantizedMatrix` (GGUF
+blocks kept compact, halo/quant.py; indexing one gives float32 rows). Norms are float32 vectors.
+Rotary embeddings use the Hugging Face "rotate half" convention: within each head, the first half
+of the q/k features pairs with the second half. llama2.c and GGUF checkpoints rotate adjacent pairs
+and are permuted on load. Arrays may be read-only memory maps of the checkpoint (zero-copy loading).
 """
 
 from __future__ import annotations
@@ -15,28 +16,29 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ModelFormatError
+from .quant import QuantizedMatrix, Weight
 
 
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray  # (dim,)
-    wq: np.ndarray  # (n_heads * head_dim, dim)
-    wk: np.ndarray  # (n_kv_heads * head_dim, dim)
-    wv: np.ndarray  # (n_kv_heads * head_dim, dim)
-    wo: np.ndarray  # (dim, n_heads * head_dim)
+    wq: Weight  # (n_heads * head_dim, dim)
+    wk: Weight  # (n_kv_heads * head_dim, dim)
+    wv: Weight  # (n_kv_heads * head_dim, dim)
+    wo: Weight  # (dim, n_heads * head_dim)
     mlp_norm: np.ndarray  # (dim,)
-    w_gate: np.ndarray  # (hidden_dim, dim)   llama2.c w1
-    w_up: np.ndarray  # (hidden_dim, dim)     llama2.c w3
-    w_down: np.ndarray  # (dim, hidden_dim)   llama2.c w2
+    w_gate: Weight  # (hidden_dim, dim)   llama2.c w1
+    w_up: Weight  # (hidden_dim, dim)     llama2.c w3
+    w_down: Weight  # (dim, hidden_dim)   llama2.c w2
 
 
 @dataclass
 class ModelWeights:
     config: ModelConfig
-    tok_embeddings: np.ndarray  # (vocab, dim)
+    tok_embeddings: Weight  # (vocab, dim); a lookup table (a compact one dequantizes only the rows looked up)
     layers: list[LayerWeights]
     final_norm: np.ndarray  # (dim,)
-    lm_head: np.ndarray  # (vocab, dim); the same array as tok_embeddings when tied
+    lm_head: Weight  # (vocab, dim); the same object as tok_embeddings when tied
     source: str = ""  # where the weights came from, for messages
     extra: dict = field(default_factory=dict)
 
@@ -69,11 +71,21 @@ class ModelWeights:
         for name, array, shape in checks:
             if tuple(array.shape) != shape:
                 raise ModelFormatError(self.source, f"tensor {name}: expected shape {shape}, found {tuple(array.shape)}")
-            if array.dtype != np.float32:
-                raise ModelFormatError(self.source, f"tensor {name}: expected float32 after loading, found {array.dtype}")
+            if isinstance(array, QuantizedMatrix):
+                if len(shape) != 2:
+                    raise ModelFormatError(self.source, f"tensor {name}: a norm vector must be float32, found "
+                                           f"{array.codec.name} blocks")
+            elif not isinstance(array, np.ndarray) or array.dtype != np.float32:
+                raise ModelFormatError(self.source, f"tensor {name}: expected float32 or quantized blocks after "
+                                       f"loading, found {getattr(array, 'dtype', type(array).__name__)}")
+
+    @property
+    def compact(self) -> bool:
+        """Whether any matrix is kept in a quantized block format (a GGUF file's Q4_0/Q4_1/Q8_0...)."""
+        return any(isinstance(a, QuantizedMatrix) for a in self._arrays())
 
     def nbytes(self) -> int:
-        """Bytes of distinct weight arrays (a tied head counts once)."""
+        """Bytes of distinct weight arrays as stored (a tied head counts once)."""
         arrays = {id(a): a for a in self._arrays()}
         return sum(a.nbytes for a in arrays.values())
 

@@ -39,7 +39,7 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap)
+            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads)
         else:
             self.mlp = {l: MlpShard(weights.layers[l], layout, g, fmt, threads) for l, g in enumerate(share.mlp) if g}
         self.lm_head = LmHeadShard(weights.lm_head, layout, share.lm_head, fmt, threads) if share.lm_head else None
@@ -96,9 +96,8 @@ class DeviceWorker:
     def nbytes(self) -> int:
         shards = [*self.attention.values(), *self.mlp.values()] + ([self.lm_head] if self.lm_head else [])
         total = sum(s.nbytes for s in shards)
-        if self.remapper is not None:  # candidate MLP groups are read from the model as they are re-mapped here
-            total += sum(4 * (b - a) * self.layout.mlp_group_size * 3 * self.config.dim
-                         for a, b in self.remapper.ranges.values())
+        if self.remapper is not None:  # every candidate MLP group of its layers (any may be re-mapped here)
+            total += sum(bank.nbytes for bank in self.remapper.banks.values())
         return total
 
     def close(self) -> None:

@@ -176,7 +176,7 @@ def message_seconds(dim: int, seconds: float = POINT_S) -> float:
     policy = GatherPolicy(deadline_s=0.05)
     try:
         def one(epoch: int) -> None:
-            a.send_vector(b.address, 2, epoch + 1, values, parity_group=4)
+            a.send_vector({2: b.address}, epoch + 1, values, parity_group=4)
             b.gather(epoch + 1, {1: len(values)}, wire.FLOAT32, policy)
 
         return _time_calls(one, seconds)  # both ends' CPU: one vector sent and one received

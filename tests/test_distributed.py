@@ -134,11 +134,48 @@ def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weigh
         assert cluster.processes[0].poll() is None  # still running
 
 
-def test_a_master_with_the_wrong_key_is_not_served(stories_weights, tmp_path):
+def test_a_wrong_key_and_a_security_mismatch_are_named_at_once_not_taken_for_a_dead_device(stories_weights, tmp_path):
+    """Within the timeout (here seconds before it), with the cause, both ways round; the agent logs the refusal."""
     other = generate_key(tmp_path / "other.key")
     with LocalCluster(1) as cluster:
-        with pytest.raises(AgentError, match="did not answer hello"):
-            cluster_model(stories_weights, cluster.endpoints, other, context=CONTEXT, hello_timeout_s=1.0)
+        cases = [(other, False, "refused the security handshake: it holds another cluster key"),
+                 (None, True, "disagree on security: this master runs plaintext")]
+        for key, insecure, message in cases:
+            start = time.monotonic()
+            with pytest.raises(AgentError, match=message):
+                cluster_model(stories_weights, cluster.endpoints, key, insecure=insecure, context=CONTEXT,
+                              hello_timeout_s=5.0, timeout_s=5.0)
+            assert time.monotonic() - start < 2.0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "\n".join(cluster.processes[0].stderr_tail).count("refused a connection") < 2:
+            time.sleep(0.05)
+        said = "\n".join(cluster.processes[0].stderr_tail)
+        # the address is read from the connection while it is still open: usually, not always, in time
+        assert said.count("refused a connection from ") >= 2 and "another cluster key" in said
+    import subprocess as sp
+
+    agent = sp.Popen([sys.executable, "-P", "-m", "halo.edge_agent", "--listen", "tcp://127.0.0.1:0", "--insecure",
+                      "--log-level", "WARNING"], stdout=sp.PIPE, stderr=sp.PIPE, text=True)
+    try:
+        endpoint = agent.stdout.readline().split()[1]
+        start = time.monotonic()
+        with pytest.raises(AgentError, match="disagree on security: the agent runs plaintext|runs plaintext"):
+            cluster_model(stories_weights, [endpoint], other, context=CONTEXT, hello_timeout_s=5.0)
+        assert time.monotonic() - start < 2.0
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_nothing_listening_is_said_as_such(stories_weights):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(AgentError, match="nothing accepted a connection there"):
+        cluster_model(stories_weights, [f"tcp://127.0.0.1:{port}"], None, insecure=True, context=CONTEXT,
+                      hello_timeout_s=1.0)
 
 
 def test_an_agent_that_says_nothing_is_named(stories_weights):

@@ -119,3 +119,25 @@ def test_invalid_group_sets_are_refused(stories_weights, groups):
     layout = GroupLayout.for_model(stories_weights.config)
     with pytest.raises(ValueError, match="group"):
         AttentionShard(stories_weights.layers[0], layout, groups, MAX_SEQ)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
+    """HALO mode's bank: any re-mapped subset of groups (with per-token keep masks) gives what a static
+    shard of those groups gives; compact banks run per-group kernels, so int8 rounds within its own error."""
+    from halo.neuron_groups import MlpGroupBank
+
+    layout = GroupLayout.for_model(weights.config)
+    layer = weights.layers[1]
+    bank = MlpGroupBank(layer, layout, fmt)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, weights.config.dim)).astype(np.float32)
+    groups = sorted(rng.choice(layout.n_mlp_groups, 3, replace=False).tolist())
+    exact = MlpShard(layer, layout, groups).forward(x)
+    tolerance = 1e-5 if fmt == "fp32" else 3e-2
+    assert relative_error(bank.forward(x, groups), exact) < tolerance
+    keep = np.ones((3, len(groups)), dtype=bool)
+    keep[1, 0] = False  # token 1 is not served by the first group
+    expected = exact[1] - MlpShard(layer, layout, groups[:1]).forward(x[1:2])[0]
+    assert relative_error(bank.forward(x, groups, keep)[1], expected) < tolerance
+    assert bank.nbytes > 0

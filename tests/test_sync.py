@@ -27,6 +27,17 @@ def distributed(weights, cluster, **sync):
     return cluster_model(weights, cluster.endpoints, cluster.key, context=CONTEXT, sync=SyncSettings(**sync))
 
 
+def forced_agreement(model, tokens) -> float:
+    """Next-token top-1 agreement with `tokens` fed one by one (teacher forcing: a drop affects its own
+    step, it does not send the rest of the text elsewhere)."""
+    model.reset()
+    logits, agree = model.forward(PROMPT), 0
+    for token in tokens:
+        agree += int(np.argmax(logits)) == token
+        logits = model.forward([token])
+    return agree / len(tokens)
+
+
 def greedy(model, steps):
     model.reset()
     logits, tokens = model.forward(PROMPT), []
@@ -65,7 +76,7 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
     for mode in ("lossy", "halo"):
         model = distributed(stories_weights, cluster, mode=mode, inject_plr=0.10, seed=3)
         try:
-            tokens = greedy(model, 40)
+            agreement = forced_agreement(model, ref_tokens)
             loss = model.sync_report()["loss"]
             udp = [row["udp"] for row in model.report()]
         finally:
@@ -74,7 +85,7 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
         assert all(u["observed_plr"] > 0.03 for u in udp)  # the loss really happened
         if mode == "halo":
             assert sum(u["chunks_recovered_parity"] + u["chunks_recovered_nack"] for u in udp) > 0
-            assert np.mean(np.array(tokens) == np.array(ref_tokens)) >= 0.9
+            assert agreement >= 0.9 and loss["dropped_late"] <= loss["dropped_for_loss"]
     assert missing["lossy"] > 0.02
     assert missing["halo"] < missing["lossy"] / 4
 
@@ -105,9 +116,21 @@ def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tm
             model.close()
 
 
-def test_halo_needs_fp32_and_valid_settings(stories_weights):
-    with pytest.raises(ConfigError, match="fp32"):
-        cluster_model(stories_weights, [], fmt="int8", sync=SyncSettings(mode="halo"))
+def test_halo_mode_runs_compact_weights(stories_weights, cluster):
+    """Re-mapped MLP groups computed by per-group int8 kernels, no loss: the single-process int8 model's
+    next tokens (teacher-forced; group-wise int8 blocks may round a little differently from whole rows)."""
+    tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT, fmt="int8",
+                          sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
+    try:
+        assert forced_agreement(model, tokens) >= 0.95
+        assert model.sync_report()["loss"]["partials_dropped"] == 0
+        assert all(row["weight_bytes"] < 0.5 * stories_weights.nbytes() for row in model.report())
+    finally:
+        model.close()
+
+
+def test_sync_settings_are_checked():
     with pytest.raises(ConfigError, match="unknown sync mode"):
         SyncSettings(mode="fast")
     with pytest.raises(ConfigError, match="floor"):
@@ -135,7 +158,7 @@ def test_broadcast_framing_lets_the_receiver_learn_the_size():
     key = bytes(32)
     a, b = UdpEndpoint(key, 1, 0), UdpEndpoint(key, 1, 1)
     try:
-        a.send_vector(b.address, 1, 99, body)
+        a.send_vector({1: b.address}, 99, body)
         result = b.gather(99, {0: None}, policy=GatherPolicy(deadline_s=1.0, nack=True))
         assert result.complete
         got = read_broadcast(result.values[0], 64)
@@ -152,7 +175,7 @@ def test_late_data_is_heard_but_not_used():
     key = bytes(32)
     a, b = UdpEndpoint(key, 1, 0), UdpEndpoint(key, 1, 1)
     try:
-        threading.Timer(0.05, lambda: a.send_vector(b.address, 1, 6, np.ones(64))).start()
+        threading.Timer(0.05, lambda: a.send_vector({1: b.address}, 6, np.ones(64))).start()
         result = b.gather(6, {0: 64}, policy=GatherPolicy(deadline_s=0.01, hard_deadline_s=2.0))
         assert not result.heard  # the gather ended at the deadline
         time.sleep(0.1)
@@ -196,9 +219,11 @@ def test_a_malformed_broadcast_does_not_hurt_the_agent(stories_weights, cluster)
         greedy(model, 2)
         udp = model.session.udp
         forger = UdpEndpoint(cluster.key.udp_key, udp.session, 0)
+        forger.counter = udp.counter  # fresh counters (an old one would be refused as a replay before anything else)
         bogus = np.zeros(wire.values_per_chunk(wire.FLOAT32), np.float32)
         bogus[0] = 10_000  # claims 10,000 tokens in one chunk
-        forger.send_vector(model.agents[1].udp_address, 1, Epoch(model.forward_id + 1, 0, Point.ATTENTION).encode(), bogus)
+        forger.send_vector({1: model.agents[1].udp_address}, Epoch(model.forward_id + 1, 0, Point.ATTENTION).encode(), bogus)
+        udp.counter = forger.counter  # the master's own datagrams go on after those
         forger.close()
         assert greedy(model, 8) == ref  # the agent skipped it and serves the next forward passes
     finally:

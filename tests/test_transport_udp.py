@@ -43,7 +43,7 @@ def test_exact_delivery_without_loss(cluster, dtype, tolerance):
     data = vectors(4096)
     epoch = epoch_of(3, 1, 0)
     for a in agents:
-        a.send_vector(master.address, 0, epoch, data[a.node_id], dtype)
+        a.send_vector({0: master.address}, epoch, data[a.node_id], dtype)
     result = master.gather(epoch, {p: 4096 for p in data}, dtype, policy=GatherPolicy(deadline_s=1.0))
     assert result.complete
     for p, v in data.items():
@@ -54,7 +54,7 @@ def test_deadline_is_respected_under_total_loss(cluster):
     master, agents = cluster
     for a in agents:
         a.send_hook = LossInjector(seed=a.node_id, drop=1.0)
-        a.send_vector(master.address, 0, 5, np.ones(4096), wire.FLOAT32)
+        a.send_vector({0: master.address}, 5, np.ones(4096), wire.FLOAT32)
     start = time.perf_counter()
     result = master.gather(5, {a.node_id: 4096 for a in agents}, policy=GatherPolicy(deadline_s=0.010))
     elapsed = time.perf_counter() - start
@@ -68,7 +68,7 @@ def test_masks_say_exactly_which_chunks_arrived(cluster):
     data = vectors(4096, seed=1)
     for a in agents:
         a.send_hook = LossInjector(seed=10 + a.node_id, drop=0.3)
-        a.send_vector(master.address, 0, 9, data[a.node_id], wire.FLOAT32)
+        a.send_vector({0: master.address}, 9, data[a.node_id], wire.FLOAT32)
     result = master.gather(9, {p: 4096 for p in data}, policy=GatherPolicy(deadline_s=0.020))
     per = wire.values_per_chunk(wire.FLOAT32)
     assert not result.complete and result.delivered_fraction() > 0.4
@@ -85,12 +85,12 @@ def test_no_cross_epoch_contamination(cluster):
     old, new = vectors(2048, seed=2), vectors(2048, seed=3)
     e1, e2 = epoch_of(10, 2, 0), epoch_of(10, 2, 1)
     for a in agents:
-        a.send_vector(master.address, 0, e1, old[a.node_id])
+        a.send_vector({0: master.address}, e1, old[a.node_id])
     master.gather(e1, {p: 2048 for p in old}, policy=GatherPolicy(deadline_s=0.5))
     for a in agents:  # a late duplicate of the old epoch arrives among the new one
-        a.send_vector(master.address, 0, e1, old[a.node_id])
-        a.send_vector(master.address, 0, e2, new[a.node_id])
-        a.send_vector(master.address, 0, e2 + 16, old[a.node_id])  # and a future epoch
+        a.send_vector({0: master.address}, e1, old[a.node_id])
+        a.send_vector({0: master.address}, e2, new[a.node_id])
+        a.send_vector({0: master.address}, e2 + 16, old[a.node_id])  # and a future epoch
     result = master.gather(e2, {p: 2048 for p in new}, policy=GatherPolicy(deadline_s=0.5))
     assert result.complete
     for p in new:
@@ -103,15 +103,15 @@ def test_forged_malformed_and_duplicate_packets_are_counted_never_raised(cluster
     data = vectors(2048, seed=4)
     for a in agents:
         a.send_hook = LossInjector(seed=a.node_id, duplicate=0.5, forge=0.5, corrupt=0.2, reorder=0.3)
-        a.send_vector(master.address, 0, 1, data[a.node_id])
+        a.send_vector({0: master.address}, 1, data[a.node_id])
         a.send_hook.flush(a.sock)
     raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rng = np.random.default_rng(0)
-    good = wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 0, 6, 0), b"\0" * 8, KEY)
+    good = wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 10**9, 0, 6, 0), b"\0" * 8, KEY)
     junk = [rng.bytes(int(n)) for n in rng.integers(0, 1600, 50)] + [
         b"", good[:10], good[:-1], good + b"x", b"XX" + good[2:], wire.pack(
-            wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 0, 6, 0), b"\0" * 8, bytes(32)),
-        wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION + 1, 1, 0, 6, 0), b"\0" * 8, KEY),
+            wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION, 1, 10**9, 0, 6, 0), b"\0" * 8, bytes(32)),
+        wire.pack(wire.Header(wire.DATA, wire.FLOAT32, 1, SESSION + 1, 1, 10**9, 0, 6, 0), b"\0" * 8, KEY),
         os.urandom(1472)]
     for j in junk:
         raw.sendto(j, master.address)
@@ -140,7 +140,7 @@ def test_fast_path_recovers_every_chunk_at_5_percent_loss(cluster):
         epoch = epoch_of(round_, 0, 0)
         for a in agents:
             a.send_hook = LossInjector(seed=1000 * round_ + a.node_id, drop=0.05)
-            a.send_vector(master.address, 0, epoch, data[a.node_id], wire.FLOAT32, parity_group=6)
+            a.send_vector({0: master.address}, epoch, data[a.node_id], wire.FLOAT32, parity_group=6)
         threads = serve_in_background(agents, 0.2)
         result = master.gather(epoch, {p: 4096 for p in data}, policy=GatherPolicy(deadline_s=0.2, nack=True))
         for t in threads:
@@ -155,9 +155,9 @@ def test_fast_path_recovers_every_chunk_at_5_percent_loss(cluster):
 def test_parity_alone_repairs_a_single_loss_without_a_nack(cluster):
     master, agents = cluster
     a = agents[0]
-    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[7] == 2 and d[3] == wire.DATA else sock.sendto(d, addr)
+    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[8] == 2 and d[3] == wire.DATA else sock.sendto(d, addr)
     data = np.arange(4096, dtype=np.float32)
-    a.send_vector(master.address, 0, 4, data, wire.FLOAT32, parity_group=6)
+    a.send_vector({0: master.address}, 4, data, wire.FLOAT32, parity_group=6)
     result = master.gather(4, {a.node_id: 4096}, policy=GatherPolicy(deadline_s=0.2))
     assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 1
     np.testing.assert_array_equal(result.values[a.node_id], data)
@@ -181,10 +181,47 @@ def test_stats_expose_loss_and_sync_latency(cluster):
     master, agents = cluster
     for a in agents:
         a.send_hook = LossInjector(seed=a.node_id, drop=0.1)
-        a.send_vector(master.address, 0, 1, np.ones(4096), wire.FLOAT32)
+        a.send_vector({0: master.address}, 1, np.ones(4096), wire.FLOAT32)
     master.gather(1, {a.node_id: 4096 for a in agents}, policy=GatherPolicy(deadline_s=0.01))
     stats = [master.stats[a.node_id].to_json() for a in agents]
     dropped = sum(a.send_hook.counts["dropped"] for a in agents)
     assert sum(s["chunks_missing"] for s in stats) == dropped > 0
     assert all(s["chunks_expected"] == 12 and s["sync_ms_p50"] > 0 for s in stats)
     assert sum(s["observed_plr"] for s in stats) == pytest.approx(dropped / 12)
+
+
+def test_a_replayed_datagram_is_refused_and_changes_nothing(cluster):
+    """Captured, correctly tagged datagrams sent again (from another address) are recognised by their
+    counters: refused, counted, and no gather takes them."""
+    master, agents = cluster
+    captured = []
+    agents[0].send_hook = lambda sock, d, address: (captured.append(d), sock.sendto(d, address))
+    data = np.arange(2048, dtype=np.float32)
+    agents[0].send_vector({0: master.address}, 7, data)
+    assert master.gather(7, {1: 2048}, policy=GatherPolicy(deadline_s=1.0)).complete
+    replayer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for d in captured * 3:
+        replayer.sendto(d, master.address)
+    replayer.close()
+    time.sleep(0.05)
+    again = master.gather(7, {1: 2048}, policy=GatherPolicy(deadline_s=0.05))
+    assert not again.heard and master.stats[1].rejected["replayed"] == 3 * len(captured)
+
+
+def test_a_replayed_nack_sends_nothing_and_a_fresh_one_is_answered_where_the_vector_went(cluster):
+    master, agents = cluster
+    agent = agents[0]
+    sent = []
+    agent.send_hook = lambda sock, d, address: (sent.append(address), sock.sendto(d, address))
+    agent.send_vector({0: master.address}, 3, np.ones(2048, np.float32))
+    master.gather(3, {1: 2048}, policy=GatherPolicy(deadline_s=1.0))
+    nack = master.pack(wire.NACK, wire.FLOAT32, 3, 0, 1, np.array([0, 1], "<u2").tobytes())
+    spoofer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for _ in range(2):  # the genuine NACK (answered), then its replay (refused), both from a stranger's address
+        spoofer.sendto(nack, agent.address)
+    time.sleep(0.05)
+    sent.clear()
+    agent.serve(0.05)
+    spoofer.close()
+    assert agent.stats[0].nacks_answered == 1 and agent.stats[0].rejected["replayed"] == 1
+    assert sent == [master.address, master.address]  # two chunks again, to the master, never to the stranger

@@ -49,12 +49,10 @@ def probe(endpoint: UdpEndpoint, address, count: int = 200, interval_s: float = 
     full = bytes(wire.MAX_PAYLOAD)
     for seq in range(count):
         sent_at[seq] = time.perf_counter()
-        header = wire.Header(wire.PROBE, wire.FLOAT32, endpoint.node_id, endpoint.session, seq, 0, 2, 0)
-        endpoint._sendto(wire.pack(header, small, endpoint.key), address)
+        endpoint._sendto(endpoint.pack(wire.PROBE, wire.FLOAT32, seq, 0, 2, small), address)
         endpoint.serve(interval_s)
     for k in range(burst):
-        header = wire.Header(wire.PROBE, wire.FLOAT32, endpoint.node_id, endpoint.session, count + k, 0, 2, 0)
-        endpoint._sendto(wire.pack(header, full, endpoint.key), address)
+        endpoint._sendto(endpoint.pack(wire.PROBE, wire.FLOAT32, count + k, 0, 2, full), address)
     endpoint.serve(wait_s)
     replies = {seq: (t, n) for seq, t, n in endpoint.probe_replies}
     rtts = [1e3 * (replies[s][0] - sent_at[s]) for s in range(count) if s in replies]

@@ -1,27 +1,31 @@
 """UDP synchronization: send a vector as chunks, gather vectors from peers until complete or a deadline.
 
-One `UdpEndpoint` per process. `send_vector` cuts a float vector into chunks (wire.py), optionally
-adds XOR parity chunks (one per `parity_group` data chunks) and keeps the chunks of recent epochs so
-that it can answer NACKs. `gather` waits for the vectors of one epoch from a set of peers, one
-`Inbound` state per peer, as a `GatherPolicy` says:
+One `UdpEndpoint` per process. `send_vector` cuts a float vector into chunks (wire.py), packs them
+once whatever the number of recipients, optionally adds XOR parity chunks (one per `parity_group`
+data chunks, once the link has shown loss) and keeps the chunks of recent epochs so that it can
+answer NACKs. `gather` waits for the vectors of one epoch from a set of peers, one `Inbound` state per
+peer, as a `GatherPolicy` says:
 
 - without NACKs: it returns when everything is in or the deadline passes; missing chunks are
   zero-filled and reported in the per-peer masks;
 - with NACKs (the fast reliable path): single losses per parity group are repaired from parity at
   once, and the sender is asked for what is still missing (a NACK listing chunk indices) after a
   short gap timer, retrying every `nack_retry_s`, until complete or the deadline. Critical peers get
-  the hard deadline.
+  the hard deadline; a peer that has shown no loss (silent, or arriving in order) gets the looser
+  `late_deadline_s`: a partial is dropped for being late only well past the usual turnaround.
 
 Where a peer is (`peers`) comes from the control plane, never from a datagram: NACKs go there, and a
-NACK is answered by sending the chunks again to where the vector first went. Late packets of past
-epochs, duplicates, packets of future epochs, and anything `wire.unpack` rejects are counted per
-reason and dropped; nothing a peer sends can raise out of `gather`. While gathering, the endpoint
-also answers NACKs for vectors it sent and echoes link probes.
+NACK or a re-send goes to where the vector first went, with fresh counters. Every datagram carries a
+counter under its tag, so a replayed one is refused before it can change anything. Late packets of
+past epochs, duplicates, replays, packets of future epochs, and anything `wire.Codec.unpack` rejects
+are counted per reason and dropped; nothing a peer sends can raise out of `gather`. While gathering,
+the endpoint also answers NACKs for vectors it sent and echoes link probes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import select
 import socket
 import struct
@@ -37,7 +41,8 @@ RECV_BUFFER_BYTES = 4 << 20
 PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
 SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
-
+PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
+FD_SETSIZE = 1024
 
 log = logging.getLogger("halo.transport")
 
@@ -53,6 +58,7 @@ class PeerStats:
     chunks_recovered_nack: int = 0
     nacks_sent: int = 0
     nacks_answered: int = 0
+    resends: int = 0  # whole vectors sent again on request
     rejected: dict = field(default_factory=lambda: defaultdict(int))  # reason -> count
     sync_ms: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent gather times involving the peer
 
@@ -76,8 +82,9 @@ class PeerStats:
 class GatherPolicy:
     """How one gather treats its peers (the sync policy of halo/sync/modes.py decides the sets)."""
 
-    deadline_s: float = 0.010  # peers not in `critical` stop being waited for after this
-    hard_deadline_s: float | None = None  # peers in `critical` get this long (None: the deadline)
+    deadline_s: float = 0.010  # peers not critical, with evidence of loss, stop being waited for after this
+    hard_deadline_s: float | None = None  # critical peers get this long (None: the deadline)
+    late_deadline_s: float | None = None  # peers not critical and without evidence of loss (None: the deadline)
     critical: frozenset = frozenset()
     nack: frozenset | bool = False  # peers whose holes are NACKed (True: every peer)
     silent_s: float | None = None  # a peer owed data that has sent nothing for this long is chased (on_silent)
@@ -92,6 +99,7 @@ class GatherResult:
     masks: dict[int, np.ndarray]  # peer -> bool per chunk, True = arrived (or recovered)
     done_s: dict[int, float] = field(default_factory=dict)  # peer -> seconds until its vector was complete
     heard: set = field(default_factory=set)  # peers that sent at least one valid datagram of the epoch
+    lossy: set = field(default_factory=set)  # peers that showed loss (holes, NACKs, chases)
 
     @property
     def complete(self) -> bool:
@@ -103,76 +111,89 @@ class GatherResult:
 
 
 class Inbound:
-    """One peer's vector of one epoch as it arrives: chunks, parity, timers, what is still missing."""
+    """One peer's vector of one epoch as it arrives: chunk payloads, parity, timers, what is still missing.
+    Payloads are kept as they came and decoded once, when the gather ends (`vector`)."""
 
-    def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, nack: bool, silent_at: float):
-        self.peer, self.dtype, self.end, self.nack = peer, dtype, end, nack
+    __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
+                 "nacked", "lossy", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end")
+
+    def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
+                 silent_at: float):
+        self.peer, self.dtype, self.nack, self.n_values = peer, dtype, nack, n_values
+        self.end, self.loss_end = end, loss_end  # until when we wait: without / with evidence of loss
         self.per = wire.values_per_chunk(dtype)
         self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
-        self.values = np.zeros(n_values or 0, dtype=np.float32)
-        self.mask = np.zeros(self.count if self.count is not None else 1, dtype=bool)
+        self.got = bytearray(self.count or 0)
+        self.received = 0
         self.payloads: dict[int, bytes] = {}
         self.parities: dict[int, tuple[int, bytes]] = {}  # first chunk of a group -> (group size, XOR)
-        self.heard = False
-        self.nacked = False
+        self.heard = self.nacked = self.lossy = False
         self.completed_at: float | None = None
         self.next_nack = float("inf")  # armed by the first chunk: never NACK blindly
         self.next_silent = silent_at
 
     @property
     def complete(self) -> bool:
-        return bool(self.mask.all())
+        return self.count is not None and self.received == self.count
+
+    def until(self) -> float:
+        return self.loss_end if self.lossy else self.end
 
     def owed(self, now: float) -> bool:
-        return not self.complete and now < self.end
+        return not self.complete and now < self.until()
 
     def accept(self, header: wire.Header, payload: bytes, stats: PeerStats, late: bool) -> None:
         """Take one valid datagram of this epoch from this peer; problems are counted, never raised."""
-        if self.count is None and header.dtype == self.dtype and header.count > 0:
+        if self.count is None and header.dtype == self.dtype:
             self.count = header.count  # the size is what the sender's chunks say (whole chunks)
-            self.values = np.zeros(header.count * self.per, dtype=np.float32)
-            self.mask = np.zeros(header.count, dtype=bool)
-        if header.dtype != self.dtype or header.count != self.count or header.index >= self.count:
+            self.n_values = header.count * self.per
+            self.got = bytearray(header.count)
+        if header.dtype != self.dtype or header.count != self.count:
             stats.rejected["malformed"] += 1
             return
         self.heard = True
         if late:
             stats.rejected["late"] += 1  # past its deadline a peer's data only says it is alive
             return
+        index = header.index
         if header.kind == wire.PARITY:
             size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) >= PARITY_PREFIX.size else 0
             if not 0 < size <= self.count:
                 stats.rejected["malformed"] += 1
                 return
-            self.parities[header.index] = (size, payload[PARITY_PREFIX.size:])
-        elif self.mask[header.index]:
+            self.parities[index] = (size, payload[PARITY_PREFIX.size:])
+        elif self.got[index]:
             stats.rejected["duplicate"] += 1
             return
-        elif not self._store(header.index, payload, stats):
+        elif len(payload) != self._payload_bytes(index):
+            stats.rejected["bad_length"] += 1
             return
         else:
+            if self.received < index and not self.nacked:
+                self.lossy = True  # a hole before this chunk: chunks arrive in order unless lost
+            self._store(index, payload)
             stats.chunks_received += 1
-            stats.chunks_recovered_nack += int(self.nacked)
-        stats.chunks_recovered_parity += self._repair_with_parity(stats)
+            stats.chunks_recovered_nack += self.nacked
+        if self.parities:
+            stats.chunks_recovered_parity += self._repair_with_parity()
 
-    def _store(self, index: int, payload: bytes, stats: PeerStats) -> bool:
-        n = min(self.per, len(self.values) - index * self.per)
-        try:
-            self.values[index * self.per:index * self.per + n] = wire.decode_values(payload, self.dtype, n)
-        except wire.WireError as e:
-            stats.rejected[e.reason] += 1
-            return False
-        self.mask[index] = True
+    def _payload_bytes(self, index: int) -> int:
+        return wire.payload_bytes(min(self.per, self.n_values - index * self.per), self.dtype)
+
+    def _store(self, index: int, payload: bytes) -> None:
+        self.got[index] = 1
+        self.received += 1
         self.payloads[index] = payload
-        return True
 
-    def _repair_with_parity(self, stats: PeerStats) -> int:
+    def _repair_with_parity(self) -> int:
         """Parity groups with exactly one chunk missing and their parity present: XOR it back."""
         repaired = 0
         for start, (size, parity) in list(self.parities.items()):
             members = range(start, min(self.count, start + size))
-            missing = [i for i in members if not self.mask[i]]
+            missing = [i for i in members if not self.got[i]]
             if len(missing) != 1:
+                if not missing:
+                    del self.parities[start]
                 continue
             xor = np.frombuffer(parity, dtype=np.uint8).copy()
             for j in members:
@@ -182,29 +203,56 @@ class Inbound:
                         break
                     xor[:len(p)] ^= p
             else:
-                n = min(self.per, len(self.values) - missing[0] * self.per)
-                length = wire.payload_bytes(n, self.dtype)
-                if length <= len(xor) and self._store(missing[0], xor[:length].tobytes(), stats):
+                length = self._payload_bytes(missing[0])
+                if length <= len(xor):
+                    self._store(missing[0], xor[:length].tobytes())
+                    self.lossy = True
                     repaired += 1
+                    del self.parities[start]
         return repaired
 
     def arm_nack(self, header: wire.Header, now: float, gap_s: float) -> None:
         """The burst's tail came with holes: NACK now; else after a short gap without news."""
-        if not self.nack or self.complete:
+        if self.complete or not self.nack:
             return
         last = header.index >= self.count - 1 if header.kind == wire.DATA else True
         self.next_nack = now if last else min(self.next_nack, now + gap_s)
 
     def missing(self) -> np.ndarray:
-        return np.flatnonzero(~self.mask).astype("<u2")
+        return np.flatnonzero(np.frombuffer(bytes(self.got), dtype=np.uint8) == 0).astype("<u2")
+
+    def mask(self) -> np.ndarray:
+        return np.frombuffer(bytes(self.got), dtype=np.uint8).astype(bool) if self.count else np.zeros(1, bool)
+
+    def vector(self) -> np.ndarray:
+        """The values, missing chunks zero-filled (decoded once, here)."""
+        values = np.zeros(self.n_values or 0, dtype=np.float32)
+        if self.dtype == wire.FLOAT32 and self.received == self.count and self.count:
+            values[:] = np.frombuffer(b"".join(self.payloads[i] for i in range(self.count)), "<f4")
+            return values
+        for i, payload in self.payloads.items():
+            n = min(self.per, self.n_values - i * self.per)
+            try:
+                values[i * self.per:i * self.per + n] = wire.decode_values(payload, self.dtype, n)
+            except wire.WireError:
+                self.got[i] = 0  # cannot be: lengths were checked on arrival; treat as missing
+        return values
+
+
+@dataclass
+class Sent:
+    """A vector we sent, kept to answer NACKs and requests to send it again."""
+
+    dtype: int
+    payloads: list[bytes]
+    recipients: dict[int, tuple]  # peer id -> the address it went to
 
 
 class UdpEndpoint:
     def __init__(self, key: bytes, session: int, node_id: int, bind: tuple[str, int] = ("127.0.0.1", 0),
                  recv_buffer: int = RECV_BUFFER_BYTES):
-        if len(key) != wire.KEY_BYTES:
-            raise ValueError(f"the cluster key must be {wire.KEY_BYTES} bytes")
-        self.key, self.session, self.node_id = key, session, node_id
+        self.codec = wire.Codec(key)
+        self.session, self.node_id = session, node_id
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.recv_buffer = self._grow_buffer(recv_buffer)
@@ -214,8 +262,11 @@ class UdpEndpoint:
         self.sock.bind(bind)
         self.address = self.sock.getsockname()
         self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
-        self.sent: OrderedDict[tuple[int, int], tuple[tuple, list[bytes]]] = OrderedDict()  # (epoch, dest) -> chunks
+        self.sent: OrderedDict[int, Sent] = OrderedDict()  # epoch -> what we sent in it
+        self.counter = 0  # datagrams packed in this session
+        self.windows: dict[int, wire.ReplayWindow] = defaultdict(wire.ReplayWindow)  # sender -> counters seen
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
+        self._view = memoryview(self._scratch)
         self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
@@ -233,6 +284,21 @@ class UdpEndpoint:
                 continue
         return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2  # Linux reports double
 
+    def join(self, session: int, node_id: int) -> None:
+        """A new session: its id, our sender id in it, no counters seen yet, fresh statistics."""
+        self.session, self.node_id = session, node_id
+        self.windows.clear()
+        self._early.clear()
+        self.stats.clear()
+
+    def rejections(self) -> dict[str, int]:
+        """Every datagram refused, by reason, whoever sent it (-1: nothing authenticated, e.g. bad tags)."""
+        out: dict[str, int] = defaultdict(int)
+        for stats in self.stats.values():
+            for reason, count in stats.rejected.items():
+                out[reason] += count
+        return dict(sorted(out.items()))
+
     def close(self) -> None:
         self.sock.close()
 
@@ -246,64 +312,103 @@ class UdpEndpoint:
         except (BlockingIOError, InterruptedError, PermissionError, OSError):
             pass  # a full buffer or a local drop is a lost packet; the protocol copes
 
-    def send_vector(self, address, peer: int, epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
+    def pack(self, kind: int, dtype: int, epoch: int, index: int, count: int, payload: bytes) -> bytes:
+        """One datagram of ours, with the next counter."""
+        self.counter += 1
+        return self.codec.pack(kind, dtype, self.node_id, self.session, epoch, self.counter, index, count, payload)
+
+    def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
                     parity_group: int = 0) -> int:
-        """Send values as chunks (+ parity), remember them for NACKs; returns datagrams sent."""
+        """Send values as chunks to every recipient (peer id -> address), packed once, with one XOR parity chunk
+        per `parity_group` data chunks (0: none); remember them for NACKs. Returns datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
-        per = wire.values_per_chunk(dtype)
-        count = wire.chunk_count(len(values), dtype)
-        payloads = [wire.encode_values(values[i * per:(i + 1) * per], dtype) for i in range(count)]
-        datagrams = [wire.pack(wire.Header(wire.DATA, dtype, self.node_id, self.session, epoch, i, count, 0), p, self.key)
-                     for i, p in enumerate(payloads)]
-        parity = []
-        if parity_group > 0:  # parity chunk: index = first chunk of its group, payload = group size + XOR
-            for start in range(0, count, parity_group):
-                group = payloads[start:start + parity_group]
-                xor = np.zeros(max(len(p) for p in group), dtype=np.uint8)
-                for p in group:
-                    xor[:len(p)] ^= np.frombuffer(p, dtype=np.uint8)
-                body = PARITY_PREFIX.pack(len(group)) + xor.tobytes()
-                parity.append(wire.pack(wire.Header(wire.PARITY, dtype, self.node_id, self.session, epoch, start,
-                                                    count, 0), body, self.key))
-        for d in datagrams + parity:
-            self._sendto(d, address)
-        self.stats[peer].sent_bytes += sum(len(d) for d in datagrams + parity)
-        self.sent[(epoch, peer)] = (address, datagrams)
+        payloads = wire.chunk_payloads(values, dtype)
+        count = len(payloads)
+        datagrams = [self.pack(wire.DATA, dtype, epoch, i, count, p) for i, p in enumerate(payloads)]
+        if parity_group:
+            datagrams += self._parity(dtype, epoch, payloads, parity_group)
+        for peer, address in recipients.items():
+            for d in datagrams:
+                self._sendto(d, address)
+            self.stats[peer].sent_bytes += sum(map(len, datagrams))
+        self.sent[epoch] = Sent(dtype, payloads, dict(recipients))
         while len(self.sent) > SENT_VECTORS_KEPT:
             self.sent.popitem(last=False)
-        return len(datagrams) + len(parity)
+        return len(datagrams)
+
+    def lossy(self, peers) -> bool:
+        """Whether any of these peers' links has lost more than PARITY_LOSS_THRESHOLD of its chunks: parity
+        then pays for itself (at 0 % loss it is a quarter more datagrams for nothing)."""
+        return any(self.stats[p].observed_plr > PARITY_LOSS_THRESHOLD for p in peers)
+
+    def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int) -> list[bytes]:
+        """One XOR chunk per `group` data chunks: index = the group's first chunk, payload = size + XOR."""
+        out = []
+        for start in range(0, len(payloads), group):
+            members = payloads[start:start + group]
+            xor = np.zeros(max(len(p) for p in members), dtype=np.uint8)
+            for p in members:
+                xor[:len(p)] ^= np.frombuffer(p, dtype=np.uint8)
+            out.append(self.pack(wire.PARITY, dtype, epoch, start, len(payloads),
+                                 PARITY_PREFIX.pack(len(members)) + xor.tobytes()))
+        return out
+
+    def _send_again(self, epoch: int, peer: int, indices) -> bool:
+        """Chunks of a vector we sent to `peer`, again, with fresh counters, to where it first went."""
+        entry = self.sent.get(epoch)
+        if entry is None or peer not in entry.recipients:
+            return False
+        count = len(entry.payloads)
+        for i in indices:
+            if 0 <= i < count:
+                self._sendto(self.pack(wire.DATA, entry.dtype, epoch, int(i), count, entry.payloads[i]),
+                             entry.recipients[peer])
+        return True
+
+    def resend(self, epoch: int, peer: int) -> bool:
+        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
+        missed); False when that vector is no longer kept."""
+        entry = self.sent.get(epoch)
+        sent = entry is not None and self._send_again(epoch, peer, range(len(entry.payloads)))
+        self.stats[peer].resends += sent
+        return sent
 
     # ---- receiving -----------------------------------------------------------------------------------
+    def _readable(self, timeout_s: float) -> bool:
+        """Wait for a datagram: select() has sub-millisecond timeouts but only takes descriptors below
+        FD_SETSIZE (1024); a process holding many (compact kernels, models) falls back to poll (1 ms steps)."""
+        timeout_s = max(timeout_s, 0.0)
+        if self.sock.fileno() < FD_SETSIZE:
+            return bool(select.select([self.sock], [], [], timeout_s)[0])
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(math.ceil(timeout_s * 1000)))
+
     def _receive(self, timeout_s: float):
-        """Yield (header, payload, address) of valid datagrams that arrive within timeout_s."""
-        ready, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
-        if not ready:
+        """Yield (header, payload, address) of valid, fresh datagrams that arrive within timeout_s."""
+        if not self._readable(timeout_s):
             return
         while True:
             try:
                 n, address = self.sock.recvfrom_into(self._scratch)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except (BlockingIOError, InterruptedError, OSError):
                 return
             try:
-                header, payload = wire.unpack(memoryview(self._scratch)[:n], self.key, self.session)
+                header, payload = self.codec.unpack(self._view[:n], self.session)
             except wire.WireError as e:
                 self.stats[-1].rejected[e.reason] += 1
+                continue
+            if not self.windows[header.sender].accept(header.counter):
+                self.stats[header.sender].rejected["replayed"] += 1  # a copy of a datagram already taken
                 continue
             self.stats[header.sender].received_bytes += n
             yield header, bytes(payload), address
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
         """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
-        entry = self.sent.get((header.epoch, header.sender))
-        if entry is None or len(payload) % 2:
+        if len(payload) % 2 or not self._send_again(header.epoch, header.sender, np.frombuffer(payload, dtype="<u2")):
             self.stats[header.sender].rejected["nack_unknown"] += 1
             return
-        address, datagrams = entry
-        for index in np.frombuffer(payload, dtype="<u2"):
-            if index < len(datagrams):
-                self._sendto(datagrams[index], address)
         self.stats[header.sender].nacks_answered += 1
 
     def _answer_probe(self, header: wire.Header, payload: bytes, address) -> bool:
@@ -311,8 +416,7 @@ class UdpEndpoint:
         if header.kind != wire.PROBE:
             return False
         if header.index == 0:
-            echo = wire.Header(wire.PROBE, header.dtype, self.node_id, self.session, header.epoch, 1, 2, 0)
-            self._sendto(wire.pack(echo, payload, self.key), address)
+            self._sendto(self.pack(wire.PROBE, header.dtype, header.epoch, 1, 2, payload), address)
         else:
             self.probe_replies.append((header.epoch, time.perf_counter(), len(payload)))
         return True
@@ -339,10 +443,7 @@ class UdpEndpoint:
         sent nothing for policy.silent_s (again every silent_s); `on_stale(header, address)` sees datagrams
         of older epochs (a peer re-sending an input we already answered)."""
         start = time.perf_counter()
-        hard = start + (policy.hard_deadline_s if policy.hard_deadline_s is not None else policy.deadline_s)
-        silent_at = start + policy.silent_s if on_silent and policy.silent_s else float("inf")
-        inbound = {p: Inbound(p, n, dtype, hard if p in policy.critical else start + policy.deadline_s,
-                              policy.nack is True or p in (policy.nack or ()), silent_at) for p, n in expected.items()}
+        inbound = self._open_inbound(start, expected, dtype, policy, on_silent)
         early, self._early = self._early, []
         drained, newer = False, False
         while not newer:
@@ -350,7 +451,7 @@ class UdpEndpoint:
             waiting = [s for s in inbound.values() if s.owed(now)]
             if not waiting and drained:
                 break
-            wake = min([s.end for s in waiting] + [s.next_nack for s in waiting]
+            wake = min([s.until() for s in waiting] + [s.next_nack for s in waiting]
                        + [s.next_silent for s in waiting if not s.heard] or [now])
             arrivals = early + list(self._receive(0.0)) if not drained else early or self._receive(wake - now)
             early, on_time, drained = [], not drained, True
@@ -359,12 +460,26 @@ class UdpEndpoint:
             now = time.perf_counter()
             for state in waiting:
                 if not state.heard and now >= state.next_silent:
+                    state.lossy = True  # it may have lost all of its input: chasing is recovery
                     on_silent(state.peer)
                     state.next_silent = now + policy.silent_s
                 if not state.complete and now >= state.next_nack and state.peer in self.peers:
                     self._nack(epoch, state)
                     state.next_nack = now + policy.nack_retry_s
         return self._close_gather(start, inbound)
+
+    def _open_inbound(self, start: float, expected: dict, dtype: int, policy: GatherPolicy, on_silent) -> dict:
+        hard = start + (policy.hard_deadline_s if policy.hard_deadline_s is not None else policy.deadline_s)
+        loss_end = start + policy.deadline_s
+        late_end = start + (policy.late_deadline_s if policy.late_deadline_s is not None else policy.deadline_s)
+        silent_at = start + policy.silent_s if on_silent and policy.silent_s else float("inf")
+        inbound = {}
+        for p, n in expected.items():
+            critical = p in policy.critical
+            inbound[p] = Inbound(p, n, dtype, hard if critical else max(late_end, loss_end),
+                                 hard if critical else loss_end, policy.nack is True or p in (policy.nack or ()),
+                                 silent_at)
+        return inbound
 
     def _take(self, epoch: int, header: wire.Header, payload: bytes, address, inbound: dict[int, Inbound],
               on_time: bool, on_stale, policy: GatherPolicy) -> bool:
@@ -374,9 +489,8 @@ class UdpEndpoint:
             return False
         if self._answer_probe(header, payload, address):
             return False
-        stats = self.stats[header.sender]
         if header.epoch < epoch:
-            stats.rejected["stale"] += 1
+            self.stats[header.sender].rejected["stale"] += 1
             if on_stale is not None:
                 on_stale(header, address)
             return False
@@ -385,13 +499,15 @@ class UdpEndpoint:
             return policy.stop_on_newer and header.sender in inbound
         state = inbound.get(header.sender)
         if state is None:
-            stats.rejected["unexpected"] += 1
+            self.stats[header.sender].rejected["unexpected"] += 1
             return False
         now = time.perf_counter()
-        state.accept(header, payload, stats, late=not on_time and now > state.end)
-        if state.complete and state.completed_at is None:
-            state.completed_at = now
-        state.arm_nack(header, now, policy.gap_s)
+        state.accept(header, payload, self.stats[header.sender], late=not on_time and now > state.until())
+        if state.complete:
+            if state.completed_at is None:
+                state.completed_at = now
+        else:
+            state.arm_nack(header, now, policy.gap_s)
         return False
 
     def _keep_early(self, header: wire.Header, payload: bytes, address) -> None:
@@ -401,22 +517,21 @@ class UdpEndpoint:
             self.stats[header.sender].rejected["early_overflow"] += 1
 
     def _nack(self, epoch: int, state: Inbound) -> None:
-        datagram = wire.pack(wire.Header(wire.NACK, state.dtype, self.node_id, self.session, epoch, 0, 1, 0),
-                             state.missing().tobytes()[:wire.MAX_PAYLOAD], self.key)
-        self._sendto(datagram, self.peers[state.peer])
+        self._sendto(self.pack(wire.NACK, state.dtype, epoch, 0, 1, state.missing().tobytes()[:wire.MAX_PAYLOAD]),
+                     self.peers[state.peer])
         self.stats[state.peer].nacks_sent += 1
-        state.nacked = True
+        state.nacked = state.lossy = True
 
     def _close_gather(self, start: float, inbound: dict[int, Inbound]) -> GatherResult:
         waited_ms = 1e3 * (time.perf_counter() - start)
         for peer, state in inbound.items():
             stats = self.stats[peer]
-            stats.chunks_missing += int((~state.mask).sum()) if state.count is not None else 0
+            stats.chunks_missing += (state.count - state.received) if state.count is not None else 0
             stats.chunks_expected += state.count or 0
             stats.sync_ms.append(waited_ms)
-        return GatherResult({p: s.values for p, s in inbound.items()}, {p: s.mask for p, s in inbound.items()},
+        return GatherResult({p: s.vector() for p, s in inbound.items()}, {p: s.mask() for p, s in inbound.items()},
                             {p: s.completed_at - start for p, s in inbound.items() if s.completed_at is not None},
-                            {p for p, s in inbound.items() if s.heard})
+                            {p for p, s in inbound.items() if s.heard}, {p for p, s in inbound.items() if s.lossy})
 
     def pending_epochs(self, peer: int, after: int, timeout_s: float, on_stale=None) -> list[int]:
         """Epochs beyond `after` that `peer` has sent datagrams of (oldest first), waiting up to timeout_s
@@ -440,18 +555,6 @@ class UdpEndpoint:
         if peer not in self.peers:
             return
         count = wire.chunk_count(n_values, dtype) if n_values is not None else wire.MAX_PAYLOAD // 2
-        datagram = wire.pack(wire.Header(wire.NACK, dtype, self.node_id, self.session, epoch, 0, 1, 0),
-                             np.arange(count, dtype="<u2").tobytes()[:wire.MAX_PAYLOAD], self.key)
-        self._sendto(datagram, self.peers[peer])
+        self._sendto(self.pack(wire.NACK, dtype, epoch, 0, 1, np.arange(count, dtype="<u2").tobytes()[:wire.MAX_PAYLOAD]),
+                     self.peers[peer])
         self.stats[peer].nacks_sent += 1
-
-    def resend(self, epoch: int, peer: int) -> bool:
-        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
-        missed); False when that vector is no longer kept."""
-        entry = self.sent.get((epoch, peer))
-        if entry is None:
-            return False
-        address, datagrams = entry
-        for d in datagrams:
-            self._sendto(d, address)
-        return True

@@ -1,25 +1,27 @@
-"""The UDP wire format: one datagram = a 24-byte little-endian header, a payload, a 16-byte tag.
+"""The UDP wire format: one datagram = a 32-byte little-endian header, a payload, a 16-byte tag.
 
     offset  size  field
     0       2     magic b"HL"
-    2       1     version (1)
+    2       1     version (2)
     3       1     kind: 0 data, 1 parity (XOR of a chunk group), 2 NACK (payload: missing indices),
                   3 probe (index 0 request, 1 echo; for loss/latency/bandwidth probes)
     4       1     dtype: 0 float32, 1 float16, 2 int8 blocks (64 values + float32 scale each)
     5       1     sender id (0 = master)
     6       4     session id
     10      8     epoch: orders a sender's vectors (halo/sync/framing.py gives it a meaning)
-    18      2     chunk index
-    20      2     chunk count
-    22      2     payload length
-    24      n     payload
-    24+n    16    tag: keyed BLAKE2b over header and payload (the cluster key)
+    18      8     counter: the sender's datagram count in this session, never reused (replays are refused)
+    26      2     chunk index
+    28      2     chunk count
+    30      2     payload length
+    32      n     payload
+    32+n    16    tag: keyed BLAKE2b over header and payload (the cluster key)
 
 A datagram never exceeds 1472 bytes (a 1500-byte MTU less IPv4 and UDP headers), so a chunk carries at
-most 1432 payload bytes; data chunks use 1430 (a parity chunk prefixes its XOR with the 2-byte size of
-its group): 357 float32, 715 float16 or 21 int8 blocks (1344 values). `unpack` rejects
+most 1424 payload bytes; data chunks use 1422 (a parity chunk prefixes its XOR with the 2-byte size of
+its group): 355 float32, 711 float16 or 20 int8 blocks (1280 values). `Codec.unpack` rejects
 anything malformed, oversized, from another version or session, or with a wrong tag, by raising
-`WireError` with a reason the receiver counts; it never raises anything else.
+`WireError` with a reason the receiver counts; it never raises anything else. The tag covers the
+counter, so a captured datagram sent again is recognised (`ReplayWindow`) and changes nothing.
 """
 
 from __future__ import annotations
@@ -27,16 +29,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 MAGIC = b"HL"
-VERSION = 1
-HEADER = struct.Struct("<2sBBBBIQHHH")
+VERSION = 2
+HEADER = struct.Struct("<2sBBBBIQQHHH")
 TAG_BYTES = 16
 MAX_DATAGRAM = 1472
-MAX_PAYLOAD = MAX_DATAGRAM - HEADER.size - TAG_BYTES  # 1432
+MAX_PAYLOAD = MAX_DATAGRAM - HEADER.size - TAG_BYTES  # 1424
 DATA_PAYLOAD = MAX_PAYLOAD - 2  # data chunks leave room for a parity chunk's 2-byte group size
 
 DATA, PARITY, NACK, PROBE = 0, 1, 2, 3
@@ -44,6 +46,7 @@ FLOAT32, FLOAT16, INT8 = 0, 1, 2
 INT8_BLOCK = 64
 INT8_BLOCK_BYTES = INT8_BLOCK + 4
 KEY_BYTES = 32
+REPLAY_WINDOW = 4096  # counters below the newest that are still accepted (once each): reordering slack
 
 
 class WireError(Exception):
@@ -54,16 +57,93 @@ class WireError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     kind: int
     dtype: int
     sender: int
     session: int
     epoch: int
+    counter: int
     index: int
     count: int
     length: int
+
+
+class Codec:
+    """Packs and checks datagrams with one cluster key (the keyed hash state is prepared once)."""
+
+    def __init__(self, key: bytes):
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"the cluster key must be {KEY_BYTES} bytes")
+        self._mac = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
+
+    def pack(self, kind: int, dtype: int, sender: int, session: int, epoch: int, counter: int, index: int, count: int,
+             payload: bytes) -> bytes:
+        if len(payload) > MAX_PAYLOAD:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+        header = HEADER.pack(MAGIC, VERSION, kind, dtype, sender, session, epoch, counter, index, count, len(payload))
+        mac = self._mac.copy()
+        mac.update(header)
+        mac.update(payload)
+        return b"".join((header, payload, mac.digest()))
+
+    def unpack(self, datagram: bytes | memoryview, session: int | None = None) -> tuple[Header, memoryview]:
+        """Validate and split a datagram; raises WireError(reason) for anything that must be discarded."""
+        size = len(datagram)
+        if size > MAX_DATAGRAM:
+            raise WireError("oversized")
+        if size < HEADER.size + TAG_BYTES:
+            raise WireError("truncated")
+        view = memoryview(datagram)
+        magic, version, kind, dtype, sender, sess, epoch, counter, index, count, length = HEADER.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise WireError("bad_magic")
+        if version != VERSION:
+            raise WireError("bad_version")
+        end = HEADER.size + length
+        if end + TAG_BYTES != size:
+            raise WireError("bad_length")
+        mac = self._mac.copy()
+        mac.update(view[:end])
+        if not hmac.compare_digest(mac.digest(), view[end:]):
+            raise WireError("bad_tag")
+        if session is not None and sess != session:
+            raise WireError("other_session")
+        if kind > PROBE or dtype > INT8 or count == 0 or index >= count:
+            raise WireError("malformed")
+        return Header(kind, dtype, sender, sess, epoch, counter, index, count, length), view[HEADER.size:end]
+
+
+def pack(header: Header, payload: bytes, key: bytes) -> bytes:
+    """One datagram (convenience for tests and tools; endpoints keep a Codec)."""
+    h = header
+    return Codec(key).pack(h.kind, h.dtype, h.sender, h.session, h.epoch, h.counter, h.index, h.count, payload)
+
+
+def unpack(datagram: bytes | memoryview, key: bytes, session: int | None = None) -> tuple[Header, memoryview]:
+    return Codec(key).unpack(datagram, session)
+
+
+class ReplayWindow:
+    """The counters seen from one sender in one session: the newest, and which of the REPLAY_WINDOW before
+    it. A counter seen before, or too old to tell, is a replay (or a duplicate) and is refused."""
+
+    __slots__ = ("top", "seen")
+
+    def __init__(self):
+        self.top, self.seen = -1, 0  # seen: bit i = counter top - i arrived
+
+    def accept(self, counter: int) -> bool:
+        if counter > self.top:
+            shift = counter - self.top
+            self.seen = ((self.seen << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.top = counter
+            return True
+        offset = self.top - counter
+        if offset >= REPLAY_WINDOW or (self.seen >> offset) & 1:
+            return False
+        self.seen |= 1 << offset
+        return True
 
 
 def values_per_chunk(dtype: int) -> int:
@@ -129,38 +209,11 @@ def decode_values(payload: bytes | memoryview, dtype: int, n_values: int) -> np.
     return (codes * scale[:, None]).reshape(-1)[:n_values]
 
 
-def tag(key: bytes, data: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(data, key=key, digest_size=TAG_BYTES).digest()
-
-
-def pack(header: Header, payload: bytes, key: bytes) -> bytes:
-    if len(payload) > MAX_PAYLOAD:
-        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
-    body = HEADER.pack(MAGIC, VERSION, header.kind, header.dtype, header.sender, header.session, header.epoch,
-                       header.index, header.count, len(payload)) + payload
-    return body + tag(key, body)
-
-
-def unpack(datagram: bytes | memoryview, key: bytes, session: int | None = None) -> tuple[Header, memoryview]:
-    """Validate and split a datagram; raises WireError(reason) for anything that must be discarded."""
-    size = len(datagram)
-    if size > MAX_DATAGRAM:
-        raise WireError("oversized")
-    if size < HEADER.size + TAG_BYTES:
-        raise WireError("truncated")
-    view = memoryview(datagram)
-    magic, version, kind, dtype, sender, sess, epoch, index, count, length = HEADER.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise WireError("bad_magic")
-    if version != VERSION:
-        raise WireError("bad_version")
-    if HEADER.size + length + TAG_BYTES != size:
-        raise WireError("bad_length")
-    body = view[:HEADER.size + length]
-    if not hmac.compare_digest(tag(key, body), bytes(view[HEADER.size + length:])):
-        raise WireError("bad_tag")
-    if session is not None and sess != session:
-        raise WireError("other_session")
-    if kind not in (DATA, PARITY, NACK, PROBE) or dtype not in (FLOAT32, FLOAT16, INT8) or count == 0 or index >= count:
-        raise WireError("malformed")
-    return Header(kind, dtype, sender, sess, epoch, index, count, length), view[HEADER.size:HEADER.size + length]
+def chunk_payloads(values: np.ndarray, dtype: int) -> list[bytes]:
+    """A float32 vector as the payloads of its chunks, in order."""
+    per = values_per_chunk(dtype)
+    if dtype in (FLOAT32, FLOAT16):
+        raw = np.asarray(values, dtype="<f4" if dtype == FLOAT32 else "<f2").tobytes()
+        step = per * (4 if dtype == FLOAT32 else 2)
+        return [raw[i:i + step] for i in range(0, len(raw), step)]
+    return [encode_values(values[i * per:(i + 1) * per], dtype) for i in range(chunk_count(len(values), dtype))]

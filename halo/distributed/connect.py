@@ -34,7 +34,11 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     what protects the important heads, when predictors exist: what `connect`, hence the CLI, uses).
     settings: MasterSettings fields (context, fmt, timeout_s, sync, ...). What was planned and why:
     `model.planning`."""
+    from halo.linear import resolve_format
+
     layout = layout or GroupLayout.for_model(weights.config)
+    if "fmt" in settings:  # "native" on a float model means fp32: the cluster says so to every agent
+        settings["fmt"] = resolve_format(settings["fmt"], weights)
     master_settings = MasterSettings(**settings)
     if master_settings.context <= 0:
         raise ConfigError(f"the context must be at least 1 token, got {master_settings.context}")

@@ -10,10 +10,11 @@ so the result is deterministic. The LM head's vocabulary slices are gathered int
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
-from halo.errors import ConfigError, HaloError
+from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares, rank_range
 from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, plan_round
@@ -24,6 +25,7 @@ from .estimates import RunningEstimates
 from .remote import RemoteAgent
 from .rounds import MasterRound, RoundContext
 from .session import MasterSettings, Session
+from .timing import RoundTime, Timings
 
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
 
@@ -32,7 +34,6 @@ class DistributedModel:
     def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
                  insecure: bool = False, layout: GroupLayout | None = None, settings: MasterSettings = MasterSettings()):
         """shares: plan order, the master's first; endpoints: one per agent, in the same order."""
-        check_format(settings.fmt, settings.sync)
         if len(endpoints) != len(shares) - 1:
             raise HaloError(f"the plan has {len(shares)} participants: the master and {len(shares) - 1} agents, "
                             f"but {len(endpoints)} agent addresses were given")
@@ -52,6 +53,7 @@ class DistributedModel:
         self.own_vocab_ids = self.worker.lm_head.token_ids if self.worker.lm_head else None
         self.pos = self.step = self.forward_id = 0
         self.ledger = LossLedger()
+        self.timings = Timings()
         self.deadline = AdaptiveDeadline(self.sync)
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure)
@@ -79,6 +81,7 @@ class DistributedModel:
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         self.forward_id += 1
+        self.timings.forwards += len(tokens) == 1
         self.worker.begin_forward()
         x = np.array(self.weights.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for l in range(self.config.n_layers):
@@ -92,17 +95,29 @@ class DistributedModel:
 
     def _block(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         """One round: send the input, compute the own share, merge the partials (own share first, then
-        agents by node id: deterministic)."""
+        agents by node id: deterministic). Decode rounds are timed (timing.py)."""
+        t0 = time.perf_counter()
         round_ = self._open_round(block, x, start)
         round_.send()
+        t1 = time.perf_counter()
         out = self._own(block, x, start)
+        t2 = time.perf_counter()
         if self.sync.pred_overlap:
             self.worker.predict_next(block, x)  # while the partial sums are in flight
-        for i, partial in sorted(round_.collect().items()):
+        t3 = time.perf_counter()
+        partials = round_.collect()
+        t4 = time.perf_counter()
+        for i, partial in sorted(partials.items()):
             if partial is not None:
                 out = self._merge(block, out, self.agents[i], partial)
+        t5 = time.perf_counter()
         if not self.sync.pred_overlap:
             self.worker.predict_next(block, x)
+        t6 = time.perf_counter()
+        if len(x) == 1:
+            self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
+                                          1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
+                                round_.agent_compute)
         return out
 
     def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:
@@ -179,7 +194,9 @@ class DistributedModel:
 
     def sync_report(self) -> dict:
         """The sync mode, its settings and what it lost (the loss ledger)."""
-        out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json()}
+        out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json(), "breakdown": self.timings.to_json()}
+        if self.session.udp is not None:
+            out["rejected"] = self.session.udp.rejections()  # datagrams refused here, by reason
         if self.worker.remapper is not None:
             out["predict_ms"] = round(self.worker.remapper.predict_ms, 3)
             out["load_ms"] = round(self.worker.remapper.load_ms, 3)
@@ -193,9 +210,3 @@ class DistributedModel:
     def close(self) -> None:
         self.worker.close()
         self.session.close()
-
-
-def check_format(fmt: str, sync: SyncSettings) -> None:
-    if sync.policy.remap and fmt != "fp32":
-        raise ConfigError(f"--sync {sync.mode} re-maps MLP groups per token and loads them on the fly: "
-                          "it needs --weights fp32")

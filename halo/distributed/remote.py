@@ -45,6 +45,9 @@ class RemoteAgent:
     stats: AgentStats = field(default_factory=AgentStats)
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
+    monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
+    link: str = "connecting"  # connecting, connected, secured (handshake done)
+    keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
 
     def __post_init__(self):
         self.name = self.name or f"agent-{self.node_id}"
@@ -71,9 +74,8 @@ class RemoteAgent:
 
     def receive(self, what: str) -> Message:
         t = time.perf_counter()
-        if not self.socket.poll(int(self.timeout_s * 1000)):
-            raise AgentError(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: "
-                             "it stopped, crashed or lost its network")
+        if not self._wait(t + self.timeout_s):
+            raise AgentError(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: {self._why_silent()}")
         try:
             reply = decode(self.socket.recv_multipart())
         except MessageError as e:
@@ -84,6 +86,59 @@ class RemoteAgent:
         if reply.kind in ("error", "refused"):
             raise AgentError(f"agent {self} {reply.kind} {what}: {reply.fields.get('reason')}")
         return reply
+
+    def _wait(self, deadline: float) -> bool:
+        """Until a reply is ready (True) or the deadline; a failed security handshake raises at once."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        if self.monitor is not None:
+            poller.register(self.monitor, zmq.POLLIN)
+        while (left := deadline - time.perf_counter()) > 0:
+            events = dict(poller.poll(max(1, int(1000 * left))))
+            if self.socket in events:
+                return True
+            if self.monitor in events:
+                self._read_monitor()
+        return False
+
+    def _read_monitor(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.link = "connected"
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link = "secured"
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                    event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                raise AgentError(f"agent {self} refused the security handshake: " + self._handshake_advice(mismatch))
+
+    def _handshake_advice(self, mismatch: bool) -> str:
+        if not self.keyed:  # a plaintext agent accepts a plaintext master: this one wants the key
+            return ("master and agent disagree on security: this master runs plaintext (--insecure), the agent holds "
+                    "the cluster key; give the master --key (or start the agent with --insecure on a trusted bed)")
+        if mismatch:
+            return ("master and agent disagree on security: the agent runs plaintext (--insecure), this master holds "
+                    "the cluster key; start the agent with --key, or the master with --insecure")
+        return ("it holds another cluster key (or runs plaintext); copy the coordinator's cluster.key to "
+                "/etc/halo/cluster.key on the agent, or pass the same --key to both")
+
+    def _why_silent(self) -> str:
+        if self.monitor is not None:
+            self._read_monitor()
+        if self.link == "connecting":
+            return "nothing accepted a connection there (no agent running, wrong address or port, or a firewall)"
+        return "it stopped, crashed or lost its network"
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
+            self.monitor = None
 
     def heard(self) -> None:
         self.last_heard = time.monotonic()

@@ -44,14 +44,16 @@ class MasterRound:
         self.tokens = len(x)
         self.expected = {i: partial_size(self.tokens, ctx.agents[i].width(block, ctx.dim)) for i in plan.partial_udp}
         self.sent_at = 0.0
+        self.agent_compute: dict[int, float] = {}  # node id -> its compute for this round, as it reports it
 
     def send(self) -> None:
         ctx, plan = self.ctx, self.plan
         self.sent_at = time.perf_counter()
         if plan.input_udp:
             body = frame_broadcast(self.x, self.start, self.digest, wire.values_per_chunk(wire.FLOAT32))
-            for i in sorted(plan.input_udp):
-                ctx.udp.send_vector(ctx.agents[i].udp_address, i, self.epoch, body, parity_group=ctx.sync.parity_group)
+            parity = ctx.sync.parity_group if ctx.udp.lossy(plan.input_udp) else 0
+            ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
+                                parity_group=parity)
         for i in sorted(plan.input_tcp):
             reply = "tcp" if i in plan.partial_tcp else ("udp" if i in plan.partial_udp else "none")
             ctx.agents[i].send("block", {"kind": self.block.kind, "layer": self.block.layer, "start_pos": self.start,
@@ -69,9 +71,11 @@ class MasterRound:
         ctx, plan = self.ctx, self.plan
         holders = [i for i in self.expected if ctx.agents[i].holds(self.block)]
         deadline = ctx.deadline.deadline_s(self.block.kind, holders, self.tokens)
+        late = ctx.deadline.late_deadline_s(self.block.kind, holders, self.tokens)
         waited = time.perf_counter() - self.sent_at
         policy = GatherPolicy(deadline_s=max(0.0, deadline - waited), hard_deadline_s=ctx.timeout_s,
-                              critical=plan.critical, nack=plan.nack, silent_s=AdaptiveDeadline.chase_after_s(deadline))
+                              late_deadline_s=max(0.0, late - waited), critical=plan.critical, nack=plan.nack,
+                              silent_s=AdaptiveDeadline.chase_after_s(deadline))
         result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, wire.FLOAT32, policy, on_silent=self._chase)
         if any(i not in plan.critical for i in holders):
             ctx.ledger.blocks += 1
@@ -81,7 +85,7 @@ class MasterRound:
             self._check_alive(agent, i in result.heard, i in plan.critical and not result.masks[i].all())
             if i in result.done_s:
                 ctx.deadline.observe(self.block.kind, i, waited + result.done_s[i], self.tokens)
-            partial = self._read(agent, result.values[i], result.masks[i])
+            partial = self._read(agent, result.values[i], result.masks[i], lost=i in result.lossy)
             if agent.holds(self.block):
                 partials[i] = partial
         return partials
@@ -105,7 +109,7 @@ class MasterRound:
             raise AgentError(f"agent {agent} has sent nothing for {agent.silent_for():.1f} s (every partial since "
                              "was dropped): it stopped or its link is down")
 
-    def _read(self, agent: RemoteAgent, values: np.ndarray, mask: np.ndarray) -> np.ndarray | None:
+    def _read(self, agent: RemoteAgent, values: np.ndarray, mask: np.ndarray, lost: bool) -> np.ndarray | None:
         """The agent's partial if any of it can be used; accounts what was lost."""
         chunks = len(mask)
         missing = chunks if not mask[0] else int((~mask).sum())  # no prefix: nothing of it can be trusted
@@ -117,10 +121,11 @@ class MasterRound:
                 raise AgentError(f"agent {agent} sent a malformed {self.block} partial: {e}") from None
             self._check_status(agent, partial.status)
             agent.stats.compute_ms += partial.compute_ms
+            self.agent_compute[agent.node_id] = partial.compute_ms
         if agent.holds(self.block) and self.block.kind != "lm_head":
             ranks = self.ctx.ranks_of(agent, self.block) if missing else None
             groups = len(agent.share.groups(self.block))
-            self.ctx.ledger.record(self.block.kind, self.block.layer, groups * self.tokens, missing, chunks, ranks)
+            self.ctx.ledger.record(self.block.kind, self.block.layer, groups * self.tokens, missing, chunks, ranks, lost)
         return None if partial is None or missing == chunks else partial.values
 
     def _check_status(self, agent: RemoteAgent, status: Status) -> None:
@@ -140,6 +145,8 @@ class MasterRound:
         if partial is None or partial.shape != shape:
             raise AgentError(f"agent {agent} returned a {self.block.kind} partial of shape "
                              f"{None if partial is None else partial.shape}, expected {shape}")
-        agent.stats.compute_ms += float(reply.fields.get("compute_ms", 0.0))
+        compute_ms = float(reply.fields.get("compute_ms", 0.0))
+        agent.stats.compute_ms += compute_ms
         agent.stats.cpu_ms += float(reply.fields.get("cpu_ms", 0.0))
+        self.agent_compute[agent.node_id] = compute_ms
         return partial

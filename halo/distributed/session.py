@@ -103,7 +103,7 @@ class Session:
             results = []
             for node_id, endpoint in enumerate(endpoints, start=1):
                 agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.hello_timeout_s, layout)
-                agent.send("profile", request)
+                agent.send("profile", {**request, "node_id": node_id})
                 try:
                     reply = agent.receive("the profile request")  # within hello_timeout_s: a first benchmark
                 except AgentError as e:
@@ -140,10 +140,12 @@ class Session:
 
         sock = client_socket(self.zmq_context, key, insecure)
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # a send never blocks longer than a reply may take
+        monitor = sock.get_monitor_socket()  # tells a refused key or a security mismatch from a dead device
         sock.connect(endpoint)
         vocab = (np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, share.lm_head)])
                  if share.lm_head else None)
-        agent = RemoteAgent(node_id, endpoint, share, sock, timeout_s, vocab_ids=vocab)
+        agent = RemoteAgent(node_id, endpoint, share, sock, timeout_s, vocab_ids=vocab, monitor=monitor,
+                            keyed=key is not None)
         self.agents[node_id] = agent
         return agent
 
@@ -181,6 +183,7 @@ class Session:
                 agent.socket.send_multipart(encode(Message("bye")), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # no connection to it: nothing to say goodbye to
+            agent.close()
         if self.udp is not None:
             self.udp.close()
         self.zmq_context.destroy(linger=100)

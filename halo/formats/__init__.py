@@ -1,1 +1,1 @@
-"""Model file formats: llama2.c checkpoints/tokenizers and Hugging Face Llama directories."""
+"""Model file formats: GGUF files (llama.cpp), llama2.c checkpoints/tokenizers and Hugging Face Llama directories."""

@@ -12,6 +12,15 @@ not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2);
 share is what gets dropped. Before any measurement the ceiling applies. An agent that has sent
 nothing is chased (halo/sync/modes.py) after 0.6 x the deadline: with slack 2, when it is 20 % later
 than usual.
+
+That deadline is for partials that showed loss (holes, NACKs, a chase): what HALO saves is the
+retransmission wait. A partial with no sign of loss (arriving in order, or not yet sent: its agent
+is computing) is only late, and gets the looser
+
+    late deadline = clamp(max(floor, late floor), ceiling, late slack * median)   (20 ms, 4 x)
+
+so a busy or descheduled device is not cut off for timing alone (at 0 % loss nothing is dropped
+that arrives within 4 x the usual turnaround). Drops are counted by cause (loss / late).
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import numpy as np
 from .modes import SyncSettings
 
 CHASE_FRACTION = 0.6
+LATE_SLACK = 4.0
+LATE_FLOOR_S = 0.020
 
 
 class AdaptiveDeadline:
@@ -41,11 +52,23 @@ class AdaptiveDeadline:
         old = self.turnaround.get(key)
         self.turnaround[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
-    def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
-        known = [self.turnaround[k] for k in (self._key(kind, a, tokens) for a in agents) if k in self.turnaround]
+    def _median(self, kind: str, agents, tokens: int) -> float | None:
+        known = sorted(self.turnaround[k] for k in (self._key(kind, a, tokens) for a in agents) if k in self.turnaround)
         if not known:
-            return self.ceiling
-        return float(np.clip(self.slack * np.median(known), self.floor, self.ceiling))
+            return None
+        middle = len(known) // 2  # a few agents: plain Python beats numpy's per-call cost here (every round)
+        return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
+
+    def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        """For partials that showed loss."""
+        median = self._median(kind, agents, tokens)
+        return self.ceiling if median is None else float(np.clip(self.slack * median, self.floor, self.ceiling))
+
+    def late_deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
+        """For partials with no sign of loss (in order, or not sent yet)."""
+        median = self._median(kind, agents, tokens)
+        floor = max(self.floor, LATE_FLOOR_S)
+        return self.ceiling if median is None else float(np.clip(LATE_SLACK * median, floor, max(floor, self.ceiling)))
 
     @staticmethod
     def chase_after_s(deadline_s: float) -> float:

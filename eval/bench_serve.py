@@ -1,0 +1,256 @@
+"""Load test of `halo-master serve`: concurrent streaming clients against one cluster.
+
+    python -m halo.eval.bench_serve                      # both settings below, 16 clients, 120 s each
+    python -m halo.eval.bench_serve --settings local --duration 30
+
+Settings:
+- local: stories260K over 2 local agents on loopback (`--local-agents 2`, exact sync);
+- testbed: the namespace test bed (rpi/testbed.py, prefix "serve"; needs root): 2 agents in their own
+  namespaces behind silent nftables loss of --plr (default 2 %) on every agent link both ways, the
+  server in the master's namespace with `--sync halo`.
+
+Each of --clients clients (the official openai client, asyncio) sends streaming completions back to
+back for --duration seconds (prompts from a fixed list, --max-tokens tokens, temperature 0.8, fresh
+seeds); a request started before the end runs to completion. Per request: time to first token (first
+non-empty text, queueing included: one generation runs at a time), completion tokens (the usage
+chunk), errors (HTTP errors, error events, a stream without [DONE]). The server's resident memory is
+sampled every second (psutil) from the first request on: "flat" = its growth over the run.
+
+Writes eval/results/serve_load.{json,md}. The clients run in the server's namespace (a subprocess:
+`python -m halo.eval.bench_serve clients ...`), so the test bed's loss hits only the agents' links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .report import command_line, write_report
+
+PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
+           "In the park there was", "Sue and her mom went", "The sun was shining and", "A big red ball")
+
+
+# ---- the clients (inside the server's namespace) -----------------------------------------------------------------
+async def one_client(client, index: int, deadline: float, max_tokens: int, records: list) -> None:
+    n = 0
+    while time.monotonic() < deadline:
+        record = {"client": index, "start": time.time(), "ttft_s": None, "tokens": 0, "error": None}
+        t0 = time.perf_counter()
+        try:
+            stream = await client.completions.create(
+                model="stories260K", prompt=PROMPTS[(index + n) % len(PROMPTS)], max_tokens=max_tokens,
+                temperature=0.8, seed=1000 * index + n, stream=True, stream_options={"include_usage": True})
+            finished = False
+            async for chunk in stream:
+                if chunk.usage:
+                    record["tokens"] = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    if choice.text and record["ttft_s"] is None:
+                        record["ttft_s"] = time.perf_counter() - t0
+                    finished = finished or choice.finish_reason is not None
+            if not finished:
+                record["error"] = "stream ended without a finish_reason"
+        except Exception as e:  # noqa: BLE001 - every failure is a data point
+            record["error"] = f"{type(e).__name__}: {e}"[:300]
+        record["seconds"] = time.perf_counter() - t0
+        records.append(record)
+        n += 1
+
+
+async def run_clients(url: str, clients: int, duration: float, max_tokens: int) -> list[dict]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    records: list[dict] = []
+    deadline = time.monotonic() + duration
+    await asyncio.gather(*(one_client(client, i, deadline, max_tokens, records) for i in range(clients)))
+    await client.close()
+    return records
+
+
+def clients_main(args) -> None:
+    records = asyncio.run(run_clients(args.url, args.clients, args.duration, args.max_tokens))
+    print("RESULT " + json.dumps(records), flush=True)
+
+
+# ---- one setting -------------------------------------------------------------------------------------------------
+def start_server(popen, argv: list[str]) -> tuple[subprocess.Popen, str]:
+    process = popen([sys.executable, "-m", "halo.cli", "serve", "--port", "0", "--log-level", "warning",
+                     "--max-queue", "64", "--request-timeout", "600", *argv],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if line.startswith("LISTENING "):
+            return process, line.split()[1]
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise RuntimeError(f"the server did not start: {process.stderr.read()[-3000:]}")
+
+
+def sample_memory(pid: int, stop: threading.Event, samples: list) -> None:
+    import psutil
+
+    process = psutil.Process(pid)
+    t0 = time.monotonic()
+    while not stop.is_set():
+        try:
+            samples.append((time.monotonic() - t0, process.memory_info().rss))
+        except psutil.Error:
+            return
+        stop.wait(1.0)
+
+
+def run_setting(name: str, popen, server_argv: list[str], args) -> dict:
+    from halo.distributed import stop_processes
+
+    server, url = start_server(popen, server_argv)
+    samples: list = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_memory, args=(server.pid, stop, samples), daemon=True)
+    try:
+        sampler.start()
+        clients = popen([sys.executable, "-m", "halo.eval.bench_serve", "clients", "--url", url, "--clients",
+                         str(args.clients), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = clients.communicate(timeout=args.duration + 900)
+        records = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
+        if records is None:
+            raise RuntimeError(f"the clients failed: {err[-3000:]}")
+        status = popen([sys.executable, "-m", "halo.cli", "status", "--server", url, "--json"], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+        view = json.loads(status.communicate(timeout=60)[0] or "null")  # the cluster view after the run
+        alive = server.poll() is None
+    finally:
+        stop.set()
+        sampler.join()
+        stop_processes([server], grace_s=15)
+    return summarize(name, records, samples, alive, args, view)
+
+
+def summarize(name: str, records: list[dict], samples: list, alive: bool, args, view) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    ttft = np.array([r["ttft_s"] for r in ok if r["ttft_s"] is not None])
+    tokens = sum(r["tokens"] for r in ok)
+    span = (max(r["start"] + r["seconds"] for r in records) - min(r["start"] for r in records)) if records else 0.0
+    rss = np.array([s[1] for s in samples], dtype=float) / 2**20
+    times = np.array([s[0] for s in samples])
+    half = len(rss) // 2
+    return {
+        "setting": name, "clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens,
+        "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
+        "error_examples": sorted({r["error"] for r in records if r["error"]})[:5],
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+        "ttft_min_s": float(ttft.min()) if len(ttft) else None,
+        "completion_tokens": tokens, "wall_s": span, "tokens_per_s": tokens / span if span else None,
+        "server_alive_after": alive,
+        "rss_mb_first": float(rss[0]) if len(rss) else None, "rss_mb_last": float(rss[-1]) if len(rss) else None,
+        "rss_mb_max": float(rss.max()) if len(rss) else None,
+        # flat: the second half's mean against the first half's (start-up allocations settle early)
+        "rss_mb_growth_second_half": float(rss[half:].mean() - rss[:half].mean()) if half else None,
+        "rss_mb_per_min_fit": float(np.polyfit(times, rss, 1)[0] * 60) if len(rss) > 2 else None,
+        "server_view": view, "records": records,
+    }
+
+
+def local(args) -> dict:
+    return run_setting("local: 2 agents on loopback, exact sync", subprocess.Popen, ["--local-agents", "2"], args)
+
+
+def testbed(args) -> dict:
+    from halo import BUNDLED_MODEL
+    from halo.rpi.testbed import LossyTestbed, available
+    from halo.transport.reliable import generate_key
+
+    from .bench_halo_speed import Cluster
+
+    ok, why = available()
+    if not ok:
+        return {"setting": f"testbed {100 * args.plr:g} % loss", "skipped": why}
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=2, prefix="serve") as bed:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        os.chmod(tmp, 0o755)
+        cluster = Cluster(bed, Path(str(BUNDLED_MODEL)), key, 2)
+        try:
+            bed.set_loss(args.plr)
+
+            def popen(argv, **kwargs):
+                return bed.popen("master", argv, **kwargs)
+
+            result = run_setting(f"test bed: 2 agents, {100 * args.plr:g} % loss on every agent link, halo sync", popen,
+                                 ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
+                                  "--key", str(key), "--sync", "halo", "--timeout", "5"], args)
+            result["frames_dropped"] = bed.drop_counters()
+            return result
+        finally:
+            cluster.close()
+
+
+def report(results: list[dict], args) -> None:
+    lines = ["# `halo-master serve` under load (stories260K)", "",
+             f"Command: `{command_line('halo.eval.bench_serve', args.argv)}`. {args.clients} concurrent streaming "
+             f"clients (official openai client) for {args.duration:g} s, {args.max_tokens} tokens per request, "
+             "temperature 0.8. One generation runs at a time, so time to first token includes the wait in the queue. "
+             "Server memory: resident set sampled every second.", "",
+             "| setting | requests completed | errors | TTFT p50 s | TTFT p99 s | TTFT min s (no queue) | tokens/s | "
+             "server up after | RSS first / max / last MB | RSS growth, 2nd half vs 1st (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            lines.append(f"| {r['setting']} | skipped: {r['skipped']} | | | | | | | | |")
+            continue
+        f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(f"| {r['setting']} | {r['completed']} | {r['errors']} | {f(r['ttft_p50_s'])} | "
+                     f"{f(r['ttft_p99_s'])} | {f(r['ttft_min_s'])} | {f(r['tokens_per_s'], 1)} | {'yes' if r['server_alive_after'] else 'NO'} | "
+                     f"{f(r['rss_mb_first'], 0)} / {f(r['rss_mb_max'], 0)} / {f(r['rss_mb_last'], 0)} | "
+                     f"{f(r['rss_mb_growth_second_half'], 1)} |")
+    for r in results:
+        if r.get("error_examples"):
+            lines += ["", f"Errors in '{r['setting']}': " + "; ".join(r["error_examples"])]
+        if r.get("frames_dropped"):
+            lines += ["", f"Frames dropped by the test bed in '{r['setting']}': {r['frames_dropped']}"]
+    lines += ["", "Preliminary: measured on a shared 2-core machine while other work ran; re-run on a quiet machine."]
+    data = {"command": command_line("halo.eval.bench_serve", args.argv), "results": results}
+    write_report(args.out, "serve_load", data, lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="?", default="run", choices=("run", "clients"))
+    parser.add_argument("--settings", default="local,testbed", help="comma-separated: local, testbed")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=120.0, metavar="S")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--plr", type=float, default=0.02, help="test bed loss on every agent link (default 0.02)")
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.what == "clients":
+        clients_main(args)
+        return 0
+    runners = {"local": local, "testbed": testbed}
+    results = []
+    for name in args.settings.split(","):
+        results.append(runners[name](args))
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("records", "server_view")}), flush=True)
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""`halo-master serve` and `halo-master status --server`: the command-line ends of the server."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import ConfigError
+
+log = logging.getLogger("halo.serve")
+
+
+def read_api_key(args) -> str | None:
+    """--api-key, or the first line of --api-key-file (not both)."""
+    if args.api_key and args.api_key_file:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            key = next(iter(Path(args.api_key_file).read_text().splitlines()), "").strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
+        return key
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key is empty")
+    return args.api_key.strip() if args.api_key else None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_model_name(model: str | None) -> str:
+    if not model:
+        return "stories260K"
+    path = Path(model)
+    return path.stem if path.suffix in (".bin", ".gguf") else path.name
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (bound here so that `--port 0` can print the port it got)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? try --port)") from None
+    return sock
+
+
+def serve(args, open_model) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+        from .engine import Engine
+    except ImportError as e:
+        raise ConfigError(f"halo-master serve needs the 'serve' extra ({e.name} is missing): "
+                          "pip install 'halo-edge[serve]'") from None
+    from rich.console import Console
+
+    from ..loader import load_tokenizer, load_weights
+
+    err = Console(stderr=True)
+    api_key = read_api_key(args)
+    if not is_loopback(args.host) and api_key is None:
+        err.print(f"[bold red]WARNING: listening on {args.host} WITHOUT an API key: anyone who can reach this "
+                  f"machine can use the cluster. Add --api-key-file FILE.[/bold red]")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    weights = load_weights(args.model)
+    tokenizer = load_tokenizer(weights, args.tokenizer)
+    name = args.model_name or default_model_name(args.model)
+    sock = listen(args.host, args.port)
+    err.print(f"[dim]loading {name} ...[/dim]")
+    engine = Engine(lambda stack: open_model(args, weights, stack), tokenizer, weights, model_name=name,
+                    sync_mode=args.sync or "exact", max_queue=args.max_queue, request_timeout_s=args.request_timeout).start()
+    try:
+        app = create_app(engine, api_key)
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        print(f"LISTENING {url}", flush=True)
+        err.print(f"serving [bold]{name}[/bold] ({engine.snapshot['sync']} sync, context {engine.max_seq_len}): "
+                  f"chat page {url}/ · API {url}/v1 · metrics {url}/metrics"
+                  + ("" if api_key else " · no API key"), soft_wrap=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
+        # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: end here, not by it
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            server.run(sockets=[sock])
+        except Terminated:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    finally:
+        engine.close()  # the agents' sessions end; local agents stop
+        sock.close()
+    return 0
+
+
+class Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
+# ---- status --server --------------------------------------------------------------------------------------------
+def fetch_cluster(server: str, api_key: str | None, timeout: float) -> dict:
+    url = server.rstrip("/") + "/v1/halo/cluster"
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise ConfigError(f"{server} wants its API key: add --api-key-file FILE") from None
+        raise ConfigError(f"{url} answered HTTP {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ConfigError(f"cannot reach {server}: {getattr(e, 'reason', e)} (is `halo-master serve` running?)") from None
+
+
+def status_from_server(args) -> int:
+    from rich.console import Console
+
+    from .view import render
+
+    api_key = read_api_key(args)
+    timeout = max(args.timeout, 2.0)
+    console = Console()
+    if not args.watch:
+        snapshot = fetch_cluster(args.server, api_key, timeout)
+        if args.json:
+            print(json.dumps(snapshot))
+        else:
+            console.print(render(snapshot))
+        return 1 if snapshot.get("state") == "down" else 0
+    from rich.live import Live
+    from rich.text import Text
+
+    try:
+        with Live(console=console, auto_refresh=False) as live:
+            while True:
+                try:
+                    live.update(render(fetch_cluster(args.server, api_key, timeout)), refresh=True)
+                except ConfigError as e:  # the server restarts: keep watching
+                    live.update(Text(f"{e} (retrying)", style="red"), refresh=True)
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0

