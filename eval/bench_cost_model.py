@@ -344,7 +344,7 @@ def measure_all(args) -> dict:
 
     data = {"agents": AGENTS, "lossy_link": LOSSY_LINK, "model_shape": MODEL_SHAPE}
     with tempfile.TemporaryDirectory(prefix="halo-sched-") as tmp:
-        os.environ["HALO_CACHE"] = str(Path(tmp) / "cache")  # fresh benchmarks, shared by this run's devices
+        os.environ["HALO_DEVICE_CACHE_DIR"] = str(Path(tmp) / "cache")  # fresh benchmarks, shared by this run's devices
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         rates = {host: spec["mbit"] for host, spec in AGENTS.items()}

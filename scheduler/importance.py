@@ -9,7 +9,7 @@ predictors' scores of its heads (they read the residual stream entering layer l 
 Layer 0 has no predictor; it is always synchronized exactly (halo/sync), so its heads keep index
 order. The calibration text is the predictors' own training text when it is readable (their manifest
 names it), else the model's greedy continuation of BOS. The result is cached per model and predictor
-set (see `cache_dir`).
+set, beside the device benchmarks (measure.py `cache_dir`: halo's cache, devices/).
 """
 
 from __future__ import annotations

@@ -15,14 +15,15 @@ weight format and group sizes of the session, so the figures are those of the ke
 - memory: what is available now (psutil; inside a cgroup with a memory limit, that limit).
 
 About 0.5 s in all, cached for a day per model, format, group sizes, threads, device name and CPU quota
-in `cache_dir()` so a later session does not pay again; a changed quota or halo version measures anew.
+in `cache_dir()` (halo's cache, devices/: nothing else lives there) so a later session does not pay
+again; a changed quota or halo version measures anew, and entries older than a day are removed when a
+new one is written (`prune_cache`: only this module's device-*.json files, see halo/cache.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -37,11 +38,23 @@ BENCHMARK_VERSION = 5  # part of the cache key: a changed benchmark measures ane
 CACHE_MAX_AGE_S = 24 * 3600  # a day-old measurement is taken again (load, thermals and software change)
 
 
+DEVICE_CACHE_ENV = "HALO_DEVICE_CACHE_DIR"  # tests and benchmarks point it at a temporary directory
+DEVICE_FILES = "device-*.json"
+
+
 def cache_dir() -> Path:
-    """$HALO_CACHE, else $XDG_CACHE_HOME/halo, else ~/.cache/halo."""
-    if os.environ.get("HALO_CACHE"):
-        return Path(os.environ["HALO_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "halo"
+    """$HALO_DEVICE_CACHE_DIR, else $XDG_CACHE_HOME/halo/devices, else ~/.cache/halo/devices."""
+    from halo.cache import cache_subdir
+
+    return cache_subdir("devices", DEVICE_CACHE_ENV)
+
+
+def prune_cache() -> int:
+    """Remove device benchmarks older than CACHE_MAX_AGE_S (they would be measured anew anyway): only
+    files named device-*.json directly in `cache_dir()`, whatever else shares it."""
+    from halo.cache import remove_files
+
+    return remove_files(cache_dir(), DEVICE_FILES, older_than_s=CACHE_MAX_AGE_S)
 
 
 def cpu_limit() -> float | None:
@@ -212,6 +225,7 @@ def measure_device(weights, layout, fmt: str, threads: int = 1, name: str = "", 
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(measured))
+            prune_cache()
         except OSError as e:
             log.warning("could not cache the device benchmark at %s: %s", path, e)
     return {**measured, "memory_available_bytes": memory_available()}

@@ -21,7 +21,7 @@ CONTEXT = 256
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HALO_CACHE", str(tmp_path_factory.mktemp("cache")))  # agents inherit it: fresh benchmarks
+        patch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))  # agents inherit it: fresh benchmarks
         with LocalCluster(2) as local:
             yield local
 

@@ -149,7 +149,7 @@ def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, 
     from halo.neuron_groups import GroupLayout
     from halo.scheduler import measure
 
-    monkeypatch.setenv("HALO_CACHE", str(tmp_path))
+    monkeypatch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path))
     layout = GroupLayout.for_model(stories_weights.config)
     first = measure.measure_device(stories_weights, layout, "fp32", name="pi")
     assert first["compute_flops"] > 0 and len(first["overhead_s"]) == 3 and first["memory_available_bytes"] > 0
@@ -159,6 +159,51 @@ def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, 
     monkeypatch.setattr(measure, "cpu_limit", lambda: 0.25)  # another quota: measured anew
     assert measure.measure_device(stories_weights, layout, "fp32", name="pi")["samples"] != first["samples"]
     assert len(list(tmp_path.glob("device-*.json"))) == 2
+
+
+def test_device_cache_lives_apart_and_its_pruning_removes_only_stale_benchmarks(tmp_path, monkeypatch,
+                                                                                   stories_weights):
+    import os
+
+    from halo import models
+    from halo.cache import remove_files
+    from halo.neuron_groups import GroupLayout
+    from halo.scheduler import measure
+
+    monkeypatch.delenv("HALO_CACHE_DIR", raising=False)
+    monkeypatch.delenv("HALO_DEVICE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    root = tmp_path / "halo"
+    assert models.cache_dir() == root / "models" and measure.cache_dir() == root / "devices"
+    model = root / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"GGUF weights")
+    devices = root / "devices"
+    (devices / "device-dir.json").mkdir(parents=True)  # a directory with a matching name: not a file of ours
+    (devices / "device-dir.json" / "inside").write_text("keep")
+    stale, fresh, notes, legacy = (devices / "device-stale.json", devices / "device-fresh.json", devices / "notes.txt",
+                                   root / "device-legacy.json")
+    for path in (stale, fresh, notes, legacy):
+        path.write_text("{}")
+    (devices / "device-link.json").symlink_to(model)
+    old = measure.CACHE_MAX_AGE_S + 3600
+    for path in (stale, notes, legacy, devices / "device-dir.json", devices / "device-dir.json" / "inside"):
+        os.utime(path, (os.path.getmtime(path) - old,) * 2)
+    os.utime(devices / "device-link.json", (os.path.getmtime(model) - old,) * 2, follow_symlinks=False)
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    measure.measure_device(stories_weights, layout, "fp32", name="pi")  # writes its entry, then prunes
+    assert not stale.exists() and fresh.exists() and notes.exists() and legacy.exists()
+    assert (devices / "device-dir.json" / "inside").read_text() == "keep"
+    assert (devices / "device-link.json").is_symlink() and model.read_bytes() == b"GGUF weights"
+    assert len(list(devices.glob("device-*pi*.json"))) == 1
+    for misplaced in (root, root / "models", tmp_path):  # the variable pointed at a shared directory
+        monkeypatch.setenv("HALO_DEVICE_CACHE_DIR", str(misplaced))
+        measure.prune_cache()
+        assert model.read_bytes() == b"GGUF weights" and (root / "models").is_dir()
+    assert not legacy.exists()  # a stale device-*.json in a directory it was pointed at: that one is its own
+    with pytest.raises(ValueError, match="file-name pattern"):
+        remove_files(root, "*/*")
 
 
 def test_place_by_rank_maps_ranks_to_the_most_important_groups():
