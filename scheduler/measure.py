@@ -132,10 +132,11 @@ def kernel_samples(weights, layout, fmt: str, threads: int = 1, seconds: float =
     from halo.shares import Block, Shares
     from halo.worker import DeviceWorker
 
-    from .profiles import model_profile
+    from .profiles import model_profile, planning_format
 
     c = weights.config
-    profile = model_profile(c, fmt, mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
+    profile = model_profile(c, planning_format(fmt, weights), mlp_group_size=layout.mlp_group_size,
+                            vocab_group_size=layout.vocab_group_size)
     counts = {"attention": layout.n_heads, "mlp": layout.n_mlp_groups, "lm_head": layout.n_vocab_groups}
     x = np.random.default_rng(0).standard_normal((1, c.dim)).astype(np.float32)
     context = min(64, c.max_seq_len)

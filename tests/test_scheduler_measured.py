@@ -206,6 +206,24 @@ def test_device_cache_lives_apart_and_its_pruning_removes_only_stale_benchmarks(
         remove_files(root, "*/*")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_native_gguf_weights_plan_as_their_block_type(tmp_path, qtype, stories_weights):
+    from gguf_models import tiny_gguf
+
+    from halo.loader import load_weights
+    from halo.neuron_groups import GroupLayout
+    from halo.scheduler import measure
+    from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
+
+    weights = load_weights(str(tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)))
+    assert planning_format("native", weights) == qtype and planning_format("int8", weights) == "int8"
+    assert planning_format("native", stories_weights) == "fp32"  # no compact blocks
+    compact, fp32 = (model_profile(weights.config, f, mlp_group_size=22) for f in (qtype, "fp32"))
+    assert compact.mlp.bytes == pytest.approx(fp32.mlp.bytes * BYTES_PER_WEIGHT[qtype] / 4)
+    samples = measure.kernel_samples(weights, GroupLayout.for_model(weights.config), "native", seconds=0.003)
+    assert {s["kind"] for s in samples} == set(measure.KERNEL_KINDS) and all(s["seconds"] > 0 for s in samples)
+
+
 def test_place_by_rank_maps_ranks_to_the_most_important_groups():
     ranges = np.array([[[0, 2], [0, 1]], [[2, 3], [1, 3]]])  # 2 devices, 2 layers
     order = [[2, 0, 1], [1, 2, 0]]

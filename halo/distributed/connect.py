@@ -66,13 +66,13 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
     """(plan, planning report) from measured profiles; the plan's participants carry their endpoints."""
     from halo.scheduler.cost import estimate
     from halo.scheduler.plan_io import plan_summary
-    from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile
+    from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile, planning_format
     from halo.scheduler.ratios import InsufficientMemory
     from halo.scheduler.tp_plan import build_plan, plan_tp
 
     cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over)
-    profile = model_profile(weights.config, settings.fmt, mlp_group_size=layout.mlp_group_size,
-                            vocab_group_size=layout.vocab_group_size)
+    profile = model_profile(weights.config, planning_format(settings.fmt, weights),
+                            mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
     mode = settings.sync.mode
     try:
         plan = (plan_tp(cluster, profile, mode=mode, sync=settings.sync) if select
@@ -88,7 +88,7 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
                     insecure: bool = False, fresh: bool = False, take_over: bool = True):
     """The scheduler's Cluster from measurements: the master (node 0, its own benchmark) and every agent."""
     from halo.scheduler.measure import measure_device
-    from halo.scheduler.profiles import Cluster, measured_device
+    from halo.scheduler.profiles import Cluster, measured_device, planning_format
 
     own = measure_device(weights, layout, settings.fmt, 1, "master", fresh)
     agents = Session.measure(weights, layout, settings, endpoints, key, insecure, take_over, fresh)
@@ -98,7 +98,7 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
     master = measured_device("master", own, None, "", is_master=True)
     master = replace(master, bandwidth_bps=max(1e9, fastest))  # its own link is at least as fast as its best path
     context = min(weights.config.max_seq_len, settings.context)
-    return Cluster((master, *devices), context=context, weights=settings.fmt)
+    return Cluster((master, *devices), context=context, weights=planning_format(settings.fmt, weights))
 
 
 def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "auto"):

@@ -56,16 +56,16 @@ class DeviceEstimate:
 
 
 class RunningEstimates:
-    def __init__(self, worker, agents: dict, udp, config, layout, fmt: str):
+    def __init__(self, worker, agents: dict, udp, config, layout):
         import time
+
+        from halo.scheduler.profiles import model_profile
 
         self.clock = time.perf_counter
         self.token_ms = MedianWindow(WINDOW)  # wall time between consecutive decode steps
         self.last_token: float | None = None
-        from halo.scheduler.profiles import model_profile
-
-        profile = model_profile(config, fmt if fmt in ("fp32", "int8") else "fp32",
-                                mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
+        # for the FLOPs of each share (the weight format does not change them)
+        profile = model_profile(config, "fp32", mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
         self.worker, self.agents, self.udp = worker, agents, udp
         shares = {0: ("master", worker.share), **{i: (a.name, a.share) for i, a in agents.items()}}
         self.devices = {i: self._device(i, name, share, profile) for i, (name, share) in shares.items()}

@@ -63,7 +63,7 @@ class DistributedModel:
         # who holds groups of which block, worked out once: the per-token loop only looks them up
         self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
         # scheduler hooks: running estimates fed once per forward pass; what was planned (set by connect.py)
-        self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout, settings.fmt)
+        self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout)
         self.plan, self.planning = None, {}
 
     def _blocks(self):
