@@ -106,8 +106,8 @@ def _add_plan(sub) -> None:
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
     measure.add_argument("--key", default="/etc/halo/cluster.key")
     measure.add_argument("--insecure", action="store_true")
-    measure.add_argument("--timeout", type=float, default=10.0, metavar="S", help="per agent (a first benchmark "
-                         "takes about a second)")
+    measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
+                         "takes seconds for a small model, longer for a big one on a slow device (default 60)")
     measure.add_argument("--rebenchmark", action="store_true", help="ignore the devices' cached kernel benchmarks")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", help="model file or directory to plan for (default: bundled stories260K)")
@@ -606,7 +606,8 @@ def _plan_measured(args) -> int:
     args.weights = resolve_format(args.weights, weights)
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
-                              hello_timeout_s=args.timeout, sync=SyncSettings(mode=args.sync))
+                              hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
+                              sync=SyncSettings(mode=args.sync))
     with ExitStack() as stack:
         if args.local_agents:
             local = stack.enter_context(LocalCluster(args.local_agents, args.model))

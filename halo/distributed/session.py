@@ -10,9 +10,9 @@ session opened with each participant's share.
 Hello tells each agent the protocol, the model's sha256, its share and node id, the sync settings,
 the weight format (cluster-wide) and where the master's UDP endpoint listens (its port; the agent
 takes the master's address from the control connection). Each agent loads its share while
-answering, with its own profile and UDP port. Every blocking call has a bound: a hello within
-`hello_timeout_s`, every later reply within `timeout_s`, every send within `timeout_s`, and `close`
-never waits for an agent that is gone.
+answering, with its own profile and UDP port. Every blocking call has a bound: a profile within
+`profile_timeout_s`, a hello within `hello_timeout_s`, every later reply within `timeout_s`, every
+send within `timeout_s`, and `close` never waits for an agent that is gone.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class MasterSettings:
     fmt: str = "fp32"  # weight format, cluster-wide
     timeout_s: float = DEFAULT_TIMEOUT_S  # an agent silent this long is an error
     hello_timeout_s: float = 10.0  # agents load their share while answering hello
+    profile_timeout_s: float = 60.0  # a first kernel benchmark (a big model in 4-bit on a Pi: many seconds)
     probe_links: bool = True  # measure every link (loss, RTT, bandwidth) at start
     sync: SyncSettings = field(default_factory=SyncSettings)
     predictors: str | None = None  # HALO mode: trained predictors (default: beside the model)
@@ -102,10 +103,10 @@ class Session:
             nothing = Shares([[]] * weights.config.n_layers, [[]] * weights.config.n_layers, [])
             results = []
             for node_id, endpoint in enumerate(endpoints, start=1):
-                agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.hello_timeout_s, layout)
+                agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.profile_timeout_s, layout)
                 agent.send("profile", {**request, "node_id": node_id})
                 try:
-                    reply = agent.receive("the profile request")  # within hello_timeout_s: a first benchmark
+                    reply = agent.receive("the profile request")  # within profile_timeout_s: a first benchmark
                 except AgentError as e:
                     if "before hello" in str(e):
                         raise AgentError(f"{e} (it predates measured plans: upgrade it, or give --plan even)") from None
