@@ -52,6 +52,7 @@ class Agent(ControlServer):
         super().__init__(model_path, listen, key, insecure, name)
         self.format, self.threads = weights_format, threads
         self.session: Session | None = None
+        self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
@@ -68,11 +69,13 @@ class Agent(ControlServer):
     def tick(self, events: dict) -> None:
         if self.udp.sock.fileno() in events:
             if self.session is not None and self.session.sync.policy.input is Transport.UDP:
-                self.session.rounds.poll()
+                if self.session.rounds.poll():  # UDP rounds carry no control message: they keep it alive
+                    self.session.last_seen = time.monotonic()
             else:
                 self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
         elif self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
             log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
+            self.dropped_idle = self.session.peer
             self._end_session()
 
     def count_error(self) -> None:
@@ -104,6 +107,9 @@ class Agent(ControlServer):
         if message.kind == "profile":  # what this device can do, asked before the master plans
             return self._profile(message.fields, peer)
         if self.session is None:
+            if peer == self.dropped_idle:
+                return Message("error", {"reason": f"this agent ended the session after {IDLE_SESSION_S:.0f} s without "
+                                                   "a message from the master; connect again (a new hello)"})
             return Message("error", {"reason": f"'{message.kind}' before hello: no session"})
         if peer != self.session.peer:
             return Message("error", {"reason": "not in session with this agent (another master said hello since)"})

@@ -97,11 +97,12 @@ class AgentRounds:
                              parity_group=parity)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Handle the master's broadcasts that have arrived (call when the UDP socket is readable)."""
+    def poll(self) -> bool:
+        """Handle the master's broadcasts that have arrived (call when the UDP socket is readable);
+        True if a new one did (the session is alive even when no control message comes for minutes)."""
         pending = self.udp.pending_epochs(MASTER, self.last_epoch, 0.0, on_stale=self._resend_partial)
         if not pending:
-            return
+            return False
         newest = pending[-1]
         if forward_passes_between(self.last_epoch, newest) > MAX_FORWARD_JUMP:
             log.warning("broadcast epochs jumped from %#x to %#x: starting over from there", self.last_epoch, newest)
@@ -116,6 +117,7 @@ class AgentRounds:
                 self.last_epoch = max(self.last_epoch, epoch)
         if newest > self.last_epoch:
             self._serve_broadcast(newest, required=False)
+        return True
 
     def _serve_broadcast(self, epoch: int, required: bool) -> bool:
         """Gather one broadcast (NACKing its holes), compute, send the partial; False: it never came."""

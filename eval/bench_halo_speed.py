@@ -163,6 +163,8 @@ def speed(args) -> None:
 
     model = Path(args.model) if args.model else checkpoint(args.layers)
     rows = []
+    partial = Path(args.out) / f"{args.name}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
@@ -181,6 +183,7 @@ def speed(args) -> None:
                             rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result),
                                          "dropped_frames": bed.drop_counters()})
                             print(json.dumps(rows[-1]), flush=True)
+                            partial.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps its rows
                 finally:
                     cluster.close()
     lines = render_speed(rows, args)
@@ -188,6 +191,7 @@ def speed(args) -> None:
                                         "layers": args.layers, "weights": args.weights, "model": str(model),
                                         "rows": rows}, lines)
     plot_speed(rows, Path(args.out) / f"{args.name}.png")
+    partial.unlink(missing_ok=True)
 
 
 def render_speed(rows: list[dict], args) -> list[str]:
@@ -258,6 +262,8 @@ def ablation(args) -> None:
     model = checkpoint(args.layers)
     n, plr = int(args.agents.split(",")[0]), float(args.plr.split(",")[0])
     rows = []
+    partial = Path(args.out) / f"{args.name}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "cluster.key"
         generate_key(key)

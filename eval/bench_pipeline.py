@@ -8,7 +8,8 @@ number of local devices, the cost model's prediction vs the measurement, recover
 The model is a TinyLlama-1.1B-shaped checkpoint with random weights (eval/random_checkpoint.py) cut to
 --layers layers (22 = the whole model; fewer keep the run short on a 2-core machine; per layer the
 behaviour is the same). Pipeline: N halo-stage-worker processes, an even split of the units, the
-coordinator holds no stage. TP: the master and N - 1 halo-agent processes (N devices computing).
+coordinator holds no stage. TP: the master and N - 1 halo-agent processes (N devices computing),
+tcp sync (every byte on the control connections, where they are counted).
 Bytes per token: everything the coordinator / master sent and received per decode step (both
 measured at the sockets). Prediction: scheduler/pipeline.py's cost for the plan, from the profiles the
 workers measured at start (thesis 000's "initial estimate"). All processes share this machine's cores.
@@ -26,6 +27,7 @@ import numpy as np
 
 from halo.loader import load_weights, model_fingerprint
 from halo.model import Transformer
+from halo.sync import SyncSettings
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama
 from .report import command_line, write_report
@@ -73,23 +75,6 @@ def run_pipeline(weights, path: Path, n: int, tokens: int, context: int) -> dict
     return row
 
 
-class _CountingSocket:
-    def __init__(self, socket, counter: list):
-        self.socket, self.counter = socket, counter
-
-    def send_multipart(self, frames, *a, **k):
-        self.counter[0] += sum(len(f) for f in frames)
-        return self.socket.send_multipart(frames, *a, **k)
-
-    def recv_multipart(self, *a, **k):
-        frames = self.socket.recv_multipart(*a, **k)
-        self.counter[0] += sum(len(f) for f in frames)
-        return frames
-
-    def __getattr__(self, name):
-        return getattr(self.socket, name)
-
-
 def run_tp(weights, path: Path, n: int, tokens: int, context: int) -> dict:
     from halo.distributed import LocalCluster, cluster_model
 
@@ -101,13 +86,14 @@ def run_tp(weights, path: Path, n: int, tokens: int, context: int) -> dict:
                 "ms_per_token_mean": float(np.mean(times)), "bytes_per_token": 0.0}
     with LocalCluster(n - 1, model_path=str(path), startup_timeout_s=600) as cluster:
         model = cluster_model(weights, cluster.endpoints, cluster.key, context=context, timeout_s=120,
-                              hello_timeout_s=600, probe_links=False)
-        counter = [0]
-        for agent in model.agents.values():
-            agent.socket = _CountingSocket(agent.socket, counter)
+                              hello_timeout_s=600, probe_links=False, sync=SyncSettings(mode="tcp"))
+
+        def traffic() -> int:
+            return sum(a.stats.bytes_sent + a.stats.bytes_received for a in model.agents.values())
+
         try:
             model.forward(PROMPT)  # warm
-            times, per_token = decode_ms(model, tokens, lambda: counter[0])
+            times, per_token = decode_ms(model, tokens, traffic)
             return {"mode": "tp", "devices": n, "ms_per_token": float(np.median(times)),
                     "ms_per_token_mean": float(np.mean(times)), "bytes_per_token": per_token}
         finally:
@@ -233,7 +219,7 @@ def main(argv=None) -> int:
     lines = [f"# Pipeline mode vs tensor-parallel mode (TinyLlama-1.1B shape, {args.layers} layers, random weights)", "",
              f"Command: `{command}`. One 2-core machine: every stage worker / agent is a local process, so the "
              "numbers show per-message and compute cost, not a real network. Pipeline: N stage workers, even split, "
-             "the coordinator holds no stage; TP: the master + N - 1 agents. Bytes: what the coordinator/master sent "
+             "the coordinator holds no stage; TP: the master + N - 1 agents, tcp sync. Bytes: what the coordinator/master sent "
              "and received per decode step. Predicted: scheduler/pipeline.py's cost of the plan from the workers' "
              "own measured profiles at start.", "",
              "| devices | pipeline ms/token (median) | predicted ms | error | pipeline bytes/token | TP ms/token | "

@@ -1,6 +1,6 @@
-"""Tensor-parallel decode over local agents vs the single-process reference (reliable mode).
+"""Tensor-parallel decode over local agents vs the single-process reference.
 
-    python -m halo.eval.bench_tp [--agents 1,2,4,8] [--tiny-layers 4] [--tokens 32]
+    python -m halo.eval.bench_tp [--agents 1,2,4,8] [--tiny-layers 4] [--tokens 32] [--sync tcp]
 
 Two models: the bundled stories260K and a TinyLlama-1.1B-shaped checkpoint with random weights cut
 to --tiny-layers layers (all 22 would not leave this 2-core machine's agents enough memory bandwidth
@@ -24,12 +24,13 @@ from halo.distributed import LocalCluster, cluster_model
 from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
+from halo.sync import SyncSettings
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama
 from .report import command_line, write_report
 
 
-def measure(model_path, agents: list[int], tokens: int, context: int) -> list[dict]:
+def measure(model_path, agents: list[int], tokens: int, context: int, sync: str) -> list[dict]:
     weights = load_weights(model_path)
     tokenizer = None
     try:
@@ -41,7 +42,8 @@ def measure(model_path, agents: list[int], tokens: int, context: int) -> list[di
     rows.append({"agents": 0, **run(single, tokenizer, tokens, weights)})
     for n in agents:
         with LocalCluster(n, model_path=str(model_path) if model_path else None) as cluster:
-            model = cluster_model(weights, cluster.endpoints, cluster.key, context=context, timeout_s=30)
+            model = cluster_model(weights, cluster.endpoints, cluster.key, context=context, timeout_s=30,
+                                  sync=SyncSettings(mode=sync))
             try:
                 row = run(model, tokenizer, tokens, weights)
                 steps = model.step
@@ -77,15 +79,17 @@ def main(argv=None) -> int:
     parser.add_argument("--agents", default="1,2,4,8")
     parser.add_argument("--tiny-layers", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--sync", default="tcp", help="sync mode of every cluster (default tcp: reliable ZMQ)")
+    parser.add_argument("--name", default="tp_local_cluster", help="results file name under --out")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     agents = [int(a) for a in args.agents.split(",")]
-    results = {"stories260K": measure(None, agents, args.tokens * 4, 512)}
+    results = {"stories260K": measure(None, agents, args.tokens * 4, 512, args.sync)}
     with tempfile.TemporaryDirectory(prefix="halo-tp-") as tmp:
         write_random_llama(tmp, dict(TINYLLAMA_1_1B, num_hidden_layers=args.tiny_layers))
-        results[f"TinyLlama-shape, {args.tiny_layers} layers"] = measure(Path(tmp), agents, args.tokens, 256)
+        results[f"TinyLlama-shape, {args.tiny_layers} layers"] = measure(Path(tmp), agents, args.tokens, 256, args.sync)
     command = command_line("halo.eval.bench_tp", argv)
-    lines = ["# Tensor-parallel decode over local agents (reliable mode, one 2-core machine)", "",
+    lines = [f"# Tensor-parallel decode over local agents ({args.sync} sync, one 2-core machine)", "",
              f"Command: `{command}`. 0 agents = the single-process reference. All processes share 2 cores, so "
              "wall time mostly shows contention and per-message overhead; per-agent compute is what each device "
              "would spend on real hardware.", "",
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
                          f"{r['ms_per_token'] / base:.2f}x | {master} | {r.get('wait_for_agents_ms_per_token', 0):.2f} | "
                          + (f"{np.mean(agent):.2f} / {np.max(agent):.2f} | {np.mean(cpu):.2f} / {np.max(cpu):.2f} |"
                             if agent else "- | - |"))
-    write_report(args.out, "tp_local_cluster", {"command": command, "results": results}, lines)
+    write_report(args.out, args.name, {"command": command, "results": results}, lines)
     return 0
 
 

@@ -286,3 +286,24 @@ compute_gflops = 10
         out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--plan", str(plan), "--key",
                               str(workers.key_path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "partial" in out.stderr
+
+
+def test_the_self_benchmark_recovers_layer_time_and_overhead_despite_one_disturbed_sample(monkeypatch):
+    """A fake engine on a fake clock: 3 ms per layer, 1 ms per call; one sample of each range is slowed by
+    50 ms (another process): the minimum ignores it, and the per-layer time comes from a 1-vs-3-layer span."""
+    from halo.pipeline import profile
+
+    clock = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+
+    class FakeEngine:
+        def __init__(self, start, stop):
+            self.layers, self.calls = stop - start, 0
+
+        def forward(self, x, pos):
+            self.calls += 1
+            clock[0] += 0.001 + 0.003 * self.layers + (0.05 if self.calls == 5 else 0.0)
+
+    per_layer, overhead = profile.time_engine(FakeEngine, n_layers=8, dim=4)
+    assert per_layer == pytest.approx(0.003) and overhead == pytest.approx(0.001)
+    assert profile.time_engine(FakeEngine, n_layers=1, dim=4) == (pytest.approx(0.004), 0.0)

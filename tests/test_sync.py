@@ -238,3 +238,38 @@ def test_a_malformed_broadcast_does_not_hurt_the_agent(stories_weights, cluster)
     served = decode(sock.recv_multipart()).fields["served"]
     context.destroy(linger=0)
     assert served["errors"] >= 1
+
+
+def test_udp_rounds_keep_an_agent_session_alive_and_silence_ends_it(stories_weights, monkeypatch):
+    """In the UDP modes a generation sends no control message between tokens; the agent must not take
+    that silence for a departed master (it once dropped every session after 60 s of UDP-only decoding)."""
+    import signal
+    import threading
+
+    from halo.edge_agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "IDLE_SESSION_S", 0.3)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    agent = agent_module.Agent(None, "tcp://127.0.0.1:0", None, insecure=True, name="in-process")
+    signal.signal(signal.SIGTERM, sigterm)  # the daemon takes SIGTERM for its drain: give it back to pytest
+    server = threading.Thread(target=agent.serve, daemon=True)
+    server.start()
+    reference = Transformer(stories_weights, max_seq_len=CONTEXT)
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT,
+                          sync=SyncSettings(mode="exact"))
+    try:
+        logits, expected, start = model.forward(PROMPT), reference.forward(PROMPT), time.monotonic()
+        steps = 0
+        while time.monotonic() - start < 1.5 or steps < 8:  # five idle periods of decoding over UDP only
+            token = int(np.argmax(expected))
+            assert int(np.argmax(logits)) == token
+            logits, expected, steps = model.forward([token]), reference.forward([token]), steps + 1
+            time.sleep(0.25)  # longer than the daemon's 200 ms poll: its idle check runs between tokens
+        assert agent.session is not None
+        time.sleep(1.0)  # now truly silent: the agent ends the session, and says so when the master comes back
+        with pytest.raises(AgentError, match="ended the session after"):
+            model.reset()
+    finally:
+        model.close()
+        agent.stop()
+        server.join(5)

@@ -29,6 +29,8 @@ class AgentStats:
     wait_ms: float = 0.0  # time the master spent waiting for those replies
     compute_ms: float = 0.0  # the agent's own compute, as it reports it
     cpu_ms: float = 0.0
+    bytes_sent: int = 0  # over the control connection (all of a round's data in the TCP sync modes)
+    bytes_received: int = 0
 
 
 @dataclass
@@ -66,18 +68,22 @@ class RemoteAgent:
         return len(self.vocab_ids) if block.kind == "lm_head" else dim
 
     def send(self, kind: str, fields: dict, arrays=()) -> None:
+        frames = encode(Message(kind, fields, list(arrays)))
         try:
-            self.socket.send_multipart(encode(Message(kind, fields, list(arrays))))
+            self.socket.send_multipart(frames)
         except zmq.Again:  # the socket's send timeout: its connection is gone or stuck
             raise AgentError(f"could not send {kind!r} to agent {self} within {self.timeout_s:.1f} s: it stopped, "
                              "crashed or lost its network") from None
+        self.stats.bytes_sent += sum(memoryview(f).nbytes for f in frames)
 
     def receive(self, what: str) -> Message:
         t = time.perf_counter()
         if not self._wait(t + self.timeout_s):
             raise AgentError(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: {self._why_silent()}")
+        frames = self.socket.recv_multipart()
+        self.stats.bytes_received += sum(len(f) for f in frames)
         try:
-            reply = decode(self.socket.recv_multipart())
+            reply = decode(frames)
         except MessageError as e:
             raise AgentError(f"agent {self} sent a malformed reply to {what}: {e}") from None
         self.stats.requests += 1

@@ -1,8 +1,8 @@
 """Measured worker profiles: what the planner knows about each stage worker.
 
 A worker times its own engine on the model it holds (thesis 000 §4.3.2): decode steps through one
-layer and through two, so per-layer time = t2 - t1 and session overhead = t1 - per-layer time; it
-reports its free memory. The coordinator adds the link: round-trip time of a ping and bandwidth of
+layer and through k (up to 3), so per-layer time = (tk - t1) / (k - 1) and session overhead = t1 -
+per-layer time; it reports its free memory. The coordinator adds the link: round-trip time of a ping and bandwidth of
 an echoed payload. `to_device` turns that into the scheduler's DeviceProfile: compute speed =
 layer FLOPs / per-layer time, and the fixed per-stage costs (overhead + RTT) as its latency, so
 scheduler/pipeline.py's cost (overhead + FLOPs / speed + delta + latency + bytes / bandwidth) is the
@@ -51,14 +51,17 @@ class WorkerProfile:
                              max(0.0, self.overhead_s) + self.rtt_s)
 
 
-def time_engine(make_engine, n_layers: int, dim: int, tokens: int = 8, warmup: int = 2) -> tuple[float, float]:
-    """(per-layer seconds, overhead seconds) from decode steps through 1 and 2 layers (units [1, 2), [1, 3)).
-    make_engine(start, stop) builds an engine; the fastest of `tokens` timed steps after `warmup` (the
-    minimum: other processes on the device only ever add time)."""
+def time_engine(make_engine, n_layers: int, dim: int, tokens: int = 8, warmup: int = 2,
+                span: int = 3) -> tuple[float, float]:
+    """(per-layer seconds, overhead seconds) from decode steps through 1 layer and through `span` layers (units
+    [1, 2) and [1, 1 + span), span capped by the model). make_engine(start, stop) builds an engine; the fastest
+    of `tokens` timed steps after `warmup` (the minimum: other processes on the device only ever add time). The
+    difference is divided over span - 1 layers, so a disturbed sample moves the per-layer time that much less."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((1, dim)).astype(np.float32)
+    span = max(1, min(span, n_layers))
     times = []
-    for stop in ([2, 3] if n_layers >= 2 else [2]):
+    for stop in sorted({2, 1 + span}):
         engine = make_engine(1, stop)
         samples = []
         for pos in range(warmup + tokens):
@@ -69,5 +72,5 @@ def time_engine(make_engine, n_layers: int, dim: int, tokens: int = 8, warmup: i
         del engine
     if len(times) == 1:
         return times[0], 0.0
-    per_layer = max(times[1] - times[0], 0.2 * times[1])  # noise can make the difference tiny or negative
+    per_layer = max((times[1] - times[0]) / (span - 1), 0.2 * times[1] / span)  # noise can make it tiny or negative
     return per_layer, max(0.0, times[0] - per_layer)
