@@ -104,6 +104,8 @@ class Agent(ControlServer):
             return Message("status", self.status())
         if message.kind == "hello":  # a new master replaces the old session (the old one is gone or done)
             return self._hello(message.fields, peer, address)
+        if message.kind == "profile":  # what this device can do, asked before the master plans
+            return self._profile(message.fields, peer)
         if self.session is None:
             if peer == self.dropped_idle:
                 return Message("error", {"reason": f"this agent ended the session after {IDLE_SESSION_S:.0f} s without "
@@ -134,6 +136,7 @@ class Agent(ControlServer):
             if self.session.sync.policy.uses_udp:
                 session["udp"] = self.udp.stats[MASTER].to_json()
             session["rejected"] = self.udp.rejections()
+            session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
                 "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
 
@@ -143,11 +146,9 @@ class Agent(ControlServer):
             log.warning("refused master %s: %s", f.get("master", "?"), reason)
             return Message("refused", {"reason": reason})
 
-        if f.get("protocol") != PROTOCOL_VERSION:
-            return refuse(f"protocol {f.get('protocol')} but this agent speaks {PROTOCOL_VERSION}: upgrade halo")
-        if f.get("model_sha256") != self.model_sha256:
-            return refuse(f"model mismatch: the master runs sha256 {str(f.get('model_sha256'))[:12]}..., this agent "
-                          f"holds {self.model_sha256[:12]}... ({self.weights.source})")
+        mismatch = self._mismatch(f)
+        if mismatch:
+            return refuse(mismatch)
         t = time.perf_counter()
         try:
             worker, sync, node_id = self._worker_for(f)
@@ -165,6 +166,35 @@ class Agent(ControlServer):
         self.served["sessions"] += 1
         return Message("ready", {"name": self.name, "weight_bytes": worker.nbytes, "profile": self.profile,
                                  "udp_port": self.udp.address[1]})
+
+    def _mismatch(self, f: dict) -> str | None:
+        """Why a master's hello or profile request cannot be served (None: it can)."""
+        if f.get("protocol") != PROTOCOL_VERSION:
+            return f"protocol {f.get('protocol')} but this agent speaks {PROTOCOL_VERSION}: upgrade halo"
+        if f.get("model_sha256") != self.model_sha256:
+            return (f"model mismatch: the master runs sha256 {str(f.get('model_sha256'))[:12]}..., this agent "
+                    f"holds {self.model_sha256[:12]}... ({self.weights.source})")
+        return None
+
+    def _profile(self, f: dict, peer: bytes) -> Message:
+        """Measure this device for a master about to plan (edge_agent/profile.py), and echo its link probes."""
+        from .profile import measured_profile
+
+        reason = self._mismatch(f)
+        if reason is None and self.session is not None and peer != self.session.peer:
+            if f.get("take_over"):
+                self._end_session()  # the master that asks will say hello next: the old session is over
+            else:
+                reason = f"busy: serving master {self.session.master}; profile it when it is idle"
+        try:
+            answer = reason or measured_profile(self, f)
+        except (KeyError, TypeError, ValueError, HaloError) as e:
+            answer = f"bad profile request: {e}"
+        if isinstance(answer, str):
+            self.served["refused"] += 1
+            log.warning("refused to profile for master %s: %s", f.get("master", "?"), answer)
+            return Message("refused", {"reason": answer})
+        return Message("profile", answer)
 
     def _worker_for(self, f: dict) -> tuple[DeviceWorker, SyncSettings, int]:
         """The device worker a hello asks for (raises HaloError / KeyError / ValueError when it cannot be)."""

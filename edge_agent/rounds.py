@@ -24,6 +24,8 @@ from halo.transport import wire
 from halo.transport.udp import GatherPolicy, UdpEndpoint
 from halo.worker import DeviceWorker
 
+from .profile import BlockTimes
+
 log = logging.getLogger("halo.agent")
 MASTER = 0  # the master's UDP sender id
 KINDS = {Point.ATTENTION: "attention", Point.MLP: "mlp", Point.LM_HEAD: "lm_head"}
@@ -38,6 +40,7 @@ class AgentRounds:
         self.last_epoch = 0  # newest UDP input handled
         self.kv_gap = False  # an attention input never arrived: our KV caches are incomplete until reset
         self._resent: dict[int, float] = {}  # input epoch -> when we last re-sent its partial
+        self.times = BlockTimes()  # scheduler hook: running compute estimate (status)
 
     def reset(self) -> None:
         self.worker.reset()
@@ -59,6 +62,7 @@ class AgentRounds:
         compute_ms = 1e3 * (time.perf_counter() - t)
         self.served["blocks"] += 1
         self.served["compute_ms"] += compute_ms
+        self.times.observe(block.kind, len(self.worker.share.groups(block)), compute_ms)  # scheduler hook
         t = time.perf_counter()
         send(out, status, compute_ms, 1e3 * (time.thread_time() - cpu))
         self.served["send_ms"] += 1e3 * (time.perf_counter() - t)

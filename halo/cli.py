@@ -41,6 +41,8 @@ EPILOG_STATUS = """examples:
 
 
 EPILOG_PLAN = """examples:
+  halo-master plan --agents pi1:7070,pi2:7070 --model stories260K.bin    measure the agents, plan for them, say why
+  halo-master plan --local-agents 2 --sync tcp                          the same over two agents started here
   halo-master plan --cluster home.toml --model-config llama-3.1-8b            who computes what, Min-Max
   halo-master plan --cluster home.toml --model-config llama-2-13b --algorithm galaxy --all-devices
   halo-master plan --cluster gpus.toml --mode pipeline --model ./Llama-3.2-1B --out plan.json
@@ -81,15 +83,35 @@ def _add_generate(sub) -> None:
 
 
 def _add_plan(sub) -> None:
-    """halo-master plan: who computes what on a cluster file's devices."""
+    """halo-master plan: who computes what on a cluster file's devices, or on running agents measured now."""
+    from .sync.modes import SYNC_MODES
+
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Split a model over the devices of a cluster file and print the plan. "
+                       description="Split a model over the devices of a cluster file, or over running agents "
+                                   "measured now (their group kernels, memory, link loss / RTT / bandwidth: what "
+                                   "`generate --agents` plans from), and print the plan and why. "
                                    "Tensor-parallel plans (--mode tp) give every device a share of every block's "
                                    "neuron groups, the most important to the most reliable links; pipeline plans "
                                    "(--mode pipeline) give GPU/WebGPU workers contiguous layer ranges.")
-    p.add_argument("--cluster", required=True, metavar="CLUSTER.toml", help="devices: memory, compute, link loss "
-                   "(format: python -c 'import halo.scheduler.profiles as p; print(p.__doc__)')")
+    devices = p.add_mutually_exclusive_group(required=True)
+    devices.add_argument("--cluster", metavar="CLUSTER.toml", help="devices: memory, compute, link loss "
+                         "(format: python -c 'import halo.scheduler.profiles as p; print(p.__doc__)')")
+    devices.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to measure (tp mode); the plan "
+                         "is the one `generate --agents` would use")
+    devices.add_argument("--local-agents", type=int, metavar="N", help="start N agents here, measure them, stop them")
+    p.add_argument("--sync", default="exact", choices=SYNC_MODES,
+                   help="tp: the sync mode to plan for: device selection minimizes its expected time per token, "
+                        "link loss priced as the mode recovers it (default exact)")
+    measure = p.add_argument_group("measuring agents (--agents / --local-agents)")
+    measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
+                         "(default native: the model file's own)")
+    measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
+    measure.add_argument("--key", default="/etc/halo/cluster.key")
+    measure.add_argument("--insecure", action="store_true")
+    measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
+                         "takes seconds for a small model, longer for a big one on a slow device (default 60)")
+    measure.add_argument("--rebenchmark", action="store_true", help="ignore the devices' cached kernel benchmarks")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", help="model file or directory to plan for (default: bundled stories260K)")
     source.add_argument("--model-config", metavar="NAME", help="a named shape for what-if planning: "
@@ -165,8 +187,9 @@ def _add_status(sub) -> None:
     st = sub.add_parser("status", help="ask running agents (or a running server) what they do",
                         epilog=EPILOG_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Query agents: device profile (cores, MHz, memory, measured FLOP/s), the model "
-                                    "they hold, their current session's share, and counters of what they served. "
-                                    "With --server, show a running `halo-master serve`'s cluster view instead "
+                                    "they hold, their current session's share, counters of what they served, and "
+                                    "their running compute estimate (median time per block over the last 15, per "
+                                    "kind: attention / MLP / LM head). With --server, show a running `halo-master serve`'s cluster view instead "
                                     "(share, time per token, link loss, what relaxed sync dropped).")
     where = st.add_mutually_exclusive_group(required=True)
     where.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="the agents to ask, comma-separated")
@@ -207,7 +230,9 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to use (the master computes a share too)")
     cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
                          "addresses are the agents; the master = the device marked master)")
-    cluster.add_argument("--plan", metavar="plan.json", help="use a plan written by `halo-master plan --out`")
+    cluster.add_argument("--plan", metavar="plan.json", help="a plan written by `halo-master plan --out`, or "
+                         "'measured' (the default: measure the agents, plan with the scheduler for the --sync mode; "
+                         "--local-agents then keeps every agent) or 'even' (equal shares, nobody measured)")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
@@ -324,11 +349,12 @@ def _agents_table(rows: list[dict]):
 
     table = Table(title="halo agents")
     for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
-                   "ms per block: compute / input wait / send / predict", "retransmitted"):
+                   "ms per block: compute / input wait / send / predict", "ms per block a/m/l (running)",
+                   "retransmitted"):
         table.add_column(column)
     for r in rows:
         if "error" in r:
-            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "")
+            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "", "")
             continue
         p, s = r["profile"], r["session"]
         share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
@@ -340,10 +366,13 @@ def _agents_table(rows: list[dict]):
         per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
         retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
                          f"{served.get('partials_resent', 0)} partials again") if udp else ""
+        running = (s or {}).get("estimates", {})
+        per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
+                            for k in ("attention", "mlp", "lm_head")) if running else ""
         table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
                       f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
                       str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
-                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", retransmitted)
+                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", per_kind, retransmitted)
     return table
 
 
@@ -453,6 +482,8 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
         if hasattr(model, "sync_report"):
             out["agents"] = model.report()
             out["sync"] = model.sync_report()
+            out["planning"] = model.planning  # what the plan was made from, and why (scheduler)
+            out["estimates"] = model.estimates.to_json()  # running estimates per device and link
         elif hasattr(model, "report"):
             out["pipeline"] = model.report()
         out["model"] = weights.source
@@ -479,6 +510,7 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
+    _print_planning_line(err, getattr(model, "planning", {}))
     if hasattr(model, "sync_report"):
         report = model.sync_report()
         per, rounds = report["breakdown"].get("per_token_ms"), report["breakdown"].get("round_overhead_ms")
@@ -495,6 +527,18 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
     return 0
 
 
+def _print_planning_line(err, planning: dict) -> None:
+    """One line on a measured plan: who takes part, who was left out, the estimate."""
+    if planning.get("source") != "measured":
+        return
+    used = [d["name"] for d in planning["devices"] if d["participant"]]
+    out = [d["name"] for d in planning["devices"] if not d["participant"]]
+    err.print(f"[dim]measured plan ({planning['algorithm']}): {', '.join(used)}"
+              + (f"; left out: {', '.join(out)}" if out else "")
+              + f" · estimated {planning['estimate']['ms_per_token']:.2f} ms/token "
+              "(halo-master plan --agents ... says why)[/dim]")
+
+
 def cmd_plan(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -507,6 +551,8 @@ def cmd_plan(args) -> int:
     from .scheduler.profiles import load_cluster, model_profile, named_config
     from .scheduler.tp_plan import plan_tp
 
+    if args.cluster is None:
+        return _plan_measured(args)
     cluster = load_cluster(args.cluster)
     if args.model_config:
         config, name = named_config(args.model_config), args.model_config
@@ -540,7 +586,7 @@ def cmd_plan(args) -> int:
                 raise ConfigError(f"the exact solver found no plan: {result.message}")
             plan = result.plan
         else:
-            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices)
+            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=args.sync)
         used = plan.memory_used()
         ranks = plan.priority_ranks("attention")
         table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
@@ -569,6 +615,80 @@ def cmd_plan(args) -> int:
         plan_io.save(document, args.out)
         console.print(f"wrote {args.out}")
     return 0
+
+
+def _plan_measured(args) -> int:
+    """`plan --agents / --local-agents`: measure the agents and print the plan `generate` would use, and why."""
+    from contextlib import ExitStack
+
+    from .config import DEFAULT_CONTEXT
+    from .distributed import LocalCluster
+    from .distributed.connect import measured_plan
+    from .distributed.session import MasterSettings
+    from .loader import load_weights
+    from .neuron_groups import GroupLayout
+    from .scheduler import plan_io
+    from .sync import SyncSettings
+    from .transport.reliable import load_key
+
+    if args.mode != "tp" or args.model_config:
+        raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "
+                          "bundled one), not --model-config or --mode pipeline; or plan from a --cluster file")
+    weights = load_weights(args.model)
+    args.weights = resolve_format(args.weights, weights)
+    layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
+    settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
+                              hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
+                              sync=SyncSettings(mode=args.sync))
+    with ExitStack() as stack:
+        if args.local_agents:
+            local = stack.enter_context(LocalCluster(args.local_agents, args.model))
+            endpoints, key = local.endpoints, local.key
+        else:
+            endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
+            key = None if args.insecure else load_key(args.key)
+        plan, planning = measured_plan(weights, layout, settings, endpoints, key, args.insecure,
+                                       select=not args.all_devices, fresh=args.rebenchmark, take_over=False)
+    print_planning(planning, title=f"measured tensor-parallel plan ({plan.algorithm}): "
+                                   f"{args.model or 'stories260K'}, {args.weights}, sync {args.sync}")
+    if args.out:
+        plan_io.save(plan_io.tp_plan_json(plan), args.out)
+        print(f"wrote {args.out} (use it with: halo-master generate --plan {args.out})")
+    return 0
+
+
+def print_planning(planning: dict, title: str) -> None:
+    """The per-device table of a plan summary (scheduler/plan_io.plan_summary): measured figures, share, ranks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("device", "role", "GFLOP/s", "block ms a/m/l", "msg ms", "MB plan/free", "PLR %", "lat ms",
+                   "Mbit/s", "heads [ranks]", "MLP [ranks]", "vocab"):
+        table.add_column(column)
+    for d in planning["devices"]:
+        role = "master" if d["master"] else ("agent" if d["participant"] else "[yellow]out[/yellow]")
+        share = ["", "", ""]
+        if d["participant"]:
+            share = [f"{d[k]['groups_per_layer']:.1f} {d[k]['ranks'] or ''}" for k in ("attention", "mlp")]
+            share.append(f"{d['lm_head']['groups_per_layer']:.0f}")
+        table.add_row(d["name"], role, f"{d['gflops']:.2f}", "/".join(f"{o:.2f}" for o in d["overhead_ms"]),
+                      f"{d['message_ms']:.2f}", f"{d.get('memory_used_mb', 0):.0f}/{d['memory_mb']:.0f}",
+                      f"{100 * d['plr']:.1f}", f"{d['latency_ms']:.2f}", f"{d['bandwidth_mbps']:.0f}", *share)
+    console = Console()
+    console.print(table)
+    e = planning["estimate"]
+    console.print(f"estimate, {planning['mode']} sync: {e['ms_per_token']:.2f} ms/token (compute {e['compute_ms']:.2f}, "
+                  f"communication {e['comm_ms']:.2f}, expected loss recovery {e['loss_ms']:.2f})")
+    for d in planning["devices"]:
+        w = d.get("with_it", {})
+        if not d["participant"]:
+            why = (f"Min-Max with it: {w['minmax_ms']:.2f} ms/token ({w['minmax_groups']} groups for it), an even "
+                   f"split with it: {w['vanilla_ms']:.2f}" if "minmax_ms" in w and "vanilla_ms" in w else "no room")
+            console.print(f"left out {d['name']}: {why}")
+    console.print("block ms: a block's fixed cost on the device (attention/MLP/LM head); msg: CPU per input and partial; "
+                  "ranks: Algorithm 3's priority ranges over the layers, 0 = most important (master, then the most "
+                  "reliable links)")
 
 
 def main(argv: list[str] | None = None) -> int:

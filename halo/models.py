@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache import cache_subdir
 from .errors import ConfigError
 
 
@@ -46,10 +47,8 @@ MODELS = {m.name: m for m in (
 
 
 def cache_dir() -> Path:
-    if os.environ.get("HALO_CACHE_DIR"):
-        return Path(os.environ["HALO_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "halo" / "models"
+    """HALO_CACHE_DIR, else $XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models (halo/cache.py)."""
+    return cache_subdir("models", "HALO_CACHE_DIR")
 
 
 def cached_path(model: NamedModel) -> Path:

@@ -1,8 +1,9 @@
 """Who computes what: a plan (scheduler) translated into each device's neuron groups.
 
 A plan says how many groups of each block every device takes, and Algorithm 3's priority ranks say
-which: rank r = group r, except MLP groups in HALO mode, where a device's share of a layer is a rank
-range [a, b) that halo/remap.py maps to groups per token. Master and agents both read shares from
+which: rank r = group r, except heads placed by importance (rank r = the r-th most important head of
+the layer, from the predictors' profile) and MLP groups in HALO mode, where a device's share of a layer
+is a rank range [a, b) that halo/remap.py maps to groups per token. Master and agents both read shares from
 here (neither imports the other).
 """
 
@@ -60,13 +61,31 @@ def everything(config, layout: GroupLayout, layers=None, lm_head: bool = True) -
                   lm_head=list(range(layout.n_vocab_groups)) if lm_head else [])
 
 
-def shares_from_plan(plan, n_layers: int) -> list[Shares]:
-    """Concrete group indices per participant (plan order, master first) from a TensorParallelPlan."""
+def shares_from_plan(plan, n_layers: int, head_order=None) -> list[Shares]:
+    """Concrete group indices per participant (plan order, master first) from a TensorParallelPlan.
+
+    head_order: [L, H] heads of each layer from the most to the least important (the predictors' profile,
+    halo.scheduler.importance); the plan's attention rank r of layer l is then head head_order[l][r], so the
+    heads that matter most sit on the master and the most reliable links. None: rank r = head r."""
     ranks = {kind: plan.priority_ranks(kind) for kind in KINDS}
-    return [Shares(attention=[list(range(*ranks["attention"][j, l])) for l in range(n_layers)],
+    heads = place_by_rank(ranks["attention"], head_order)
+    return [Shares(attention=heads[j],
                    mlp=[list(range(*ranks["mlp"][j, l])) for l in range(n_layers)],
                    lm_head=list(range(*ranks["lm_head"][j, 0])))
             for j in range(plan.n)]
+
+
+def place_by_rank(ranges, order=None) -> list[list[list[int]]]:
+    """Rank ranges [n, L, 2] -> each participant's groups per layer (sorted): ranks [a, b) of layer l are
+    groups order[l][a:b] (order: [L, G] groups by importance; None: rank r = group r)."""
+    n, n_layers = len(ranges), len(ranges[0]) if len(ranges) else 0
+    if order is not None:
+        order = [list(map(int, row)) for row in order]
+        width = max((int(b) for device in ranges for _, b in device), default=0)
+        if len(order) != n_layers or any(sorted(row) != list(range(len(row))) or len(row) < width for row in order):
+            raise ConfigError(f"a head order must be a permutation of the groups for each of the {n_layers} layers")
+    return [[sorted(order[l][a:b]) if order is not None else list(range(a, b)) for l, (a, b) in enumerate(ranges[j])]
+            for j in range(n)]
 
 
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,

@@ -2,6 +2,7 @@
 
     with LossyTestbed(n_agents=4) as bed:
         bed.set_loss(0.05)                       # 5 % silent loss on every agent link, both directions
+        bed.set_losses({"agent-1": 0.02})        # or per link (the others lose nothing)
         p = bed.popen("agent-1", ["python", ...])  # run a program inside an agent's namespace
         bed.drop_counters()                      # frames actually dropped, per link
 
@@ -52,7 +53,7 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 class LossyTestbed:
     n_agents: int
     prefix: str = "halo"
-    rate_mbit: float | None = None  # optional tc tbf bandwidth cap on every agent link
+    rate_mbit: float | dict | None = None  # optional tc tbf cap on agent links, both ways (a dict: per agent)
     hosts: dict = field(default_factory=dict)  # name -> (namespace, address, host-side veth)
 
     def __post_init__(self):
@@ -94,9 +95,13 @@ class LossyTestbed:
                 dev = veth if not where else "eth0"
                 _run(*where, "ethtool", "-K", dev, "tso", "off", "gso", "off", "gro", "off", check=False)
             _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_congestion_control=cubic", check=False)
-            if self.rate_mbit and name != "master":
-                _run("tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", f"{self.rate_mbit}mbit",
-                     "burst", "32kbit", "latency", "50ms")
+            rate = self.rate_mbit.get(name) if isinstance(self.rate_mbit, dict) else self.rate_mbit
+            if rate and name != "master":
+                for where, dev in (((), veth), (("ip", "netns", "exec", ns), "eth0")):  # into and out of the agent
+                    # a one-datagram bucket: every byte beyond it waits for the rate, as on a real link (a
+                    # bigger bucket lets each round's few datagrams through at line rate, unlike any radio)
+                    _run(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
+                         "burst", "1600", "latency", "50ms")
         self._pin_neighbours()
         _run("nft", "add", "table", "bridge", self.table)
         _run("nft", "add", "chain", "bridge", self.table, "forward",
@@ -116,13 +121,17 @@ class LossyTestbed:
 
     def set_loss(self, plr: float, hosts: list[str] | None = None) -> None:
         """Silent random loss with probability plr on the links of `hosts` (default: every agent), both ways."""
-        if not 0 <= plr < 1:
+        self.set_losses({host: plr for host in hosts or [h for h in self.hosts if h != "master"]})
+
+    def set_losses(self, plrs: dict[str, float]) -> None:
+        """Silent random loss per agent link (host -> plr), both ways; links not named lose nothing."""
+        if not all(0 <= plr < 1 for plr in plrs.values()):
             raise ValueError("plr must be in [0, 1)")
         _run("nft", "flush", "chain", "bridge", self.table, "forward")
-        per_mille = int(round(plr * 1000))
-        if per_mille == 0:
-            return
-        for host in hosts or [h for h in self.hosts if h != "master"]:
+        for host, plr in plrs.items():
+            per_mille = int(round(plr * 1000))
+            if per_mille == 0:
+                continue
             veth = self.hosts[host][2]
             for direction in ("iifname", "oifname"):
                 _run("nft", "add", "rule", "bridge", self.table, "forward", direction, f'"{veth}"',

@@ -2,9 +2,12 @@
 
     with CpuThrottle(pid, quota=0.1, period_s=0.3):   # 10 % of a core during every other 300 ms
         ...
+    with CpuThrottle(pid, quota=0.25, period_s=None):  # a device with a quarter of a core, all the time
 
 Moves the process into its own cgroup under /sys/fs/cgroup/cpu and, in a background thread, switches
-its CFS quota between `quota` cores and unlimited every `period_s`. Needs root and the cgroup-v1 cpu
+its CFS quota between `quota` cores and unlimited every `period_s` (None: the quota holds throughout).
+`cfs_period_us` is the scheduler's accounting period (shorter: the quota's stalls are shorter and
+more frequent, as a slower CPU's would be). Needs root and the cgroup-v1 cpu
 controller; `available()` says why not.
 """
 
@@ -27,28 +30,33 @@ def available() -> tuple[bool, str]:
 
 
 class CpuThrottle:
-    def __init__(self, pid: int, quota: float = 0.1, period_s: float = 0.3, name: str | None = None):
+    def __init__(self, pid: int, quota: float = 0.1, period_s: float | None = 0.3, name: str | None = None,
+                 cfs_period_us: int = CFS_PERIOD_US):
         if not 0 < quota:
             raise ValueError("quota is a positive number of cores")
-        self.pid, self.quota, self.period_s = pid, quota, period_s
+        self.pid, self.quota, self.period_s, self.cfs_period_us = pid, quota, period_s, cfs_period_us
         self.group = ROOT / (name or f"halo-throttle-{pid}")
         self._stop = threading.Event()
         self.toggles = 0
 
     def __enter__(self) -> "CpuThrottle":
         self.group.mkdir(exist_ok=True)
-        (self.group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (self.group / "cpu.cfs_period_us").write_text(str(self.cfs_period_us))
         for task in Path(f"/proc/{self.pid}/task").iterdir():  # every thread of the process
             (self.group / "tasks").write_text(task.name)
-        self._thread = threading.Thread(target=self._toggle, daemon=True)
-        self._thread.start()
+        self._thread = None
+        if self.period_s is None:
+            (self.group / "cpu.cfs_quota_us").write_text(str(int(self.quota * self.cfs_period_us)))
+        else:
+            self._thread = threading.Thread(target=self._toggle, daemon=True)
+            self._thread.start()
         return self
 
     def _toggle(self) -> None:
         limited = False
         while not self._stop.wait(self.period_s):
             limited = not limited
-            quota = int(self.quota * CFS_PERIOD_US) if limited else -1
+            quota = int(self.quota * self.cfs_period_us) if limited else -1
             try:
                 (self.group / "cpu.cfs_quota_us").write_text(str(quota))
                 self.toggles += 1
@@ -57,7 +65,8 @@ class CpuThrottle:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         try:
             (self.group / "cpu.cfs_quota_us").write_text("-1")
             for task in (self.group / "tasks").read_text().split():

@@ -43,12 +43,17 @@ class TensorParallelPlan:
         used += fixed_bytes(self.cluster, m, self.devices)
         return used
 
+    def reliability_order(self) -> list[int]:
+        """Participants (plan positions) from the most reliable to the least: the master first (its own
+        share never crosses the network), then by the packet loss rate of their links (Algorithm 3)."""
+        plr = [d.plr for d in self.profiles()]
+        return sorted(range(self.n), key=lambda j: (self.devices[j] != self.cluster.master, plr[j]))
+
     def priority_ranks(self, kind: str) -> np.ndarray:
         """Algorithm 3: [n, L, 2] half-open rank ranges (lm_head: [n, 1, 2]); rank 0 = most important."""
         counts = self.counts[kind]
         counts = counts[:, None] if counts.ndim == 1 else counts
-        plr = np.array([d.plr for d in self.profiles()])
-        order = np.argsort(plr, kind="stable")
+        order = self.reliability_order()
         ranges = np.zeros(counts.shape + (2,), dtype=np.int64)
         start = np.zeros(counts.shape[1], dtype=np.int64)
         for i in order:

@@ -2,7 +2,7 @@
 
 Schema (version 1), common fields: {"format": "halo-plan", "version": 1, "mode": "tp" | "pipeline",
 "model": {...profile...}, "cluster": {"context", "weights", "devices": [{name, address, memory_bytes,
-compute_flops, plr, bandwidth_bps, latency_s, master}]}}.
+compute_flops, plr, bandwidth_bps, latency_s, overhead_s, message_s, master}]}} (the last three optional).
 
 mode "tp" adds: "algorithm"; "participants": [device names, master first]; "counts": {"attention":
 [[groups per layer] per participant], "mlp": same, "lm_head": [groups per participant]};
@@ -35,8 +35,8 @@ FORMAT, VERSION = "halo-plan", 1
 def _cluster_json(cluster: Cluster) -> dict:
     return {"context": cluster.context, "weights": cluster.weights, "devices": [
         {"name": d.name, "address": d.address, "memory_bytes": d.memory_bytes, "compute_flops": d.compute_flops,
-         "plr": d.plr, "bandwidth_bps": d.bandwidth_bps, "latency_s": d.latency_s,
-         "master": i == cluster.master} for i, d in enumerate(cluster.devices)]}
+         "plr": d.plr, "bandwidth_bps": d.bandwidth_bps, "latency_s": d.latency_s, "overhead_s": list(d.overhead_s),
+         "message_s": d.message_s, "master": i == cluster.master} for i, d in enumerate(cluster.devices)]}
 
 
 def _model_json(model: ModelProfile) -> dict:
@@ -55,6 +55,50 @@ def tp_plan_json(plan: TensorParallelPlan) -> dict:
             "counts": {k: v.tolist() for k, v in plan.counts.items()}, "priority": priority,
             "memory_used_bytes": plan.memory_used().tolist(), "oom": plan.oom,
             "estimate": {mode: estimate(plan, mode).to_json() for mode in ESTIMATE_MODES}}
+
+
+def plan_summary(plan: TensorParallelPlan, mode: str, cost=None) -> dict:
+    """What a plan does and why, per device of its cluster (participant or left out): the figures it was
+    planned from, its share per block (groups per layer, mean) and its Algorithm-3 rank range (lowest start,
+    highest stop over the layers; rank 0 = most important), and the estimate for the sync mode; for a device
+    left out, the estimates of Min-Max and of an even split with it taking part too (`with_it`)."""
+    cost = cost or estimate(plan, mode)
+    position = {i: j for j, i in enumerate(plan.devices)}
+    rows = []
+    for i, d in enumerate(plan.cluster.devices):
+        row = {"name": d.name, "address": d.address, "master": i == plan.cluster.master, "memory_mb": d.memory_bytes / 1e6,
+               "gflops": d.compute_flops / 1e9, "overhead_ms": [1e3 * o for o in d.overhead_s],
+               "message_ms": 1e3 * d.message_s, "plr": d.plr, "latency_ms": 1e3 * d.latency_s,
+               "bandwidth_mbps": d.bandwidth_bps / 1e6, "participant": i in position}
+        if i not in position:  # why: the plan with it as well (Min-Max over the participants and it)
+            row["with_it"] = _estimate_with(plan, i, mode)
+        else:
+            j = position[i]
+            row["memory_used_mb"] = float(plan.memory_used()[j]) / 1e6
+            for kind in TP_KINDS + ("lm_head",):
+                ranks = plan.priority_ranks(kind)[j]
+                held = ranks[:, 1] > ranks[:, 0]
+                row[kind] = {"groups_per_layer": float(np.mean(plan.counts[kind][j])),
+                             "ranks": [int(ranks[held, 0].min()), int(ranks[held, 1].max())] if held.any() else None}
+        rows.append(row)
+    return {"algorithm": plan.algorithm, "mode": mode, "estimate": cost.to_json(), "devices": rows}
+
+
+def _estimate_with(plan: TensorParallelPlan, device: int, mode: str) -> dict:
+    """Why a device was left out: the estimates of Min-Max (and its groups there) and of an even split over
+    the participants and it."""
+    from .ratios import InsufficientMemory
+    from .tp_plan import build_plan
+
+    out = {}
+    for algorithm in ("minmax", "vanilla"):
+        try:
+            other = build_plan(plan.cluster, plan.model, algorithm, [*plan.devices, device], prune=False)
+        except InsufficientMemory:
+            continue
+        out[f"{algorithm}_ms"] = 1e3 * estimate(other, mode).total_s
+        out[f"{algorithm}_groups"] = int(sum(other.counts[k][-1].sum() for k in other.counts))
+    return out
 
 
 def pipeline_plan_json(plan: PipelinePlan, cluster: Cluster, model: ModelProfile) -> dict:
@@ -89,7 +133,8 @@ def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, 
              f"plan version {doc.get('version')!r} is not supported (this halo reads version {VERSION}); re-run halo-master plan")
     try:
         cluster = Cluster(tuple(DeviceProfile(d["name"], d["memory_bytes"], d["compute_flops"], d["plr"], d["bandwidth_bps"],
-                                              d["latency_s"], d.get("address", ""), bool(d.get("master")))
+                                              d["latency_s"], d.get("address", ""), bool(d.get("master")),
+                                              tuple(d.get("overhead_s", (0.0,) * 3)), float(d.get("message_s", 0.0)))
                                 for d in doc["cluster"]["devices"]),
                           check_integer(doc["cluster"]["context"], "cluster.context", 1), doc["cluster"]["weights"])
         mj = doc["model"]

@@ -13,8 +13,13 @@ Units: bytes, FLOP/s, seconds, bits/s. A cluster file is TOML:
     compute_gflops = 14.4           # effective FLOP/s on matrix-vector work
     plr = 0.01                      # packet loss rate of its link, 0..1
     bandwidth_mbps = 100
-    latency_ms = 1.0
+    latency_ms = 1.0                # one way
+    overhead_ms = 0.05              # optional: fixed cost of one block's kernels on the device (dispatch)
+    message_ms = 0.05               # optional: CPU time to receive one block input and send its partial
     master = true                   # exactly one device coordinates; default: the first
+
+Measured profiles (halo/distributed/session.py: `measure_cluster`) fill the same fields from a kernel
+benchmark on each device, its available memory and a link probe.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from halo.arguments import check_integer, check_number, parse_endpoint
 from halo.config import ModelConfig
 from halo.errors import ConfigError
 from halo.neuron_groups import default_mlp_group_size
+from halo.quant import KERNEL_CODECS
 
 MB = 1_000_000
 
-#: bytes per weight for each storage format (int8/int4: one fp32 scale per block of 128 / 32)
-BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32}
+#: bytes per weight for each storage format (int8/int4: one fp32 scale per block of 128 / 32), and the GGUF
+#: block types halo computes in as stored (`--weights native` on a GGUF file: see `planning_format`)
+BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32,
+                    **{name: codec.type_size / codec.block for name, codec in KERNEL_CODECS.items()}}
 KV_BYTES = 4  # halo keeps the KV cache in fp32
 
 
@@ -46,6 +54,9 @@ class DeviceProfile:
     latency_s: float = 0.5e-3
     address: str = ""
     is_master: bool = False
+    # fixed cost of computing one block's share whatever its size (dispatch), for attention, MLP, LM head
+    overhead_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    message_s: float = 0.0  # CPU time to take in one block input and send one partial (framing, syscalls)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -63,6 +74,12 @@ class DeviceProfile:
                 parse_endpoint(self.address)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
+        if isinstance(self.overhead_s, (int, float)):  # one figure for every kind of block
+            object.__setattr__(self, "overhead_s", (float(self.overhead_s),) * 3)
+        object.__setattr__(self, "overhead_s", tuple(float(o) for o in self.overhead_s))
+        if len(self.overhead_s) != 3 or min(self.overhead_s) < 0:
+            raise ConfigError(f"{where}: overhead times must be three non-negative numbers, got {self.overhead_s}")
+        check_number(self.message_s, f"{where}: the message time", 0)
 
 
 @dataclass(frozen=True)
@@ -112,7 +129,8 @@ def load_cluster(path: str | Path) -> Cluster:
     if not isinstance(tables, list) or not all(isinstance(d, dict) for d in tables):
         raise ConfigError(f"{path}: 'device' must be [[device]] tables")
     devices = []
-    allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master"}
+    allowed = {"name", "address", "memory_mb", "compute_gflops", "plr", "bandwidth_mbps", "latency_ms", "master",
+               "overhead_ms", "message_ms"}
     for i, d in enumerate(tables):
         where = f"{path}: device #{i + 1}"
         unknown = set(d) - allowed
@@ -125,13 +143,14 @@ def load_cluster(path: str | Path) -> Cluster:
             raise ConfigError(f"{where}: master must be true or false, got {d['master']!r}")
         number = {key: check_number(d.get(key, default), f"{where}: {key}")
                   for key, default in (("memory_mb", 0), ("compute_gflops", 0), ("plr", 0.0), ("bandwidth_mbps", 1000),
-                                       ("latency_ms", 0.5))}
+                                       ("latency_ms", 0.5), ("overhead_ms", 0.0), ("message_ms", 0.0))}
         try:
             devices.append(DeviceProfile(
                 name=str(d.get("name", f"device-{i}")), memory_bytes=number["memory_mb"] * MB,
                 compute_flops=number["compute_gflops"] * 1e9, plr=number["plr"],
                 bandwidth_bps=number["bandwidth_mbps"] * 1e6, latency_s=number["latency_ms"] / 1e3,
-                address=d.get("address", ""), is_master=d.get("master", False)))
+                address=d.get("address", ""), is_master=d.get("master", False),
+                overhead_s=number["overhead_ms"] / 1e3, message_s=number["message_ms"] / 1e3))
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     if not devices:
@@ -227,3 +246,43 @@ def named_config(name: str) -> ModelConfig:
         return NAMED_CONFIGS[name.lower()]
     except KeyError:
         raise ConfigError(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}") from None
+
+
+MEMORY_HEADROOM = 0.85  # of the memory a device reports available, what a plan may fill
+
+
+def measured_device(name: str, measured: dict, link: dict | None = None, address: str = "",
+                    is_master: bool = False) -> DeviceProfile:
+    """A device profile from what the device measured (halo/scheduler/measure.py: kernels, message cost,
+    available memory) and, for an agent, the master's probe of its link (transport/probe.py). Malformed
+    figures raise ConfigError naming the device."""
+    try:
+        overhead = tuple(float(o) for o in measured["overhead_s"])
+        memory = float(measured["memory_available_bytes"]) * MEMORY_HEADROOM
+        compute, message = float(measured["compute_flops"]), float(measured["message_s"])
+        plr = latency = 0.0
+        bandwidth = 1e9
+        if link:
+            # the least round trip: the path's delay without the echo's own waiting (a busy or capped peer's
+            # CPU time is in message_s already)
+            plr, latency = float(link["plr"]), float(link.get("rtt_ms_min", link["rtt_ms_p50"])) / 2e3
+            bandwidth = float(link["bandwidth_bps"]) or bandwidth  # 0: too few burst echoes to tell
+        if not math.isfinite(latency):
+            raise ConfigError(f"device {name!r}: no probe of its link came back; check its UDP port and firewall")
+        return DeviceProfile(name, memory, compute, plr=plr, bandwidth_bps=bandwidth, latency_s=latency, address=address,
+                             is_master=is_master, overhead_s=overhead, message_s=message)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"device {name!r} reported a malformed profile ({e!r}); run the same halo version everywhere")
+
+
+def planning_format(fmt: str, weights) -> str:
+    """The BYTES_PER_WEIGHT entry a session's weight format (halo.linear.FORMATS) stands for: "native" is
+    the block type most of the model's layer matrices keep (a GGUF Q4_1 file: "Q4_1"), or fp32 for a model
+    without compact blocks (types halo has no kernel for are dequantized to fp32 at load)."""
+    from collections import Counter
+
+    if fmt != "native":
+        return fmt
+    codecs = Counter(matrix.codec.name for layer in weights.layers for matrix in vars(layer).values()
+                     if getattr(getattr(matrix, "codec", None), "native", False))
+    return codecs.most_common(1)[0][0] if codecs else "fp32"

@@ -121,7 +121,7 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
                                  f"the embeddings and predictors ({fixed[0] / 1e6:.0f} MB): make a device with more "
                                  "memory the master (master = true in the cluster file)")
     usable = np.array([d.memory_bytes for d in profiles]) - fixed
-    compute = np.array([d.compute_flops for d in profiles])
+    compute = whole_model_speed(profiles, model)
     ctx = cluster.context
     demand = model.total_bytes(ctx) - model.embedding_bytes
     if algorithm != "vanilla":
@@ -138,6 +138,17 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
         if algorithm == "minmax":
             polish(plan)  # Min-Max's own objective, finished in integers: rounding alone can lose to Galaxy's
     return prune_idle(plan) if prune else plan
+
+
+def whole_model_speed(profiles, model: ModelProfile) -> np.ndarray:
+    """The FLOP/s each device would deliver computing the whole model, its per-block overheads included: the
+    speed the ratio algorithms balance by (without overheads it is compute_flops; for a tiny model whose
+    blocks are all overhead, devices come out about equal, as they are)."""
+    blocks = (model.attention, model.mlp, model.lm_head)
+    repeats = (model.n_layers, model.n_layers, 1)
+    work = sum(b.flops * b.count * r for b, r in zip(blocks, repeats))
+    return np.array([work / (work / d.compute_flops + sum(o * r for o, r in zip(d.overhead_s, repeats)))
+                     for d in profiles])
 
 
 def prune_idle(plan: TensorParallelPlan) -> TensorParallelPlan:
@@ -319,14 +330,20 @@ def candidate_subsets(cluster: Cluster, model: ModelProfile, keep: int = 2) -> l
     return [list(subset) for subset, _ in ranked[:keep]]
 
 
-def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", select: bool = True) -> TensorParallelPlan:
-    """The default planner: Min-Max over the participant set that minimizes Eq. 1.
+def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", select: bool = True,
+            mode: str | None = None, sync=None) -> TensorParallelPlan:
+    """The default planner: Min-Max over the participant set that minimizes the objective.
 
-    With select=False (or any algorithm but minmax) every device takes part, as in the paper's algorithms."""
+    The objective is Eq. 1 (mode None: the paper's, loss ignored) or, given a sync mode, the cost
+    model's expected time per token in that mode with every link's packet loss (cost.py): a lossy
+    device is then left out where its recoveries cost more than its compute saves. With select=False
+    (or any algorithm but minmax) every device takes part, as in the paper's algorithms."""
     if not select or algorithm != "minmax":
         return build_plan(cluster, model, algorithm)
+    objective = eq1_objective if mode is None else _expected_time(mode, sync)
+    subsets = (candidate_subsets(cluster, model) if mode is None else _subsets_by_estimate(cluster, model, objective))
     plans = []
-    for subset in candidate_subsets(cluster, model) or [list(range(len(cluster.devices)))]:
+    for subset in subsets or [list(range(len(cluster.devices)))]:
         for start in (build_plan, _greedy_start, _lp_start):
             try:
                 plans.append(start(cluster, model, "minmax", subset))
@@ -336,13 +353,43 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         return build_plan(cluster, model, "minmax")  # raises the informative shortfall
     for plan in plans:
         polish(plan)
-    finalists = sorted(plans, key=eq1_objective)[:2]
+    finalists = sorted(plans, key=objective)[:2]
     for plan in finalists:
         trade_memory(plan)
         polish(plan)
-    best = min(finalists, key=eq1_objective)
-    best.algorithm = "minmax+select"
+    if mode is not None:  # selection must never lose to every device taking part
+        finalists.append(build_plan(cluster, model, "minmax"))
+    best = min(finalists, key=objective)
+    best.algorithm = "minmax+select" if mode is None else f"minmax+select ({mode})"
     return best
+
+
+def _expected_time(mode: str, sync):
+    from .cost import estimate
+
+    return lambda plan: estimate(plan, mode, sync=sync).total_s
+
+
+def _subsets_by_estimate(cluster: Cluster, model: ModelProfile, objective, keep: int = 2,
+                         exhaustive_up_to: int = 8) -> list[list[int]]:
+    """The best `keep` participant sets by the objective of their Min-Max plan: every set with the master
+    for up to `exhaustive_up_to` devices, else the Eq. 1 candidates grown and shrunk greedily."""
+    import itertools
+
+    master, n = cluster.master, len(cluster.devices)
+    others = [i for i in range(n) if i != master]
+    if n <= exhaustive_up_to:
+        subsets = [[master, *extra] for k in range(n) for extra in itertools.combinations(others, k)]
+    else:
+        subsets = candidate_subsets(cluster, model, keep=4)
+        subsets += [[i for i in s if i != drop] for s in subsets for drop in s if drop != master]
+    scored = []
+    for subset in subsets:
+        try:
+            scored.append((objective(build_plan(cluster, model, "minmax", subset)), subset))
+        except InsufficientMemory:
+            continue
+    return [subset for _, subset in sorted(scored, key=lambda item: item[0])[:keep]]
 
 
 def _lp_start(cluster: Cluster, model: ModelProfile, algorithm: str, devices: list[int]) -> TensorParallelPlan:

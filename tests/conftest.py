@@ -10,6 +10,15 @@ from halo import BUNDLED_MODEL  # noqa: E402
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def device_cache(tmp_path_factory):
+    """Device benchmarks (and head-importance profiles) go to a temporary directory, inherited by the
+    agents tests start: tests never write into, or prune, the user's ~/.cache/halo."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path_factory.mktemp("devices")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def known_answer() -> str:
     """The greedy text from ../shared/models/stories260K/README.md (bundled copy in halo/assets)."""

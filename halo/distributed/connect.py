@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 from halo.errors import ConfigError
 from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
@@ -11,14 +14,26 @@ from halo.weights import ModelWeights
 
 from .local import LocalCluster
 from .master import DistributedModel
-from .session import DEFAULT_TIMEOUT_S, MasterSettings
+from .session import DEFAULT_TIMEOUT_S, MasterSettings, Session
+
+log = logging.getLogger("halo.master")
+PLAN_KEYWORDS = (None, "measured", "even")
 
 
 def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan=None, compute: list[float] | None = None,
-                  insecure: bool = False, layout: GroupLayout | None = None, **settings) -> DistributedModel:
-    """A master over running agents. plan: a TensorParallelPlan whose participants are the master and then
-    the agents in `endpoints` order (default: an even plan over all of them; `compute` gives relative
-    speeds for an uneven one). settings: MasterSettings fields (context, fmt, timeout_s, sync, ...)."""
+                  insecure: bool = False, layout: GroupLayout | None = None, heads: str = "index", select: bool = True,
+                  fresh: bool = False, **settings) -> DistributedModel:
+    """A master over running agents. plan:
+    - "measured": profile the master and every agent (kernels, memory, link loss / RTT / bandwidth) and plan
+      with the scheduler for the sync mode (cost.py); agents it leaves out are not used (select=False keeps
+      everyone); fresh re-runs the devices' cached benchmarks;
+    - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
+    - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
+    heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
+    the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
+    what protects the important heads, when predictors exist: what `connect`, hence the CLI, uses).
+    settings: MasterSettings fields (context, fmt, timeout_s, sync, ...). What was planned and why:
+    `model.planning`."""
     from halo.linear import resolve_format
 
     layout = layout or GroupLayout.for_model(weights.config)
@@ -27,11 +42,86 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     master_settings = MasterSettings(**settings)
     if master_settings.context <= 0:
         raise ConfigError(f"the context must be at least 1 token, got {master_settings.context}")
-    if plan is None:
-        context = min(weights.config.max_seq_len, master_settings.context)
+    context = min(weights.config.max_seq_len, master_settings.context)
+    if isinstance(plan, str) and plan == "measured":
+        plan, planning = measured_plan(weights, layout, master_settings, endpoints, key, insecure, select, fresh)
+        endpoints = [d.address for d in plan.profiles()[1:]]
+    elif plan is None or (isinstance(plan, str) and plan == "even"):
         plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context)
-    shares = shares_from_plan(plan, weights.config.n_layers)
-    return DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings)
+        planning = {"source": "even" if compute is None else "relative compute"}
+    elif isinstance(plan, str):
+        raise ConfigError(f"plan {plan!r}: give 'measured', 'even' or a TensorParallelPlan")
+    else:
+        planning = {"source": "given", "algorithm": plan.algorithm}
+    order = head_order(weights, master_settings, heads)
+    planning["heads"] = "index" if order is None else "importance"
+    shares = shares_from_plan(plan, weights.config.n_layers, order)
+    model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings)
+    model.plan, model.planning = plan, planning
+    return model
+
+
+def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key,
+                  insecure: bool, select: bool = True, fresh: bool = False, take_over: bool = True):
+    """(plan, planning report) from measured profiles; the plan's participants carry their endpoints."""
+    from halo.scheduler.cost import estimate
+    from halo.scheduler.plan_io import plan_summary
+    from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile, planning_format
+    from halo.scheduler.ratios import InsufficientMemory
+    from halo.scheduler.tp_plan import build_plan, plan_tp
+
+    cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over)
+    profile = model_profile(weights.config, planning_format(settings.fmt, weights),
+                            mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
+    mode = settings.sync.mode
+    try:
+        plan = (plan_tp(cluster, profile, mode=mode, sync=settings.sync) if select
+                else build_plan(cluster, profile, "minmax", prune=False))
+    except InsufficientMemory as e:
+        available = ", ".join(f"{d.name} {d.memory_bytes / 1e6:.1f} MB" for d in cluster.devices)
+        raise InsufficientMemory(f"{e} (measured for the plan: {available}: the available memory less "
+                                 f"{100 * (1 - MEMORY_HEADROOM):.0f} % headroom)") from None
+    return plan, {"source": "measured", **plan_summary(plan, mode, estimate(plan, mode, sync=settings.sync))}
+
+
+def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key=None,
+                    insecure: bool = False, fresh: bool = False, take_over: bool = True):
+    """The scheduler's Cluster from measurements: the master (node 0, its own benchmark) and every agent."""
+    from halo.scheduler.measure import measure_device
+    from halo.scheduler.profiles import Cluster, measured_device, planning_format
+
+    own = measure_device(weights, layout, settings.fmt, 1, "master", fresh)
+    agents = Session.measure(weights, layout, settings, endpoints, key, insecure, take_over, fresh)
+    devices = [measured_device(f"{a['name']}#{i}", a["measured"], a["link"], a["endpoint"])
+               for i, a in enumerate(agents, start=1)]
+    fastest = max([d.bandwidth_bps for d in devices], default=0.0)
+    master = measured_device("master", own, None, "", is_master=True)
+    master = replace(master, bandwidth_bps=max(1e9, fastest))  # its own link is at least as fast as its best path
+    context = min(weights.config.max_seq_len, settings.context)
+    return Cluster((master, *devices), context=context, weights=planning_format(settings.fmt, weights))
+
+
+def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "auto"):
+    """[L, H] heads by importance (halo/scheduler/importance.py), or None for index order."""
+    if heads not in ("auto", "importance", "index"):
+        raise ConfigError(f"heads={heads!r}: choose auto, importance or index")
+    policy = settings.sync.policy
+    if heads == "index" or (heads == "auto" and (policy.all_critical or policy.remap)):
+        # exact modes drop nothing; halo modes already make every partial holding a predicted top head of the
+        # token critical, so placing heads by mean importance only leaves agents droppable more often
+        # (eval/results/cost_model.md, part 4): by importance where placement is the only protection (lossy)
+        return None
+    from halo.loader import load_predictors
+    from halo.scheduler.importance import cached_head_order
+
+    try:
+        predictors = load_predictors(weights, settings.predictors)
+    except ConfigError:
+        if heads == "importance":
+            raise
+        log.info("no predictors for %s: heads stay in index order", weights.source)
+        return None
+    return cached_head_order(weights, predictors)
 
 
 def connect(weights: ModelWeights, stack, *, model_path: str | None = None, local_agents: int = 0,
@@ -41,11 +131,13 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
+    plan: a plan file, or "measured" / "even". By default agents are measured and the scheduler plans
+    for the sync mode; local agents are measured too but all take part (the user asked for N of them).
     mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
     (halo/pipeline/connect.py; `pipeline` holds its own options)."""
     from halo.transport.reliable import load_key
 
-    if mode == "pipeline" or (plan and _plan_mode(plan) == "pipeline"):
+    if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and _plan_mode(plan) == "pipeline"):
         from halo.pipeline.connect import connect_pipeline
 
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
@@ -64,20 +156,22 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
     if cluster_key is None and not insecure:
         cluster_key = load_key(key)
-    tp_plan = _load_plan(weights, layout, plan, cluster)
+    sync = sync or SyncSettings()
+    tp_plan = None if plan in PLAN_KEYWORDS else _load_plan(weights, layout, plan, cluster, sync)
     if tp_plan is None and endpoints is None:
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
     if endpoints is None:
         endpoints = _plan_addresses(tp_plan)
-    model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan, insecure=insecure, layout=layout,
-                          context=context, timeout_s=timeout, fmt=fmt, sync=sync or SyncSettings(),
-                          predictors=predictors)
+    model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", insecure=insecure,
+                          layout=layout, select=not (local_agents and plan is None), heads="auto", context=context,
+                          timeout_s=timeout, fmt=fmt, sync=sync, predictors=predictors)
     stack.callback(model.close)
     return model
 
 
-def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None):
-    """A saved plan, a plan over a cluster file's devices, or None (an even plan over the given agents)."""
+def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings):
+    """A saved plan, a plan over a cluster file's devices (for the sync mode, its links' loss included), or
+    None (measure the given agents)."""
     if plan:
         from halo.scheduler import plan_io
 
@@ -92,7 +186,7 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
         cluster_file = load_cluster(cluster)
         profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
                                 vocab_group_size=layout.vocab_group_size)
-        return plan_tp(cluster_file, profile)
+        return plan_tp(cluster_file, profile, mode=sync.mode, sync=sync)
     return None
 
 

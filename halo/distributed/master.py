@@ -21,6 +21,7 @@ from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, 
 from halo.worker import DeviceWorker
 from halo.weights import ModelWeights
 
+from .estimates import RunningEstimates
 from .remote import RemoteAgent
 from .rounds import MasterRound, RoundContext
 from .session import MasterSettings, Session
@@ -61,6 +62,9 @@ class DistributedModel:
                                    self.timeout_s, c.dim, self._ranks_of)
         # who holds groups of which block, worked out once: the per-token loop only looks them up
         self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
+        # scheduler hooks: running estimates fed once per forward pass; what was planned (set by connect.py)
+        self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout)
+        self.plan, self.planning = None, {}
 
     def _blocks(self):
         for l in range(self.config.n_layers):
@@ -86,6 +90,7 @@ class DistributedModel:
         logits = self._block(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
         self.pos = start + len(tokens)
         self.step += 1
+        self.estimates.observe(len(tokens))  # scheduler hook (estimates.py)
         return logits if all_logits else logits[0]
 
     def _block(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:

@@ -1,11 +1,18 @@
-"""The master's control plane for one session: connect to the agents, say hello, open UDP, probe links.
+"""The master's control plane for one session: profile the agents, say hello, open UDP, probe links.
+
+Before planning (`measure_agents`): a `profile` request to every agent (protocol, model sha256, weight
+format, group sizes, the master's UDP session) makes it time its group kernels and report its memory
+(halo/scheduler/measure.py, cached on the device), and join the master's UDP session so that the
+master can probe its link with enough packets to tell 1 % loss from none (transport/probe.py). The
+master measures itself the same way; the scheduler plans from the figures, and only then is the
+session opened with each participant's share.
 
 Hello tells each agent the protocol, the model's sha256, its share and node id, the sync settings,
 the weight format (cluster-wide) and where the master's UDP endpoint listens (its port; the agent
 takes the master's address from the control connection). Each agent loads its share while
-answering, with its own profile and UDP port. Every blocking call has a bound: a hello within
-`hello_timeout_s`, every later reply within `timeout_s`, every send within `timeout_s`, and `close`
-never waits for an agent that is gone.
+answering, with its own profile and UDP port. Every blocking call has a bound: a profile within
+`profile_timeout_s`, a hello within `hello_timeout_s`, every later reply within `timeout_s`, every
+send within `timeout_s`, and `close` never waits for an agent that is gone.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class MasterSettings:
     fmt: str = "fp32"  # weight format, cluster-wide
     timeout_s: float = DEFAULT_TIMEOUT_S  # an agent silent this long is an error
     hello_timeout_s: float = 10.0  # agents load their share while answering hello
+    profile_timeout_s: float = 60.0  # a first kernel benchmark (a big model in 4-bit on a Pi: many seconds)
     probe_links: bool = True  # measure every link (loss, RTT, bandwidth) at start
     sync: SyncSettings = field(default_factory=SyncSettings)
     predictors: str | None = None  # HALO mode: trained predictors (default: beside the model)
@@ -74,6 +82,47 @@ class Session:
             session.close()
             raise
         return session
+
+    @classmethod
+    def measure(cls, weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str],
+                key=None, insecure: bool = False, take_over: bool = True, fresh: bool = False) -> list[dict]:
+        """Profile every agent and probe its link, one agent at a time (each benchmark runs alone on its
+        device, and a shared machine, a test bed, does not skew them). take_over: an agent serving another
+        master ends that session (we are about to say hello); else it refuses, busy. fresh: re-run cached
+        benchmarks."""
+        from halo.loader import model_fingerprint
+        from halo.transport.probe import PLANNING_INTERVAL_S, PLANNING_PROBES, probe
+        from halo.transport.reliable import PROTOCOL_VERSION
+
+        session = cls({}, None, zmq.Context())
+        try:
+            request = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
+                       "weights": settings.fmt, "mlp_group_size": layout.mlp_group_size,
+                       "vocab_group_size": layout.vocab_group_size, "master": os.uname().nodename,
+                       "take_over": take_over, "fresh": fresh, **session._open_udp(key, settings)}
+            nothing = Shares([[]] * weights.config.n_layers, [[]] * weights.config.n_layers, [])
+            results = []
+            for node_id, endpoint in enumerate(endpoints, start=1):
+                agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.profile_timeout_s, layout)
+                agent.send("profile", {**request, "node_id": node_id})
+                try:
+                    reply = agent.receive("the profile request")  # within profile_timeout_s: a first benchmark
+                except AgentError as e:
+                    if "before hello" in str(e):
+                        raise AgentError(f"{e} (it predates measured plans: upgrade it, or give --plan even)") from None
+                    raise
+                port = reply.fields.get("udp_port")
+                if not isinstance(reply.fields.get("measured"), dict) or not isinstance(port, int):
+                    raise AgentError(f"agent {agent} sent a profile without measurements or UDP port; "
+                                     "run the same halo version on the master and every agent")
+                link = probe(session.udp, (agent.host, port), count=PLANNING_PROBES, interval_s=PLANNING_INTERVAL_S,
+                             burst=32, wait_s=0.2)
+                results.append({"endpoint": endpoint, "name": str(reply.fields.get("name", agent.name)),
+                                "measured": reply.fields["measured"], "profile": reply.fields.get("profile", {}),
+                                "link": link.to_json()})
+            return results
+        finally:
+            session.close()
 
     def _open_udp(self, key, settings: MasterSettings) -> dict:
         from halo.transport.udp import UdpEndpoint

@@ -1,0 +1,110 @@
+"""Measured plans over local agents: the profile request, the plan `generate` uses by default, running
+estimates in --json and status, and `halo-master plan --local-agents` saying why."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import zmq
+
+from halo.distributed import LocalCluster, cluster_model
+from halo.generate import generate
+from halo.loader import load_tokenizer, model_fingerprint
+from halo.sync import SyncSettings
+from halo.transport.reliable import PROTOCOL_VERSION, Message, client_socket, decode, encode
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))  # agents inherit it: fresh benchmarks
+        with LocalCluster(2) as local:
+            yield local
+
+
+def test_a_measured_plan_keeps_the_known_answer_and_says_what_it_measured(stories_weights, known_answer, cluster):
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="measured", select=False,
+                          context=CONTEXT, sync=SyncSettings(mode="exact"))
+    try:
+        text = generate(model, load_tokenizer(stories_weights), "", 60).text
+        planning, estimates = model.planning, model.estimates.to_json()
+    finally:
+        model.close()
+    assert known_answer.startswith(text)
+    assert planning["source"] == "measured" and planning["mode"] == "exact"
+    devices = {d["name"].split("#")[0]: d for d in planning["devices"]}
+    assert set(devices) == {"master", "local-1", "local-2"} and all(d["participant"] for d in devices.values())
+    for name in ("local-1", "local-2"):
+        assert devices[name]["plr"] == 0.0 and 0 < devices[name]["latency_ms"] < 50 and devices[name]["gflops"] > 0
+        assert devices[name]["address"] in cluster.endpoints
+    assert estimates["ms_per_token"] > 0
+    rows = {r["node_id"]: r for r in estimates["devices"]}
+    assert set(rows) == {0, 1, 2} and all(r["tokens"] > 0 for r in rows.values())
+    held = [r for r in rows.values() if r["groups"]]
+    assert held and all(r["compute_ms_per_token"] > 0 for r in held)
+
+
+def test_the_scheduler_may_leave_agents_out_and_they_are_not_used(stories_weights, known_answer, cluster):
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="measured", context=CONTEXT)
+    try:
+        text = generate(model, load_tokenizer(stories_weights), "", 30).text
+        used = [d["address"] for d in model.planning["devices"][1:] if d["participant"]]
+        assert sorted(a.endpoint for a in model.agents.values()) == sorted(used)
+    finally:
+        model.close()
+    assert known_answer.startswith(text)
+
+
+def ask(endpoint, key, kind, fields):
+    context = zmq.Context()
+    try:
+        sock = client_socket(context, key)
+        sock.connect(endpoint)
+        sock.send_multipart(encode(Message(kind, fields)))
+        assert sock.poll(20000), f"no answer to {kind}"
+        return decode(sock.recv_multipart())
+    finally:
+        context.destroy(linger=0)
+
+
+def test_profile_requests_are_validated_and_a_busy_agent_is_not_taken_over(stories_weights, cluster):
+    request = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(stories_weights.source),
+               "weights": "fp32", "mlp_group_size": 22, "vocab_group_size": 256, "udp_session": 7, "node_id": 1}
+    reply = ask(cluster.endpoints[0], cluster.key, "profile", request)
+    assert reply.kind == "profile" and reply.fields["measured"]["compute_flops"] > 0
+    assert isinstance(reply.fields["udp_port"], int)
+    for bad, reason in (({"model_sha256": "0" * 64}, "model mismatch"), ({"protocol": 0}, "upgrade halo"),
+                        ({"weights": "fp8"}, "unknown weight format"), ({"mlp_group_size": "x"}, "bad profile request"),
+                        ({"udp_session": -1}, "32-bit session"), ({"node_id": 255}, "outside 1..254")):
+        reply = ask(cluster.endpoints[0], cluster.key, "profile", {**request, **bad})
+        assert reply.kind == "refused" and reason in reply.fields["reason"]
+    model = cluster_model(stories_weights, cluster.endpoints[:1], cluster.key, context=CONTEXT)
+    try:
+        busy = ask(cluster.endpoints[0], cluster.key, "profile", request)
+        assert busy.kind == "refused" and "busy" in busy.fields["reason"]
+        model.forward([1, 2])
+        model.forward([3])
+        status = ask(cluster.endpoints[0], cluster.key, "status", {})
+        estimates = status.fields["session"]["estimates"]
+        assert estimates["attention"]["blocks"] > 0 and estimates["attention"]["ms_per_block"] > 0
+    finally:
+        model.close()
+
+
+def test_plan_command_measures_local_agents_and_writes_a_usable_plan(tmp_path):
+    from halo.scheduler import plan_io
+
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--local-agents", "1", "--sync", "tcp", "--all-devices",
+                          "--out", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "measured tensor-parallel plan" in out.stdout and "local-1#1" in out.stdout
+    assert "estimate, tcp sync" in out.stdout
+    plan = plan_io.load(tmp_path / "plan.json")
+    assert [d.name for d in plan.profiles()] == ["master", "local-1#1"]
+    assert plan.profiles()[1].address.startswith("tcp://127.0.0.1:")
+    assert np.isclose(sum(plan.counts["lm_head"]), plan.model.lm_head.count)
