@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from .report import command_line, write_report
+from halo.distributed.local import module_command
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-costmodel-2048"
 MODEL_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
@@ -322,7 +323,7 @@ class ThrottledAgents:
 
 
 def run_master(bed, job: str, model: Path, key: Path, endpoints: list[str], args) -> dict:
-    argv = [sys.executable, "-m", "halo.eval.bench_cost_model", "master", "--job", job, "--model", str(model),
+    argv = [*module_command("halo.eval.bench_cost_model"), "master", "--job", job, "--model", str(model),
             "--key", str(key), "--endpoints", ",".join(endpoints), "--tokens", str(args.tokens),
             "--ppl-tokens", str(args.ppl_tokens), "--data", str(args.data)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from .random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
 from .report import command_line, write_report  # noqa: E402
+from halo.distributed.local import module_command
 
 FORMATS = ("fp32", "int8")
 
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     rows = []
     for fmt, threads in runs:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-        out = subprocess.run([sys.executable, "-m", "halo.eval.bench_engine", "--worker", model, fmt,
+        out = subprocess.run([*module_command("halo.eval.bench_engine"), "--worker", model, fmt,
                               "--tokens", str(args.tokens), "--context", str(args.context), "--threads", str(threads)],
                              capture_output=True, text=True, env=env)
         if out.returncode:

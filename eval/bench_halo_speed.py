@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .report import command_line, write_report
+from halo.distributed.local import module_command
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
 MODES = ("tcp", "exact", "lossy", "halo", "halo-tcp")
@@ -127,7 +128,7 @@ class Cluster:
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
                time_limit: float, weights: str = "native") -> dict:
     """sync "single": the single-process model, in the master's namespace (same machine, same weights)."""
-    argv = [sys.executable, "-P", "-m", "halo.eval.bench_halo_speed", "master", "--model", str(model), "--key", str(key),
+    argv = [*module_command("halo.eval.bench_halo_speed"), "master", "--model", str(model), "--key", str(key),
             "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
             "--settings", json.dumps(settings), "--time-limit", str(time_limit)]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

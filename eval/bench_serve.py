@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .report import command_line, write_report
+from halo.distributed.local import module_command
 
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
            "In the park there was", "Sue and her mom went", "The sun was shining and", "A big red ball")
@@ -86,7 +87,7 @@ def clients_main(args) -> None:
 
 # ---- one setting -------------------------------------------------------------------------------------------------
 def start_server(popen, argv: list[str]) -> tuple[subprocess.Popen, str]:
-    process = popen([sys.executable, "-m", "halo.cli", "serve", "--port", "0", "--log-level", "warning",
+    process = popen([*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning",
                      "--max-queue", "64", "--request-timeout", "600", *argv],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -122,14 +123,14 @@ def run_setting(name: str, popen, server_argv: list[str], args) -> dict:
     sampler = threading.Thread(target=sample_memory, args=(server.pid, stop, samples), daemon=True)
     try:
         sampler.start()
-        clients = popen([sys.executable, "-m", "halo.eval.bench_serve", "clients", "--url", url, "--clients",
+        clients = popen([*module_command("halo.eval.bench_serve"), "clients", "--url", url, "--clients",
                          str(args.clients), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = clients.communicate(timeout=args.duration + 900)
         records = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         if records is None:
             raise RuntimeError(f"the clients failed: {err[-3000:]}")
-        status = popen([sys.executable, "-m", "halo.cli", "status", "--server", url, "--json"], stdout=subprocess.PIPE,
+        status = popen([*module_command("halo.cli"), "status", "--server", url, "--json"], stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
         view = json.loads(status.communicate(timeout=60)[0] or "null")  # the cluster view after the run
         alive = server.poll() is None

@@ -23,6 +23,7 @@ import sys
 import time
 
 import numpy as np
+from halo.distributed.local import module_command
 
 PORT = 7400
 MODES = ("tcp", "lossy", "fast")
@@ -121,7 +122,7 @@ def master(args) -> None:
 
 
 def run_setting(bed, n: int, dim: int, mode: str, rounds: int, time_limit: float, key: str) -> dict:
-    me = [sys.executable, "-m", "halo.eval.bench_transport"]
+    me = module_command("halo.eval.bench_transport")
     common = ["--mode", mode, "--dim", str(dim), "--rounds", str(rounds), "--key", key]
     agents = [bed.popen(f"agent-{i}", me + ["--role", "agent", "--node", str(i), "--bind", bed.address(f"agent-{i}"),
                                             "--master", bed.address("master")] + common,

@@ -80,3 +80,17 @@ def test_master_and_agent_share_one_worker_and_neither_imports_the_other():
     agent = {d for m, deps in graph.items() if m.startswith("halo.edge_agent") for d in deps}
     assert not any(d.startswith("halo.distributed") for d in agent)
     assert "halo.worker" in graph["halo.distributed.master"] and "halo.worker" in graph["halo.edge_agent.agent"]
+
+
+def test_every_halo_child_process_starts_with_the_installed_package_first():
+    """From a checkout's root, `python -m halo.X` would import the source folder halo/ (no edge_agent, eval,
+    scheduler inside) instead of the installed package: children start through module_command (-P)."""
+    offenders = []
+    for folder in [*PACKAGES, "eval"]:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.List) and len(node.elts) >= 3:
+                    values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts[:3]]
+                    if "-m" in values and any(isinstance(v, str) and v.startswith("halo") for v in values):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"start halo children with halo.distributed.module_command: {offenders}"

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .targets import TARGETS, Target, run_one
+from halo.distributed.local import module_command
 
 RESULT_PREFIX = "HALO-FUZZ-RESULT "
 SCRATCH = Path(__file__).resolve().parents[1] / "results" / "_scratch" / "fuzz"
@@ -85,7 +86,7 @@ def fuzz(name: str, seconds: float, runs: int | None = None, engine: str = "auto
     corpus, artifacts = workdir / "corpus", workdir / "artifacts"
     corpus.mkdir(parents=True, exist_ok=True)
     artifacts.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "halo.eval.fuzz", "--worker", name, "--engine", engine, "--memory-mb", str(memory_mb),
+    argv = [*module_command("halo.eval.fuzz"), "--worker", name, "--engine", engine, "--memory-mb", str(memory_mb),
             "--seconds", str(seconds), "--seed", str(seed), "--workdir", str(workdir)]
     if runs:
         argv += ["--runs", str(runs)]

@@ -9,10 +9,10 @@
 """
 
 from .connect import cluster_model, connect
-from .local import AgentProcess, LocalCluster, agent_command, stop_processes
+from .local import AgentProcess, LocalCluster, agent_command, module_command, stop_processes
 from .master import DistributedModel
 from .remote import AgentError, RemoteAgent
 from .session import DEFAULT_TIMEOUT_S, MasterSettings
 
 __all__ = ["AgentError", "AgentProcess", "DEFAULT_TIMEOUT_S", "DistributedModel", "LocalCluster", "MasterSettings",
-           "RemoteAgent", "agent_command", "cluster_model", "connect", "stop_processes"]
+           "RemoteAgent", "agent_command", "cluster_model", "connect", "module_command", "stop_processes"]

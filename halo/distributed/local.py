@@ -118,11 +118,18 @@ class LocalCluster:
             self._limits.restore_original_limits()
 
 
+def module_command(module: str, *args: str) -> list[str]:
+    """`python -P -m module args`: every halo child process starts this way, so that from a source checkout's
+    root the installed package, not the source folder halo/ (which lacks halo.edge_agent, halo.eval, ...), is
+    the one it imports (see the module docstring)."""
+    return [sys.executable, "-P", "-m", module, *map(str, args)]
+
+
 def agent_command(listen: str, key_path, name: str, threads: int = 1, model_path=None, predictors=None,
                   log_level: str = "WARNING", module: str = "halo.edge_agent") -> list[str]:
-    """The command line of a daemon started by this process (see the module docstring for -P)."""
-    argv = [sys.executable, "-P", "-m", module, "--listen", listen, "--key", str(key_path), "--name", name,
-            "--log-level", log_level, "--threads", str(threads)]
+    """The command line of a daemon started by this process."""
+    argv = module_command(module, "--listen", listen, "--key", key_path, "--name", name, "--log-level", log_level,
+                          "--threads", threads)
     if model_path:
         argv += ["--model", str(model_path)]
     if predictors:
