@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from .report import command_line, write_report
-from halo.distributed.local import module_command
+from halo.distributed.local import AgentProcess, module_command
+from halo.errors import HaloError
 
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
            "In the park there was", "Sue and her mom went", "The sun was shining and", "A big red ball")
@@ -86,19 +87,14 @@ def clients_main(args) -> None:
 
 
 # ---- one setting -------------------------------------------------------------------------------------------------
-def start_server(popen, argv: list[str]) -> tuple[subprocess.Popen, str]:
-    process = popen([*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning",
-                     "--max-queue", "64", "--request-timeout", "600", *argv],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if line.startswith("LISTENING "):
-            return process, line.split()[1]
-        if not line and process.poll() is not None:
-            break
-    process.kill()
-    raise RuntimeError(f"the server did not start: {process.stderr.read()[-3000:]}")
+def start_server(popen, argv: list[str]) -> tuple[AgentProcess, str]:
+    server = AgentProcess("server", [*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning",
+                                     "--max-queue", "64", "--request-timeout", "600", *argv], popen)
+    try:
+        return server, server.wait_listening(120)
+    except HaloError as e:
+        server.kill()
+        raise RuntimeError(f"the server did not start: {e}") from None
 
 
 def sample_memory(pid: int, stop: threading.Event, samples: list) -> None:

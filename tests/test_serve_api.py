@@ -265,4 +265,4 @@ def test_listening_beyond_localhost_without_a_key_warns_loudly(tmp_path):
         assert httpx.get(url.replace("0.0.0.0", "127.0.0.1") + "/health", timeout=10).status_code == 200
     finally:
         stop_server(process)
-    assert "WITHOUT an API key" in process.err_path.read_text()
+    assert "WITHOUT an API key" in process.said()

@@ -30,7 +30,8 @@ STDERR_TAIL_LINES = 20
 
 
 class AgentProcess:
-    """One local agent process: its endpoint once it listens, and the tail of what it said on stderr."""
+    """One local halo daemon (agent, stage worker, or `halo-master serve`): its address once it prints its
+    LISTENING line, and the tail of what it said on stderr (relayed, so a full pipe never blocks it)."""
 
     def __init__(self, name: str, argv: list[str], popen=subprocess.Popen):
         """popen: how to start it (e.g. inside a network namespace of the test bed)."""
@@ -62,9 +63,14 @@ class AgentProcess:
         code = self.process.poll()
         if code is None:
             raise HaloError(f"local agent {self.name} did not start listening within {timeout_s:.0f} s")
-        self._relay.join(timeout=1.0)
-        said = "\n  ".join(self.stderr_tail) or "(nothing on stderr)"
+        said = self.said().replace("\n", "\n  ") or "(nothing on stderr)"
         raise HaloError(f"local agent {self.name} exited with code {code} before it listened; it said:\n  {said}")
+
+    def said(self) -> str:
+        """The last lines it wrote to stderr (all of them once it has exited)."""
+        if self.process.poll() is not None:
+            self._relay.join(timeout=1.0)
+        return "\n".join(self.stderr_tail)
 
     def __getattr__(self, name):  # poll, kill, wait, terminate, pid: the process's own
         return getattr(self.process, name)
