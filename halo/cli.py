@@ -237,6 +237,13 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
+    cluster.add_argument("--on-agent-loss", choices=("replan", "stop"), default="replan",
+                         help="replan (default): when an agent fails, re-plan over the agents still answering, "
+                              "replay the tokens so far on the new assignment and go on; agents that come back are "
+                              "taken in again · stop: end the generation with the agent's error")
+    cluster.add_argument("--rejoin-after", type=number(0), default=5.0, metavar="S",
+                         help="an agent that failed is asked again after S seconds, doubling with each further "
+                              "failure (a flapping device re-plans rarely; default 5)")
     pipe = parser.add_argument_group("pipeline mode (contiguous layer ranges on stage workers; see halo/pipeline/)")
     pipe.add_argument("--mode", choices=("tp", "pipeline"), default="tp",
                       help="tp: tensor-parallel agents (default) · pipeline: halo-stage-worker processes and browser "
@@ -318,30 +325,13 @@ def _agents_status(args) -> int:
 
 
 def _query_agents(args) -> tuple[list[dict], int]:
-    import zmq
-
-    from .transport.reliable import Message, MessageError, client_socket, decode, encode, load_key
+    from .distributed.remote import ask_status
+    from .transport.reliable import load_key
 
     key = None if args.insecure else load_key(args.key)
-    context = zmq.Context()
-    rows, failed = [], 0
-    try:
-        for endpoint in args.agents:
-            sock = client_socket(context, key, args.insecure)
-            sock.connect(endpoint)
-            sock.send_multipart(encode(Message("status")))
-            if sock.poll(int(args.timeout * 1000)):
-                try:
-                    rows.append({"endpoint": endpoint, **decode(sock.recv_multipart()).fields})
-                except MessageError as e:
-                    rows.append({"endpoint": endpoint, "error": f"not a halo agent's answer: {e}"})
-                    failed += 1
-            else:
-                rows.append({"endpoint": endpoint, "error": f"no answer within {args.timeout:.1f} s"})
-                failed += 1
-    finally:
-        context.destroy(linger=0)
-    return rows, failed
+    answers = ask_status(args.agents, key, args.insecure, args.timeout)
+    rows = [{"endpoint": endpoint, **answers[endpoint]} for endpoint in args.agents]
+    return rows, sum("error" in r for r in rows)
 
 
 def _agents_table(rows: list[dict]):
@@ -456,10 +446,12 @@ def open_model(args, weights, stack):
             raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
         return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
+    from .distributed.survive import SurvivalSettings
 
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
+                   survive=SurvivalSettings(rejoin_after_s=args.rejoin_after) if args.on_agent_loss == "replan" else None,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
                        "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})

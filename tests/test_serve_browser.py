@@ -1,7 +1,7 @@
 """The chat page and the live cluster view in a real browser: headless Chromium driven by playwright-core.
 
-Needs Debian's `chromium`, `node` and `npm install --prefix docs/browser` (playwright-core downloads
-no browser); skips, saying which is missing, otherwise.
+Needs Debian's `chromium`, `node` and `npm ci --prefix web` (playwright-core, which downloads no
+browser; .ci/run installs all three); skips, saying which is missing, otherwise.
 """
 
 import json
@@ -10,12 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from serve_server import API_KEY, start_server, stop_server
 
-pytest.importorskip("uvicorn", reason="halo-master serve needs the serve extra")
-
-from serve_server import API_KEY, start_server, stop_server  # noqa: E402
-
-BROWSER_DIR = Path(__file__).resolve().parents[1] / "docs" / "browser"
+WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 
 
 def browser_missing() -> str | None:
@@ -23,8 +20,8 @@ def browser_missing() -> str | None:
         return "Debian's chromium is not installed (apt-get install chromium)"
     if not shutil.which("node"):
         return "node is not installed"
-    if not (BROWSER_DIR / "node_modules" / "playwright-core").exists():
-        return "playwright-core is not installed (npm install --prefix docs/browser)"
+    if not (WEB_DIR / "node_modules" / "playwright-core").exists():
+        return "playwright-core is not installed (npm ci --prefix web)"
     return None
 
 
@@ -33,7 +30,7 @@ def test_chat_page_streams_an_answer_and_shows_live_cluster_numbers(tmp_path):
     process, url = start_server(tmp_path, "--local-agents", "2", "--sync", "halo", "--inject-plr", "0.05")
     try:
         shot = tmp_path / "page.png"
-        out = subprocess.run(["node", str(BROWSER_DIR / "chat_page.mjs"), url, str(shot), API_KEY, "Once upon a time"],
+        out = subprocess.run(["node", str(WEB_DIR / "scripts" / "chat_page.mjs"), url, str(shot), API_KEY, "Once upon a time"],
                              capture_output=True, text=True, timeout=240)
     finally:
         stop_server(process)

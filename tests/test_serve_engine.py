@@ -126,11 +126,39 @@ def agent_processes() -> list:
     return [p for p in psutil.Process().children() if "halo.edge_agent" in " ".join(p.cmdline())]
 
 
-def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_weights, tokenizer):
+def test_an_agent_failure_is_planned_around_inside_the_request(stories_weights, tokenizer):
+    """--on-agent-loss replan (the default): the request completes on the agent left; the view says so."""
     from halo.distributed import connect
 
     def open_model(stack):
         return connect(stories_weights, stack, local_agents=2, context=512, timeout=1.0)
+
+    expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
+    engine = engine_for(stories_weights, tokenizer, open_model)
+    try:
+        victim = next(p for p in agent_processes() if "local-2" in " ".join(p.cmdline()))
+        victim.kill()
+        victim.wait(10)
+
+        async def run():
+            return await collect(engine.submit(request(tokens=12), asyncio.get_running_loop()))
+
+        text, (kind, _) = asyncio.run(run())
+        view = engine.snapshot
+    finally:
+        engine.close()
+    assert text == expected and kind == "done"
+    assert engine.totals.rebuilds == 0 and view["replans"]["count"] == 1
+    assert view["replans"]["last"]["lost"] and "local-2" not in " ".join(d["name"] for d in view["devices"])
+    assert [d["role"] for d in view["devices"]] == ["master", "agent"]
+
+
+def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_weights, tokenizer):
+    """--on-agent-loss stop: the request fails naming the agent; the next one rebuilds the cluster."""
+    from halo.distributed import connect
+
+    def open_model(stack):
+        return connect(stories_weights, stack, local_agents=2, context=512, timeout=1.0, survive=None)
 
     expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
     engine = engine_for(stories_weights, tokenizer, open_model)

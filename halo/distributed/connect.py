@@ -15,6 +15,7 @@ from halo.weights import ModelWeights
 from .local import LocalCluster
 from .master import DistributedModel
 from .session import DEFAULT_TIMEOUT_S, MasterSettings, Session
+from .survive import SurvivalSettings, SurvivingModel
 
 log = logging.getLogger("halo.master")
 PLAN_KEYWORDS = (None, "measured", "even")
@@ -128,13 +129,16 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             agents: list[str] | None = None, cluster: str | None = None, plan: str | None = None,
             key: str | None = "/etc/halo/cluster.key", insecure: bool = False, context: int | None = None,
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
-            predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None):
+            predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
+            survive: SurvivalSettings | None = SurvivalSettings()):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" / "even". By default agents are measured and the scheduler plans
     for the sync mode; local agents are measured too but all take part (the user asked for N of them).
     mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
-    (halo/pipeline/connect.py; `pipeline` holds its own options)."""
+    (halo/pipeline/connect.py; `pipeline` holds its own options).
+    survive: a tensor-parallel master re-plans over the agents left when one fails, and takes back agents
+    that return (survive.py); None: an agent failure ends the generation with its error."""
     from halo.transport.reliable import load_key
 
     if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and _plan_mode(plan) == "pipeline"):
@@ -162,11 +166,42 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
     if endpoints is None:
         endpoints = _plan_addresses(tp_plan)
-    model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", insecure=insecure,
-                          layout=layout, select=not (local_agents and plan is None), heads="auto", context=context,
-                          timeout_s=timeout, fmt=fmt, sync=sync, predictors=predictors)
+    select = not (local_agents and plan is None)
+    settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
+                    sync=sync, predictors=predictors)
+    model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
+                          **settings)
+    if survive is not None:
+        model = SurvivingModel(model, endpoints, survivors_planner(weights, layout, model, select, sync, context),
+                               lambda p, e: cluster_model(weights, e, cluster_key, plan=p, **settings),
+                               cluster_key, insecure, survive)
     stack.callback(model.close)
     return model
+
+
+def survivors_planner(weights: ModelWeights, layout: GroupLayout, first: DistributedModel, select: bool,
+                      sync: SyncSettings, context: int):
+    """endpoints -> (plan, its agents' endpoints) over the master and those agents, planned as the first plan
+    was: an even plan stays even; a measured or declared one is planned again by the scheduler from the
+    profiles it was made from (a device without one, i.e. never measured, is not used)."""
+    from halo.scheduler.profiles import Cluster
+    from halo.scheduler.tp_plan import build_plan, plan_tp
+
+    first_plan, source = first.plan, first.planning.get("source")
+    if source in ("even", "relative compute"):
+        return lambda endpoints: (even_plan(weights, layout, len(endpoints) + 1, context=context), list(endpoints))
+    cluster = first_plan.cluster
+    master = cluster.devices[cluster.master]
+    known = {_address(d): d for d in cluster.devices if d is not master and d.address}
+
+    def replan(endpoints: list[str]):
+        devices = (master, *(known[e] for e in endpoints if e in known))
+        survivors = replace(cluster, devices=devices)
+        plan = (plan_tp(survivors, first_plan.model, mode=sync.mode, sync=sync) if select
+                else build_plan(survivors, first_plan.model, "minmax", prune=False))
+        return plan, _plan_addresses(plan)
+
+    return replan
 
 
 def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings):
@@ -206,5 +241,9 @@ def _plan_addresses(tp_plan) -> list[str]:
     for d in tp_plan.profiles()[1:]:
         if not d.address:
             raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
-        endpoints.append(d.address if d.address.startswith("tcp://") else f"tcp://{d.address}")
+        endpoints.append(_address(d))
     return endpoints
+
+
+def _address(device) -> str:
+    return device.address if device.address.startswith("tcp://") else f"tcp://{device.address}"

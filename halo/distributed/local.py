@@ -105,16 +105,27 @@ class LocalCluster:
         self.key_path = Path(self._dir.name) / "cluster.key"
         self.key = generate_key(self.key_path)
         try:
-            for i in range(self.n):
-                name = f"{self.name}-{i + 1}"
-                argv = agent_command("tcp://127.0.0.1:0", self.key_path, name, self.threads, self.model_path,
-                                     self.predictors, module=self.module) + list(self.extra_args)
-                self.processes.append(AgentProcess(name, argv))
+            self.processes = [self._start(i, "tcp://127.0.0.1:0") for i in range(self.n)]
             self.endpoints = [p.wait_listening(self.timeout) for p in self.processes]
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def _start(self, i: int, listen: str) -> AgentProcess:
+        name = f"{self.name}-{i + 1}"
+        argv = agent_command(listen, self.key_path, name, self.threads, self.model_path, self.predictors,
+                             module=self.module) + list(self.extra_args)
+        return AgentProcess(name, argv)
+
+    def restart(self, i: int) -> str:
+        """Start daemon i again at its old address once its process has ended: a device that rebooted. Call it
+        from a thread that lives as long as the cluster: a child dies with the thread that started it
+        (PR_SET_PDEATHSIG)."""
+        if self.processes[i].poll() is None:
+            raise HaloError(f"{self.processes[i].name} is still running; stop it before restarting it")
+        self.processes[i] = self._start(i, self.endpoints[i])
+        return self.processes[i].wait_listening(self.timeout)
 
     def __exit__(self, *exc) -> None:
         stop_processes(self.processes)

@@ -28,6 +28,7 @@ class AgentStats:
     requests: int = 0  # replies received over the control connection
     wait_ms: float = 0.0  # time the master spent waiting for those replies
     compute_ms: float = 0.0  # the agent's own compute, as it reports it
+    reply_ms: float = 0.0  # UDP modes: from sending a round's input to holding the agent's partial (or giving up)
     cpu_ms: float = 0.0
     bytes_sent: int = 0  # over the control connection (all of a round's data in the TCP sync modes)
     bytes_received: int = 0
@@ -48,7 +49,7 @@ class RemoteAgent:
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
     monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
-    link: str = "connecting"  # connecting, connected, secured (handshake done)
+    link: str = "connecting"  # connecting, connected, secured (handshake done), disconnected
     keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
 
     def __post_init__(self):
@@ -105,7 +106,15 @@ class RemoteAgent:
                 return True
             if self.monitor in events:
                 self._read_monitor()
+                if self.link == "disconnected":  # the reply died with the connection: no use waiting for it
+                    return self.socket.poll(0) != 0
         return False
+
+    def gone(self) -> bool:
+        """Whether its control connection closed (the agent process ended, or its host went down)."""
+        if self.monitor is not None:
+            self._read_monitor()
+        return self.link == "disconnected"
 
     def _read_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -117,6 +126,8 @@ class RemoteAgent:
                 self.link = "connected"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.link = "secured"
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.link = "disconnected"
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
@@ -138,6 +149,8 @@ class RemoteAgent:
             self._read_monitor()
         if self.link == "connecting":
             return "nothing accepted a connection there (no agent running, wrong address or port, or a firewall)"
+        if self.link == "disconnected":
+            return "its connection closed (the agent process ended, or its host went down)"
         return "it stopped, crashed or lost its network"
 
     def close(self) -> None:
@@ -160,3 +173,30 @@ class RemoteAgent:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.endpoint})"
+
+
+def ask_status(endpoints: list[str], key=None, insecure: bool = False, timeout_s: float = 1.0) -> dict[str, dict]:
+    """Each endpoint's answer to a `status` request (its fields), or {"error": why} where none came within
+    timeout_s. All are asked at once: the wait is timeout_s at most, however many do not answer."""
+    from halo.transport.reliable import client_socket
+
+    context = zmq.Context()
+    answers, sockets = {}, {}
+    try:
+        for endpoint in endpoints:
+            sock = client_socket(context, key, insecure)
+            sock.connect(endpoint)
+            sock.send_multipart(encode(Message("status")))
+            sockets[endpoint] = sock
+        deadline = time.monotonic() + timeout_s
+        for endpoint, sock in sockets.items():
+            if sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
+                try:
+                    answers[endpoint] = decode(sock.recv_multipart()).fields
+                except MessageError as e:
+                    answers[endpoint] = {"error": f"not a halo agent's answer: {e}"}
+            else:
+                answers[endpoint] = {"error": f"no answer within {timeout_s:.1f} s"}
+    finally:
+        context.destroy(linger=0)
+    return answers

@@ -77,6 +77,7 @@ class MasterRound:
                               late_deadline_s=max(0.0, late - waited), critical=plan.critical, nack=plan.nack,
                               silent_s=AdaptiveDeadline.chase_after_s(deadline))
         result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, wire.FLOAT32, policy, on_silent=self._chase)
+        gathered = time.perf_counter() - self.sent_at
         if any(i not in plan.critical for i in holders):
             ctx.ledger.blocks += 1
         partials = {}
@@ -85,6 +86,7 @@ class MasterRound:
             self._check_alive(agent, i in result.heard, i in plan.critical and not result.masks[i].all())
             if i in result.done_s:
                 ctx.deadline.observe(self.block.kind, i, waited + result.done_s[i], self.tokens)
+            agent.stats.reply_ms += 1e3 * (waited + result.done_s[i] if i in result.done_s else gathered)
             partial = self._read(agent, result.values[i], result.masks[i], lost=i in result.lossy)
             if agent.holds(self.block):
                 partials[i] = partial
@@ -105,6 +107,9 @@ class MasterRound:
                              f"{self.ctx.timeout_s:.1f} s: it stopped or its link is down")
         if heard:
             agent.heard()
+        elif agent.gone():
+            raise AgentError(f"agent {agent} sent nothing for {self.label} and its connection closed (the agent "
+                             "process ended, or its host went down)")
         elif agent.silent_for() > self.ctx.timeout_s:
             raise AgentError(f"agent {agent} has sent nothing for {agent.silent_for():.1f} s (every partial since "
                              "was dropped): it stopped or its link is down")

@@ -61,6 +61,10 @@ class _SnapshotCollector:
         rebuilds = CounterMetricFamily("halo_cluster_rebuilds", "cluster re-connected (and re-planned) after a failure")
         rebuilds.add_metric([], totals.get("rebuilds", 0))
         yield rebuilds
+        replans = CounterMetricFamily("halo_cluster_replans", "re-plans inside the running cluster: an agent lost "
+                                      "(the history replayed on the agents left) or one taken back")
+        replans.add_metric([], (s.get("replans") or {}).get("count", 0))
+        yield replans
         up = GaugeMetricFamily("halo_agent_up", "1 while the device answers", labels=["device", "role"])
         compute = GaugeMetricFamily("halo_device_compute_seconds_per_token",
                                     "compute per decode step, current or last generation", labels=["device"])

@@ -5,11 +5,11 @@
 the web page and `halo-master status --watch --server URL` show that dict, `render` as a rich table.
 
 Per-token figures are deltas over the decode steps of the current (or last) generation, the prefill
-excluded: compute = what the device reports computing; wait = how long the master waited for the
-device's replies on the control connection (tcp and halo-tcp modes); sync = wait - compute,
-i.e. link round trip + queueing. In the UDP modes an agent's partial sums arrive in a gather that
-the runtime times per gather, not per device and token: `sync_ms_p50` is that gather's median,
-listed under `gaps` with the other figures the runtime does not expose yet.
+excluded: compute = what the device reports computing; wait = how long its partial sums took to come
+back: on the control connection, the master's wait for the reply (tcp modes), over UDP, the time from
+sending a round's input to holding the device's whole partial or giving up on it (UDP modes);
+sync = wait - compute, i.e. link round trip + queueing. `sync_ms_p50` adds the median of the UDP
+gathers the device took part in.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from __future__ import annotations
 import math
 import time
 
-GAPS_UDP = ("per-device sync time per token in UDP modes (the runtime times whole gathers: sync_ms_p50)",)
-GAPS = ("re-plans inside a running cluster (the runtime keeps its plan; 'rebuilds' counts the server "
-        "re-connecting and re-planning after an agent failure)",)
+GAPS: tuple[str, ...] = ()  # figures the runtime does not expose yet (the page lists them)
 
 
 def counters(model) -> dict:
     """Cumulative per-device counters now (engine thread only)."""
-    out = {row["name"]: {k: float(row.get(k, 0.0)) for k in ("compute_ms", "wait_ms")}
+    out = {row["name"]: {"compute_ms": float(row.get("compute_ms", 0.0)),
+                         "wait_ms": float(row.get("wait_ms", 0.0)) + float(row.get("reply_ms", 0.0))}
            for row in (model.report() if hasattr(model, "report") else [])}
     out["master"] = {"compute_ms": float(getattr(model, "own_compute_ms", 0.0)), "wait_ms": 0.0}
     return out
@@ -53,14 +52,15 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
                    "completion_tokens": t.completion_tokens, "rebuilds": t.rebuilds,
                    "tokens_per_s": _r(t.last_tokens_per_s, 2), "ms_per_token": _r(t.last_ms_per_token, 2),
                    "last_error": t.last_error},
-        "gaps": list(GAPS) + (list(GAPS_UDP) if engine.sync_mode != "tcp" else []),
+        "gaps": list(GAPS),
     }
     if model is None:  # down: keep the last known devices, marked
         devices = [dict(d) for d in previous.get("devices", [])]
         for d in devices:
             d["alive"] = d["role"] == "master" or d["name"] not in engine.agent_errors
             d["error"] = engine.agent_errors.get(d["name"])
-        snapshot.update(devices=devices, loss=previous.get("loss"), current=previous.get("current"))
+        snapshot.update(devices=devices, loss=previous.get("loss"), current=previous.get("current"),
+                        replans=previous.get("replans"))
         return snapshot
 
     rows = model.report() if hasattr(model, "report") else []
@@ -92,6 +92,9 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
         for r, groups in zip(rows, agents_groups):
             devices.append({**_agent_row(engine, r), "share": _r(groups / total), **figures(r["name"])})
     snapshot["devices"] = devices
+    if hasattr(model, "survival_report"):  # agents lost and taken back inside the running cluster
+        recoveries = model.survival_report()["recoveries"]
+        snapshot["replans"] = {"count": len(recoveries), "last": recoveries[-1] if recoveries else None}
     snapshot["current"] = current
     sync = model.sync_report() if hasattr(model, "sync_report") else None
     snapshot["loss"] = sync["loss"] if sync else None
@@ -108,12 +111,10 @@ def _per_token(engine, now: dict, live, final: bool) -> tuple[dict, dict | None]
     per_token = {}
     for name, c in now.items():
         b = base.get(name, {"compute_ms": 0.0, "wait_ms": 0.0})
-        compute = (c["compute_ms"] - b["compute_ms"]) / steps
-        wait = (c["wait_ms"] - b["wait_ms"]) / steps
-        # in the UDP modes partial sums do not come back over the control connection: wait says nothing
-        sync = _r(max(0.0, wait - compute)) if engine.sync_mode == "tcp" else None
+        since = {k: c[k] - b[k] if c[k] >= b[k] else c[k] for k in c}  # counters restart with a re-plan's new master
+        compute, wait = since["compute_ms"] / steps, since["wait_ms"] / steps
         per_token[name] = {"compute_ms_per_token": _r(compute), "wait_ms_per_token": _r(wait),
-                           "sync_ms_per_token": sync if name != "master" else None}
+                           "sync_ms_per_token": _r(max(0.0, wait - compute)) if name != "master" else None}
     current = {"decode_steps": steps, "ms_per_token": _r(1e3 * seconds / steps, 2),
                "tokens_per_s": _r(steps / seconds, 2) if seconds else None, "finished": final}
     return per_token, current
@@ -165,7 +166,8 @@ def render(snapshot: dict):
         (f"{snapshot.get('model', '?')} ", "bold"), f"· sync {snapshot.get('sync', '?')} · ", (state, colour),
         f" · queue {snapshot.get('queue', {}).get('waiting', 0)}/{snapshot.get('queue', {}).get('limit', 0)}"
         f" · {_fmt(cur.get('ms_per_token'), ' ms/token')} ({_fmt(cur.get('tokens_per_s'), ' tokens/s')})"
-        f" · requests {sum(t.get('requests', {}).values())} · rebuilds {t.get('rebuilds', 0)}")
+        f" · requests {sum(t.get('requests', {}).values())} · rebuilds {t.get('rebuilds', 0)}"
+        f" · re-plans {(snapshot.get('replans') or {}).get('count', 0)}")
     table = Table(title="devices", expand=False)
     for column in ("device", "up", "share\nheads/MLP/vocab", "compute\nms/token", "sync\nms/token", "link\nloss, RTT",
                    "observed\nloss", "recovered /\nzero-filled"):

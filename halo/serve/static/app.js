@@ -158,6 +158,10 @@ function render(s) {
   $("requests").textContent = Object.values(req).reduce((a, b) => a + b, 0);
   $("requests").parentElement.title = Object.entries(req).map(([k, v]) => k + " " + v).join(", ");
   $("rebuilds").textContent = s.totals.rebuilds;
+  const replans = s.replans || { count: 0 };
+  $("replans").textContent = replans.count;
+  $("replans").parentElement.title = replans.last ? `last: ${replans.last.cause} (lost ${replans.last.lost.join(", ") || "none"}, `
+    + `back ${replans.last.joined.join(", ") || "none"}) in ${replans.last.seconds} s, ${replans.last.replayed_tokens} tokens replayed` : "";
   $("sync-mode").textContent = s.sync;
   const tbody = $("devices").querySelector("tbody");
   tbody.replaceChildren();

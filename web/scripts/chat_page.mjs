@@ -1,7 +1,7 @@
 // Drive the chat page and cluster view of a running `halo-master serve` in headless Chromium.
 //
-//   npm install --prefix docs/browser            (playwright-core only: it downloads no browser)
-//   node docs/browser/chat_page.mjs URL OUT.png [API_KEY] [MESSAGE]      (MAX_TOKENS=N: the answer's budget)
+//   npm ci --prefix web            (playwright-core, a dev dependency of the worker page: it downloads no browser)
+//   node web/scripts/chat_page.mjs URL OUT.png [API_KEY] [MESSAGE]      (MAX_TOKENS=N: the answer's budget)
 //
 // Opens URL, sends MESSAGE, waits for the streamed answer to finish and for the cluster view to show
 // per-device numbers, checks both, saves a screenshot and prints one JSON line with what it saw.

@@ -1,0 +1,250 @@
+"""Generation that outlives its agents: re-plan over the devices still answering, rebuild, replay, go on.
+
+`SurvivingModel` wraps the tensor-parallel master (`DistributedModel`) behind the same interface
+(forward, reset, max_seq_len; everything else is the current master's). It keeps the token ids of
+the sequence the agents hold. When a pass fails with an `AgentError` (an agent's process ended, it
+stopped, or its link was silent for --timeout), it:
+
+1. asks every listed agent for its status at once (`ask_status`, one short bound);
+2. re-plans over the master and the agents that answered, from the profiles measured at start (the
+   scheduler, the same algorithm as the first plan: `replan`), leaving out the agent that failed;
+3. opens a new session with the new shares (agents take a new hello over the old session) and
+   rebuilds the KV caches by recomputation: the token history runs once through the new assignment
+   as one prefill, then the failed pass runs again from the same position.
+
+Why recomputation and not KV replicas: a replica doubles every agent's cache (on a Pi the cache, not
+the weights, is what grows with the context) and costs a copy per token on the links that lose
+packets; a replay costs one prefill of the history, once per failure (eval/results/churn.md). In the
+exact modes the continuation equals an uninterrupted run's up to float summation order (partials
+are added in another grouping), which greedy decoding does not notice on the known answer.
+
+Joins: an agent that failed, or that the first plan could not use, is asked again between passes
+(a status request that never blocks a pass); one that answers is taken into a re-plan. Hysteresis:
+after its k-th failure an agent waits `rejoin_after_s * 2**(k-1)` (at most `MAX_QUARANTINE_S`)
+before it is asked, so a flapping device costs a re-plan every few seconds at most, not per token.
+Generation fails only when the devices left cannot hold the model (the scheduler's message says
+what is missing) or after `max_attempts` rebuilds in one pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import zmq
+
+from halo.errors import ConfigError, HaloError
+
+from .remote import AgentError, ask_status
+
+log = logging.getLogger("halo.master")
+MAX_QUARANTINE_S = 300.0
+STATUS_TIMEOUT_S = 0.5  # who is alive, after a failure: agents answer status between messages, at once
+
+
+class ClusterLost(HaloError):
+    """The devices left cannot go on with the generation."""
+
+
+@dataclass
+class Recovery:
+    """One re-plan: why, who left or came back, what it cost."""
+
+    cause: str  # the error, or "joined"
+    lost: list[str]
+    joined: list[str]
+    agents: list[str]  # the new plan's agents
+    replayed_tokens: int
+    seconds: float  # from the failure (or the join) to the history replayed on the new assignment
+
+    def to_json(self) -> dict:
+        return {"cause": self.cause, "lost": self.lost, "joined": self.joined, "agents": self.agents,
+                "replayed_tokens": self.replayed_tokens, "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class Absent:
+    """A listed agent outside the current plan, and when to ask it again."""
+
+    failures: int = 0
+    not_before: float = 0.0
+    probe: object = None  # a zmq socket with a status request in flight
+    asked_at: float = 0.0
+
+
+@dataclass
+class SurvivalSettings:
+    rejoin_after_s: float = 5.0  # quarantine after a first failure (doubles with each further one)
+    max_attempts: int = 4  # rebuilds within one pass before giving up
+    status_timeout_s: float = STATUS_TIMEOUT_S
+
+
+@dataclass
+class SurvivingModel:
+    """model: the first master; listed: every agent endpoint the user gave (in the plan or not);
+    replan(endpoints) -> (plan, agent endpoints in plan order), raising ConfigError when they cannot hold the
+    model; build(plan, endpoints) -> a new master; key/insecure: to ask agents their status."""
+
+    model: object
+    listed: list[str]
+    replan: Callable
+    build: Callable
+    key: object = None
+    insecure: bool = False
+    settings: SurvivalSettings = field(default_factory=SurvivalSettings)
+    history: list[int] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
+    absent: dict[str, Absent] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.max_seq_len = self.model.max_seq_len
+        self._plan_endpoints = [a.endpoint for _, a in sorted(self.model.agents.items())]
+        self.absent = {e: Absent() for e in self.listed if e not in self._plan_endpoints}
+        self._probes = zmq.Context()
+        self._open = True  # whether self.model still needs closing
+
+    def in_plan(self) -> list[str]:
+        """The agents of the current (or the last attempted) plan."""
+        return list(self._plan_endpoints)
+
+    def __getattr__(self, name):  # report, sync_report, plan, planning, timings, ...: the current master's
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    # ---- the model interface ------------------------------------------------------------------------
+    def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
+        tokens = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        start = len(self.history) if start_pos is None else start_pos
+        if not 0 <= start <= len(self.history):
+            raise ValueError(f"start_pos {start} is beyond the {len(self.history)} positions the cluster holds")
+        self._take_back_returning(self.history[:start])
+        for _ in range(self.settings.max_attempts):
+            try:
+                out = self.model.forward(tokens, start, all_logits)
+            except AgentError as e:
+                self._recover(str(e), self.history[:start])
+                continue
+            self.history = self.history[:start] + tokens
+            return out
+        raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
+                          f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
+
+    def reset(self) -> None:
+        self.history = []
+        try:
+            self.model.reset()
+        except AgentError as e:
+            self._recover(str(e), [])
+
+    def close(self) -> None:
+        for absent in self.absent.values():
+            self._drop_probe(absent)
+        self._probes.destroy(linger=0)
+        self._close_model()
+
+    def _close_model(self) -> None:
+        if self._open:
+            self._open = False
+            self.model.close()  # never waits for an agent that is gone; the others end that session
+
+    def survival_report(self) -> dict:
+        return {"recoveries": [r.to_json() for r in self.recoveries], "in_plan": self.in_plan(),
+                "absent": {e: {"failures": a.failures, "asked_again_in_s": round(max(0.0, a.not_before - time.monotonic()), 1)}
+                           for e, a in self.absent.items()}}
+
+    # ---- failures ------------------------------------------------------------------------------------
+    def _recover(self, cause: str, prefix: list[int]) -> None:
+        """Re-plan without the agents that failed or do not answer, rebuild, replay `prefix`."""
+        t0 = time.perf_counter()
+        for _ in range(self.settings.max_attempts):
+            before = self.in_plan()
+            failed = [e for e in before if f"({e})" in cause]  # AgentError names an agent as "name (endpoint)"
+            answers = ask_status(self.listed, self.key, self.insecure, self.settings.status_timeout_s)
+            silent = [e for e in self.listed if "error" in answers[e] and e not in self.absent]
+            for endpoint in dict.fromkeys(failed + silent):
+                self._set_absent(endpoint)
+            lost = [e for e in before if e in self.absent]
+            log.warning("agent failure: %s; re-planning without %s", cause, ", ".join(lost) or "nobody")
+            error = self._rebuild(cause, prefix, t0, lost=lost, joined=[])
+            if error is None:
+                return
+            cause = error
+        raise ClusterLost(f"the cluster could not be rebuilt in {self.settings.max_attempts} attempts; last: {cause}")
+
+    def _set_absent(self, endpoint: str) -> None:
+        absent = self.absent.setdefault(endpoint, Absent())
+        self._drop_probe(absent)
+        absent.failures += 1
+        wait = min(MAX_QUARANTINE_S, self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
+        absent.not_before = time.monotonic() + wait
+
+    def _rebuild(self, cause: str, prefix: list[int], t0: float, lost: list[str], joined: list[str]) -> str | None:
+        """A new master over the listed agents not absent, the history replayed; the AgentError's message
+        when an agent fails the hello or the replay (the caller tries again without it)."""
+        present = [e for e in self.listed if e not in self.absent]
+        try:
+            plan, endpoints = self.replan(present)
+        except ConfigError as e:
+            self._close_model()
+            raise ClusterLost(f"generation cannot go on after {cause}: the devices left (the master"
+                              f"{', ' + ', '.join(present) if present else ' alone'}) cannot hold the model: {e}") from None
+        self._close_model()
+        self._plan_endpoints = list(endpoints)
+        try:
+            self.model = self.build(plan, endpoints)
+            self._open = True
+            if prefix:
+                self.model.forward(prefix, 0)
+        except AgentError as e:
+            return str(e)
+        finally:
+            self.recoveries.append(Recovery(cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
+        log.warning("re-planned in %.2f s over %d agents (%s); replayed %d tokens", time.perf_counter() - t0,
+                    len(endpoints), ", ".join(endpoints) or "the master alone", len(prefix))
+        return None
+
+    # ---- joins ----------------------------------------------------------------------------------------
+    def _take_back_returning(self, prefix: list[int]) -> None:
+        """Between passes: ask absent agents whose quarantine is over; re-plan with those that answered."""
+        if not self.absent:
+            return
+        now = time.monotonic()
+        returning = []
+        for endpoint, absent in self.absent.items():
+            if absent.probe is None:
+                if now >= absent.not_before:
+                    absent.probe = self._ask(endpoint)
+                    absent.asked_at = now
+            elif absent.probe.poll(0):
+                returning.append(endpoint)
+            elif now - absent.asked_at > max(1.0, self.settings.rejoin_after_s):
+                self._drop_probe(absent)  # nobody there yet: ask again later
+                absent.not_before = now + self.settings.rejoin_after_s
+        if not returning:
+            return
+        t0 = time.perf_counter()
+        for endpoint in returning:
+            self._drop_probe(self.absent.pop(endpoint))
+        log.warning("agent(s) %s answer again: re-planning with them", ", ".join(returning))
+        error = self._rebuild("joined", prefix, t0, lost=[], joined=returning)
+        if error is not None:
+            self._recover(error, prefix)
+
+    def _ask(self, endpoint: str):
+        from halo.transport.reliable import Message, client_socket, encode
+
+        sock = client_socket(self._probes, self.key, self.insecure)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.send_multipart(encode(Message("status")))
+        return sock
+
+    @staticmethod
+    def _drop_probe(absent: Absent) -> None:
+        if absent.probe is not None:
+            absent.probe.close(linger=0)
+            absent.probe = None
