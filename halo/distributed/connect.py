@@ -161,7 +161,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if cluster_key is None and not insecure:
         cluster_key = load_key(key)
     sync = sync or SyncSettings()
-    tp_plan = None if plan in PLAN_KEYWORDS else _load_plan(weights, layout, plan, cluster, sync)
+    plan_file = None if plan in PLAN_KEYWORDS else plan
+    tp_plan = _load_plan(weights, layout, plan_file, cluster, sync) if plan_file or cluster else None
     if tp_plan is None and endpoints is None:
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
     if endpoints is None:

@@ -93,13 +93,20 @@ class MasterRound:
         return partials
 
     def _chase(self, peer: int) -> None:
-        """An agent still owed data has sent nothing: it may have lost its whole input."""
+        """An agent still owed data has sent nothing: it may have lost its whole input, or be gone."""
+        agent = self.ctx.agents[peer]
+        if agent.gone():  # its process ended: nothing will come, whatever the deadline
+            raise self._gone(agent)
         if peer not in self.plan.chase:
             return
         if peer in self.plan.input_udp:
             self.ctx.udp.resend(self.epoch, peer)  # it answers a repeated input by sending its partial again
         else:  # its input came over TCP: ask for every chunk of its partial
             self.ctx.udp.request_all(reply_epoch(self.epoch), peer, self.expected[peer])
+
+    def _gone(self, agent: RemoteAgent) -> AgentError:
+        return AgentError(f"agent {agent} sent nothing for {self.label} and its connection closed (the agent process "
+                          "ended, or its host went down)")
 
     def _check_alive(self, agent: RemoteAgent, heard: bool, incomplete_critical: bool) -> None:
         if incomplete_critical:
@@ -108,8 +115,7 @@ class MasterRound:
         if heard:
             agent.heard()
         elif agent.gone():
-            raise AgentError(f"agent {agent} sent nothing for {self.label} and its connection closed (the agent "
-                             "process ended, or its host went down)")
+            raise self._gone(agent)
         elif agent.silent_for() > self.ctx.timeout_s:
             raise AgentError(f"agent {agent} has sent nothing for {agent.silent_for():.1f} s (every partial since "
                              "was dropped): it stopped or its link is down")

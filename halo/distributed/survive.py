@@ -163,8 +163,9 @@ class SurvivingModel:
         for _ in range(self.settings.max_attempts):
             before = self.in_plan()
             failed = [e for e in before if f"({e})" in cause]  # AgentError names an agent as "name (endpoint)"
-            answers = ask_status(self.listed, self.key, self.insecure, self.settings.status_timeout_s)
-            silent = [e for e in self.listed if "error" in answers[e] and e not in self.absent]
+            ask = [e for e in self.listed if e not in failed and e not in self.absent]  # who else is gone?
+            answers = ask_status(ask, self.key, self.insecure, self.settings.status_timeout_s)
+            silent = [e for e in ask if "error" in answers[e]]
             for endpoint in dict.fromkeys(failed + silent):
                 self._set_absent(endpoint)
             lost = [e for e in before if e in self.absent]

@@ -1,0 +1,249 @@
+"""Churn: continuous generation while agents die and come back (halo/distributed/survive.py).
+
+    python -m halo.eval.bench_churn [--mttf 10,30,60] [--duration 300] [--sync exact] [--plr 0]
+
+The namespace test bed (rpi/testbed.py, needs root; --plr silent loss on every agent link) with 4
+agents serving stories260K, each in its own namespace, and a master in its own, generating requests
+back to back (64 greedy tokens each, prompts from a fixed list) for --duration seconds with
+`--on-agent-loss replan` (the default). Meanwhile each agent independently fails after an
+exponentially distributed time of mean MTTF (kill -9) and is restarted 1-10 s later at its address
+(a rebooting Pi); a kill that would leave no agent up is skipped, so at least two devices (the master
+and one agent) are always up. Per MTTF:
+
+- availability: requests completed / requests started (a request fails only when the cluster cannot
+  go on: the error it raised);
+- tokens per second over the whole run (re-plans and replays included);
+- recovery: per re-plan after a loss, the time from the failure noticed to the history replayed on the
+  new assignment (mean, p99), and the longest pause between two tokens of a request (detection, i.e.
+  --timeout for a stopped agent and at once for a dead process, plus recovery);
+- whether every completed text equals the uninterrupted single-process one (exact sync).
+
+Writes eval/results/churn.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from halo.distributed.local import module_command
+
+from .report import command_line, write_report
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
+           "The sun was shining", "Sam had a red ball", "There was a cat who", "Mom said"]
+TOKENS = 64
+
+
+# ---- the master (runs inside the master's namespace) ----------------------------------------------------
+def master(args) -> None:
+    from contextlib import ExitStack
+
+    from halo.distributed import connect
+    from halo.distributed.survive import SurvivalSettings
+    from halo.generate import generate
+    from halo.loader import load_tokenizer, load_weights
+    from halo.model import Transformer
+    from halo.sync import SyncSettings
+
+    weights = load_weights(args.model)
+    tokenizer = load_tokenizer(weights)
+    reference = {p: generate(Transformer(weights, max_seq_len=256), tokenizer, p, TOKENS).text for p in PROMPTS}
+    records = []
+    with ExitStack() as stack:
+        model = connect(weights, stack, agents=args.endpoints.split(","), key=args.key, plan="even", context=256,
+                        timeout=args.timeout, sync=SyncSettings(mode=args.sync),
+                        survive=SurvivalSettings(rejoin_after_s=args.rejoin_after))
+        print("READY", flush=True)
+        end = time.monotonic() + args.duration
+        i = 0
+        while time.monotonic() < end:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += 1
+            stamps = [time.perf_counter()]
+            t0, error, text = time.time(), None, ""
+            try:
+                text = generate(model, tokenizer, prompt, TOKENS, on_text=lambda _: stamps.append(time.perf_counter())).text
+            except Exception as e:  # noqa: BLE001 - a failed request is what availability counts
+                error = f"{type(e).__name__}: {e}"
+            gaps = np.diff(stamps) if len(stamps) > 1 else np.zeros(1)
+            records.append({"start": t0, "seconds": time.time() - t0, "error": error, "tokens": len(stamps) - 1,
+                            "matches": error is None and text == reference[prompt], "max_gap_s": float(gaps.max())})
+            if error and "ClusterLost" in error:
+                break
+        report = model.survival_report() if hasattr(model, "survival_report") else {}
+    print("RESULT " + json.dumps({"records": records, "recoveries": report.get("recoveries", [])}), flush=True)
+
+
+# ---- chaos and the run (as root, outside) ------------------------------------------------------------------
+class Agents:
+    """The test bed's agents, killable and restartable at their addresses."""
+
+    def __init__(self, bed, model: Path, key: Path, n: int):
+        from halo.distributed import AgentProcess, agent_command
+
+        self.bed, self.model, self.key = bed, model, key
+        self.argv = {f"agent-{i}": agent_command(f"tcp://{bed.address(f'agent-{i}')}:7070", key, f"agent-{i}", 1, model)
+                     for i in range(1, n + 1)}
+        self.make = lambda host: AgentProcess(host, self.argv[host],
+                                              popen=lambda a, **kw: bed.popen(host, a, **kw))
+        self.processes = {host: self.make(host) for host in self.argv}
+        self.endpoints = [p.wait_listening(60.0) for p in self.processes.values()]
+        self.lock = threading.Lock()
+        self.kills = self.skipped = 0
+
+    def up(self) -> int:
+        return sum(p.poll() is None for p in self.processes.values())
+
+    def chaos(self, host: str, mttf: float, stop: threading.Event, rng: random.Random) -> None:
+        """Kill this agent after Exp(mttf) seconds, restart it 1-10 s later; until stop. Runs in its own
+        thread for the whole run: restarted agents die with the thread that started them."""
+        while not stop.wait(rng.expovariate(1.0 / mttf)):
+            with self.lock:
+                if self.up() <= 1:
+                    self.skipped += 1
+                    continue
+                p = self.processes[host]
+                p.kill()
+                p.wait()
+                self.kills += 1
+            if stop.wait(rng.uniform(1.0, 10.0)):
+                return
+            with self.lock:
+                self.processes[host] = self.make(host)
+                self.processes[host].wait_listening(60.0)
+        stop.wait()
+
+    def close(self) -> None:
+        from halo.distributed import stop_processes
+
+        stop_processes(list(self.processes.values()))
+
+
+def run_mttf(mttf: float, args) -> dict:
+    from halo import BUNDLED_MODEL
+    from halo.rpi.testbed import LossyTestbed
+    from halo.transport.reliable import generate_key
+
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=4, prefix="churn") as bed:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        Path(tmp).chmod(0o755)
+        agents = Agents(bed, Path(str(BUNDLED_MODEL)), key, 4)
+        stop = threading.Event()
+        threads = []
+        try:
+            if args.plr:
+                bed.set_loss(args.plr)
+            argv = [*module_command("halo.eval.bench_churn"), "master", "--model", str(BUNDLED_MODEL), "--key", str(key),
+                    "--endpoints", ",".join(agents.endpoints), "--duration", str(args.duration), "--sync", args.sync,
+                    "--timeout", str(args.timeout), "--rejoin-after", str(args.rejoin_after)]
+            master_process = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            ready = master_process.stdout.readline()
+            if not ready.startswith("READY"):
+                raise RuntimeError(f"the master did not start: {master_process.stderr.read()[-3000:]}")
+            rng = random.Random(int(mttf))
+            for host in agents.processes:
+                t = threading.Thread(target=agents.chaos, args=(host, mttf, stop, random.Random(rng.random())),
+                                     daemon=True)
+                t.start()
+                threads.append(t)
+            out, err = master_process.communicate(timeout=args.duration + 600)
+            result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
+            if result is None:
+                raise RuntimeError(f"the master failed: {err[-3000:]}")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=70)
+            agents.close()
+    return summarize(mttf, result, agents, args)
+
+
+def summarize(mttf: float, result: dict, agents: Agents, args) -> dict:
+    records, recoveries = result["records"], result["recoveries"]
+    ok = [r for r in records if r["error"] is None]
+    span = (max(r["start"] + r["seconds"] for r in records) - min(r["start"] for r in records)) if records else 0.0
+    after_loss = np.array([r["seconds"] for r in recoveries if r["lost"]] or [np.nan])
+    gaps = np.array([r["max_gap_s"] for r in records] or [np.nan])
+    return {"mttf_s": mttf, "duration_s": args.duration, "sync": args.sync, "plr": args.plr,
+            "requests": len(records), "completed": len(ok), "availability": len(ok) / len(records) if records else None,
+            "tokens_per_s": sum(r["tokens"] for r in ok) / span if span else None,
+            "kills": agents.kills, "kills_skipped_last_agent": agents.skipped,
+            "replans_after_loss": int(sum(1 for r in recoveries if r["lost"])),
+            "replans_joining": int(sum(1 for r in recoveries if r["joined"])),
+            "recovery_mean_s": float(np.nanmean(after_loss)), "recovery_p99_s": float(np.nanpercentile(after_loss, 99)),
+            "longest_pause_s": float(np.nanmax(gaps)),
+            "all_texts_match": all(r["matches"] for r in ok), "texts_matching": sum(r["matches"] for r in ok),
+            "errors": sorted({r["error"] for r in records if r["error"]})[:5], "recoveries": recoveries}
+
+
+def report(results: list[dict], args) -> None:
+    lines = ["# Churn: generation while agents die and come back", "",
+             f"Command: `{command_line('halo.eval.bench_churn', args.argv)}`. Namespace test bed, 4 agents (stories260K, "
+             f"1 thread each) and the master in their own namespaces on this 2-core machine, {args.sync} sync, "
+             f"{100 * args.plr:g} % loss per agent link, even plan, --timeout {args.timeout:g} s, --rejoin-after "
+             f"{args.rejoin_after:g} s. Requests of {TOKENS} greedy tokens back to back for {args.duration:g} s per row; "
+             "every agent is killed (kill -9) after Exp(MTTF) s and restarted 1-10 s later at its address; a kill that "
+             "would leave no agent is skipped. Recovery: failure noticed -> history replayed on the new plan. Longest "
+             "pause: the longest wait between two tokens of any request (detection + recovery).", "",
+             "| MTTF per agent | requests completed / started | availability | tokens/s | kills | re-plans after a "
+             "loss / to take an agent back | recovery mean / p99 s | longest pause s | texts equal the uninterrupted run |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['mttf_s']:g} s | {r['completed']} / {r['requests']} | {100 * r['availability']:.1f} % | "
+                     f"{r['tokens_per_s']:.1f} | {r['kills']} | {r['replans_after_loss']} / {r['replans_joining']} | "
+                     f"{r['recovery_mean_s']:.2f} / {r['recovery_p99_s']:.2f} | {r['longest_pause_s']:.2f} | "
+                     f"{r['texts_matching']} of {r['completed']} |")
+    for r in results:
+        if r["errors"]:
+            lines += ["", f"Errors at MTTF {r['mttf_s']:g} s: " + "; ".join(r["errors"])]
+    lines += ["", "Goal (issue 16): availability >= 99 % at MTTF 30 s with at least two devices up; recovery <= 2 s "
+              "for stories260K."]
+    write_report(args.out, "churn", {"command": command_line("halo.eval.bench_churn", args.argv), "results": results},
+                 lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="?", default="run", choices=("run", "master"))
+    parser.add_argument("--mttf", default="10,30,60", help="mean seconds to failure per agent, comma-separated")
+    parser.add_argument("--duration", type=float, default=300.0, metavar="S", help="per MTTF (default 300)")
+    parser.add_argument("--sync", default="exact", choices=("exact", "tcp"))
+    parser.add_argument("--plr", type=float, default=0.0, help="silent loss on every agent link (default 0)")
+    parser.add_argument("--timeout", type=float, default=1.0, help="the master's --timeout (default 1 s)")
+    parser.add_argument("--rejoin-after", type=float, default=5.0)
+    parser.add_argument("--out", default="eval/results")
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--endpoints", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.what == "master":
+        master(args)
+        return 0
+    from halo.rpi.testbed import available
+
+    ok, why = available()
+    if not ok:
+        print(f"the churn benchmark needs the namespace test bed: {why}", file=sys.stderr)
+        return 2
+    results = []
+    for mttf in [float(m) for m in args.mttf.split(",")]:
+        results.append(run_mttf(mttf, args))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "recoveries"}), flush=True)
+        report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
