@@ -181,6 +181,7 @@ def ask_status(endpoints: list[str], key=None, insecure: bool = False, timeout_s
     from halo.transport.reliable import client_socket
 
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
     answers, sockets = {}, {}
     try:
         for endpoint in endpoints:

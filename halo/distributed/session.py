@@ -36,6 +36,15 @@ from .remote import AgentError, RemoteAgent
 DEFAULT_TIMEOUT_S = 2.0
 
 
+def master_context() -> zmq.Context:
+    """A ZeroMQ context whose sockets never linger: one left to the garbage collector (a session a failed
+    caller did not close) must not block the process on messages to an agent that is gone. `close`
+    still gives a bye 100 ms."""
+    context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    return context
+
+
 @dataclass(frozen=True)
 class MasterSettings:
     context: int = DEFAULT_CONTEXT  # KV-cache length (clamped to the model's)
@@ -61,7 +70,7 @@ class Session:
         from halo.loader import model_fingerprint
         from halo.transport.reliable import PROTOCOL_VERSION
 
-        session = cls({}, None, zmq.Context())
+        session = cls({}, None, master_context())
         try:
             hello = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
                      "context": context, "mlp_group_size": layout.mlp_group_size,
@@ -94,7 +103,7 @@ class Session:
         from halo.transport.probe import PLANNING_INTERVAL_S, PLANNING_PROBES, probe
         from halo.transport.reliable import PROTOCOL_VERSION
 
-        session = cls({}, None, zmq.Context())
+        session = cls({}, None, master_context())
         try:
             request = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
                        "weights": settings.fmt, "mlp_group_size": layout.mlp_group_size,

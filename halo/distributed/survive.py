@@ -39,6 +39,7 @@ import zmq
 from halo.errors import ConfigError, HaloError
 
 from .remote import AgentError, ask_status
+from .session import master_context
 
 log = logging.getLogger("halo.master")
 MAX_QUARANTINE_S = 300.0
@@ -103,7 +104,7 @@ class SurvivingModel:
         self.max_seq_len = self.model.max_seq_len
         self._plan_endpoints = [a.endpoint for _, a in sorted(self.model.agents.items())]
         self.absent = {e: Absent() for e in self.listed if e not in self._plan_endpoints}
-        self._probes = zmq.Context()
+        self._probes = master_context()
         self._open = True  # whether self.model still needs closing
 
     def in_plan(self) -> list[str]:
