@@ -173,14 +173,15 @@ def summarize(mttf: float, result: dict, agents: Agents, args) -> dict:
     records, recoveries = result["records"], result["recoveries"]
     ok = [r for r in records if r["error"] is None]
     span = (max(r["start"] + r["seconds"] for r in records) - min(r["start"] for r in records)) if records else 0.0
-    after_loss = np.array([r["seconds"] for r in recoveries if r["lost"]] or [np.nan])
+    after_loss = np.array([r["seconds"] for r in recoveries if r["kind"] == "lost"] or [np.nan])
     gaps = np.array([r["max_gap_s"] for r in records] or [np.nan])
     return {"mttf_s": mttf, "duration_s": args.duration, "sync": args.sync, "plr": args.plr,
             "requests": len(records), "completed": len(ok), "availability": len(ok) / len(records) if records else None,
             "tokens_per_s": sum(r["tokens"] for r in ok) / span if span else None,
             "kills": agents.kills, "kills_skipped_last_agent": agents.skipped,
-            "replans_after_loss": int(sum(1 for r in recoveries if r["lost"])),
-            "replans_joining": int(sum(1 for r in recoveries if r["joined"])),
+            "replans_after_loss": int(sum(1 for r in recoveries if r["kind"] == "lost")),
+            "replans_joining": int(sum(1 for r in recoveries if r["kind"] == "joined")),
+            "replans_rebalancing": int(sum(1 for r in recoveries if r["kind"] == "rebalanced")),
             "recovery_mean_s": float(np.nanmean(after_loss)), "recovery_p99_s": float(np.nanpercentile(after_loss, 99)),
             "longest_pause_s": float(np.nanmax(gaps)),
             "all_texts_match": all(r["matches"] for r in ok), "texts_matching": sum(r["matches"] for r in ok),

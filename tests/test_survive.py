@@ -16,15 +16,16 @@ from halo.distributed import LocalCluster, connect
 from halo.distributed.survive import ClusterLost, SurvivalSettings
 from halo.generate import generate
 from halo.loader import load_tokenizer
+from halo.rpi.throttle import available as throttle_available
 from halo.sync import SyncSettings
 
 STEPS = 256
 
 
-def survivor(stories_weights, cluster, stack, mode="exact", rejoin_after_s=30.0, **kw):
+def survivor(stories_weights, cluster, stack, mode="exact", rejoin_after_s=30.0, rebalance_every_s=0.0, **kw):
+    settings = SurvivalSettings(rejoin_after_s=rejoin_after_s, rebalance_every_s=rebalance_every_s)
     return connect(stories_weights, stack, agents=cluster.endpoints, key=str(cluster.key_path), plan=kw.pop("plan", "even"),
-                   timeout=1.0, sync=SyncSettings(mode=mode), survive=SurvivalSettings(rejoin_after_s=rejoin_after_s),
-                   context=STEPS + 8, **kw)
+                   timeout=1.0, sync=SyncSettings(mode=mode), survive=settings, context=STEPS + 8, **kw)
 
 
 def run(model, weights, at_step, action, pace_s=0.0):
@@ -118,3 +119,26 @@ def test_devices_left_too_small_for_the_model_are_named(stories_weights, tmp_pat
 
         with pytest.raises(ClusterLost, match=r"cannot hold the model: .*MB"):
             run(model, stories_weights, 12, kill_two)
+
+
+@pytest.mark.skipif(not throttle_available()[0], reason=f"the straggler needs a cgroup: {throttle_available()[1]}")
+def test_a_persistently_slow_agent_loses_its_work_to_the_others(stories_weights, known_answer):
+    """One agent held to 3 % of a core: once every device has a window of estimates, the re-plan from them
+    gives the straggler less (or nothing), and the text stays the known answer."""
+    from halo.rpi.throttle import CpuThrottle
+
+    with LocalCluster(3) as cluster, ExitStack() as stack:
+        model = survivor(stories_weights, cluster, stack, "tcp", rebalance_every_s=0.5)
+        slow = cluster.endpoints[1]
+        before = groups_of(model, slow)
+        with CpuThrottle(cluster.processes[1].pid, quota=0.03, period_s=None):
+            result = generate(model, load_tokenizer(stories_weights), "", STEPS)
+        assert result.text == known_answer
+        rebalanced = [r for r in model.recoveries if r.kind == "rebalanced"]
+        assert rebalanced, [r.to_json() for r in model.recoveries]
+        assert groups_of(model, slow) < before, (before, groups_of(model, slow), rebalanced[0].cause)
+
+
+def groups_of(model, endpoint: str) -> int:
+    rows = [r for r in model.report() if r["endpoint"] == endpoint]
+    return rows[0]["heads"] + rows[0]["mlp_groups"] + rows[0]["vocab_groups"] if rows else 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from halo.errors import ConfigError
 from halo.config import DEFAULT_CONTEXT
@@ -173,36 +173,63 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
                           **settings)
     if survive is not None:
-        model = SurvivingModel(model, endpoints, survivors_planner(weights, layout, model, select, sync, context),
+        planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
+                            select, sync, context)
+        model = SurvivingModel(model, endpoints, planner,
                                lambda p, e: cluster_model(weights, e, cluster_key, plan=p, **settings),
                                cluster_key, insecure, survive)
     stack.callback(model.close)
     return model
 
 
-def survivors_planner(weights: ModelWeights, layout: GroupLayout, first: DistributedModel, select: bool,
-                      sync: SyncSettings, context: int):
-    """endpoints -> (plan, its agents' endpoints) over the master and those agents, planned as the first plan
-    was: an even plan stays even; a measured or declared one is planned again by the scheduler from the
-    profiles it was made from (a device without one, i.e. never measured, is not used)."""
-    from halo.scheduler.profiles import Cluster
-    from halo.scheduler.tp_plan import build_plan, plan_tp
+@dataclass
+class Replanner:
+    """How a running cluster is planned again (survive.py): over other agents (one lost, one back), or over the
+    same agents from what they were observed to deliver (a straggler). An even plan stays even when agents
+    come and go; a measured or declared one is planned again by the scheduler from the profiles it was made
+    from (a device without one, i.e. never measured, is not used)."""
 
-    first_plan, source = first.plan, first.planning.get("source")
-    if source in ("even", "relative compute"):
-        return lambda endpoints: (even_plan(weights, layout, len(endpoints) + 1, context=context), list(endpoints))
-    cluster = first_plan.cluster
-    master = cluster.devices[cluster.master]
-    known = {_address(d): d for d in cluster.devices if d is not master and d.address}
+    weights: ModelWeights
+    layout: GroupLayout
+    first: object  # the first plan (TensorParallelPlan)
+    even: bool
+    select: bool  # the scheduler may leave agents out
+    sync: SyncSettings
+    context: int
 
-    def replan(endpoints: list[str]):
-        devices = (master, *(known[e] for e in endpoints if e in known))
-        survivors = replace(cluster, devices=devices)
-        plan = (plan_tp(survivors, first_plan.model, mode=sync.mode, sync=sync) if select
-                else build_plan(survivors, first_plan.model, "minmax", prune=False))
+    def survivors(self, endpoints: list[str]):
+        """(plan, its agents' endpoints in plan order) over the master and `endpoints`."""
+        from halo.scheduler.tp_plan import build_plan, plan_tp
+
+        if self.even:
+            return even_plan(self.weights, self.layout, len(endpoints) + 1, context=self.context), list(endpoints)
+        cluster = self.first.cluster
+        master = cluster.devices[cluster.master]
+        known = {_address(d): d for d in cluster.devices if d is not master and d.address}
+        survivors = replace(cluster, devices=(master, *(known[e] for e in endpoints if e in known)))
+        plan = (plan_tp(survivors, self.first.model, mode=self.sync.mode, sync=self.sync) if self.select
+                else build_plan(survivors, self.first.model, "minmax", prune=False))
         return plan, _plan_addresses(plan)
 
-    return replan
+    def observed(self, model: DistributedModel):
+        """(plan, endpoints, predicted s/token of the current plan, of the new one) from the running estimates
+        (estimates.py: each device's median compute, link loss, message cost calibrated to the observed pace);
+        where the scheduler may leave agents out (not with --local-agents N, where all take part) a
+        persistently slow one may go, else it keeps fewer groups."""
+        from halo.scheduler.cost import estimate
+        from halo.scheduler.plan import TensorParallelPlan
+        from halo.scheduler.tp_plan import build_plan, plan_tp
+
+        plan = model.plan
+        cluster = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
+        current = TensorParallelPlan(cluster, plan.model, plan.algorithm, plan.devices, plan.counts)
+        new = (plan_tp(cluster, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
+               else build_plan(cluster, plan.model, "minmax", prune=False))
+        endpoint_of = {index: model.agents[j].endpoint for j, index in enumerate(plan.devices) if j > 0}
+        endpoint_of.update({i: _address(d) for i, d in enumerate(cluster.devices) if d.address and i not in endpoint_of})
+        endpoints = [endpoint_of[i] for i in new.devices[1:]]
+        return new, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
+            estimate(new, self.sync.mode, sync=self.sync).total_s
 
 
 def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings):

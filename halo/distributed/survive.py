@@ -7,7 +7,8 @@ stopped, or its link was silent for --timeout), it:
 
 1. asks every listed agent for its status at once (`ask_status`, one short bound);
 2. re-plans over the master and the agents that answered, from the profiles measured at start (the
-   scheduler, the same algorithm as the first plan: `replan`), leaving out the agent that failed;
+   scheduler, the same algorithm as the first plan: `Replanner.survivors` in connect.py), leaving out
+   the agent that failed;
 3. opens a new session with the new shares (agents take a new hello over the old session) and
    rebuilds the KV caches by recomputation: the token history runs once through the new assignment
    as one prefill, then the failed pass runs again from the same position.
@@ -54,15 +55,16 @@ class ClusterLost(HaloError):
 class Recovery:
     """One re-plan: why, who left or came back, what it cost."""
 
-    cause: str  # the error, or "joined"
-    lost: list[str]
-    joined: list[str]
+    kind: str  # "lost" (an agent failed), "joined" (one came back) or "rebalanced" (stragglers)
+    cause: str  # the error, or what the re-plan was for
+    lost: list[str]  # agents the new plan no longer has
+    joined: list[str]  # agents it has again
     agents: list[str]  # the new plan's agents
     replayed_tokens: int
     seconds: float  # from the failure (or the join) to the history replayed on the new assignment
 
     def to_json(self) -> dict:
-        return {"cause": self.cause, "lost": self.lost, "joined": self.joined, "agents": self.agents,
+        return {"kind": self.kind, "cause": self.cause, "lost": self.lost, "joined": self.joined, "agents": self.agents,
                 "replayed_tokens": self.replayed_tokens, "seconds": round(self.seconds, 3)}
 
 
@@ -80,18 +82,22 @@ class Absent:
 class SurvivalSettings:
     rejoin_after_s: float = 5.0  # quarantine after a first failure (doubles with each further one)
     max_attempts: int = 4  # rebuilds within one pass before giving up
+    rebalance_every_s: float = 10.0  # how often the running estimates are planned over (0: never)
+    rebalance_gain: float = 0.2  # re-plan for stragglers only when the cost model predicts this much faster
     status_timeout_s: float = STATUS_TIMEOUT_S
 
 
 @dataclass
 class SurvivingModel:
-    """model: the first master; listed: every agent endpoint the user gave (in the plan or not);
-    replan(endpoints) -> (plan, agent endpoints in plan order), raising ConfigError when they cannot hold the
-    model; build(plan, endpoints) -> a new master; key/insecure: to ask agents their status."""
+    """model: the first master; listed: every agent endpoint the user gave (in the plan or not); planner:
+    `survivors(endpoints)` -> (plan, agent endpoints in plan order), raising ConfigError when they cannot hold
+    the model, and `observed(model)` -> (plan, endpoints, predicted s/token now, with the new plan) from the
+    running estimates (connect.Replanner); build(plan, endpoints) -> a new master; key/insecure: to ask
+    agents their status."""
 
     model: object
     listed: list[str]
-    replan: Callable
+    planner: object
     build: Callable
     key: object = None
     insecure: bool = False
@@ -103,9 +109,10 @@ class SurvivingModel:
     def __post_init__(self):
         self.max_seq_len = self.model.max_seq_len
         self._plan_endpoints = [a.endpoint for _, a in sorted(self.model.agents.items())]
-        self.absent = {e: Absent() for e in self.listed if e not in self._plan_endpoints}
+        self.absent = {}  # every listed agent answered at start; one the first plan left out is idle, not absent
         self._probes = master_context()
         self._open = True  # whether self.model still needs closing
+        self._last_rebalance = time.monotonic()
 
     def in_plan(self) -> list[str]:
         """The agents of the current (or the last attempted) plan."""
@@ -123,6 +130,7 @@ class SurvivingModel:
         if not 0 <= start <= len(self.history):
             raise ValueError(f"start_pos {start} is beyond the {len(self.history)} positions the cluster holds")
         self._take_back_returning(self.history[:start])
+        self._rebalance(self.history[:start])
         for _ in range(self.settings.max_attempts):
             try:
                 out = self.model.forward(tokens, start, all_logits)
@@ -184,12 +192,14 @@ class SurvivingModel:
         wait = min(MAX_QUARANTINE_S, self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
         absent.not_before = time.monotonic() + wait
 
-    def _rebuild(self, cause: str, prefix: list[int], t0: float, lost: list[str], joined: list[str]) -> str | None:
-        """A new master over the listed agents not absent, the history replayed; the AgentError's message
-        when an agent fails the hello or the replay (the caller tries again without it)."""
+    def _rebuild(self, cause: str, prefix: list[int], t0: float, lost: list[str], joined: list[str],
+                 planned: tuple | None = None) -> str | None:
+        """A new master over the listed agents not absent (or `planned`: a plan and its endpoints), the history
+        replayed; the AgentError's message when an agent fails the hello or the replay (the caller tries
+        again without it)."""
         present = [e for e in self.listed if e not in self.absent]
         try:
-            plan, endpoints = self.replan(present)
+            plan, endpoints = planned or self.planner.survivors(present)
         except ConfigError as e:
             self._close_model()
             raise ClusterLost(f"generation cannot go on after {cause}: the devices left (the master"
@@ -204,10 +214,42 @@ class SurvivingModel:
         except AgentError as e:
             return str(e)
         finally:
-            self.recoveries.append(Recovery(cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
+            kind = "lost" if lost and not joined and not planned else "joined" if joined and not planned else "rebalanced"
+            self.recoveries.append(Recovery(kind, cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
         log.warning("re-planned in %.2f s over %d agents (%s); replayed %d tokens", time.perf_counter() - t0,
                     len(endpoints), ", ".join(endpoints) or "the master alone", len(prefix))
         return None
+
+    # ---- stragglers -----------------------------------------------------------------------------------
+    def _rebalance(self, prefix: list[int]) -> None:
+        """Every `rebalance_every_s`, once every device has a full window of estimates: re-plan from what the
+        devices were observed to deliver when the cost model says the new plan is at least `rebalance_gain`
+        faster (a re-plan costs a replay: only a persistent difference pays for it; a transient stall is the
+        deadline's business)."""
+        every = self.settings.rebalance_every_s
+        now = time.monotonic()
+        if not every or now - self._last_rebalance < every or not prefix:
+            return
+        estimates = getattr(self.model, "estimates", None)
+        if estimates is None or any(len(d.compute.values) < d.compute.values.maxlen for d in estimates.devices.values()):
+            return
+        self._last_rebalance = now
+        t0 = time.perf_counter()
+        try:
+            plan, endpoints, now_s, new_s = self.planner.observed(self.model)
+        except ConfigError as e:
+            log.warning("no re-plan from the running estimates: %s", e)
+            return
+        if new_s > (1 - self.settings.rebalance_gain) * now_s or endpoints == self.in_plan() and \
+                np.array_equal(plan.counts["mlp"], self.model.plan.counts["mlp"]):
+            return
+        before = self.in_plan()
+        cause = f"rebalanced: {1e3 * now_s:.1f} -> {1e3 * new_s:.1f} ms/token predicted from the running estimates"
+        log.warning("%s", cause)
+        error = self._rebuild(cause, prefix, t0, lost=[e for e in before if e not in endpoints],
+                              joined=[e for e in endpoints if e not in before], planned=(plan, endpoints))
+        if error is not None:
+            self._recover(error, prefix)
 
     # ---- joins ----------------------------------------------------------------------------------------
     def _take_back_returning(self, prefix: list[int]) -> None:
