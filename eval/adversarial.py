@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
-    rows = [attacked_generation(m, args.agents, args.datagrams // len(modes), args.rate) for m in modes]
+    per_mode = -(-args.datagrams // len(modes))  # rounded up: at least --datagrams in all
+    rows = [attacked_generation(m, args.agents, per_mode, args.rate) for m in modes]
     for r in rows:
         print(json.dumps(r), flush=True)
     command = command_line("halo.eval.adversarial", argv)

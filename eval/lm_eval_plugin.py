@@ -78,11 +78,15 @@ class HaloLM(LM):
         agent_list = [a for a in str(agents).replace(";", " ").split() if a] if agents else None
         if local_agents or agent_list or cluster or plan:
             from halo.distributed import connect
+            from halo.distributed.survive import SurvivalSettings
 
             self.model = connect(self.weights, self._stack, model_path=model, local_agents=int(local_agents or 0),
                                  agents=agent_list, cluster=cluster, plan=plan, key=key, insecure=bool(insecure),
                                  context=context, timeout=float(timeout), fmt=weights, sync=settings,
-                                 predictors=predictors)
+                                 predictors=predictors,
+                                 # an agent lost is planned around; the plan never moves for speed alone, so that
+                                 # which groups a lossy link drops stays the same through a whole accuracy run
+                                 survive=SurvivalSettings(rebalance_every_s=0.0))
         else:
             if sync is not None:
                 raise ConfigError(f"sync={sync} synchronizes agents: add local_agents=N, agents=... or cluster=...")

@@ -4,7 +4,9 @@
 - session.py: the control plane of a session (hello, UDP endpoint, link probes, reset, bye);
 - rounds.py: `MasterRound`, one block's synchronization as the sync policy plans it;
 - master.py: `DistributedModel`, a device worker plus the coordinator of the forward pass;
-- connect.py: `cluster_model` / `connect`, the one way to build a master over agents with a plan;
+- connect.py: `cluster_model` / `connect`, the one way to build a master over agents with a plan, and
+  `Replanner` (planning a running cluster again);
+- survive.py: `SurvivingModel`, the master that re-plans when an agent is lost, comes back or straggles;
 - local.py: `LocalCluster`, agents started on this machine.
 """
 
