@@ -73,8 +73,8 @@ def test_a_killed_agent_stops_the_master_quickly_and_the_others_stay_healthy(sto
                 killed.append(time.perf_counter())
 
         # a dead process is seen at once (its connection closed); a silent one after --timeout
-        with pytest.raises(AgentError, match=r"local-2.*(did not (answer|deliver its partial of) .* \(step \d+\) within "
-                                             r"1.0 s|\(step \d+\) and its connection closed)"):
+        with pytest.raises(AgentError, match=r"local-2.*(did not (answer|deliver its partial of)|sent nothing for) .*"
+                                             r"\(step \d+\).*(within 1\.0 s|connection closed)"):
             generate(model, tokenizer, "", 256, on_text=kill_after_ten)
         assert time.perf_counter() - killed[0] < 2.0
         model.close()

@@ -211,6 +211,10 @@ class Replanner:
                 else build_plan(survivors, self.first.model, "minmax", prune=False))
         return plan, _plan_addresses(plan)
 
+    def adopt(self, plan) -> None:
+        """A plan from `observed` is in use: later losses and joins plan from its (observed) profiles."""
+        self.first, self.even = plan, False
+
     def observed(self, model: DistributedModel):
         """(plan, endpoints, predicted s/token of the current plan, of the new one) from the running estimates
         (estimates.py: each device's median compute, link loss, message cost calibrated to the observed pace);
@@ -222,11 +226,14 @@ class Replanner:
 
         plan = model.plan
         cluster = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
+        endpoint_of = {index: model.agents[j].endpoint for j, index in enumerate(plan.devices) if j > 0}
+        endpoint_of.update({i: _address(d) for i, d in enumerate(cluster.devices) if d.address and i not in endpoint_of})
+        # every device carries its address, so that a later loss or join re-plans from these profiles (adopt)
+        cluster = replace(cluster, devices=tuple(replace(d, address=endpoint_of.get(i, d.address))
+                                                 for i, d in enumerate(cluster.devices)))
         current = TensorParallelPlan(cluster, plan.model, plan.algorithm, plan.devices, plan.counts)
         new = (plan_tp(cluster, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
                else build_plan(cluster, plan.model, "minmax", prune=False))
-        endpoint_of = {index: model.agents[j].endpoint for j, index in enumerate(plan.devices) if j > 0}
-        endpoint_of.update({i: _address(d) for i, d in enumerate(cluster.devices) if d.address and i not in endpoint_of})
         endpoints = [endpoint_of[i] for i in new.devices[1:]]
         return new, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
             estimate(new, self.sync.mode, sync=self.sync).total_s

@@ -49,7 +49,7 @@ class RemoteAgent:
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
     monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
-    link: str = "connecting"  # connecting, connected, secured (handshake done), disconnected
+    link: str = "connecting"  # connecting, connected, secured (handshake done), disconnected, refused
     keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
 
     def __post_init__(self):
@@ -80,7 +80,8 @@ class RemoteAgent:
     def receive(self, what: str) -> Message:
         t = time.perf_counter()
         if not self._wait(t + self.timeout_s):
-            raise AgentError(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: {self._why_silent()}")
+            within = "" if self.link in ("disconnected", "refused") else f" within {self.timeout_s:.1f} s"
+            raise AgentError(f"agent {self} did not answer {what}{within}: {self._why_silent()}")
         frames = self.socket.recv_multipart()
         self.stats.bytes_received += sum(len(f) for f in frames)
         try:
@@ -106,15 +107,15 @@ class RemoteAgent:
                 return True
             if self.monitor in events:
                 self._read_monitor()
-                if self.link == "disconnected":  # the reply died with the connection: no use waiting for it
+                if self.link in ("disconnected", "refused"):  # no reply can come: no use waiting for one
                     return self.socket.poll(0) != 0
         return False
 
     def gone(self) -> bool:
-        """Whether its control connection closed (the agent process ended, or its host went down)."""
+        """Whether its control connection closed or was refused (no agent process there any more)."""
         if self.monitor is not None:
             self._read_monitor()
-        return self.link == "disconnected"
+        return self.link in ("disconnected", "refused")
 
     def _read_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -128,6 +129,8 @@ class RemoteAgent:
                 self.link = "secured"
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.link = "disconnected"
+            elif kind == zmq.EVENT_CONNECT_RETRIED and self.link == "connecting":  # refused: nobody listens there
+                self.link = "refused"
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
@@ -147,7 +150,7 @@ class RemoteAgent:
     def _why_silent(self) -> str:
         if self.monitor is not None:
             self._read_monitor()
-        if self.link == "connecting":
+        if self.link in ("connecting", "refused"):
             return "nothing accepted a connection there (no agent running, wrong address or port, or a firewall)"
         if self.link == "disconnected":
             return "its connection closed (the agent process ended, or its host went down)"

@@ -214,7 +214,7 @@ class SurvivingModel:
         except AgentError as e:
             return str(e)
         finally:
-            kind = "lost" if lost and not joined and not planned else "joined" if joined and not planned else "rebalanced"
+            kind = "joined" if cause == "joined" else "rebalanced" if cause.startswith("rebalanced") else "lost"
             self.recoveries.append(Recovery(kind, cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
         log.warning("re-planned in %.2f s over %d agents (%s); replayed %d tokens", time.perf_counter() - t0,
                     len(endpoints), ", ".join(endpoints) or "the master alone", len(prefix))
@@ -248,7 +248,9 @@ class SurvivingModel:
         log.warning("%s", cause)
         error = self._rebuild(cause, prefix, t0, lost=[e for e in before if e not in endpoints],
                               joined=[e for e in endpoints if e not in before], planned=(plan, endpoints))
-        if error is not None:
+        if error is None:
+            self.planner.adopt(plan)
+        else:
             self._recover(error, prefix)
 
     # ---- joins ----------------------------------------------------------------------------------------
@@ -273,8 +275,15 @@ class SurvivingModel:
         t0 = time.perf_counter()
         for endpoint in returning:
             self._drop_probe(self.absent.pop(endpoint))
+        try:
+            planned = self.planner.survivors([e for e in self.listed if e not in self.absent])
+        except ConfigError:
+            return  # the next failure says what is missing
+        if planned[1] == self.in_plan() and all(np.array_equal(planned[0].counts[k], self.model.plan.counts[k])
+                                                for k in ("attention", "mlp", "lm_head")):
+            return  # the plan would not change: no re-plan, no replay
         log.warning("agent(s) %s answer again: re-planning with them", ", ".join(returning))
-        error = self._rebuild("joined", prefix, t0, lost=[], joined=returning)
+        error = self._rebuild("joined", prefix, t0, lost=[], joined=returning, planned=planned)
         if error is not None:
             self._recover(error, prefix)
 
