@@ -188,11 +188,13 @@ def testbed(args) -> dict:
             def popen(argv, **kwargs):
                 return bed.popen("master", argv, **kwargs)
 
-            # --plan even: the measured plan would leave both lossy agents out for a model this small (the master
-            # alone is faster), and the load would never cross a lossy link
+            # --plan even and no re-plans for speed: the measured plan, and the running estimates, would leave both
+            # lossy agents out for a model this small (the master alone is faster), and no load would cross a
+            # lossy link
             result = run_setting(f"test bed: 2 agents, {100 * args.plr:g} % loss on every agent link, halo sync, even plan", popen,
                                  ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
-                                  "--key", str(key), "--sync", "halo", "--timeout", "5", "--plan", "even"], args)
+                                  "--key", str(key), "--sync", "halo", "--timeout", "5", "--plan", "even",
+                                  "--rebalance-every", "0"], args)
             result["frames_dropped"] = bed.drop_counters()
             return result
         finally:

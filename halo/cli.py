@@ -244,6 +244,10 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--rejoin-after", type=number(0), default=5.0, metavar="S",
                          help="an agent that failed is asked again after S seconds, doubling with each further "
                               "failure (a flapping device re-plans rarely; default 5)")
+    cluster.add_argument("--rebalance-every", type=number(0), default=10.0, metavar="S",
+                         help="every S seconds, re-plan from the devices' running speeds and link loss when that "
+                              "is predicted >= 20 %% faster, so a persistently slow agent loses work (0: never; "
+                              "default 10)")
     pipe = parser.add_argument_group("pipeline mode (contiguous layer ranges on stage workers; see halo/pipeline/)")
     pipe.add_argument("--mode", choices=("tp", "pipeline"), default="tp",
                       help="tp: tensor-parallel agents (default) · pipeline: halo-stage-worker processes and browser "
@@ -431,7 +435,7 @@ def check_model_and_cluster(args) -> None:
     model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
     for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
-                               ("--plan", args.plan, "file"), ("--predictors", args.predictors, "directory")):
+                               ("--plan", None if args.plan in ("measured", "even") else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
 
 
@@ -451,7 +455,8 @@ def open_model(args, weights, stack):
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
-                   survive=SurvivalSettings(rejoin_after_s=args.rejoin_after) if args.on_agent_loss == "replan" else None,
+                   survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every)
+                   if args.on_agent_loss == "replan" else None,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
                        "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})

@@ -214,6 +214,7 @@ function render(s) {
   } else {
     $("loss-summary").textContent = "sync " + s.sync + ": partial sums travel reliably, nothing is dropped";
   }
+  $("gaps").hidden = !(s.gaps || []).length;  // nothing the runtime lacks: no note
   const gaps = $("gaps").querySelector("ul");
   gaps.replaceChildren(...(s.gaps || []).map((g) => Object.assign(document.createElement("li"), { textContent: g })));
   const err = s.totals.last_error;
