@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     rec = results["recovery"]
     lines += ["", f"Cost model MAPE over these plans: **{results['mape_percent']:.1f} %** (goal <= 15 %).", "",
               f"Recovery: the middle of 3 workers killed after {rec['killed_after_tokens']} tokens: detected after "
-              f"{1e3 * rec['detected_after_s']:.0f} ms, re-planned to {rec['stages']}, {rec['replayed_positions']} "
-              f"positions replayed, recovery took {1e3 * rec['recovery_s']:.0f} ms; tokens equal to the uninterrupted "
+              f"{1e3 * rec['detected_after_s']:.0f} ms, re-planned to {rec['members']}, {rec['replayed_tokens']} "
+              f"positions replayed, recovery took {1e3 * rec['seconds']:.0f} ms; tokens equal to the uninterrupted "
               f"run: {rec['tokens_equal']}.", "", f"GPU: {results['gpu']}."]
     if args.browser:
         b = results["browser"]

@@ -240,7 +240,8 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--on-agent-loss", choices=("replan", "stop"), default="replan",
                          help="replan (default): when an agent fails, re-plan over the agents still answering, "
                               "replay the tokens so far on the new assignment and go on; agents that come back are "
-                              "taken in again · stop: end the generation with the agent's error")
+                              "taken in again · stop: end the generation with the agent's error. The same for "
+                              "stage workers in --mode pipeline (layer ranges re-planned)")
     cluster.add_argument("--rejoin-after", type=number(0), default=5.0, metavar="S",
                          help="an agent that failed is asked again after S seconds, doubling with each further "
                               "failure (a flapping device re-plans rarely; default 5)")

@@ -166,10 +166,10 @@ def test_a_killed_worker_is_replaced_by_re_planning_and_the_text_is_unchanged(st
             context.destroy(linger=0)
     assert killed and result.text == known_answer
     (recovery,) = report["recoveries"]
-    assert recovery["lost"].startswith("stage-2@")
-    assert recovery["replayed_positions"] >= 40
+    assert recovery["kind"] == "lost" and len(recovery["lost"]) == 1 and recovery["lost"][0].startswith("stage-2@")
+    assert recovery["replayed_tokens"] >= 40
     assert recovery["detected_after_s"] < 5.0  # the dropped connection, not the 10 s timeout
-    assert all(not name.startswith("stage-2@") for name, _, _ in recovery["stages"])
+    assert all(not name.startswith("stage-2@") for name, _, _ in recovery["members"])
     assert elapsed < 60
 
 

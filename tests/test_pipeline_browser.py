@@ -115,7 +115,7 @@ def test_a_wasm_stage_with_the_embedding_and_a_closed_tab_recovered(tmp_path):
             result = generate(model, tokenizer, "Once upon a time", 40, on_text=close_tab, stop_at_eos=False)
             assert closed and result.token_ids == expected
             (recovery,) = model.report()["recoveries"]
-            assert recovery["lost"].startswith("browser-1")
-            assert [tuple(s) for s in recovery["stages"]] == [("master", 0, 5)]
+            assert recovery["lost"][0].startswith("browser-1")
+            assert [tuple(s) for s in recovery["members"]] == [("master", 0, 5)]
         finally:
             tab.close()

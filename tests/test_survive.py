@@ -59,10 +59,10 @@ def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stori
         assert result.text == known_answer
         assert len(model.recoveries) == 1, [r.to_json() for r in model.recoveries]
         recovery = model.recoveries[0]
-        assert recovery.lost == [victim] and victim not in recovery.agents and len(recovery.agents) == 2
+        assert recovery.lost == [victim] and victim not in recovery.members and len(recovery.members) == 2
         assert recovery.replayed_tokens >= step
         assert recovery.seconds < 2.0  # re-plan + new session + replay of the history
-        assert model.in_plan() == recovery.agents and victim in model.survival_report()["absent"]
+        assert model.in_plan() == recovery.members and victim in model.survival_report()["absent"]
 
 
 def test_a_stopped_agent_is_left_out_then_taken_back_when_it_answers_again(stories_weights, known_answer):

@@ -146,7 +146,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
 
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
                                 cluster=cluster, plan=plan, key=key, insecure=insecure, context=context,
-                                timeout=timeout, fmt=fmt, **(pipeline or {}))
+                                timeout=timeout, fmt=fmt, survive=survive, **(pipeline or {}))
 
     layout = GroupLayout.for_model(weights.config)
     context = min(weights.config.max_seq_len, DEFAULT_CONTEXT if context is None else context)

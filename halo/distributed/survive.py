@@ -19,10 +19,10 @@ packets; a replay costs one prefill of the history, once per failure (eval/resul
 exact modes the continuation equals an uninterrupted run's up to float summation order (partials
 are added in another grouping), which greedy decoding does not notice on the known answer.
 
-Joins: an agent that failed, or that the first plan could not use, is asked again between passes
-(a status request that never blocks a pass); one that answers is taken into a re-plan. Hysteresis:
-after its k-th failure an agent waits `rejoin_after_s * 2**(k-1)` (at most `MAX_QUARANTINE_S`)
-before it is asked, so a flapping device costs a re-plan every few seconds at most, not per token.
+Joins: an agent that failed is asked again between passes (a status request that never blocks a
+pass); one that answers is taken into a re-plan when the plan would change. The quarantine
+(hysteresis), the re-plan record and the rebalance rule are halo/replanning.py's, shared with the
+pipeline coordinator.
 Generation fails only when the devices left cannot hold the model (the scheduler's message says
 what is missing) or after `max_attempts` rebuilds in one pass.
 """
@@ -35,56 +35,19 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import zmq
 
 from halo.errors import ConfigError, HaloError
+from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
 
 from .remote import AgentError, ask_status
 from .session import master_context
 
 log = logging.getLogger("halo.master")
-MAX_QUARANTINE_S = 300.0
-STATUS_TIMEOUT_S = 0.5  # who is alive, after a failure: agents answer status between messages, at once
+__all__ = ["ClusterLost", "SurvivalSettings", "SurvivingModel"]
 
 
 class ClusterLost(HaloError):
     """The devices left cannot go on with the generation."""
-
-
-@dataclass
-class Recovery:
-    """One re-plan: why, who left or came back, what it cost."""
-
-    kind: str  # "lost" (an agent failed), "joined" (one came back) or "rebalanced" (stragglers)
-    cause: str  # the error, or what the re-plan was for
-    lost: list[str]  # agents the new plan no longer has
-    joined: list[str]  # agents it has again
-    agents: list[str]  # the new plan's agents
-    replayed_tokens: int
-    seconds: float  # from the failure (or the join) to the history replayed on the new assignment
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "cause": self.cause, "lost": self.lost, "joined": self.joined, "agents": self.agents,
-                "replayed_tokens": self.replayed_tokens, "seconds": round(self.seconds, 3)}
-
-
-@dataclass
-class Absent:
-    """A listed agent outside the current plan, and when to ask it again."""
-
-    failures: int = 0
-    not_before: float = 0.0
-    probe: object = None  # a zmq socket with a status request in flight
-    asked_at: float = 0.0
-
-
-@dataclass
-class SurvivalSettings:
-    rejoin_after_s: float = 5.0  # quarantine after a first failure (doubles with each further one)
-    max_attempts: int = 4  # rebuilds within one pass before giving up
-    rebalance_every_s: float = 10.0  # how often the running estimates are planned over (0: never)
-    rebalance_gain: float = 0.2  # re-plan for stragglers only when the cost model predicts this much faster
-    status_timeout_s: float = STATUS_TIMEOUT_S
 
 
 @dataclass
@@ -104,15 +67,19 @@ class SurvivingModel:
     settings: SurvivalSettings = field(default_factory=SurvivalSettings)
     history: list[int] = field(default_factory=list)
     recoveries: list[Recovery] = field(default_factory=list)
-    absent: dict[str, Absent] = field(default_factory=dict)
 
     def __post_init__(self):
         self.max_seq_len = self.model.max_seq_len
         self._plan_endpoints = [a.endpoint for _, a in sorted(self.model.agents.items())]
-        self.absent = {}  # every listed agent answered at start; one the first plan left out is idle, not absent
         self._probes = master_context()
+        # every listed agent answered at start; one the first plan left out is idle, not absent
+        self.membership = Membership(self.settings, lambda e: status_probe(self._probes, e, self.key, self.insecure))
+        self._clock = RebalanceClock(self.settings)
         self._open = True  # whether self.model still needs closing
-        self._last_rebalance = time.monotonic()
+
+    @property
+    def absent(self) -> dict:
+        return self.membership.absent
 
     def in_plan(self) -> list[str]:
         """The agents of the current (or the last attempted) plan."""
@@ -150,8 +117,7 @@ class SurvivingModel:
             self._recover(str(e), [])
 
     def close(self) -> None:
-        for absent in self.absent.values():
-            self._drop_probe(absent)
+        self.membership.close()
         self._probes.destroy(linger=0)
         self._close_model()
 
@@ -162,8 +128,7 @@ class SurvivingModel:
 
     def survival_report(self) -> dict:
         return {"recoveries": [r.to_json() for r in self.recoveries], "in_plan": self.in_plan(),
-                "absent": {e: {"failures": a.failures, "asked_again_in_s": round(max(0.0, a.not_before - time.monotonic()), 1)}
-                           for e, a in self.absent.items()}}
+                "absent": self.membership.report()}
 
     # ---- failures ------------------------------------------------------------------------------------
     def _recover(self, cause: str, prefix: list[int]) -> None:
@@ -176,7 +141,7 @@ class SurvivingModel:
             answers = ask_status(ask, self.key, self.insecure, self.settings.status_timeout_s)
             silent = [e for e in ask if "error" in answers[e]]
             for endpoint in dict.fromkeys(failed + silent):
-                self._set_absent(endpoint)
+                self.membership.fail(endpoint)
             lost = [e for e in before if e in self.absent]
             log.warning("agent failure: %s; re-planning without %s", cause, ", ".join(lost) or "nobody")
             error = self._rebuild(cause, prefix, t0, lost=lost, joined=[])
@@ -184,13 +149,6 @@ class SurvivingModel:
                 return
             cause = error
         raise ClusterLost(f"the cluster could not be rebuilt in {self.settings.max_attempts} attempts; last: {cause}")
-
-    def _set_absent(self, endpoint: str) -> None:
-        absent = self.absent.setdefault(endpoint, Absent())
-        self._drop_probe(absent)
-        absent.failures += 1
-        wait = min(MAX_QUARANTINE_S, self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
-        absent.not_before = time.monotonic() + wait
 
     def _rebuild(self, cause: str, prefix: list[int], t0: float, lost: list[str], joined: list[str],
                  planned: tuple | None = None) -> str | None:
@@ -214,8 +172,7 @@ class SurvivingModel:
         except AgentError as e:
             return str(e)
         finally:
-            kind = "joined" if cause == "joined" else "rebalanced" if cause.startswith("rebalanced") else "lost"
-            self.recoveries.append(Recovery(kind, cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
+            self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
         log.warning("re-planned in %.2f s over %d agents (%s); replayed %d tokens", time.perf_counter() - t0,
                     len(endpoints), ", ".join(endpoints) or "the master alone", len(prefix))
         return None
@@ -226,21 +183,19 @@ class SurvivingModel:
         devices were observed to deliver when the cost model says the new plan is at least `rebalance_gain`
         faster (a re-plan costs a replay: only a persistent difference pays for it; a transient stall is the
         deadline's business)."""
-        every = self.settings.rebalance_every_s
-        now = time.monotonic()
-        if not every or now - self._last_rebalance < every or not prefix:
+        if not self._clock.due() or not prefix:
             return
         estimates = getattr(self.model, "estimates", None)
         if estimates is None or any(len(d.compute.values) < d.compute.values.maxlen for d in estimates.devices.values()):
             return
-        self._last_rebalance = now
+        self._clock.checked()
         t0 = time.perf_counter()
         try:
             plan, endpoints, now_s, new_s = self.planner.observed(self.model)
         except ConfigError as e:
             log.warning("no re-plan from the running estimates: %s", e)
             return
-        if new_s > (1 - self.settings.rebalance_gain) * now_s or endpoints == self.in_plan() and \
+        if not self._clock.worth_it(now_s, new_s) or endpoints == self.in_plan() and \
                 np.array_equal(plan.counts["mlp"], self.model.plan.counts["mlp"]):
             return
         before = self.in_plan()
@@ -256,25 +211,10 @@ class SurvivingModel:
     # ---- joins ----------------------------------------------------------------------------------------
     def _take_back_returning(self, prefix: list[int]) -> None:
         """Between passes: ask absent agents whose quarantine is over; re-plan with those that answered."""
-        if not self.absent:
-            return
-        now = time.monotonic()
-        returning = []
-        for endpoint, absent in self.absent.items():
-            if absent.probe is None:
-                if now >= absent.not_before:
-                    absent.probe = self._ask(endpoint)
-                    absent.asked_at = now
-            elif absent.probe.poll(0):
-                returning.append(endpoint)
-            elif now - absent.asked_at > max(1.0, self.settings.rejoin_after_s):
-                self._drop_probe(absent)  # nobody there yet: ask again later
-                absent.not_before = now + self.settings.rejoin_after_s
+        returning = self.membership.returning() if self.absent else []
         if not returning:
             return
         t0 = time.perf_counter()
-        for endpoint in returning:
-            self._drop_probe(self.absent.pop(endpoint))
         try:
             planned = self.planner.survivors([e for e in self.listed if e not in self.absent])
         except ConfigError:
@@ -286,18 +226,3 @@ class SurvivingModel:
         error = self._rebuild("joined", prefix, t0, lost=[], joined=returning, planned=planned)
         if error is not None:
             self._recover(error, prefix)
-
-    def _ask(self, endpoint: str):
-        from halo.transport.reliable import Message, client_socket, encode
-
-        sock = client_socket(self._probes, self.key, self.insecure)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        sock.send_multipart(encode(Message("status")))
-        return sock
-
-    @staticmethod
-    def _drop_probe(absent: Absent) -> None:
-        if absent.probe is not None:
-            absent.probe.close(linger=0)
-            absent.probe = None

@@ -41,8 +41,9 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
                      browser_workers: int = 0, serve: str | None = None, key: str | None = "/etc/halo/cluster.key",
                      insecure: bool = False, context: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                      fmt: str = "fp32", head_top_k: int = 1, threads: int = 1,
-                     browser_timeout_s: float = 600.0) -> PipelineModel:
-    """A coordinator over stage workers; `stack` (an ExitStack) owns whatever this starts."""
+                     browser_timeout_s: float = 600.0, survive=None) -> PipelineModel:
+    """A coordinator over stage workers; `stack` (an ExitStack) owns whatever this starts. `survive`:
+    halo/replanning.py's settings (None: a lost worker ends the generation, naming it)."""
     import zmq
 
     from halo.loader import model_fingerprint
@@ -93,7 +94,8 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
         device = devices_by_name.get(getattr(link, "device_name", None) or "")
         if device is not None:
             profiles[i].memory_bytes = min(profiles[i].memory_bytes, device.memory_bytes)
-    model = PipelineModel(weights, links, stages, context, fmt, head_top_k, profiles=profiles)
+    model = PipelineModel(weights, links, stages, context, fmt, head_top_k, recover=survive is not None,
+                          profiles=profiles, survive=survive)
     stack.callback(model.close)
     return model
 

@@ -12,17 +12,25 @@ every forward pass it completed, as the calls that computed them. When a worker 
 re-plans over the workers left (halo/pipeline/replan.py), opens the new stages, replays those calls
 so every new stage rebuilds its KV cache with the same kernels on the same inputs, and runs the
 interrupted pass again. The continuation equals an uninterrupted run's.
+
+Survival is the tensor-parallel master's (halo/replanning.py, shared): a lost native worker is
+quarantined and asked again between passes; one that answers is taken into a re-plan when the plan
+would change; every `rebalance_every_s` the stages' observed decode times rescale their workers'
+profiles, and a plan the cost model predicts `rebalance_gain` faster replaces the current one (a
+persistently slow worker gets fewer layers). Each re-plan is a `Recovery` record in report().
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from halo.errors import ConfigError, HaloError
 from halo.config import DEFAULT_CONTEXT
+from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind
+from halo.scheduler.measure import MedianWindow
 from halo.weights import ModelWeights
 
 from .links import StageFailed, StageRefused, Traffic
@@ -36,24 +44,11 @@ class PipelineError(HaloError):
 
 
 @dataclass
-class Recovery:
-    lost: str
-    detected_after_s: float  # from the start of the failed call to the failure
-    recovery_s: float  # re-plan + open new stages + replay
-    replayed_positions: int
-    stages: list  # the new plan, as (worker name, start, stop)
-
-    def to_json(self) -> dict:
-        return {"lost": self.lost, "detected_after_s": round(self.detected_after_s, 4),
-                "recovery_s": round(self.recovery_s, 4), "replayed_positions": self.replayed_positions,
-                "stages": self.stages}
-
-
-@dataclass
 class StageStats:
     calls: int = 0
     compute_ms: float = 0.0
     wall_ms: float = 0.0
+    decode_ms: MedianWindow = field(default_factory=MedianWindow)  # recent one-token calls: the straggler signal
 
 
 @dataclass
@@ -77,7 +72,7 @@ class History:
 class PipelineModel:
     def __init__(self, weights: ModelWeights, workers: list, stages: list[Stage] | None = None,
                  max_seq_len: int | None = None, fmt: str = "fp32", head_top_k: int = 1, recover: bool = True,
-                 profiles: list[WorkerProfile] | None = None):
+                 profiles: list[WorkerProfile] | None = None, survive: SurvivalSettings | None = None):
         c = self.config = weights.config
         self.max_seq_len = min(c.max_seq_len, max_seq_len or DEFAULT_CONTEXT)
         if head_top_k < 0:
@@ -89,6 +84,9 @@ class PipelineModel:
             if hasattr(w, "traffic"):
                 w.traffic = self.traffic
         self.alive = [True] * len(self.workers)
+        self.survive = survive or SurvivalSettings()
+        self.membership = Membership(self.survive, self._ask_status)
+        self._clock = RebalanceClock(self.survive)
         self.history = History()
         self.recoveries: list[Recovery] = []
         self.pos = 0
@@ -106,10 +104,10 @@ class PipelineModel:
         self.traffic.sent = self.traffic.received = 0  # from here on: what generation costs
 
     # ---- set-up --------------------------------------------------------------------------------------------
-    def devices(self, indices: list[int] | None = None):
+    def devices(self, indices: list[int] | None = None, profiles: list[WorkerProfile] | None = None):
         model = model_costs(self.config, self.fmt)
         indices = range(len(self.workers)) if indices is None else indices
-        return [self.profiles[i].to_device(model) for i in indices]
+        return [(profiles or self.profiles)[i].to_device(model) for i in indices]
 
     def predicted_ms(self) -> float:
         """What the cost model says one decode step of the current plan takes."""
@@ -140,6 +138,12 @@ class PipelineModel:
         self.history.truncate(start)
         head = HeadRequest(0, True) if all_logits else HeadRequest(self.head_top_k, False)
         failure, detected_after_s = None, 0.0
+        if self.recover:
+            try:
+                self._take_back_returning()
+                self._rebalance()
+            except StageFailed as e:  # a worker failed the new plan's hello or the replay
+                failure = e
         while True:  # a worker lost while recovering is recovered from in turn
             t = time.perf_counter()
             try:
@@ -172,6 +176,8 @@ class PipelineModel:
             stats.calls += 1
             stats.compute_ms += compute_ms
             stats.wall_ms += 1e3 * (time.perf_counter() - t)
+            if len(tokens) == 1:
+                stats.decode_ms.add(compute_ms)
             if not last:
                 if len(arrays) != 1 or arrays[0].shape != (len(tokens), c.dim) or arrays[0].dtype != np.float32:
                     raise PipelineError(f"stage worker {link.name} returned {_shapes(arrays)}, expected one "
@@ -191,26 +197,102 @@ class PipelineModel:
             return arrays
         raise PipelineError("the plan's last stage does not hold the head")  # validate_stages prevents this
 
-    # ---- recovery ------------------------------------------------------------------------------------------
+    # ---- recovery, joins, stragglers -----------------------------------------------------------------------
+    def _index(self, name: str) -> int | None:
+        return next((i for i, w in enumerate(self.workers) if w.name == name), None)
+
     def _recover(self, failure: StageFailed, detected_after_s: float) -> None:
-        t = time.perf_counter()
-        lost = next((i for i, w in enumerate(self.workers) if w.name == failure.worker), None)
+        """Re-plan over the workers left, open their stages, replay the history."""
+        lost = self._index(failure.worker)
         if lost is None:
             raise PipelineError(str(failure)) from None
         self.alive[lost] = False
-        survivors = [i for i, ok in enumerate(self.alive) if ok]
+        if getattr(self.workers[lost], "rejoins", False):
+            self.membership.fail(failure.worker)  # asked again after its quarantine
+        self._replan(str(failure), self._plan_over_alive(str(failure)), lost=[failure.worker], joined=[],
+                     detected_after_s=detected_after_s)
+
+    def _plan_over_alive(self, cause: str, profiles: list[WorkerProfile] | None = None) -> list[Stage]:
+        alive = [i for i, ok in enumerate(self.alive) if ok]
         try:
-            planned, _ = plan_stages(self.devices(survivors), self.config, self.fmt, self.max_seq_len)
+            planned, _ = plan_stages(self.devices(alive, profiles), self.config, self.fmt, self.max_seq_len)
         except ConfigError as e:
-            raise PipelineError(f"{failure}; re-planning without it failed: {e}") from None
-        self.stages = [Stage(survivors[s.worker], s.start, s.stop) for s in planned]
+            raise PipelineError(f"{cause}; re-planning over the workers left failed: {e}") from None
+        return [Stage(alive[s.worker], s.start, s.stop) for s in planned]
+
+    def _replan(self, cause: str, stages: list[Stage], lost: list[str], joined: list[str],
+                detected_after_s: float | None = None) -> None:
+        t = time.perf_counter()
+        self.stages = stages
         self._open()  # a failure here is another lost worker: forward()'s loop recovers from it too
         replayed = 0
         for start, tokens in self.history.calls:
             self._run(tokens, start, HeadRequest(1))
             replayed += len(tokens)
-        self.recoveries.append(Recovery(self.workers[lost].name, detected_after_s, time.perf_counter() - t, replayed,
-                                        [(self.workers[s.worker].name, s.start, s.stop) for s in self.stages]))
+        self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined,
+                                        [[self.workers[s.worker].name, s.start, s.stop] for s in self.stages],
+                                        replayed, time.perf_counter() - t, detected_after_s))
+
+    def _ask_status(self, name: str):
+        return self.workers[self._index(name)].status_probe()
+
+    def _take_back_returning(self) -> None:
+        """Between passes: workers back from quarantine that answered are planned over again; a re-plan (and its
+        replay) only when the plan changes."""
+        returning = self.membership.returning() if self.membership.absent else []
+        for name in returning:
+            i = self._index(name)
+            self.workers[i].reconnect()
+            self.alive[i] = True
+        if not returning:
+            return
+        try:
+            stages = self._plan_over_alive("joined")
+        except PipelineError:
+            return  # the next failure says what is missing
+        if stages != self.stages:
+            self._replan("joined", stages, lost=[], joined=returning)
+
+    def _rebalance(self) -> None:
+        """Every `rebalance_every_s`, once every stage has a full window of one-token calls: each worker's profile
+        is rescaled by how its stage's median decode time compares with what the profile predicted, relative to
+        the other stages (a machine-wide slowdown moves nothing). A worker persistently `rebalance_gain` slower
+        than the rest makes the DP plan again; the new plan is taken when it is predicted that much faster."""
+        windows = [self.stats[s.worker].decode_ms for s in self.stages]
+        if not self._clock.due() or not self.history.calls or \
+                any(len(w.values) < w.values.maxlen for w in windows):
+            return
+        self._clock.checked()
+        ratios = {s.worker: w.median() / max(1e3 * self._predicted_compute_s(s), 1e-6) for s, w in zip(self.stages, windows)}
+        typical = float(np.median(list(ratios.values())))
+        relative = {w: r / typical for w, r in ratios.items()}
+        if max(relative.values()) < 1 / (1 - self.survive.rebalance_gain):
+            return
+        observed = [replace(p, layer_s=p.layer_s * relative.get(i, 1.0), overhead_s=p.overhead_s * relative.get(i, 1.0))
+                    for i, p in enumerate(self.profiles)]
+        stages = self._plan_over_alive("rebalancing", observed)
+        now_s = predicted_s(self.stages, self.devices(profiles=observed), self.config, self.fmt, self.max_seq_len)
+        new_s = predicted_s(stages, self.devices(profiles=observed), self.config, self.fmt, self.max_seq_len)
+        if stages == self.stages or not self._clock.worth_it(now_s, new_s):
+            return
+        before, after = {s.worker for s in self.stages}, {s.worker for s in stages}
+        self.profiles = observed
+        self._replan(f"rebalanced: {1e3 * now_s:.1f} -> {1e3 * new_s:.1f} ms/token predicted from the observed stage times",
+                     stages, lost=[self.workers[i].name for i in before - after],
+                     joined=[self.workers[i].name for i in after - before])
+
+    def _predicted_compute_s(self, stage: Stage) -> float:
+        """What the worker's profile says one decode call of `stage` costs on the worker itself (no link)."""
+        from halo.scheduler.pipeline import model_units
+
+        costs = model_costs(self.config, self.fmt)
+        flops = model_units(costs, self.max_seq_len).flops[stage.start:stage.stop].sum()
+        profile = self.profiles[stage.worker]
+        return profile.overhead_s + flops / profile.to_device(costs).compute_flops
+
+    def survival_report(self) -> dict:
+        return {"recoveries": [r.to_json() for r in self.recoveries],
+                "in_plan": [self.workers[s.worker].name for s in self.stages], "absent": self.membership.report()}
 
     # ---- the rest of the model interface ---------------------------------------------------------------------
     def reset(self) -> None:
@@ -235,6 +317,7 @@ class PipelineModel:
                 "recoveries": [r.to_json() for r in self.recoveries]}
 
     def close(self) -> None:
+        self.membership.close()
         for w in self.workers:
             try:
                 w.close()

@@ -62,21 +62,37 @@ class NativeStage:
     dropped TCP connection at once, so a killed worker is noticed without waiting for the timeout."""
 
     kind = "native"
+    rejoins = True  # a restarted worker at the same address can be asked again and re-planned over
 
     def __init__(self, context, endpoint: str, key, insecure: bool, timeout_s: float, model_sha256: str,
                  traffic: Traffic | None = None, hello_timeout_s: float = 30.0):
+        self.endpoint, self.name, self.timeout_s, self.hello_timeout_s = endpoint, endpoint, timeout_s, hello_timeout_s
+        self.model_sha256, self.traffic = model_sha256, traffic or Traffic()
+        self.context, self.key, self.insecure = context, key, insecure
+        self.session = os.urandom(8).hex()
+        self._connect()
+
+    def _connect(self) -> None:
         import zmq
 
         from halo.transport.reliable import client_socket
 
-        self.endpoint, self.name, self.timeout_s, self.hello_timeout_s = endpoint, endpoint, timeout_s, hello_timeout_s
-        self.model_sha256, self.traffic = model_sha256, traffic or Traffic()
-        self.socket = client_socket(context, key, insecure)
+        self.socket = client_socket(self.context, self.key, self.insecure)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-        self.socket.connect(endpoint)
-        self.session = os.urandom(8).hex()
+        self.socket.connect(self.endpoint)
         self.connected_once = False
         self.alive = True
+
+    def reconnect(self) -> None:
+        """A fresh connection to a worker that came back (the old one may hold requests it never answered)."""
+        self._close_sockets()
+        self._connect()
+
+    def status_probe(self):
+        """A separate socket with a status request in flight (halo/replanning.py's Membership polls it)."""
+        from halo.replanning import status_probe
+
+        return status_probe(self.context, self.endpoint, self.key, self.insecure)
 
     def _call(self, kind: str, fields: dict, arrays=(), what: str = "", timeout_s: float | None = None):
         import zmq
@@ -153,6 +169,9 @@ class NativeStage:
                 self.socket.send_multipart(encode(Message("bye", {"session": self.session})))
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self.socket.close(linger=100)
         self.monitor.close(linger=0)
 
