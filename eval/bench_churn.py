@@ -42,7 +42,7 @@ from .report import command_line, write_report
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
            "The sun was shining", "Sam had a red ball", "There was a cat who", "Mom said"]
 TOKENS = 64
-SHAPES = {"stories260K": None, "tinyllama": 22}  # None: the bundled model; else a TinyLlama-shaped random checkpoint
+SHAPES = {"stories260K": None, "tinyllama": 22, "tinyllama-q4": 22}  # layers of a TinyLlama-shaped random checkpoint
 
 
 # ---- the master (runs inside the master's namespace) ----------------------------------------------------
@@ -164,6 +164,8 @@ def run_mttf(mttf: float, args) -> dict:
 
     if SHAPES[args.shape] is None:
         model = Path(str(BUNDLED_MODEL))
+    elif args.shape == "tinyllama-q4":
+        model = q4_checkpoint(SHAPES[args.shape])
     else:
         from .bench_halo_speed import checkpoint
 
@@ -202,6 +204,19 @@ def run_mttf(mttf: float, args) -> dict:
                 t.join(timeout=70)
             agents.close()
     return summarize(mttf, result, agents, args)
+
+
+def q4_checkpoint(layers: int) -> Path:
+    """A TinyLlama-shaped random GGUF in Q4_0 (written once, ~0.6 GB): agents slice its 4-bit blocks as stored
+    (--weights native), nothing to quantize at a hello, as with the GGUF files users run."""
+    from .random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+
+    path = Path(tempfile.gettempdir()) / f"halo-bench-tinyllama-{layers}L-Q4_0.gguf"
+    if not path.exists():
+        partial = path.with_suffix(".partial")
+        write_random_gguf(partial, {**TINYLLAMA_1_1B, "num_hidden_layers": layers}, "Q4_0")
+        partial.rename(path)
+    return path
 
 
 def summarize(mttf: float, result: dict, agents: Agents, args) -> dict:
@@ -261,8 +276,10 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=1.0, help="the master's --timeout (default 1 s)")
     parser.add_argument("--rejoin-after", type=float, default=5.0)
     parser.add_argument("--shape", choices=tuple(SHAPES), default="stories260K",
-                        help="stories260K (bundled) or tinyllama (TinyLlama-1.1B shape, 22 layers, random weights)")
-    parser.add_argument("--weights", default="fp32", help="weight format of the cluster (default fp32; int8 for tinyllama)")
+                        help="stories260K (bundled), tinyllama (TinyLlama-1.1B shape, 22 layers, random float32 "
+                             "weights) or tinyllama-q4 (the same shape as a Q4_0 GGUF: use --weights native)")
+    parser.add_argument("--weights", default="fp32", help="weight format of the cluster (default fp32; int8 for "
+                                                          "tinyllama, native for tinyllama-q4)")
     parser.add_argument("--tokens", type=int, default=TOKENS, help=f"greedy tokens per request (default {TOKENS})")
     parser.add_argument("--out", default="eval/results")
     parser.add_argument("--model", help=argparse.SUPPRESS)

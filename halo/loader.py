@@ -72,20 +72,82 @@ def load_config(path: str | os.PathLike | None = None):
 
 def model_fingerprint(path: str | os.PathLike) -> str:
     """sha256 over a model's bytes (a llama2.c file, or a HF directory's config, weights and tokenizer):
-    what agents, masters and predictors compare to be sure they mean the same model."""
+    what agents, masters and predictors compare to be sure they mean the same model.
+
+    Hashing reads the whole model (a 1.1B model in float32: ~4.4 GB, seconds), and masters compute it at
+    every hello (a re-plan says hello again), agents at every start: so the digest is kept per file
+    identity (path, size, modification time, inode) in this process and on disk (fingerprint_cache_dir()).
+    A file rewritten in place gets a new modification time and is hashed again."""
     import hashlib
 
     path = model_path(path)
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
         or p.name in ("model.safetensors.index.json", "tokenizer.json"))
+    identity = _file_identity(files)
+    cached = _FINGERPRINTS.get(identity) or _read_cached_fingerprint(identity)
+    if cached:
+        _FINGERPRINTS[identity] = cached
+        return cached
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-    return digest.hexdigest()
+    _FINGERPRINTS[identity] = digest.hexdigest()
+    _write_cached_fingerprint(identity, _FINGERPRINTS[identity])
+    return _FINGERPRINTS[identity]
+
+
+_FINGERPRINTS: dict[str, str] = {}
+
+
+def fingerprint_cache_dir() -> Path:
+    from .cache import cache_subdir
+
+    return cache_subdir("fingerprints", "HALO_FINGERPRINT_CACHE_DIR")
+
+
+def _file_identity(files: list[Path]) -> str:
+    parts = []
+    for file in files:
+        st = file.stat()
+        parts.append(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}")
+    return "\n".join(parts)
+
+
+def _cache_file(identity: str) -> Path:
+    import hashlib
+
+    return fingerprint_cache_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
+def _read_cached_fingerprint(identity: str) -> str | None:
+    import json
+
+    try:
+        entry = json.loads(_cache_file(identity).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str) \
+        and len(entry["sha256"]) == 64
+    return entry["sha256"] if ok else None
+
+
+def _write_cached_fingerprint(identity: str, sha256: str) -> None:
+    """Best effort (a read-only home only costs the next start a re-hash); written whole, then renamed."""
+    import json
+    import tempfile
+
+    target = _cache_file(identity)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=".fp-", suffix=".tmp", delete=False) as f:
+            json.dump({"identity": identity, "sha256": sha256}, f)
+        os.replace(f.name, target)
+    except OSError:
+        pass
 
 
 def load_predictors(weights: ModelWeights, directory: str | os.PathLike | None = None, threads: int = 1):

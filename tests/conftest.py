@@ -12,10 +12,11 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 @pytest.fixture(scope="session", autouse=True)
 def device_cache(tmp_path_factory):
-    """Device benchmarks (and head-importance profiles) go to a temporary directory, inherited by the
+    """Device benchmarks (and head-importance profiles) and model digests go to temporary directories, inherited by the
     agents tests start: tests never write into, or prune, the user's ~/.cache/halo."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path_factory.mktemp("devices")))
+        patch.setenv("HALO_FINGERPRINT_CACHE_DIR", str(tmp_path_factory.mktemp("fingerprints")))
         yield
 
 

@@ -14,7 +14,7 @@ from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
 from halo.neuron_groups import GroupLayout
-from halo.shares import even_plan, shares_from_plan
+from halo.shares import Shares, even_plan, shares_from_plan
 from halo.transport.reliable import Message, decode, encode, generate_key
 
 CONTEXT = 512
@@ -229,3 +229,24 @@ def test_the_master_chooses_the_weight_format_for_the_whole_cluster(stories_weig
                 model.close()
             assert text.startswith(", there was")
     assert all(i < 0.5 * f for i, f in zip(sizes["int8"], sizes["fp32"]))
+
+
+def test_the_hello_timeout_grows_with_the_share_an_agent_must_load():
+    """A 1/5 share of the TinyLlama shape is ~0.9 GB of float32 to read and quantize: far more than the 10 s
+    floor allows on a busy core; a share of stories260K stays at the floor."""
+    from halo.config import ModelConfig
+    from halo.distributed.session import LOAD_BYTES_PER_S, hello_timeout_s, share_float32_bytes
+    from halo.shares import everything
+
+    tiny = ModelConfig(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                       max_seq_len=2048)
+    layout = GroupLayout.for_model(tiny)
+    whole = share_float32_bytes(everything(tiny, layout), layout, tiny.dim)
+    assert 4.0e9 < whole < 4.6e9  # TinyLlama-1.1B's 1.1e9 parameters, less the embedding table (the master's)
+    fifth = Shares([a[: len(a) // 5] for a in everything(tiny, layout).attention],
+                   [m[: len(m) // 5] for m in everything(tiny, layout).mlp], [])
+    assert hello_timeout_s(fifth, layout, tiny.dim, 10.0) == pytest.approx(
+        share_float32_bytes(fifth, layout, tiny.dim) / LOAD_BYTES_PER_S) and hello_timeout_s(fifth, layout, tiny.dim, 10.0) > 30
+    stories = ModelConfig(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, max_seq_len=512)
+    stories_layout = GroupLayout.for_model(stories)
+    assert hello_timeout_s(everything(stories, stories_layout), stories_layout, stories.dim, 10.0) == 10.0

@@ -67,3 +67,33 @@ def test_cli_fetch_and_unknown_names(fake_model, monkeypatch, capsys):
     assert "tiny-test: a test file" in capsys.readouterr().out
     assert main(["fetch", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monkeypatch, tmp_path):
+    """model_fingerprint reads a model once: later calls (a re-plan's hello, an agent's restart: the disk cache)
+    reuse the digest; a rewritten file (new size or modification time) is hashed again."""
+    import os
+
+    from halo import loader
+
+    monkeypatch.setenv("HALO_FINGERPRINT_CACHE_DIR", str(tmp_path / "fp"))
+    model = tmp_path / "model.bin"
+    model.write_bytes(PAYLOAD)
+    reads = []
+    real_open = open
+
+    def counting_open(file, *args, **kw):
+        if str(file) == str(model):
+            reads.append(file)
+        return real_open(file, *args, **kw)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    expected = hashlib.sha256(b"model.bin" + PAYLOAD).hexdigest()
+    assert loader.model_fingerprint(model) == expected and len(reads) == 1
+    assert loader.model_fingerprint(model) == expected and len(reads) == 1  # this process: memory
+    loader._FINGERPRINTS.clear()  # another process: the disk cache
+    assert loader.model_fingerprint(model) == expected and len(reads) == 1
+    model.write_bytes(PAYLOAD[::-1])
+    os.utime(model, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns + 10**9))
+    assert loader.model_fingerprint(model) == hashlib.sha256(b"model.bin" + PAYLOAD[::-1]).hexdigest()
+    assert len(reads) == 2

@@ -47,16 +47,19 @@ class DistributedModel:
             from halo.loader import load_predictors
 
             predictors = load_predictors(weights, settings.predictors)
-        self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
-                                   remap=self.sync.policy.remap, predictors=predictors,
-                                   load_overlap=self.sync.load_overlap)
+
+        def build_own_share():
+            self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
+                                       remap=self.sync.policy.remap, predictors=predictors,
+                                       load_overlap=self.sync.load_overlap)
+
+        self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
+                                    insecure, meanwhile=build_own_share)
         self.own_vocab_ids = self.worker.lm_head.token_ids if self.worker.lm_head else None
         self.pos = self.step = self.forward_id = 0
         self.ledger = LossLedger()
         self.timings = Timings()
         self.deadline = AdaptiveDeadline(self.sync)
-        self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
-                                    insecure)
         self.agents: dict[int, RemoteAgent] = self.session.agents
         self.rounds = RoundContext(self.agents, self.session.udp, self.sync, self.deadline, self.ledger,
                                    self.timeout_s, c.dim, self._ranks_of)

@@ -11,8 +11,10 @@ Hello tells each agent the protocol, the model's sha256, its share and node id, 
 the weight format (cluster-wide) and where the master's UDP endpoint listens (its port; the agent
 takes the master's address from the control connection). Each agent loads its share while
 answering, with its own profile and UDP port. Every blocking call has a bound: a profile within
-`profile_timeout_s`, a hello within `hello_timeout_s`, every later reply within `timeout_s`, every
-send within `timeout_s`, and `close` never waits for an agent that is gone.
+`profile_timeout_s`, a hello within `hello_timeout_s` or the time its share takes to read at
+`LOAD_BYTES_PER_S` (whichever is longer: a 1/5 share of a 1.1B model is ~0.9 GB of float32 to read and
+quantize, on a busy Pi core), every later reply within `timeout_s`, every send within `timeout_s`, and
+`close` never waits for an agent that is gone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ from halo.transport.reliable import Message, encode
 from .remote import AgentError, RemoteAgent
 
 DEFAULT_TIMEOUT_S = 2.0
+LOAD_BYTES_PER_S = 20e6  # the slowest load a hello allows for: an SD card, or quantizing on a shared core
+
+
+def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:
+    """The float32 bytes of a share's weights: what an agent reads (and quantizes) while answering hello."""
+    head = dim * layout.head_dim * (2 + 2 * layout.n_kv_heads / layout.n_heads)  # W_q, W_o rows; its part of W_k, W_v
+    params = (sum(map(len, share.attention)) * head + sum(map(len, share.mlp)) * 3 * dim * layout.mlp_group_size
+              + len(share.lm_head) * layout.vocab_group_size * dim)
+    return int(4 * params)
+
+
+def hello_timeout_s(share: Shares, layout: GroupLayout, dim: int, floor_s: float) -> float:
+    return max(floor_s, share_float32_bytes(share, layout, dim) / LOAD_BYTES_PER_S)
 
 
 def master_context() -> zmq.Context:
@@ -65,8 +80,11 @@ class Session:
 
     @classmethod
     def open(cls, weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, context: int,
-             shares: list[Shares], endpoints: list[str], key=None, insecure: bool = False) -> "Session":
-        """Hello to every agent (shares and endpoints in plan order: node ids 1, 2, ...)."""
+             shares: list[Shares], endpoints: list[str], key=None, insecure: bool = False,
+             meanwhile=None) -> "Session":
+        """Hello to every agent (shares and endpoints in plan order: node ids 1, 2, ...). `meanwhile()` runs
+        after the hellos are sent, before their answers are awaited: the master builds its own share while the
+        agents load theirs (a re-plan's rebuild then takes the slowest device's load, not the sum)."""
         from halo.loader import model_fingerprint
         from halo.transport.reliable import PROTOCOL_VERSION
 
@@ -79,8 +97,11 @@ class Session:
             if settings.sync.policy.uses_udp or settings.probe_links:
                 hello.update(session._open_udp(key, settings))
             for node_id, (endpoint, share) in enumerate(zip(endpoints, shares), start=1):
-                agent = session._connect(node_id, endpoint, share, key, insecure, settings.hello_timeout_s, layout)
+                agent = session._connect(node_id, endpoint, share, key, insecure,
+                                         hello_timeout_s(share, layout, weights.config.dim, settings.hello_timeout_s), layout)
                 agent.send("hello", {**hello, "node_id": node_id, **share.to_json()})
+            if meanwhile is not None:
+                meanwhile()
             for agent in session.agents.values():
                 session._welcome(agent, settings)
             if settings.sync.policy.uses_udp and any(a.udp_address is None for a in session.agents.values()):
