@@ -84,9 +84,17 @@ class NativeStage:
         self.alive = True
 
     def reconnect(self) -> None:
-        """A fresh connection to a worker that came back (the old one may hold requests it never answered)."""
-        self._close_sockets()
-        self._connect()
+        """The worker came back at its address (it answered a status probe). ZeroMQ has kept reconnecting this
+        socket all along, and nothing is queued on it (a dead link sends nothing): forget the failure and the
+        connection events seen since. (A new socket instead would race the old one's closing: the restarted
+        worker saw a half-done handshake, and the new socket's hello went unanswered.)"""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        self.connected_once = False
+        while self.monitor.poll(0):
+            self.connected_once = recv_monitor_message(self.monitor)["event"] == zmq.EVENT_CONNECTED  # the last one
+        self.alive = True
 
     def status_probe(self):
         """A separate socket with a status request in flight (halo/replanning.py's Membership polls it)."""
@@ -169,9 +177,6 @@ class NativeStage:
                 self.socket.send_multipart(encode(Message("bye", {"session": self.session})))
             except Exception:  # noqa: BLE001 - closing must not fail
                 pass
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
         self.socket.close(linger=100)
         self.monitor.close(linger=0)
 
