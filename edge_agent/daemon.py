@@ -87,8 +87,11 @@ class ControlServer:
         import zmq
 
         identity, *frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        call = None
         try:
-            reply = self.handle(decode([f.buffer for f in frames]), identity.bytes, frames[0].get("Peer-Address"))
+            message = decode([f.buffer for f in frames])
+            call = message.fields.get("call")
+            reply = self.handle(message, identity.bytes, frames[0].get("Peer-Address"))
         except MessageError as e:
             log.warning("refused a malformed message: %s", e)
             reply = Message("error", {"reason": f"malformed message: {e}"})
@@ -100,6 +103,8 @@ class ControlServer:
             log.exception("unexpected error while handling a message")
             reply = Message("error", {"reason": f"{self.name} error: {type(e).__name__}: {e}"})
         if reply is not None:
+            if type(call) is int:  # echoed: a client that re-uses a connection tells a late reply from this one's
+                reply = Message(reply.kind, {**reply.fields, "call": call}, reply.arrays)
             self.socket.send_multipart([identity.bytes, *encode(reply)])
 
     def count_error(self) -> None:

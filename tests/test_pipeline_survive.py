@@ -94,3 +94,36 @@ def test_a_persistently_slow_worker_loses_its_layers(stories_weights, known_answ
     rebalanced = [r for r in report["recoveries"] if r["kind"] == "rebalanced"]
     assert rebalanced, report["recoveries"]
     assert rebalanced[0]["lost"] == [model.workers[slow].name] and units_of(model, slow) < before
+
+
+def test_a_late_answer_to_a_request_from_before_a_failure_is_not_taken_for_the_current_one():
+    """A request queued on a link when its worker died reaches the restarted worker, whose answer (an error) comes
+    first: the link skips answers whose echoed call number is not the current request's."""
+    from halo.transport.reliable import Message, decode, encode
+
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    link = NativeStage(context, f"tcp://127.0.0.1:{port}", None, True, 5.0, "0" * 64)
+    try:
+        link.calls = 6  # six requests went out before the failure; the sixth was never answered
+        link.alive = False
+        link.reconnect()  # the worker is back; numbers go on (a restarted count could meet a late answer's)
+        import threading
+
+        def answer():
+            identity, *frames = server.recv_multipart()
+            request = decode(frames)
+            late = Message("error", {"reason": "'forward' before hello: no session", "call": 6})
+            server.send_multipart([identity, *encode(late)])
+            server.send_multipart([identity, *encode(Message("pong", {"call": request.fields["call"]}))])
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        reply = link._call("ping", {}, what="a ping")
+        thread.join()
+        assert reply.kind == "pong" and reply.fields["call"] == 7
+    finally:
+        link.close()
+        server.close(linger=0)
+        context.destroy(linger=0)

@@ -82,12 +82,14 @@ class NativeStage:
         self.socket.connect(self.endpoint)
         self.connected_once = False
         self.alive = True
+        self.calls = 0  # requests sent: each carries its number, the worker echoes it
 
     def reconnect(self) -> None:
         """The worker came back at its address (it answered a status probe). ZeroMQ has kept reconnecting this
         socket all along, and nothing is queued on it (a dead link sends nothing): forget the failure and the
-        connection events seen since. (A new socket instead would race the old one's closing: the restarted
-        worker saw a half-done handshake, and the new socket's hello went unanswered.)"""
+        connection events seen since. A request queued before the failure may still reach the restarted
+        worker; its answer (an error: no session) carries an old call number and is skipped. (A new socket
+        instead raced the old one's closing: the new socket's hello went unanswered in half the runs.)"""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
@@ -109,7 +111,8 @@ class NativeStage:
 
         if not self.alive:
             raise StageFailed(self.name, f"stage worker {self.name} is gone")
-        frames = encode(Message(kind, fields, list(arrays)))
+        self.calls += 1
+        frames = encode(Message(kind, {**fields, "call": self.calls}, list(arrays)))
         self.traffic.sent += message_bytes(frames)
         self.socket.send_multipart(frames)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -141,6 +144,8 @@ class NativeStage:
                     reply = decode(raw)
                 except MessageError as e:
                     raise StageRefused(f"stage worker {self.name} sent a malformed reply to {what or kind}: {e}") from None
+                if reply.fields.get("call", self.calls) != self.calls:
+                    continue  # the late answer to a request sent before the worker failed (a restarted one: an error)
                 if reply.kind in ("error", "refused"):
                     raise StageRefused(f"stage worker {self.name} {reply.kind} {what or kind}: {reply.fields.get('reason')}")
                 return reply
