@@ -27,7 +27,7 @@ def browser_missing() -> str | None:
 
 @pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
 def test_chat_page_streams_an_answer_and_shows_live_cluster_numbers(tmp_path):
-    process, url = start_server(tmp_path, "--local-agents", "2", "--sync", "halo", "--inject-plr", "0.05")
+    process, url = start_server(tmp_path, "--local-agents", "2", "--plan", "even", "--sync", "halo", "--inject-plr", "0.05")
     try:
         shot = tmp_path / "page.png"
         out = subprocess.run(["node", str(WEB_DIR / "scripts" / "chat_page.mjs"), url, str(shot), API_KEY, "Once upon a time"],

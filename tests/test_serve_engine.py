@@ -197,7 +197,7 @@ def test_the_view_shows_what_halo_sync_dropped(stories_weights, tokenizer):
     from halo.sync import SyncSettings
 
     def open_model(stack):
-        return connect(stories_weights, stack, local_agents=2, context=512,
+        return connect(stories_weights, stack, local_agents=2, context=512, plan="even",  # every agent has work
                        sync=SyncSettings(mode="halo", inject_plr=0.2, seed=3))
 
     engine = engine_for(stories_weights, tokenizer, open_model, sync_mode="halo")

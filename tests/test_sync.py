@@ -197,7 +197,7 @@ def test_ranking_digest_tells_rankings_apart():
 
 def test_cli_halo_reports_its_losses(known_answer):
     out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--max-new-tokens", "30",
-                          "--local-agents", "2", "--sync", "halo", "--inject-plr", "0.05", "--json"],
+                          "--local-agents", "2", "--plan", "even", "--sync", "halo", "--inject-plr", "0.05", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
