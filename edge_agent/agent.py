@@ -30,6 +30,7 @@ from .rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
+RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Agent(ControlServer):
         self.format, self.threads = weights_format, threads
         self.session: Session | None = None
         self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
+        self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
@@ -77,13 +79,20 @@ class Agent(ControlServer):
             log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
             self.dropped_idle = self.session.peer
             self._end_session()
+        if self.retired is not None and time.monotonic() - self.retired[1] > RETAIN_S:
+            self.retired = None  # its memory goes back: no re-plan came
 
     def count_error(self) -> None:
         self.served["errors"] += 1
 
-    def _end_session(self) -> None:
+    def _end_session(self, retain: bool = False) -> None:
+        """retain: keep the worker's shards for RETAIN_S (a master that re-plans says bye, then hello)."""
         if self.session is not None:
-            self.session.worker.close()
+            worker = self.session.worker
+            if retain and worker.remapper is None:
+                self.retired = (worker, time.monotonic())
+            else:
+                worker.close()
             rejected = self.udp.rejections()
             if rejected:
                 log.warning("session with %s: datagrams refused, by reason: %s", self.session.master,
@@ -94,6 +103,7 @@ class Agent(ControlServer):
 
     def close(self) -> None:
         self._end_session()
+        self.retired = None
         self.udp.close()
         super().close()
 
@@ -119,9 +129,11 @@ class Agent(ControlServer):
         if message.kind == "reset":
             self.session.rounds.reset()
             return Message("ok")
-        if message.kind == "bye":
+        if message.kind == "fill":
+            return self._fill(message)
+        if message.kind == "bye":  # retain: a re-plan follows, whose hello keeps the shards whose groups stay
             log.info("session with %s ended", self.session.master)
-            self._end_session()
+            self._end_session(retain=message.fields.get("retain") is True)
             return Message("ok")
         return Message("error", {"reason": f"unknown message kind {message.kind!r}"})
 
@@ -138,6 +150,7 @@ class Agent(ControlServer):
             session["rejected"] = self.udp.rejections()
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
+                "retained_bytes": self.retired[0].nbytes if self.retired else 0,
                 "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
 
     def _hello(self, f: dict, peer: bytes, address: str | None) -> Message:
@@ -156,16 +169,17 @@ class Agent(ControlServer):
             return refuse(str(e))
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
-        self._end_session()
+        self._end_session()  # what the new worker kept is in it; the rest goes
         self._join_udp(f, sync, node_id, address)
         self.session = Session(str(f.get("master", "?")), peer, worker, AgentRounds(worker, sync, self.udp, self.served),
                                sync, time.monotonic())
-        log.info("session with %s: %d attention and %d MLP layers, %.1f MB, loaded in %.0f ms", self.session.master,
-                 len(worker.attention), sum(1 for g in worker.share.mlp if g), worker.nbytes / 1e6,
-                 1e3 * (time.perf_counter() - t))
+        log.info("session with %s: %d attention and %d MLP layers, %.1f MB, loaded in %.0f ms (%d groups kept from "
+                 "the last session)", self.session.master, len(worker.attention), sum(1 for g in worker.share.mlp if g),
+                 worker.nbytes / 1e6, 1e3 * (time.perf_counter() - t), worker.reused_groups)
         self.served["sessions"] += 1
         return Message("ready", {"name": self.name, "weight_bytes": worker.nbytes, "profile": self.profile,
-                                 "udp_port": self.udp.address[1]})
+                                 "udp_port": self.udp.address[1], "kept_groups": worker.reused_groups,
+                                 "fill": True})
 
     def _mismatch(self, f: dict) -> str | None:
         """Why a master's hello or profile request cannot be served (None: it can)."""
@@ -211,8 +225,13 @@ class Agent(ControlServer):
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")
         predictors = self._predictors() if sync.policy.remap and sync.predict else None
+        # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
+        if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
+            self.retired = None  # nothing of it serves this hello: its memory goes back before the build
+        previous = self.session.worker if self.session is not None else self.retired[0] if self.retired else None
         worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
-                              predictors=predictors, load_overlap=sync.load_overlap)
+                              predictors=predictors, load_overlap=sync.load_overlap, reuse=previous)
+        self.retired = None
         return worker, sync, node_id
 
     def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
@@ -233,6 +252,23 @@ class Agent(ControlServer):
 
             self._predictor_set = load_predictors(self.weights, self.predictors_dir)
         return self._predictor_set
+
+    def _fill(self, message: Message) -> Message:
+        """A new session's KV caches from the residual stream the master recorded: [layers, T, D] for layers where
+        this agent holds heads (the master sends each of them), positions 0..T-1 (instead of a replay)."""
+        worker, layers = self.session.worker, message.fields.get("layers")
+        x = np.asarray(message.arrays[0], dtype=np.float32) if len(message.arrays) == 1 else None
+        if not isinstance(layers, list) or not layers or any(type(l) is not int for l in layers) \
+                or not set(layers) <= set(worker.attention) or len(set(layers)) != len(layers):
+            return Message("error", {"reason": f"fill names layers {layers!r}; this agent holds heads of layers "
+                                               f"{sorted(worker.attention)}"})
+        if x is None or x.ndim != 3 or x.shape[0] != len(layers) or x.shape[2] != worker.config.dim \
+                or not 0 < x.shape[1] <= worker.context:
+            return Message("error", {"reason": f"fill carries {None if x is None else x.shape}, expected [{len(layers)}, "
+                                               f"T <= {worker.context}, {worker.config.dim}]"})
+        for layer, inputs in zip(layers, x):
+            worker.fill(layer, inputs)
+        return Message("ok")
 
     def _block(self, message: Message) -> Message | None:
         """A block over the control connection (reliable and halo-tcp modes)."""

@@ -65,7 +65,9 @@ def master(args) -> None:
                         timeout=args.timeout, fmt=args.weights, sync=SyncSettings(mode=args.sync),
                         # re-plans for speed off: on one 2-core machine the running estimates find the master alone
                         # faster for a 260K model, and no agent (nothing to kill) would take part
-                        survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=0.0))
+                        survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=0.0,
+                                                 sticky=args.replan == "sticky",
+                                                 input_log_mb=256.0 if args.replan == "sticky" else 0.0))
         print("READY", flush=True)
         end = time.monotonic() + args.duration
         i = 0
@@ -183,7 +185,7 @@ def run_mttf(mttf: float, args) -> dict:
             argv = [*module_command("halo.eval.bench_churn"), "master", "--model", str(model), "--key", str(key),
                     "--weights", args.weights, "--tokens", str(args.tokens),
                     "--endpoints", ",".join(agents.endpoints), "--duration", str(args.duration), "--sync", args.sync,
-                    "--timeout", str(args.timeout), "--rejoin-after", str(args.rejoin_after)]
+                    "--timeout", str(args.timeout), "--rejoin-after", str(args.rejoin_after), "--replan", args.replan]
             master_process = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             ready = master_process.stdout.readline()
             if not ready.startswith("READY"):
@@ -225,7 +227,8 @@ def summarize(mttf: float, result: dict, agents: Agents, args) -> dict:
     span = (max(r["start"] + r["seconds"] for r in records) - min(r["start"] for r in records)) if records else 0.0
     after_loss = np.array([r["seconds"] for r in recoveries if r["kind"] == "lost"] or [np.nan])
     gaps = np.array([r["max_gap_s"] for r in records] or [np.nan])
-    return {"shape": args.shape, "weights": args.weights, "mttf_s": mttf, "duration_s": args.duration,
+    moved = [r["moved_groups"] for r in recoveries if r["kind"] == "lost" and r.get("moved_groups") is not None]
+    return {"shape": args.shape, "weights": args.weights, "replan": args.replan, "mttf_s": mttf, "duration_s": args.duration,
             "sync": args.sync, "plr": args.plr, "tokens_per_request": args.tokens,
             "requests": len(records), "completed": len(ok), "availability": len(ok) / len(records) if records else None,
             "tokens_per_s": sum(r["tokens"] for r in ok) / span if span else None,
@@ -235,6 +238,7 @@ def summarize(mttf: float, result: dict, agents: Agents, args) -> dict:
             "replans_rebalancing": int(sum(1 for r in recoveries if r["kind"] == "rebalanced")),
             "recovery_mean_s": float(np.nanmean(after_loss)), "recovery_p99_s": float(np.nanpercentile(after_loss, 99)),
             "longest_pause_s": float(np.nanmax(gaps)),
+            "moved_groups_per_loss": float(np.mean(moved)) if moved else None,
             "all_texts_match": all(r["matches"] for r in ok), "texts_matching": sum(r["matches"] for r in ok),
             "errors": sorted({r["error"] for r in records if r["error"]})[:5], "recoveries": recoveries}
 
@@ -247,15 +251,23 @@ def report(results: list[dict], args) -> None:
              f"{args.rejoin_after:g} s. Requests of {args.tokens} greedy tokens back to back for {args.duration:g} s per row; "
              "every agent is killed (kill -9) after Exp(MTTF) s and restarted 1-10 s later at its address; a kill that "
              "would leave no agent is skipped; re-plans for speed (stragglers) are off, the 4 agents keep even shares "
-             "(the running estimates would find the master alone faster for this model on one machine). Recovery: failure noticed -> history replayed on the new plan. Longest "
+             "(the running estimates would find the master alone faster for this model on one machine). Recovery: failure noticed -> the new plan's KV caches hold the history (refilled or replayed). Longest "
              "pause: the longest wait between two tokens of any request (detection + recovery).", "",
-             "| MTTF per agent | requests completed / started | availability | tokens/s | kills | re-plans after a "
-             "loss / to take an agent back | recovery mean / p99 s | longest pause s | texts equal the uninterrupted run |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Re-plan (`--replan`): sticky (the default since stop 26: survivors keep their groups and kernels and "
+             "split the lost agent's, a returning agent takes its own back, and the KV caches are filled from the "
+             "residual stream the master recorded) or full (what the master did before: every share planned and "
+             "built anew, the history replayed through every block). Groups built per loss: of the model's groups, "
+             "those no device had kernels for.", "",
+             "| re-plan | MTTF per agent | requests completed / started | availability | tokens/s | kills | re-plans after a "
+             "loss / to take an agent back | recovery mean / p99 s | groups built per loss | longest pause s | texts equal "
+             "the uninterrupted run |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['mttf_s']:g} s | {r['completed']} / {r['requests']} | {100 * r['availability']:.1f} % | "
+        moved = "" if r.get("moved_groups_per_loss") is None else f"{r['moved_groups_per_loss']:.0f}"
+        lines.append(f"| {r.get('replan', 'full')} | {r['mttf_s']:g} s | {r['completed']} / {r['requests']} | "
+                     f"{100 * r['availability']:.1f} % | "
                      f"{r['tokens_per_s']:.1f} | {r['kills']} | {r['replans_after_loss']} / {r['replans_joining']} | "
-                     f"{r['recovery_mean_s']:.2f} / {r['recovery_p99_s']:.2f} | {r['longest_pause_s']:.2f} | "
+                     f"{r['recovery_mean_s']:.2f} / {r['recovery_p99_s']:.2f} | {moved} | {r['longest_pause_s']:.2f} | "
                      f"{r['texts_matching']} of {r['completed']} |")
     for r in results:
         if r["errors"]:
@@ -275,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plr", type=float, default=0.0, help="silent loss on every agent link (default 0)")
     parser.add_argument("--timeout", type=float, default=1.0, help="the master's --timeout (default 1 s)")
     parser.add_argument("--rejoin-after", type=float, default=5.0)
+    parser.add_argument("--replan", default="sticky", help="sticky (sticky re-plans, KV refill), full (full re-plans, "
+                                                         "replay) or sticky,full: rows per kind (default sticky)")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="stories260K",
                         help="stories260K (bundled), tinyllama (TinyLlama-1.1B shape, 22 layers, random float32 "
                              "weights) or tinyllama-q4 (the same shape as a Q4_0 GGUF: use --weights native)")
@@ -296,11 +310,16 @@ def main(argv=None) -> int:
     if not ok:
         print(f"the churn benchmark needs the namespace test bed: {why}", file=sys.stderr)
         return 2
+    kinds = args.replan.split(",")
+    if any(k not in ("sticky", "full") for k in kinds):
+        parser.error(f"--replan {args.replan}: give sticky, full or sticky,full")
     results = []
-    for mttf in [float(m) for m in args.mttf.split(",")]:
-        results.append(run_mttf(mttf, args))
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "recoveries"}), flush=True)
-        report(results, args)
+    for kind in kinds:
+        for mttf in [float(m) for m in args.mttf.split(",")]:
+            args.replan = kind
+            results.append(run_mttf(mttf, args))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "recoveries"}), flush=True)
+            report(results, args)
     return 0
 
 

@@ -245,6 +245,10 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--rejoin-after", type=number(0), default=5.0, metavar="S",
                          help="an agent that failed is asked again after S seconds, doubling with each further "
                               "failure (a flapping device re-plans rarely; default 5)")
+    cluster.add_argument("--replan", choices=("sticky", "full"), default="sticky",
+                         help="sticky (default): after a loss the survivors keep their groups and their built kernels "
+                              "and split the lost agent's groups; a returning agent takes its own back (exact sync "
+                              "modes, --mode tp; others re-plan fully) · full: plan and build every share anew")
     cluster.add_argument("--rebalance-every", type=number(0), default=10.0, metavar="S",
                          help="every S seconds, re-plan from the devices' running speeds and link loss when that "
                               "is predicted >= 20 %% faster, so a persistently slow agent loses work (0: never; "
@@ -456,7 +460,8 @@ def open_model(args, weights, stack):
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
-                   survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every)
+                   survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
+                                            sticky=args.replan == "sticky")
                    if args.on_agent_loss == "replan" else None,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
@@ -646,7 +651,8 @@ def _plan_measured(args) -> int:
             endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
             key = None if args.insecure else load_key(args.key)
         plan, planning = measured_plan(weights, layout, settings, endpoints, key, args.insecure,
-                                       select=not args.all_devices, fresh=args.rebenchmark, take_over=False)
+                                       select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
+                                       same_machine=bool(args.local_agents))
     print_planning(planning, title=f"measured tensor-parallel plan ({plan.algorithm}): "
                                    f"{args.model or 'stories260K'}, {args.weights}, sync {args.sync}")
     if args.out:

@@ -87,6 +87,10 @@ class GroupLayout:
     def vocab_rows(self, group: int) -> range:
         return range(group * self.vocab_group_size, min((group + 1) * self.vocab_group_size, self.vocab_size))
 
+    def vocab_ids(self, groups) -> np.ndarray:
+        """The token ids of vocabulary groups, in the groups' order: the columns of their LM-head logits."""
+        return np.concatenate([np.arange(r.start, r.stop) for r in map(self.vocab_rows, groups)])
+
 
 def _check_groups(groups: Sequence[int], total: int, kind: str) -> tuple[int, ...]:
     groups = tuple(int(g) for g in groups)
@@ -159,12 +163,7 @@ class AttentionShard:
         """Project, rotate, cache K/V, attend: [T, D] -> the heads' outputs [T, H * hd] before W_o."""
         T, hd = x.shape[0], self.head_dim
         end = start_pos + T
-        if end > self.cache_k.shape[1]:
-            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[1]}")
-        q, k, v = self.qkv(x)
-        q = rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
-        self.cache_k[:, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos).transpose(1, 0, 2)
-        self.cache_v[:, start_pos:end] = v.reshape(T, -1, hd).transpose(1, 0, 2)
+        q = self._project(x, start_pos, rotary)
         attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
         scale = np.float32(1.0 / math.sqrt(hd))
         # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t; a single token sees all
@@ -178,6 +177,22 @@ class AttentionShard:
             probs = softmax(scores).reshape(T * r, end)
             attended[:, local_heads, :] = (probs @ self.cache_v[j, :end]).reshape(T, r, hd)
         return attended.reshape(T, -1)
+
+    def fill(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> None:
+        """Write the K/V of positions start_pos.. from their normed inputs without attending: a new session's
+        cache filled from the inputs the master recorded, instead of replaying the history through every block."""
+        self._project(x, start_pos, rotary)
+
+    def _project(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+        """Project, rotate, write K/V to the cache at start_pos..: the rotated queries [T, H, hd]."""
+        T, hd = x.shape[0], self.head_dim
+        end = start_pos + T
+        if end > self.cache_k.shape[1]:
+            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[1]}")
+        q, k, v = self.qkv(x)
+        self.cache_k[:, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos).transpose(1, 0, 2)
+        self.cache_v[:, start_pos:end] = v.reshape(T, -1, hd).transpose(1, 0, 2)
+        return rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
 
     def _contributions(self, attended: np.ndarray) -> np.ndarray:
         if self._wo_dense is None:
@@ -319,7 +334,7 @@ class LmHeadShard:
     def __init__(self, lm_head: Weight, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
                  threads: int = 1):
         self.groups = _check_groups(groups, layout.n_vocab_groups, "LM-head")
-        self.token_ids = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, self.groups)])
+        self.token_ids = layout.vocab_ids(self.groups)
         self.proj = make_projection([take_rows(lm_head, self.token_ids)], fmt, threads)
 
     def forward(self, x: np.ndarray) -> np.ndarray:

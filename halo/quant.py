@@ -77,9 +77,12 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """Codes in weight order -> MatMulNBits' 4-bit packing: byte j holds weight 2j (low) and 2j + 1 (high)."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+def _repack_nibbles(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF's 4-bit layout (2m bytes: byte j holds weight j low, weight j + 2m high) -> MatMulNBits' packing
+    (byte i holds weight 2i low, 2i + 1 high) of the low-nibble weights and of the high-nibble weights, m bytes
+    each, without unpacking to a byte per code (a share's load spent a third of its time doing that)."""
+    even, odd = packed[..., 0::2], packed[..., 1::2]
+    return (even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)
 
 
 class QuantizedMatrix:
@@ -191,7 +194,7 @@ class QuantizedMatrix:
         if local is not None:
             codes, scales = codes[:, local], scales[:, local]
             offsets = None if offsets is None else offsets[:, local]
-        return (_pack_nibbles(codes) if c.bits == 4 else codes), scales, offsets
+        return codes, scales, offsets
 
     def release(self) -> None:
         """Drop the model file's pages from this process once a kernel holds its copy (they re-read from the
@@ -207,8 +210,8 @@ def _as_index(ids: np.ndarray):
 
 
 def _kernel_form(codec: Codec, blocks: np.ndarray):
-    """Storage blocks [n, nb, type_size] -> (codes in weight order [n, units, unit] uint8, scales [n, units],
-    offsets [n, units] or None), per kernel block."""
+    """Storage blocks [n, nb, type_size] -> (codes [n, units, unit * bits / 8] uint8 as MatMulNBits packs them,
+    scales [n, units], offsets [n, units] or None), per kernel block."""
     n = blocks.shape[0]
     if codec.name == "Q8_0":
         return blocks[..., 2:] ^ np.uint8(0x80), _f16(blocks, 0), None  # int8 two's complement -> offset binary
@@ -216,12 +219,12 @@ def _kernel_form(codec: Codec, blocks: np.ndarray):
         header = 4 if codec.has_offsets else 2
         scales = _f16(blocks, 0)
         offsets = _f16(blocks, 2) + np.float32(8.0) * scales if codec.has_offsets else None
-        return _nibbles(blocks[..., header:]), scales, offsets
+        return np.concatenate(_repack_nibbles(blocks[..., header:]), axis=-1), scales, offsets
     if codec.name == "Q4_K":
         d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
         sc, m = _k4_scales_mins(blocks[..., 4:16])  # [n, nb, 8] each
         qs = blocks[..., 16:].reshape(n, -1, 4, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low) and 2c + 1 (high)
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, -1, 32)
+        codes = np.stack(_repack_nibbles(qs), axis=3).reshape(n, -1, 16)
         scales = (d * sc).reshape(n, -1)
         return codes, scales, (-(dmin * m)).reshape(n, -1) + np.float32(8.0) * scales
     if codec.name == "Q6_K":

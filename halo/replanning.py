@@ -30,6 +30,12 @@ class SurvivalSettings:
     rebalance_every_s: float = 10.0  # how often the running estimates are planned over (0: never)
     rebalance_gain: float = 0.2  # re-plan for stragglers only when the cost model predicts this much faster
     status_timeout_s: float = STATUS_TIMEOUT_S
+    # tensor parallel, exact modes: a loss spreads only the lost device's groups over the others, who keep theirs
+    # (and their kernels); a return takes back its own. False: every re-plan plans and builds from scratch
+    sticky: bool = True
+    # tensor parallel: the master keeps the residual stream entering each attention block (up to this many MB) and
+    # a re-plan fills the new KV caches from it instead of replaying the history (0: always replay)
+    input_log_mb: float = 256.0
 
 
 @dataclass
@@ -44,12 +50,22 @@ class Recovery:
     replayed_tokens: int
     seconds: float  # from the failure (or the join) to the history replayed on the new assignment
     detected_after_s: float | None = None  # from the start of the failed call to the failure, where known
+    sticky: bool = False  # survivors kept their groups (only what moved was built)
+    refilled: bool = False  # the KV caches were filled from the recorded inputs (no replay through every block)
+    kept_groups: int | None = None  # groups whose built kernels the devices kept (tensor parallel)
+    moved_groups: int | None = None  # groups built anew
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "cause": self.cause, "lost": self.lost, "joined": self.joined, "members": self.members,
                "replayed_tokens": self.replayed_tokens, "seconds": round(self.seconds, 3)}
         if self.detected_after_s is not None:
             out["detected_after_s"] = round(self.detected_after_s, 4)
+        if self.sticky:
+            out["sticky"] = True
+        if self.refilled:
+            out["refilled"] = True
+        if self.kept_groups is not None:
+            out.update(kept_groups=self.kept_groups, moved_groups=self.moved_groups)
         return out
 
 

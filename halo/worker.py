@@ -25,13 +25,32 @@ from .weights import ModelWeights
 
 class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
-                 threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True):
+                 threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
+                 reuse: "DeviceWorker | None" = None):
         """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
-        the identity ranking)."""
+        the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
+        stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
+        it did not hold are built: after a sticky re-plan a survivor builds just what it gained."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
+        self.context, self.fmt, self.threads = context, fmt, threads
         self.rotary = Rotary(c, context)
-        self.attention = {l: AttentionShard(weights.layers[l], layout, heads, context, fmt, threads)
+        old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads) else None
+        self.reused_groups = 0  # groups whose kernels came from `reuse`
+        kept_caches = []
+
+        def shard(kind: str, layer: int, groups: list[int], build):
+            previous = None if old is None else old._shard(kind, layer)
+            kept = [p for p in _pieces(previous) if set(_groups_of(p)) <= set(groups)]
+            held = {g for p in kept for g in _groups_of(p)}
+            self.reused_groups += len(held)
+            rest = [g for g in groups if g not in held]
+            pieces = kept + ([build(rest)] if rest else [])
+            kept_caches.extend(p for p in kept if isinstance(p, AttentionShard))
+            return pieces[0] if len(pieces) == 1 else PiecedShard(pieces, layout if kind == "lm_head" else None, groups)
+
+        self.attention = {l: shard("attention", l, heads,
+                                   lambda g, l=l: AttentionShard(weights.layers[l], layout, g, context, fmt, threads))
                           for l, heads in enumerate(share.attention) if heads}
         self.mlp: dict[int, MlpShard] = {}
         self.remapper = None
@@ -41,11 +60,26 @@ class DeviceWorker:
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads)
         else:
-            self.mlp = {l: MlpShard(weights.layers[l], layout, g, fmt, threads) for l, g in enumerate(share.mlp) if g}
-        self.lm_head = LmHeadShard(weights.lm_head, layout, share.lm_head, fmt, threads) if share.lm_head else None
+            self.mlp = {l: shard("mlp", l, g, lambda g, l=l: MlpShard(weights.layers[l], layout, g, fmt, threads))
+                        for l, g in enumerate(share.mlp) if g}
+        self.lm_head = (shard("lm_head", c.n_layers, share.lm_head,
+                              lambda g: LmHeadShard(weights.lm_head, layout, g, fmt, threads))
+                        if share.lm_head else None)
+        for cache in kept_caches:  # only once everything was built: a failed build leaves the old session intact
+            cache.reset()  # the history is replayed into the new assignment
         self.compute_ms = 0.0  # wall clock, every compute call
         self.cpu_ms = 0.0  # the same in this thread's CPU time: what it costs without other processes on the cores
         self.last_compute_ms = 0.0
+
+    def compatible(self, weights, layout, context, fmt, threads) -> bool:
+        """Whether this worker's shards can serve a new session with these settings."""
+        return (self.remapper is None and self.weights is weights and self.layout == layout
+                and (self.context, self.fmt, self.threads) == (context, fmt, threads))
+
+    def _shard(self, kind: str, layer: int):
+        if kind == "lm_head":
+            return self.lm_head
+        return (self.attention if kind == "attention" else self.mlp).get(layer)
 
     def holds(self, block: Block) -> bool:
         return self.share.holds(block)
@@ -72,6 +106,12 @@ class DeviceWorker:
         self.compute_ms += self.last_compute_ms
         self.cpu_ms += 1e3 * (time.thread_time() - cpu)
         return out
+
+    def fill(self, layer: int, x: np.ndarray) -> None:
+        """The KV cache of layer `layer` at positions 0.. from the residual stream that entered its attention block
+        there, x [T, D] (a re-plan's new shares, from the master's InputLog)."""
+        self.attention[layer].fill(rmsnorm(x, self.weights.layers[layer].attn_norm, self.config.norm_eps), 0,
+                                   self.rotary)
 
     def predicts_from(self, block: Block) -> bool:
         """Whether this device ranks the next layer's groups from this block's input (HALO: it holds MLP
@@ -103,3 +143,51 @@ class DeviceWorker:
     def close(self) -> None:
         if self.remapper is not None:
             self.remapper.close()
+
+
+class PiecedShard:
+    """Several shards of one block computed as one (a share kept across a sticky re-plan: the shards it had,
+    plus one for the groups it gained). Attention and MLP partial outputs add up; the LM head's logits are
+    placed in the order of the share's groups (`layout` given), which is the order the master reads them in."""
+
+    def __init__(self, pieces: list, layout: GroupLayout | None = None, groups: list[int] | None = None):
+        self.pieces = pieces
+        self.groups = tuple(g for p in pieces for g in _groups_of(p))
+        if layout is not None:
+            self.token_ids = layout.vocab_ids(groups)
+            computed = np.concatenate([p.token_ids for p in pieces])
+            where = np.empty(layout.vocab_size, dtype=np.int64)
+            where[computed] = np.arange(len(computed))
+            self._order = where[self.token_ids]
+
+    def forward(self, x: np.ndarray, *args) -> np.ndarray:
+        outputs = [p.forward(x, *args) for p in self.pieces]
+        if hasattr(self, "_order"):
+            return np.concatenate(outputs, axis=1)[:, self._order]
+        return sum(outputs[1:], outputs[0])
+
+    def fill(self, x: np.ndarray, *args) -> None:
+        for p in self.pieces:
+            p.fill(x, *args)
+
+    def reset(self) -> None:
+        for p in self.pieces:
+            p.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def cache_nbytes(self) -> int:
+        return sum(p.cache_nbytes for p in self.pieces)
+
+
+def _pieces(shard) -> list:
+    if shard is None:
+        return []
+    return list(shard.pieces) if isinstance(shard, PiecedShard) else [shard]
+
+
+def _groups_of(shard) -> tuple[int, ...]:
+    return shard.heads if isinstance(shard, AttentionShard) else shard.groups

@@ -22,8 +22,10 @@ from halo.sync import SyncSettings
 STEPS = 256
 
 
-def survivor(stories_weights, cluster, stack, mode="exact", rejoin_after_s=30.0, rebalance_every_s=0.0, **kw):
-    settings = SurvivalSettings(rejoin_after_s=rejoin_after_s, rebalance_every_s=rebalance_every_s)
+def survivor(stories_weights, cluster, stack, mode="exact", rejoin_after_s=30.0, rebalance_every_s=0.0, sticky=True,
+             refill=True, **kw):
+    settings = SurvivalSettings(rejoin_after_s=rejoin_after_s, rebalance_every_s=rebalance_every_s, sticky=sticky,
+                                input_log_mb=256.0 if refill else 0.0)
     return connect(stories_weights, stack, agents=cluster.endpoints, key=str(cluster.key_path), plan=kw.pop("plan", "even"),
                    timeout=1.0, sync=SyncSettings(mode=mode), survive=settings, context=STEPS + 8, **kw)
 
@@ -44,11 +46,14 @@ def run(model, weights, at_step, action, pace_s=0.0):
     return result, done[0]
 
 
-@pytest.mark.parametrize("mode", ["exact", "tcp"])
-def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stories_weights, known_answer, mode):
+@pytest.mark.parametrize("mode,sticky,refill", [("exact", True, True), ("tcp", False, False)])
+def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stories_weights, known_answer, mode, sticky,
+                                                                           refill):
+    """sticky + refill (the defaults): the survivors keep their kernels, the KV caches are filled from the recorded
+    inputs; full + replay: everything rebuilt and the history run again. Both give the known answer."""
     step = random.Random(16).randrange(10, STEPS - 10)
     with LocalCluster(3) as cluster, ExitStack() as stack:
-        model = survivor(stories_weights, cluster, stack, mode)
+        model = survivor(stories_weights, cluster, stack, mode, sticky=sticky, refill=refill)
         victim = cluster.endpoints[1]
 
         def kill():
@@ -62,6 +67,10 @@ def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stori
         assert recovery.lost == [victim] and victim not in recovery.members and len(recovery.members) == 2
         assert recovery.replayed_tokens >= step
         assert recovery.seconds < 2.0  # re-plan + new session + replay of the history
+        assert recovery.sticky == sticky and recovery.refilled == refill
+        if sticky:  # the master and both survivors kept their kernels: only the victim's quarter was built
+            total = recovery.kept_groups + recovery.moved_groups
+            assert recovery.moved_groups <= 0.3 * total, recovery.to_json()
         assert model.in_plan() == recovery.members and victim in model.survival_report()["absent"]
 
 
@@ -97,6 +106,8 @@ def test_a_restarted_agent_is_used_again_after_the_next_replan(stories_weights, 
         assert result.text == known_answer
         joined = [r for r in model.recoveries if r.joined]
         assert joined and joined[0].joined == [victim] and victim in model.in_plan()
+        # sticky: it takes back its share of the first plan; only the restarted agent builds (a quarter)
+        assert joined[0].sticky and joined[0].moved_groups <= 0.3 * (joined[0].kept_groups + joined[0].moved_groups)
         assert cluster.processes[0].poll() is None
 
 

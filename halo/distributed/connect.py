@@ -23,18 +23,22 @@ PLAN_KEYWORDS = (None, "measured", "even")
 
 def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan=None, compute: list[float] | None = None,
                   insecure: bool = False, layout: GroupLayout | None = None, heads: str = "index", select: bool = True,
-                  fresh: bool = False, **settings) -> DistributedModel:
+                  fresh: bool = False, shares=None, reuse=None, same_machine: bool = False,
+                  **settings) -> DistributedModel:
     """A master over running agents. plan:
     - "measured": profile the master and every agent (kernels, memory, link loss / RTT / bandwidth) and plan
       with the scheduler for the sync mode (cost.py); agents it leaves out are not used (select=False keeps
-      everyone); fresh re-runs the devices' cached benchmarks;
+      everyone); fresh re-runs the devices' cached benchmarks; same_machine (local agents): the agents run on
+      the master's hardware, so they take its kernel benchmark (one benchmark per agent on a busy machine only
+      adds noise: one taken while the others ran once made a plan give an agent nothing);
     - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
     - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
     heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
     the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
     what protects the important heads, when predictors exist: what `connect`, hence the CLI, uses).
-    settings: MasterSettings fields (context, fmt, timeout_s, sync, ...). What was planned and why:
-    `model.planning`."""
+    shares: the groups of each participant (plan order) where a plan object only counts them (a sticky re-plan,
+    survive.py); reuse: the master's worker of the previous session. settings: MasterSettings fields (context,
+    fmt, timeout_s, sync, ...). What was planned and why: `model.planning`."""
     from halo.linear import resolve_format
 
     layout = layout or GroupLayout.for_model(weights.config)
@@ -45,7 +49,8 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         raise ConfigError(f"the context must be at least 1 token, got {master_settings.context}")
     context = min(weights.config.max_seq_len, master_settings.context)
     if isinstance(plan, str) and plan == "measured":
-        plan, planning = measured_plan(weights, layout, master_settings, endpoints, key, insecure, select, fresh)
+        plan, planning = measured_plan(weights, layout, master_settings, endpoints, key, insecure, select, fresh,
+                                       same_machine=same_machine)
         endpoints = [d.address for d in plan.profiles()[1:]]
     elif plan is None or (isinstance(plan, str) and plan == "even"):
         plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context)
@@ -54,16 +59,18 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         raise ConfigError(f"plan {plan!r}: give 'measured', 'even' or a TensorParallelPlan")
     else:
         planning = {"source": "given", "algorithm": plan.algorithm}
-    order = head_order(weights, master_settings, heads)
-    planning["heads"] = "index" if order is None else "importance"
-    shares = shares_from_plan(plan, weights.config.n_layers, order)
-    model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings)
+    if shares is None:
+        order = head_order(weights, master_settings, heads)
+        planning["heads"] = "index" if order is None else "importance"
+        shares = shares_from_plan(plan, weights.config.n_layers, order)
+    model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings, reuse=reuse)
     model.plan, model.planning = plan, planning
     return model
 
 
 def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key,
-                  insecure: bool, select: bool = True, fresh: bool = False, take_over: bool = True):
+                  insecure: bool, select: bool = True, fresh: bool = False, take_over: bool = True,
+                  same_machine: bool = False):
     """(plan, planning report) from measured profiles; the plan's participants carry their endpoints."""
     from halo.scheduler.cost import estimate
     from halo.scheduler.plan_io import plan_summary
@@ -71,7 +78,7 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
     from halo.scheduler.ratios import InsufficientMemory
     from halo.scheduler.tp_plan import build_plan, plan_tp
 
-    cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over)
+    cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over, same_machine)
     profile = model_profile(weights.config, planning_format(settings.fmt, weights),
                             mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
     mode = settings.sync.mode
@@ -86,14 +93,22 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
 
 
 def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key=None,
-                    insecure: bool = False, fresh: bool = False, take_over: bool = True):
-    """The scheduler's Cluster from measurements: the master (node 0, its own benchmark) and every agent."""
+                    insecure: bool = False, fresh: bool = False, take_over: bool = True, same_machine: bool = False):
+    """The scheduler's Cluster from measurements: the master (node 0, its own benchmark) and every agent
+    (same_machine: agents on the master's hardware with its CPU limit and threads take its kernel benchmark; their
+    memory and links stay their own)."""
     from halo.scheduler.measure import measure_device
     from halo.scheduler.profiles import Cluster, measured_device, planning_format
 
     own = measure_device(weights, layout, settings.fmt, 1, "master", fresh)
     agents = Session.measure(weights, layout, settings, endpoints, key, insecure, take_over, fresh)
-    devices = [measured_device(f"{a['name']}#{i}", a["measured"], a["link"], a["endpoint"])
+
+    def kernels(measured: dict) -> dict:
+        alike = all(measured.get(k) == own.get(k) for k in ("cpu_limit", "threads", "format"))
+        return {**measured, **{k: own[k] for k in ("compute_flops", "overhead_s", "message_s")}} \
+            if same_machine and alike else measured
+
+    devices = [measured_device(f"{a['name']}#{i}", kernels(a["measured"]), a["link"], a["endpoint"])
                for i, a in enumerate(agents, start=1)]
     fastest = max([d.bandwidth_bps for d in devices], default=0.0)
     master = measured_device("master", own, None, "", is_master=True)
@@ -171,12 +186,12 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
                     sync=sync, predictors=predictors)
     model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
-                          **settings)
+                          same_machine=bool(local_agents), **settings)
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
                             select, sync, context)
         model = SurvivingModel(model, endpoints, planner,
-                               lambda p, e: cluster_model(weights, e, cluster_key, plan=p, **settings),
+                               lambda p, e, **how: cluster_model(weights, e, cluster_key, plan=p, **how, **settings),
                                cluster_key, insecure, survive)
     stack.callback(model.close)
     return model

@@ -32,8 +32,10 @@ POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HE
 
 class DistributedModel:
     def __init__(self, weights: ModelWeights, shares: list[Shares], endpoints: list[str], key=None,
-                 insecure: bool = False, layout: GroupLayout | None = None, settings: MasterSettings = MasterSettings()):
-        """shares: plan order, the master's first; endpoints: one per agent, in the same order."""
+                 insecure: bool = False, layout: GroupLayout | None = None, settings: MasterSettings = MasterSettings(),
+                 reuse: DeviceWorker | None = None):
+        """shares: plan order, the master's first; endpoints: one per agent, in the same order; reuse: the
+        master's worker of the previous session (a re-plan keeps the shards whose groups stay here)."""
         if len(endpoints) != len(shares) - 1:
             raise HaloError(f"the plan has {len(shares)} participants: the master and {len(shares) - 1} agents, "
                             f"but {len(endpoints)} agent addresses were given")
@@ -51,7 +53,7 @@ class DistributedModel:
         def build_own_share():
             self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
                                        remap=self.sync.policy.remap, predictors=predictors,
-                                       load_overlap=self.sync.load_overlap)
+                                       load_overlap=self.sync.load_overlap, reuse=reuse)
 
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure, meanwhile=build_own_share)
@@ -68,6 +70,7 @@ class DistributedModel:
         # scheduler hooks: running estimates fed once per forward pass; what was planned (set by connect.py)
         self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout)
         self.plan, self.planning = None, {}
+        self.input_log = None  # survive.py's InputLog: the residual stream entering each attention block, recorded
 
     def _blocks(self):
         for l in range(self.config.n_layers):
@@ -88,6 +91,8 @@ class DistributedModel:
         self.worker.begin_forward()
         x = np.array(self.weights.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
         for l in range(self.config.n_layers):
+            if self.input_log is not None:
+                self.input_log.record(l, start, x)
             x = x + self._block(Block("attention", l), x, start)
             x = x + self._block(Block("mlp", l), x, start)
         logits = self._block(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
@@ -205,11 +210,32 @@ class DistributedModel:
             out["load_ms"] = round(self.worker.remapper.load_ms, 3)
         return out
 
+    def refill(self, inputs: np.ndarray) -> None:
+        """Positions 0..T-1 from the residual stream that entered each attention block there, [L, T, D] (an
+        InputLog's): every device writes its heads' K/V from it, one projection per layer, instead of running
+        the history through every block (a replay). Nothing else holds state across positions."""
+        layers_of = {i: [l for l, heads in enumerate(a.share.attention) if heads] for i, a in self.agents.items()}
+        for i, agent in self.agents.items():  # one message per layer: each answer comes within the usual timeout
+            for layer in layers_of[i]:
+                agent.send("fill", {"layers": [layer]}, [inputs[layer:layer + 1]])
+        for layer in self.worker.attention:
+            self.worker.fill(layer, inputs[layer])
+        for i, agent in self.agents.items():
+            for layer in layers_of[i]:
+                agent.receive(f"fill of layer {layer}")
+        self.pos = inputs.shape[1]
+
+    @property
+    def can_refill(self) -> bool:
+        """Whether every agent takes "fill" (an agent of an older halo says nothing of it in its hello)."""
+        return all(agent.fills for agent in self.agents.values())
+
     def reset(self) -> None:
         self.pos = self.step = 0
         self.worker.reset()
         self.session.reset()
 
-    def close(self) -> None:
+    def close(self, retain: bool = False) -> None:
+        """retain: the agents keep this session's kernels a while (a re-plan follows: sticky shares reuse them)."""
         self.worker.close()
-        self.session.close()
+        self.session.close(retain)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import zmq
 
 from halo.config import DEFAULT_CONTEXT
@@ -173,8 +172,7 @@ class Session:
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # a send never blocks longer than a reply may take
         monitor = sock.get_monitor_socket()  # tells a refused key or a security mismatch from a dead device
         sock.connect(endpoint)
-        vocab = (np.concatenate([np.arange(r.start, r.stop) for r in map(layout.vocab_rows, share.lm_head)])
-                 if share.lm_head else None)
+        vocab = layout.vocab_ids(share.lm_head) if share.lm_head else None
         agent = RemoteAgent(node_id, endpoint, share, sock, timeout_s, vocab_ids=vocab, monitor=monitor,
                             keyed=key is not None)
         self.agents[node_id] = agent
@@ -185,6 +183,8 @@ class Session:
         agent.name = f"{reply.fields.get('name', agent.name)}#{agent.node_id}"
         agent.profile = reply.fields.get("profile", {})
         agent.weight_bytes = int(reply.fields.get("weight_bytes", 0))
+        agent.kept_groups = int(reply.fields.get("kept_groups", 0))
+        agent.fills = reply.fields.get("fill") is True
         port = reply.fields.get("udp_port")
         agent.udp_address = (agent.host, int(port)) if port else None
         agent.timeout_s = settings.timeout_s
@@ -207,11 +207,12 @@ class Session:
         for agent in self.agents.values():
             agent.receive("reset")
 
-    def close(self) -> None:
-        """Say bye where that can be done at once; never wait for an agent that is gone."""
+    def close(self, retain: bool = False) -> None:
+        """Say bye where that can be done at once; never wait for an agent that is gone. retain: the agents keep
+        the session's kernels a while for the next hello (a re-plan)."""
         for agent in self.agents.values():
             try:
-                agent.socket.send_multipart(encode(Message("bye")), zmq.NOBLOCK)
+                agent.socket.send_multipart(encode(Message("bye", {"retain": retain})), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # no connection to it: nothing to say goodbye to
             agent.close()

@@ -6,21 +6,30 @@ the sequence the agents hold. When a pass fails with an `AgentError` (an agent's
 stopped, or its link was silent for --timeout), it:
 
 1. asks every listed agent for its status at once (`ask_status`, one short bound);
-2. re-plans over the master and the agents that answered, from the profiles measured at start (the
-   scheduler, the same algorithm as the first plan: `Replanner.survivors` in connect.py), leaving out
-   the agent that failed;
+2. re-plans over the master and the agents that answered. Sticky (the default, in the exact modes):
+   every survivor keeps its groups and the failed agent's groups are split among them (shares.py
+   `spread_lost`); each device keeps the kernels of the groups it held (DeviceWorker `reuse`), so it
+   builds only what it gained: about 1/(n-1) of a share instead of a whole one. Otherwise (HALO and
+   lossy modes, whose priority ranks are contiguous ranges; a sticky plan over a device's memory;
+   `sticky=False`) from the profiles measured at start (the scheduler, the same algorithm as the first
+   plan: `Replanner.survivors` in connect.py), leaving out the agent that failed;
 3. opens a new session with the new shares (agents take a new hello over the old session) and
-   rebuilds the KV caches by recomputation: the token history runs once through the new assignment
-   as one prefill, then the failed pass runs again from the same position.
+   rebuilds the KV caches: from the residual stream the master recorded entering each attention block
+   (`InputLog`; every device projects its heads' K/V of the history, one call per layer, no round per
+   block), or where that was not kept (over `input_log_mb`) by recomputation: the token history runs
+   once through the new assignment as one prefill. Then the failed pass runs again from the same position.
 
 Why recomputation and not KV replicas: a replica doubles every agent's cache (on a Pi the cache, not
 the weights, is what grows with the context) and costs a copy per token on the links that lose
-packets; a replay costs one prefill of the history, once per failure (eval/results/churn.md). In the
-exact modes the continuation equals an uninterrupted run's up to float summation order (partials
-are added in another grouping), which greedy decoding does not notice on the known answer.
+packets; a refill costs one K/V projection of the history per failure, held by the master alone
+(L x positions x dim floats: 46 MB for 256 positions of a 1.1B Llama), a replay one prefill
+(eval/results/churn.md). In the exact modes the continuation equals an uninterrupted run's up to
+float summation order (partials are added in another grouping), which greedy decoding does not
+notice on the known answer.
 
 Joins: an agent that failed is asked again between passes (a status request that never blocks a
-pass); one that answers is taken into a re-plan when the plan would change. The quarantine
+pass); one that answers is taken into a re-plan when the plan would change. A sticky join gives it back
+its share of the last full plan (its "home"), which the others drop: they build nothing. The quarantine
 (hysteresis), the re-plan record and the rebalance rule are halo/replanning.py's, shared with the
 pipeline coordinator.
 Generation fails only when the devices left cannot hold the model (the scheduler's message says
@@ -37,6 +46,7 @@ from typing import Callable
 import numpy as np
 
 from halo.errors import ConfigError, HaloError
+from halo.shares import Shares, spread_lost, take_back
 from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
 
 from .remote import AgentError, ask_status
@@ -48,6 +58,32 @@ __all__ = ["ClusterLost", "SurvivalSettings", "SurvivingModel"]
 
 class ClusterLost(HaloError):
     """The devices left cannot go on with the generation."""
+
+
+class InputLog:
+    """The residual stream entering each attention block at each position, as the master sent it. It is all a new
+    assignment needs to continue: the KV caches are the only state across positions, and each device computes its
+    heads' K/V of the history from it (one projection per layer: ~1/10 of a replay's compute for a Llama, with no
+    round trip per block). Up to `max_bytes` (positions beyond are not kept: a re-plan then replays)."""
+
+    def __init__(self, n_layers: int, dim: int, context: int, max_bytes: float):
+        self.max_positions = min(context, int(max_bytes // (4 * n_layers * dim)))
+        self.inputs = np.zeros((n_layers, 0, dim), dtype=np.float32)
+
+    def record(self, layer: int, start: int, x: np.ndarray) -> None:
+        end = min(start + len(x), self.max_positions)  # what fits: every kept position holds its latest input
+        if end <= start:
+            return
+        if end > self.inputs.shape[1]:  # grows by doubling: memory follows the longest sequence so far
+            grown = np.zeros((self.inputs.shape[0], min(self.max_positions, max(end, 2 * self.inputs.shape[1])),
+                              self.inputs.shape[2]), dtype=np.float32)
+            grown[:, :self.inputs.shape[1]] = self.inputs
+            self.inputs = grown
+        self.inputs[layer, start:end] = x[:end - start]
+
+    def window(self, n: int) -> np.ndarray | None:
+        """[L, n, D] of positions 0..n-1, or None where they were not kept."""
+        return self.inputs[:, :n] if 0 < n <= min(self.inputs.shape[1], self.max_positions) else None
 
 
 @dataclass
@@ -76,6 +112,12 @@ class SurvivingModel:
         self.membership = Membership(self.settings, lambda e: status_probe(self._probes, e, self.key, self.insecure))
         self._clock = RebalanceClock(self.settings)
         self._open = True  # whether self.model still needs closing
+        self._shares = self._shares_of(self.model)  # endpoint ("" = the master) -> groups, of the last plan tried
+        self._set_home(self.model.plan, self._plan_endpoints)
+        c = self.model.config
+        self.input_log = InputLog(c.n_layers, c.dim, self.max_seq_len, self.settings.input_log_mb * 1e6) \
+            if self.settings.input_log_mb > 0 else None
+        self.model.input_log = self.input_log
 
     @property
     def absent(self) -> dict:
@@ -121,10 +163,11 @@ class SurvivingModel:
         self._probes.destroy(linger=0)
         self._close_model()
 
-    def _close_model(self) -> None:
+    def _close_model(self, replanning: bool = False) -> None:
+        """replanning: the agents keep the session's kernels a while for the next hello (sticky re-plans)."""
         if self._open:
             self._open = False
-            self.model.close()  # never waits for an agent that is gone; the others end that session
+            self.model.close(retain=replanning)  # never waits for an agent that is gone; the others end that session
 
     def survival_report(self) -> dict:
         return {"recoveries": [r.to_json() for r in self.recoveries], "in_plan": self.in_plan(),
@@ -144,7 +187,7 @@ class SurvivingModel:
                 self.membership.fail(endpoint)
             lost = [e for e in before if e in self.absent]
             log.warning("agent failure: %s; re-planning without %s", cause, ", ".join(lost) or "nobody")
-            error = self._rebuild(cause, prefix, t0, lost=lost, joined=[])
+            error = self._rebuild(cause, prefix, t0, lost=lost, joined=[], planned=self._sticky_without_absent())
             if error is None:
                 return
             cause = error
@@ -152,30 +195,98 @@ class SurvivingModel:
 
     def _rebuild(self, cause: str, prefix: list[int], t0: float, lost: list[str], joined: list[str],
                  planned: tuple | None = None) -> str | None:
-        """A new master over the listed agents not absent (or `planned`: a plan and its endpoints), the history
-        replayed; the AgentError's message when an agent fails the hello or the replay (the caller tries
-        again without it)."""
+        """A new master over the listed agents not absent (or `planned`: a plan, its endpoints and, for a sticky
+        re-plan, every participant's shares), the history replayed; the AgentError's message when an agent fails
+        the hello or the replay (the caller tries again without it)."""
         present = [e for e in self.listed if e not in self.absent]
         try:
-            plan, endpoints = planned or self.planner.survivors(present)
+            plan, endpoints, *shares = planned or self.planner.survivors(present)
         except ConfigError as e:
             self._close_model()
             raise ClusterLost(f"generation cannot go on after {cause}: the devices left (the master"
                               f"{', ' + ', '.join(present) if present else ' alone'}) cannot hold the model: {e}") from None
-        self._close_model()
+        self._close_model(replanning=True)
         self._plan_endpoints = list(endpoints)
+        sticky, inputs = bool(shares), self.input_log.window(len(prefix)) if self.input_log and prefix else None
         try:
-            self.model = self.build(plan, endpoints)
+            self.model = self.build(plan, endpoints, shares=shares[0] if sticky else None,
+                                    reuse=getattr(self.model, "worker", None))
             self._open = True
-            if prefix:
+            self._shares = self._shares_of(self.model)
+            if not sticky:
+                self._set_home(plan, endpoints)
+            self.model.input_log = self.input_log
+            if inputs is not None and self.model.can_refill:
+                self.model.refill(inputs)  # what the history left in the KV caches, without running it again
+            elif prefix:
                 self.model.forward(prefix, 0)
         except AgentError as e:
             return str(e)
         finally:
-            self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix), time.perf_counter() - t0))
-        log.warning("re-planned in %.2f s over %d agents (%s); replayed %d tokens", time.perf_counter() - t0,
-                    len(endpoints), ", ".join(endpoints) or "the master alone", len(prefix))
+            refilled = inputs is not None and self._open and self.model.can_refill
+            self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix),
+                                            time.perf_counter() - t0, sticky=sticky, refilled=refilled,
+                                            **dict(zip(("kept_groups", "moved_groups"), self._kept_and_moved()))))
+        log.warning("re-planned (%s) in %.2f s over %d agents (%s); %s %d positions", "sticky" if sticky else "full",
+                    time.perf_counter() - t0, len(endpoints), ", ".join(endpoints) or "the master alone",
+                    "refilled the KV caches of" if refilled else "replayed", len(prefix))
         return None
+
+    # ---- sticky re-plans --------------------------------------------------------------------------------
+    def _sticky_without_absent(self) -> tuple | None:
+        """A sticky re-plan without the absent agents: the others keep their groups and take the absent ones'."""
+        kept = [e for e in self._shares if e and e not in self.absent]
+        lost = [share for e, share in self._shares.items() if e in self.absent]
+        return self._sticky(["", *kept], spread_lost([self._shares[e] for e in ["", *kept]], lost))
+
+    def _sticky_with(self, returning: list[str]) -> tuple | None:
+        """A sticky re-plan with returning agents: each takes back its share of the last full plan (None: one of
+        them was not in it)."""
+        _, home, device_of = self._home
+        if any(e not in home for e in returning):
+            return None
+        if not any(sum(map(len, home[e].attention + home[e].mlp)) + len(home[e].lm_head) for e in returning):
+            return None  # they held nothing in it: the planner decides whether they get work now
+        participants = [e for e in device_of if e == "" or e in self._shares or e in returning]
+        shares = [self._shares.get(e, home[e]) for e in participants]
+        for e in returning:
+            shares = take_back(shares, home[e])
+        return self._sticky(participants, [home[e] if e in returning else s for e, s in zip(participants, shares)])
+
+    def _kept_and_moved(self) -> tuple[int | None, int | None]:
+        """(groups whose kernels the devices kept, groups they built) in the current session."""
+        if not self._open:
+            return None, None
+        total = sum(sum(map(len, s.attention + s.mlp)) + len(s.lm_head) for s in self._shares.values())
+        kept = self.model.worker.reused_groups + sum(a.kept_groups for a in self.model.agents.values())
+        return kept, total - kept
+
+    def _set_home(self, plan, endpoints: list[str]) -> None:
+        """The last full plan: its plan, every device's share in it, each device's place in its cluster."""
+        self._home = (plan, dict(self._shares), dict(zip(["", *endpoints], plan.devices)))
+
+    @staticmethod
+    def _shares_of(model) -> dict[str, Shares]:
+        return {"": model.worker.share, **{a.endpoint: a.share for a in model.agents.values()}}
+
+    def _sticky(self, participants: list[str], shares: list[Shares]) -> tuple | None:
+        """(plan, agent endpoints, shares) for a sticky re-plan over `participants` ("" = the master, first), or
+        None where it cannot be one: not in an exact mode (HALO's and lossy's priority ranks are contiguous rank
+        ranges placed by link reliability), a device the last full plan did not have, or a share over a device's
+        memory."""
+        from halo.scheduler.plan import TensorParallelPlan
+
+        base, _, device_of = self._home
+        if not self.settings.sticky or not self.model.sync.policy.all_critical \
+                or any(e not in device_of for e in participants):
+            return None
+        counts = {kind: np.array([[len(g) for g in getattr(s, kind)] for s in shares], dtype=np.int64)
+                  for kind in ("attention", "mlp")}
+        counts["lm_head"] = np.array([len(s.lm_head) for s in shares], dtype=np.int64)
+        plan = TensorParallelPlan(base.cluster, base.model, "sticky", [device_of[e] for e in participants], counts)
+        if np.any(plan.memory_used() > np.array([d.memory_bytes for d in plan.profiles()])):
+            return None
+        return plan, participants[1:], shares
 
     # ---- stragglers -----------------------------------------------------------------------------------
     def _rebalance(self, prefix: list[int]) -> None:
@@ -215,6 +326,13 @@ class SurvivingModel:
         if not returning:
             return
         t0 = time.perf_counter()
+        planned = self._sticky_with(returning)
+        if planned is not None:
+            log.warning("agent(s) %s answer again: they take back their shares", ", ".join(returning))
+            error = self._rebuild("joined", prefix, t0, lost=[], joined=returning, planned=planned)
+            if error is not None:
+                self._recover(error, prefix)
+            return
         try:
             planned = self.planner.survivors([e for e in self.listed if e not in self.absent])
         except ConfigError:
