@@ -10,8 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_path, integer, listen_argument,
-                            parse_endpoint)
+from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_number, check_path, integer,
+                            listen_argument, number, parse_endpoint)
 from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
 from halo.models import resolve_model
@@ -20,12 +20,17 @@ DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
-  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors)
+  halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors,
+                                                       memory_budget in MB)
 """
 
 
-CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors")
+CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def budget_bytes(megabytes: float | None) -> int | None:
+    return None if megabytes is None else int(megabytes * 1e6)
 
 
 def read_config(path: str) -> dict:
@@ -42,6 +47,8 @@ def read_config(path: str) -> dict:
     for name, value in settings.items():
         if name == "threads":
             check_integer(value, f"{path}: threads", 1, MAX_THREADS)
+        elif name == "memory_budget":
+            check_number(value, f"{path}: memory_budget (MB)", 0, low_open=True)
         elif not isinstance(value, str) or not value:
             raise ConfigError(f"{path}: {name} must be a non-empty string, got {value!r}")
     if "listen" in settings:
@@ -69,6 +76,9 @@ def main(argv=None) -> int:
                         "(default native: the file's own); a master's choice applies to the whole cluster")
     parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: all cores)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
+    parser.add_argument("--memory-budget", type=number(0, low_open=True), metavar="MB",
+                        help="most memory a session's weights and KV cache may take; a master's share that needs more "
+                             "is refused with the numbers (default: 90 %% of the memory available at start)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -108,7 +118,7 @@ def main(argv=None) -> int:
 
         agent = Agent(pick("model", None), listen, key, args.insecure,
                       pick("name", socket.gethostname()), pick("weights", "native"), threads,
-                      pick("predictors", None))
+                      pick("predictors", None), budget_bytes(pick("memory_budget", None)))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2

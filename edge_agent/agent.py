@@ -20,7 +20,7 @@ import numpy as np
 from halo.errors import HaloError
 from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
-from halo.shares import Block, Shares
+from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
 from halo.sync import Status, SyncSettings, Transport
 from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
 from halo.worker import DeviceWorker
@@ -30,6 +30,7 @@ from .rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
+MEMORY_SHARE = 0.9  # of the memory available at start: the default budget (the rest: the process, buffers, the OS)
 RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
 
 
@@ -45,13 +46,21 @@ class Session:
 
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
-                 name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None):
+                 name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
+                 memory_budget: int | None = None):
+        """memory_budget: bytes a session's weights and KV cache may take (None: MEMORY_SHARE of what is available
+        at start); a hello whose share needs more is refused with the numbers."""
         from halo.transport.udp import UdpEndpoint
 
         from .profile import device_profile
 
         super().__init__(model_path, listen, key, insecure, name)
         self.format, self.threads = weights_format, threads
+        if memory_budget is None:
+            from halo.scheduler.measure import memory_available
+
+            memory_budget = int(MEMORY_SHARE * memory_available())
+        self.memory_budget = memory_budget
         self.session: Session | None = None
         self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
         self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs
@@ -150,8 +159,18 @@ class Agent(ControlServer):
             session["rejected"] = self.udp.rejections()
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
-                "retained_bytes": self.retired[0].nbytes if self.retired else 0,
+                "memory": self._memory(),
                 "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
+
+    def _memory(self) -> dict:
+        """The budget, and what this agent holds against it: weights, KV cache, a retired session's kernels."""
+        import psutil
+
+        worker = self.session.worker if self.session is not None else None
+        return {"budget_bytes": self.memory_budget, "weights_bytes": worker.nbytes if worker else 0,
+                "kv_cache_bytes": sum(s.cache_nbytes for s in worker.attention.values()) if worker else 0,
+                "retained_bytes": self.retired[0].nbytes if self.retired else 0,
+                "rss_bytes": psutil.Process().memory_info().rss}
 
     def _hello(self, f: dict, peer: bytes, address: str | None) -> Message:
         def refuse(reason: str) -> Message:
@@ -224,6 +243,7 @@ class Agent(ControlServer):
         node_id = int(f.get("node_id", 0))
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")
+        self._check_budget(share, layout, context, fmt)
         predictors = self._predictors() if sync.policy.remap and sync.predict else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
@@ -233,6 +253,20 @@ class Agent(ControlServer):
                               predictors=predictors, load_overlap=sync.load_overlap, reuse=previous)
         self.retired = None
         return worker, sync, node_id
+
+    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
+        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget."""
+        from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
+
+        weights = share_float32_bytes(share, layout, self.weights.config.dim) / 4 \
+            * BYTES_PER_WEIGHT[planning_format(fmt, self.weights)]
+        cache = kv_cache_bytes(share, layout, context)
+        if weights + cache > self.memory_budget:
+            raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
+                            f"KV cache {cache / 1e6:.1f} MB for {context} positions) but this agent's memory budget is "
+                            f"{self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
+                            f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
+                            "(a plan from its measured memory, or a shorter --context) or more memory")
 
     def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
         """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""

@@ -343,11 +343,21 @@ def _query_agents(args) -> tuple[list[dict], int]:
     return rows, sum("error" in r for r in rows)
 
 
+def _memory_cell(profile: dict, memory: dict | None) -> str:
+    """available / budget / held (weights + KV cache + kernels kept for a re-plan), MB; older agents: available."""
+    available = f"{profile['memory_available_bytes'] / 1e6:.0f}"
+    if not memory:
+        return available
+    held = memory["weights_bytes"] + memory["kv_cache_bytes"] + memory["retained_bytes"]
+    return f"{available} / {memory['budget_bytes'] / 1e6:.0f} / {held / 1e6:.1f}"
+
+
 def _agents_table(rows: list[dict]):
     from rich.table import Table
 
     table = Table(title="halo agents")
-    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB)", "GFLOP/s", "session", "blocks served",
+    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB): available / budget / held", "GFLOP/s", "session",
+                   "blocks served",
                    "ms per block: compute / input wait / send / predict", "ms per block a/m/l (running)",
                    "retransmitted"):
         table.add_column(column)
@@ -369,7 +379,7 @@ def _agents_table(rows: list[dict]):
         per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
                             for k in ("attention", "mlp", "lm_head")) if running else ""
         table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
-                      f"{p['memory_available_bytes'] / 1e6:.0f}", f"{p['compute_flops'] / 1e9:.1f}", share,
+                      _memory_cell(p, r.get("memory")), f"{p['compute_flops'] / 1e9:.1f}", share,
                       str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
                       f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", per_kind, retransmitted)
     return table

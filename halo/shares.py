@@ -106,6 +106,20 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     return build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
 
 
+def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:
+    """The float32 bytes of a share's weights: what an agent reads (and quantizes) while answering hello."""
+    head = dim * layout.head_dim * (2 + 2 * layout.n_kv_heads / layout.n_heads)  # W_q, W_o rows; its part of W_k, W_v
+    params = (sum(map(len, share.attention)) * head + sum(map(len, share.mlp)) * 3 * dim * layout.mlp_group_size
+              + len(share.lm_head) * layout.vocab_group_size * dim)
+    return int(4 * params)
+
+
+def kv_cache_bytes(share: Shares, layout: GroupLayout, context: int) -> int:
+    """The float32 KV cache a share keeps: K and V of the KV heads its query heads read, `context` positions."""
+    kv_heads = sum(len({layout.kv_head(h) for h in heads}) for heads in share.attention)
+    return 2 * 4 * kv_heads * context * layout.head_dim
+
+
 def rank_range(ranks: list[int]) -> tuple[int, int]:
     """A device's MLP share of a layer as a rank range [a, b) (Algorithm 3 gives contiguous ranks)."""
     if not ranks:

@@ -235,8 +235,8 @@ def test_the_hello_timeout_grows_with_the_share_an_agent_must_load():
     """A 1/5 share of the TinyLlama shape is ~0.9 GB of float32 to read and quantize: far more than the 10 s
     floor allows on a busy core; a share of stories260K stays at the floor."""
     from halo.config import ModelConfig
-    from halo.distributed.session import LOAD_BYTES_PER_S, hello_timeout_s, share_float32_bytes
-    from halo.shares import everything
+    from halo.distributed.session import LOAD_BYTES_PER_S, hello_timeout_s
+    from halo.shares import everything, share_float32_bytes
 
     tiny = ModelConfig(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
                        max_seq_len=2048)

@@ -251,8 +251,16 @@ def test_status_server_prints_the_same_view(server):
                               "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "COLUMNS": "160"})
     time.sleep(3)
-    watch.send_signal(signal.SIGINT)
-    out, err = watch.communicate(timeout=10)
+    for _ in range(4):  # Ctrl-C; again if it came before the interpreter was ready for it (a loaded CI machine: once)
+        watch.send_signal(signal.SIGINT)
+        try:
+            out, err = watch.communicate(timeout=8)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    else:
+        watch.kill()
+        out, err = watch.communicate()
     assert watch.returncode == 0, err
     assert out.count("local-2#2") >= 1 and "ms/token" in out
     denied = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server], capture_output=True,

@@ -137,9 +137,9 @@ def test_an_agent_keeps_the_kernels_of_a_session_a_replan_ends_and_frees_a_finis
         deadline = time.monotonic() + 5.0
         while True:  # the bye and the status request travel on different sockets: wait for the bye
             status = ask_status(cluster.endpoints, cluster.key)[cluster.endpoints[0]]
-            if status["session"] is None and (status["retained_bytes"] > 0) == want_positive \
-                    or time.monotonic() > deadline:
-                return status["retained_bytes"]
+            retained = status["memory"]["retained_bytes"]
+            if status["session"] is None and (retained > 0) == want_positive or time.monotonic() > deadline:
+                return retained
             time.sleep(0.05)
 
     with LocalCluster(1) as cluster:
@@ -151,3 +151,18 @@ def test_an_agent_keeps_the_kernels_of_a_session_a_replan_ends_and_frees_a_finis
         assert again.agents[1].kept_groups > 0 and again.agents[1].fills
         again.close()  # the end of a generation
         assert retained(cluster, False) == 0
+
+
+def test_an_agent_refuses_a_share_over_its_memory_budget_with_the_numbers(stories_weights):
+    """halo-agent --memory-budget MB: a share whose weights and KV cache need more is refused at hello; status says
+    the budget and what the agent holds."""
+    from halo.distributed import LocalCluster, cluster_model
+    from halo.distributed.remote import ask_status
+    from halo.errors import HaloError
+
+    with LocalCluster(1, extra_args=("--memory-budget", "0.05")) as cluster:  # 50 kB: half of stories260K is ~0.5 MB
+        with pytest.raises(HaloError, match=r"the share needs [\d.]+ MB \(weights [\d.]+ MB in fp32, KV cache [\d.]+ MB "
+                                            r"for 64 positions\) but this agent's memory budget is 0\.1 MB"):
+            cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even", context=64)
+        memory = ask_status(cluster.endpoints, cluster.key)[cluster.endpoints[0]]["memory"]
+        assert memory["budget_bytes"] == 50_000 and memory["weights_bytes"] == 0 and memory["rss_bytes"] > 0

@@ -26,7 +26,7 @@ import zmq
 
 from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
-from halo.shares import Shares
+from halo.shares import Shares, share_float32_bytes
 from halo.sync import SyncSettings
 from halo.weights import ModelWeights
 
@@ -36,14 +36,6 @@ from .remote import AgentError, RemoteAgent
 
 DEFAULT_TIMEOUT_S = 2.0
 LOAD_BYTES_PER_S = 20e6  # the slowest load a hello allows for: an SD card, or quantizing on a shared core
-
-
-def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:
-    """The float32 bytes of a share's weights: what an agent reads (and quantizes) while answering hello."""
-    head = dim * layout.head_dim * (2 + 2 * layout.n_kv_heads / layout.n_heads)  # W_q, W_o rows; its part of W_k, W_v
-    params = (sum(map(len, share.attention)) * head + sum(map(len, share.mlp)) * 3 * dim * layout.mlp_group_size
-              + len(share.lm_head) * layout.vocab_group_size * dim)
-    return int(4 * params)
 
 
 def hello_timeout_s(share: Shares, layout: GroupLayout, dim: int, floor_s: float) -> float:
