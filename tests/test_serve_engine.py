@@ -126,6 +126,12 @@ def agent_processes() -> list:
     return [p for p in psutil.Process().children() if "halo.edge_agent" in " ".join(p.cmdline())]
 
 
+def named(process, name: str) -> bool:
+    """Whether a local agent runs with --name `name` (its key path, /tmp/halo-local-XXXX/, may contain any name)."""
+    argv = process.cmdline()
+    return "--name" in argv and argv[argv.index("--name") + 1] == name
+
+
 def test_an_agent_failure_is_planned_around_inside_the_request(stories_weights, tokenizer):
     """--on-agent-loss replan (the default): the request completes on the agent left; the view says so."""
     from halo.distributed import connect
@@ -136,7 +142,7 @@ def test_an_agent_failure_is_planned_around_inside_the_request(stories_weights, 
     expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
     engine = engine_for(stories_weights, tokenizer, open_model)
     try:
-        victim = next(p for p in agent_processes() if "local-2" in " ".join(p.cmdline()))
+        victim = next(p for p in agent_processes() if named(p, "local-2"))
         victim.kill()
         victim.wait(10)
 
@@ -166,7 +172,7 @@ def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_
         assert [d["name"] for d in engine.snapshot["devices"]] == ["master", "local-1#1", "local-2#2"]
         first = sorted(agent_processes(), key=lambda p: p.pid)
         assert len(first) == 2
-        victim = next(p for p in first if "local-2" in " ".join(p.cmdline()))
+        victim = next(p for p in first if named(p, "local-2"))
         victim.kill()
         victim.wait(10)
 
