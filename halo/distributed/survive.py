@@ -224,9 +224,10 @@ class SurvivingModel:
             return str(e)
         finally:
             refilled = inputs is not None and self._open and self.model.can_refill
+            kept, moved = self._kept_and_moved()
             self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix),
                                             time.perf_counter() - t0, sticky=sticky, refilled=refilled,
-                                            **dict(zip(("kept_groups", "moved_groups"), self._kept_and_moved()))))
+                                            kept_groups=kept, moved_groups=moved))
         log.warning("re-planned (%s) in %.2f s over %d agents (%s); %s %d positions", "sticky" if sticky else "full",
                     time.perf_counter() - t0, len(endpoints), ", ".join(endpoints) or "the master alone",
                     "refilled the KV caches of" if refilled else "replayed", len(prefix))
