@@ -3,7 +3,10 @@
 Life of an agent: listen (a CURVE server with the cluster key, or plaintext when told so) -> a master
 says hello (protocol version, model sha256, the groups this agent computes, sync settings, where its
 UDP endpoint is) -> the agent builds a device worker with only those groups from its local copy of
-the model (rows and columns sliced out of a memory map: the other weights are never read) -> rounds
+the model (rows and columns sliced out of a memory map: the other weights are never read), in a thread
+of its own: meanwhile it tells the master how far it got ("loading" every LOADING_REPORT_S, which is
+what keeps a slow load from being taken for a dead agent) and answers status ("loading 43 %"), and
+it says "ready" when the share is built -> rounds
 (edge_agent/rounds.py): block inputs arrive as residual streams over the control connection or UDP,
 partial outputs go back -> bye, or the master disappears -> back to listening. Every message is
 validated; a bad one is answered with an error and logged, never crashes the agent.
@@ -12,8 +15,10 @@ validated; a bad one is answered with an error and logged, never crashes the age
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +37,38 @@ log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
 MEMORY_SHARE = 0.9  # of the memory available at start: the default budget (the rest: the process, buffers, the OS)
 RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
+LOADING_REPORT_S = 1.0  # while a share loads, the master hears how far it got this often
+
+
+@dataclass
+class Loading:
+    """A hello being served: its share builds in a thread; the control loop reports and finishes it."""
+
+    master: str
+    peer: bytes
+    fields: dict
+    address: str | None
+    sync: SyncSettings
+    node_id: int
+    started: float = field(default_factory=time.perf_counter)
+    done: int = 0  # blocks built (written by the build thread)
+    total: int = 0
+    worker: DeviceWorker | None = None
+    error: str | None = None
+    reported: float = 0.0  # when the master last heard of it
+    thread: threading.Thread | None = None
+    abandoned: bool = False  # its master said bye before it was ready
+
+    def progress(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 0.0
+
+    def to_json(self) -> dict:
+        return {"master": self.master, "blocks_done": self.done, "blocks": self.total,
+                "percent": round(100 * self.fraction, 1), "seconds": round(time.perf_counter() - self.started, 2)}
 
 
 @dataclass
@@ -73,11 +110,16 @@ class Agent(ControlServer):
                        "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
+        self.loading: Loading | None = None  # a hello whose share is being built
+        self._wake = os.pipe()  # the loading thread's "done", which wakes the control loop's poll
+        os.set_blocking(self._wake[0], False)
 
     def poll_sources(self) -> list:
-        return [self.udp.sock.fileno()]
+        return [self.udp.sock.fileno(), self._wake[0]]
 
     def tick(self, events: dict) -> None:
+        if self._wake[0] in events:
+            os.read(self._wake[0], 4096)
         if self.udp.sock.fileno() in events:
             if self.session is not None and self.session.sync.policy.input is Transport.UDP:
                 if self.session.rounds.poll():  # UDP rounds carry no control message: they keep it alive
@@ -90,6 +132,8 @@ class Agent(ControlServer):
             self._end_session()
         if self.retired is not None and time.monotonic() - self.retired[1] > RETAIN_S:
             self.retired = None  # its memory goes back: no re-plan came
+        if self.loading is not None:
+            self._tend_loading()
 
     def count_error(self) -> None:
         self.served["errors"] += 1
@@ -111,9 +155,14 @@ class Agent(ControlServer):
         self.udp.peers.clear()
 
     def close(self) -> None:
+        if self.loading is not None:
+            self.loading.thread.join()  # a build in flight ends before the memory it builds into goes
+            self.loading = None
         self._end_session()
         self.retired = None
         self.udp.close()
+        for fd in self._wake:
+            os.close(fd)
         super().close()
 
     # ---- messages ----------------------------------------------------------------------------------------
@@ -125,6 +174,12 @@ class Agent(ControlServer):
             return self._hello(message.fields, peer, address)
         if message.kind == "profile":  # what this device can do, asked before the master plans
             return self._profile(message.fields, peer)
+        if self.loading is not None and peer == self.loading.peer:
+            if message.kind == "bye":  # the master gave up on this hello: what is built goes once the thread ends
+                self.loading.abandoned = True
+                return Message("ok")
+            return Message("error", {"reason": f"'{message.kind}' before this agent said ready: it is still loading "
+                                               f"its share ({100 * self.loading.fraction:.0f} %)"})
         if self.session is None:
             if peer == self.dropped_idle:
                 return Message("error", {"reason": f"this agent ended the session after {IDLE_SESSION_S:.0f} s without "
@@ -159,7 +214,7 @@ class Agent(ControlServer):
             session["rejected"] = self.udp.rejections()
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
-                "memory": self._memory(),
+                "loading": self.loading.to_json() if self.loading is not None else None, "memory": self._memory(),
                 "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
 
     def _memory(self) -> dict:
@@ -181,24 +236,67 @@ class Agent(ControlServer):
         mismatch = self._mismatch(f)
         if mismatch:
             return refuse(mismatch)
-        t = time.perf_counter()
+        if self.loading is not None:
+            return refuse(f"busy: loading a share for master {self.loading.master} "
+                          f"({100 * self.loading.fraction:.0f} %); say hello again when it is ready")
         try:
-            worker, sync, node_id = self._worker_for(f)
+            build, sync, node_id = self._worker_for(f)
         except HaloError as e:
             return refuse(str(e))
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
-        self._end_session()  # what the new worker kept is in it; the rest goes
-        self._join_udp(f, sync, node_id, address)
-        self.session = Session(str(f.get("master", "?")), peer, worker, AgentRounds(worker, sync, self.udp, self.served),
-                               sync, time.monotonic())
+        self._end_session(retain=True)  # a new master replaces the old session now; its kernels wait for the build
+        loading = Loading(str(f.get("master", "?")), peer, f, address, sync, node_id)
+        loading.reported = loading.started  # a share that loads within LOADING_REPORT_S goes without reports
+
+        def run() -> None:
+            try:
+                loading.worker = build(loading.progress)
+            except HaloError as e:
+                loading.error = str(e)
+            except Exception as e:  # a bug must not leave the master waiting: it hears why
+                log.exception("building the share failed")
+                loading.error = f"{self.name} error while loading its share: {type(e).__name__}: {e}"
+            finally:
+                os.write(self._wake[1], b"!")  # the control loop finishes the hello at once, not at its next poll
+
+        loading.thread = threading.Thread(target=run, name="halo-load", daemon=True)
+        self.loading = loading
+        loading.thread.start()
+        return None  # the answer ("loading" reports, then "ready" or "refused") comes from the control loop
+
+    def _tend_loading(self) -> None:
+        """Between polls: report the loading to its master, or finish it once its thread is done."""
+        loading = self.loading
+        if loading.thread.is_alive():
+            if time.perf_counter() - loading.reported >= LOADING_REPORT_S:
+                loading.reported = time.perf_counter()
+                self.reply(loading.peer, Message("loading", loading.to_json()))
+            return
+        self.loading = None
+        if loading.abandoned:  # its master said bye while it loaded
+            if loading.worker is not None:
+                loading.worker.close()
+            self.retired = None
+            return
+        if loading.worker is None:
+            self.served["refused"] += 1
+            log.warning("refused master %s: %s", loading.master, loading.error)
+            self.reply(loading.peer, Message("refused", {"reason": loading.error}))
+            return
+        worker = loading.worker
+        self.retired = None  # what the new worker kept from it is in it; the rest goes
+        self._end_session()
+        self._join_udp(loading.fields, loading.sync, loading.node_id, loading.address)
+        self.session = Session(loading.master, loading.peer, worker,
+                               AgentRounds(worker, loading.sync, self.udp, self.served), loading.sync, time.monotonic())
         log.info("session with %s: %d attention and %d MLP layers, %.1f MB, loaded in %.0f ms (%d groups kept from "
                  "the last session)", self.session.master, len(worker.attention), sum(1 for g in worker.share.mlp if g),
-                 worker.nbytes / 1e6, 1e3 * (time.perf_counter() - t), worker.reused_groups)
+                 worker.nbytes / 1e6, 1e3 * (time.perf_counter() - loading.started), worker.reused_groups)
         self.served["sessions"] += 1
-        return Message("ready", {"name": self.name, "weight_bytes": worker.nbytes, "profile": self.profile,
-                                 "udp_port": self.udp.address[1], "kept_groups": worker.reused_groups,
-                                 "fill": True})
+        self.reply(loading.peer, Message("ready", {"name": self.name, "weight_bytes": worker.nbytes,
+                                                   "profile": self.profile, "udp_port": self.udp.address[1],
+                                                   "kept_groups": worker.reused_groups, "fill": True}))
 
     def _mismatch(self, f: dict) -> str | None:
         """Why a master's hello or profile request cannot be served (None: it can)."""
@@ -214,6 +312,8 @@ class Agent(ControlServer):
         from .profile import measured_profile
 
         reason = self._mismatch(f)
+        if reason is None and self.loading is not None:
+            reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
             if f.get("take_over"):
                 self._end_session()  # the master that asks will say hello next: the old session is over
@@ -229,8 +329,9 @@ class Agent(ControlServer):
             return Message("refused", {"reason": answer})
         return Message("profile", answer)
 
-    def _worker_for(self, f: dict) -> tuple[DeviceWorker, SyncSettings, int]:
-        """The device worker a hello asks for (raises HaloError / KeyError / ValueError when it cannot be)."""
+    def _worker_for(self, f: dict) -> tuple:
+        """What a hello asks for, checked now (raises HaloError / KeyError / ValueError when it cannot be served):
+        build(progress) -> the device worker (run in the loading thread), the sync settings, the node id."""
         c = self.weights.config
         layout = GroupLayout.for_model(c, int(f["mlp_group_size"]), int(f["vocab_group_size"]))
         context, share = int(f["context"]), Shares(f["attention"], f["mlp"], f["lm_head"])
@@ -249,10 +350,13 @@ class Agent(ControlServer):
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
             self.retired = None  # nothing of it serves this hello: its memory goes back before the build
         previous = self.session.worker if self.session is not None else self.retired[0] if self.retired else None
-        worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
-                              predictors=predictors, load_overlap=sync.load_overlap, reuse=previous)
-        self.retired = None
-        return worker, sync, node_id
+
+        def build(progress) -> DeviceWorker:
+            return DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
+                                predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
+                                progress=progress)
+
+        return build, sync, node_id
 
     def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
         """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget."""

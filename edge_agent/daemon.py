@@ -107,6 +107,10 @@ class ControlServer:
                 reply = Message(reply.kind, {**reply.fields, "call": call}, reply.arrays)
             self.socket.send_multipart([identity.bytes, *encode(reply)])
 
+    def reply(self, peer: bytes, message: Message) -> None:
+        """A message to `peer` outside the request it answers (progress reports, an answer that took a thread)."""
+        self.socket.send_multipart([peer, *encode(message)])
+
     def count_error(self) -> None:
         """A request failed with a domain error (subclasses count it)."""
 

@@ -1,6 +1,10 @@
-"""Accuracy under relaxed synchronization (HALO Table II / V / Fig. 7 in kind), simulated on stories260K.
+"""Accuracy under relaxed synchronization (HALO Table II / V / Fig. 7 in kind), simulated in one process.
 
-    python -m halo.eval.accuracy_halo [--windows 64] [--prompts 16]
+    python -m halo.eval.accuracy_halo [--model stories260K] [--predictors DIR] [--windows 64] [--prompts 16]
+
+The bundled stories260K by default; `--model smollm2-135m-instruct` (with predictors trained for it:
+halo-train-predictors --model smollm2-135m-instruct --data TEXT --out DIR) runs the same study on a real
+model. Writes eval/results/accuracy_halo_<model>.{md,json}.
 
 Setting: NGLR (neuron-group loss ratio) = 1 - 1/n for n devices: the master holds 1/n of every
 block's groups and syncs reliably; the other n-1 devices' partial sums each arrive with probability
@@ -24,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from halo import BUNDLED_MODEL
 from halo.loader import load_tokenizer, load_weights
 from halo.tracing import TracingTransformer
 from halo.predictors.profiler import split_text
@@ -109,6 +112,8 @@ def greedy(model: TracingTransformer, prompt: list[int], n: int, merge) -> list[
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="model file or name (default: the bundled stories260K)")
+    parser.add_argument("--predictors", help="the model's trained predictors (default: predictors/ beside the model)")
     parser.add_argument("--data", default=str(DATA))
     parser.add_argument("--windows", type=int, default=64, help="128-token windows for perplexity/agreement")
     parser.add_argument("--prompts", type=int, default=16, help="prompts for 64-token continuations")
@@ -117,17 +122,19 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
-    from halo.predictors.runtime import PredictorSet
+    from halo.loader import load_predictors
+    from halo.models import resolve_model
 
-    weights = load_weights()
+    weights = load_weights(resolve_model(args.model) if args.model else None)
     tokenizer = load_tokenizer(weights)
     model = TracingTransformer(weights, max_seq_len=256)
     train_text, val_text = split_text(Path(args.data).read_text(), 0.8)
     val = tokenizer.encode(val_text, bos=False)
-    windows = [[tokenizer.bos_id] + val[i * 127:(i + 1) * 127] for i in range(args.windows)]
+    start = [] if tokenizer.bos_id is None else [tokenizer.bos_id]  # GPT-2-style vocabularies have no BOS
+    windows = [start + val[i * 127:(i + 1) * 127] for i in range(args.windows)]
     offset = args.windows * 127
-    prompts = [[tokenizer.bos_id] + val[offset + i * 200:offset + i * 200 + 32] for i in range(args.prompts)]
-    predictors = PredictorSet(Path(str(BUNDLED_MODEL)).parent / "predictors")
+    prompts = [start + val[offset + i * 200:offset + i * 200 + 32] for i in range(args.prompts)]
+    predictors = load_predictors(weights, args.predictors)
     static = static_ranking(model, tokenizer, train_text)
     reference = {"logits": [], "continuations": []}
     for w in windows:
@@ -148,27 +155,29 @@ def main(argv=None) -> int:
         rows.append({"policy": policy, "plr": plr, "nglr": nglr, "devices": n, **result,
                      "groups_dropped": merge.dropped / max(merge.offered, 1)})
     command = command_line("halo.eval.accuracy_halo", argv)
-    lines = render(rows, command, args, base)
-    write_report(args.out, "accuracy_halo_stories260K", {"command": command, "rows": rows}, lines)
+    lines = render(rows, command, args, base, Path(weights.source).name)
+    name = Path(weights.source).name.split(".")[0]
+    write_report(args.out, f"accuracy_halo_{name}", {"command": command, "model": name, "rows": rows}, lines)
     return 0
 
 
 def static_ranking(model: TracingTransformer, tokenizer, train_text: str) -> dict:
     """Mean group norms per layer over (a slice of) the training text: the static baseline."""
     ids = tokenizer.encode(train_text[:60000], bos=False)
+    start = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     sums = None
     for i in range(0, len(ids) - 127, 127):
         model.merge = None
         model.reset()
-        model.forward([tokenizer.bos_id] + ids[i:i + 127])
+        model.forward(start + ids[i:i + 127])
         trace = model.trace
         part = {"attention": [t.attention_norms[1:].sum(0) for t in trace], "mlp": [t.mlp_norms[1:].sum(0) for t in trace]}
         sums = part if sums is None else {k: [a + b for a, b in zip(sums[k], part[k])] for k in sums}
     return sums
 
 
-def render(rows, command, args, base) -> list[str]:
-    lines = ["# Accuracy under relaxed synchronization, stories260K (simulated loss)", "",
+def render(rows, command, args, base, model: str) -> list[str]:
+    lines = [f"# Accuracy under relaxed synchronization, {model} (simulated loss)", "",
              f"Command: `{command}`. Held-out: last 20 % of the text; {args.windows} windows of 128 tokens for "
              f"perplexity and top-1 agreement with the lossless run, {args.prompts} prompts for 64-token greedy "
              f"continuations. Lossless: perplexity {base['perplexity']:.3f}. Cells: perplexity / top-1 agreement / "

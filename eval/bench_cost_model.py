@@ -1,6 +1,6 @@
 """The scheduler's cost model against real runs, and measured plans against even and PLR-blind ones.
 
-    python -m halo.eval.bench_cost_model [--tokens 16] [--ppl-tokens 1024] [--ppl-model PATH] [--out eval/results]
+    python -m halo.eval.bench_cost_model [--tokens 16] [--ppl-tokens 1024] [--ppl-model NAME|PATH] [--out eval/results]
 
 A heterogeneous cluster on the namespace test bed (rpi/testbed.py): the master and three agents, each in
 its own network namespace, the agents' CPUs capped with cgroup v1 CFS quotas (100 / 50 / 25 % of a core,
@@ -261,7 +261,7 @@ def job_accuracy(weights, args) -> dict:
     aware = build_plan(cluster, profile, "vanilla")  # every device, equal shares (a tiny model: all overhead)
     unaware = rebased(aware, blind(cluster))  # the same counts; Algorithm 3 ranks as if every link were clean
     configs = [("exact (lossless reference)", "exact", aware, "index")]
-    for mode in ("halo", "lossy"):
+    for mode in args.accuracy_modes.split(","):
         configs += [(f"{mode}: PLR-aware ranks, heads by importance", mode, aware, "importance"),
                     (f"{mode}: PLR-aware ranks, heads by index", mode, aware, "index"),
                     (f"{mode}: PLR-blind ranks, heads by index", mode, unaware, "index")]
@@ -325,7 +325,7 @@ class ThrottledAgents:
 def run_master(bed, job: str, model: Path, key: Path, endpoints: list[str], args) -> dict:
     argv = [*module_command("halo.eval.bench_cost_model"), "master", "--job", job, "--model", str(model),
             "--key", str(key), "--endpoints", ",".join(endpoints), "--tokens", str(args.tokens),
-            "--ppl-tokens", str(args.ppl_tokens), "--data", str(args.data)]
+            "--ppl-tokens", str(args.ppl_tokens), "--data", str(args.data), "--accuracy-modes", args.accuracy_modes]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     if PIN:
         argv = ["taskset", "-c", "0", *argv]
@@ -338,8 +338,21 @@ def run_master(bed, job: str, model: Path, key: Path, endpoints: list[str], args
     raise RuntimeError(f"master job {job} failed: {err[-3000:]}")
 
 
+def accuracy_part(model: Path) -> str:
+    """The results key of the accuracy part on this model: "accuracy" for the bundled stories260K, else
+    "accuracy:<file name>" (each model's rows kept beside the others')."""
+    from halo import BUNDLED_MODEL
+
+    return "accuracy" if model == Path(str(BUNDLED_MODEL)) else f"accuracy:{model.name}"
+
+
+def parts_in(data: dict) -> list[str]:
+    return [k for k in data if k in ("sweep", "lossy") or k.split(":")[0] == "accuracy"]
+
+
 def measure_all(args) -> dict:
     from halo import BUNDLED_MODEL
+    from halo.models import resolve_model
     from halo.rpi.testbed import LossyTestbed
     from halo.transport.reliable import generate_key
 
@@ -360,11 +373,12 @@ def measure_all(args) -> dict:
                         bed.set_losses(LOSSY_LINK)
                         data["lossy"] = run_master(bed, "lossy", model, key, agents.endpoints, args)
             if "accuracy" in args.parts:
-                model = Path(args.ppl_model) if args.ppl_model else Path(str(BUNDLED_MODEL))
+                model = resolve_model(args.ppl_model) if args.ppl_model else Path(str(BUNDLED_MODEL))
                 bed.set_losses(LOSSY_LINK)
                 with ThrottledAgents(bed, model, key, throttle=False) as agents:  # equal CPUs: the loss alone
-                    data["accuracy"] = run_master(bed, "accuracy", model, key, agents.endpoints, args)
-                data["accuracy"]["model"] = str(model)
+                    part = accuracy_part(model)
+                    data[part] = run_master(bed, "accuracy", model, key, agents.endpoints, args)
+                data[part]["model"] = str(model)
     return data
 
 
@@ -438,30 +452,40 @@ def lossy_lines(lossy: dict) -> list[str]:
     return lines
 
 
-def accuracy_lines(accuracy: dict) -> list[str]:
-    lines = ["", f"## 4. Accuracy with one link at 5 % loss ({Path(accuracy['model']).name}, every device takes "
+def accuracy_lines(accuracy: dict, section: int = 4) -> list[str]:
+    lines = ["", f"## {section}. Accuracy with one link at 5 % loss ({Path(accuracy['model']).name}, every device takes "
              "part with an equal share, no CPU quotas)", "",
              "Measured PLR per device: " + ", ".join(f"{n.split('#')[0]} {100 * p:.1f} %" for n, p in accuracy["plr"].items())
              + ". "
              f"MLP rank ranges of layer 1, PLR-aware: {accuracy['ranks']['aware']}; PLR-blind: {accuracy['ranks']['blind']}.", "",
-             "| configuration | perplexity | ms/token | partial sums dropped |", "|---|---|---|---|"]
+             "| configuration | perplexity | vs lossless | ms/token | partial sums dropped |", "|---|---|---|---|---|"]
+    lossless = accuracy["rows"][0]["perplexity"]
     for r in accuracy["rows"]:
-        lines.append(f"| {r['config']} | {r['perplexity']:.3f} | {r['ms_per_token']:.1f} | "
-                     f"{r['partials_dropped']}/{r['partials']} |")
+        lines.append(f"| {r['config']} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / lossless - 1):+.2f} % | "
+                     f"{r['ms_per_token']:.1f} | {r['partials_dropped']}/{r['partials']} |")
+    rows = {r["config"]: r["perplexity"] for r in accuracy["rows"]}
+    for mode in sorted({r["mode"] for r in accuracy["rows"]} - {"exact"}):
+        aware, blind = rows.get(f"{mode}: PLR-aware ranks, heads by index"), rows.get(f"{mode}: PLR-blind ranks, heads by index")
+        placed = rows.get(f"{mode}: PLR-aware ranks, heads by importance")
+        if None in (aware, blind, placed):
+            continue
+        rise = lambda ppl: f"{100 * (ppl / lossless - 1):+.2f} %"  # noqa: E731
+        lines += ["", f"{mode}: PLR-aware ranks {rise(aware)} vs PLR-blind {rise(blind)} "
+                      f"({'aware better' if aware < blind else 'blind better'}); heads by importance {rise(placed)} vs by "
+                      f"index {rise(aware)} ({'importance better' if placed < aware else 'index better'})."]
     return lines
 
 
 def merged(data: dict, args) -> dict:
     """This run's parts over those of an earlier run in the same results file (--parts reruns one part)."""
     command = command_line("halo.eval.bench_cost_model", args.argv)
-    for part in ("sweep", "lossy", "accuracy"):
-        if part in data:
-            data[part]["command"] = command
+    for part in parts_in(data):
+        data[part]["command"] = command
     try:
         earlier = json.loads((Path(args.out) / "cost_model.json").read_text())
     except (OSError, ValueError):
         return data
-    kept = {k: {"command": earlier.get("command", "?"), **v} for k, v in earlier.items() if k in ("sweep", "lossy", "accuracy")}
+    kept = {k: {"command": earlier.get("command", "?"), **v} for k, v in earlier.items() if k in parts_in(earlier)}
     return {**kept, **data}
 
 
@@ -473,7 +497,7 @@ def report(data: dict, args) -> None:
     rates = ", ".join(str(a["mbit"]) for a in AGENTS.values())
     losses = ", ".join(f"{100 * a['plr']:g} %" for a in AGENTS.values())
     shape = MODEL_SHAPE
-    commands = sorted({data[p]["command"] for p in ("sweep", "lossy", "accuracy") if p in data and "command" in data[p]})
+    commands = sorted({data[p]["command"] for p in parts_in(data) if "command" in data[p]})
     lines = ["# The scheduler's cost model against real runs (namespace test bed)", "",
              f"Command: {', '.join(f'`flock /tmp/halo-heavy.lock {c}`' for c in commands or [command])}. Master + 3 agents in network namespaces; agents' CPU "
              f"quotas {quotas} of a core, links {rates} Mbit/s (tbf, both ways), loss {losses}. Model for timing: a "
@@ -488,8 +512,8 @@ def report(data: dict, args) -> None:
         plot(data["sweep"]["rows"], out)
     if "lossy" in data:
         lines += lossy_lines(data["lossy"])
-    if "accuracy" in data:
-        lines += accuracy_lines(data["accuracy"])
+    for section, part in enumerate((p for p in parts_in(data) if p.startswith("accuracy")), start=4):
+        lines += accuracy_lines(data[part], section)
     write_report(out, "cost_model", {"command": command, **data}, lines)
 
 
@@ -498,10 +522,13 @@ def main(argv=None) -> int:
     parser.add_argument("what", nargs="?", default="run", choices=("run", "master"))
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens timed per plan (default 16)")
     parser.add_argument("--ppl-tokens", type=int, default=1024, help="held-out tokens per perplexity (default 1024)")
-    parser.add_argument("--ppl-model", help="model for the accuracy part (default: the bundled stories260K)")
+    parser.add_argument("--ppl-model", help="model file or name for the accuracy part (default: the bundled "
+                        "stories260K; e.g. smollm2-135m-instruct, with predictors/ beside it)")
     parser.add_argument("--data", default=DATA, help="text whose last 20 %% is the held-out set (default: "
                         "shared/data/tinystories_valid_dev.txt beside the checkout)")
     parser.add_argument("--parts", default="sweep,lossy,accuracy", help="which parts to run (default: all)")
+    parser.add_argument("--accuracy-modes", default="halo,lossy", help="relaxed sync modes of the accuracy part "
+                        "(default: halo,lossy; each runs three configurations against the exact reference)")
     parser.add_argument("--time-limit", type=float, default=1500.0, help="seconds per master job")
     parser.add_argument("--out", default="eval/results")
     # the master process (internal)

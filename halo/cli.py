@@ -367,6 +367,9 @@ def _agents_table(rows: list[dict]):
             continue
         p, s = r["profile"], r["session"]
         share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+        if r.get("loading"):
+            load = r["loading"]
+            share = f"loading {load['percent']:.0f} % for {load['master']} ({load['seconds']:.0f} s)"
         if s and s.get("udp"):
             share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
         if s and s.get("rejected"):

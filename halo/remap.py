@@ -33,11 +33,16 @@ from .weights import ModelWeights
 
 class Remapper:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, rank_ranges: dict[int, tuple[int, int]],
-                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1):
+                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1, built=None):
         """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted); fmt: the
-        weight format its candidate groups are computed in (compact: every group's kernels built now)."""
+        weight format its candidate groups are computed in (compact: every group's kernels built now); built():
+        called after each layer's bank (loading progress)."""
         self.ranges = {l: r for l, r in rank_ranges.items() if r[1] > r[0]}
-        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads) for l in self.ranges}
+        self.banks = {}
+        for l in self.ranges:
+            self.banks[l] = MlpGroupBank(weights.layers[l], layout, fmt, threads)
+            if built is not None:
+                built()
         self.predictors = predictors
         self.n_groups = layout.n_mlp_groups
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="halo-load") if load_overlap else None

@@ -14,6 +14,7 @@ predictors read the un-normed residual, so the residual is what travels).
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -26,11 +27,12 @@ from .weights import ModelWeights
 class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
                  threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
-                 reuse: "DeviceWorker | None" = None):
+                 reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None):
         """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
         the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
         stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
-        it did not hold are built: after a sticky re-plan a survivor builds just what it gained."""
+        it did not hold are built: after a sticky re-plan a survivor builds just what it gained.
+        progress(done, total): called as each block's share is ready (an agent reports its loading with it)."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads = context, fmt, threads
@@ -38,6 +40,8 @@ class DeviceWorker:
         old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads) else None
         self.reused_groups = 0  # groups whose kernels came from `reuse`
         kept_caches = []
+        blocks = [*share.attention, *share.mlp, share.lm_head]
+        loaded = _Progress(sum(1 for groups in blocks if groups), progress)
 
         def shard(kind: str, layer: int, groups: list[int], build):
             previous = None if old is None else old._shard(kind, layer)
@@ -47,6 +51,7 @@ class DeviceWorker:
             rest = [g for g in groups if g not in held]
             pieces = kept + ([build(rest)] if rest else [])
             kept_caches.extend(p for p in kept if isinstance(p, AttentionShard))
+            loaded.step()
             return pieces[0] if len(pieces) == 1 else PiecedShard(pieces, layout if kind == "lm_head" else None, groups)
 
         self.attention = {l: shard("attention", l, heads,
@@ -58,7 +63,7 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads)
+            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step)
         else:
             self.mlp = {l: shard("mlp", l, g, lambda g, l=l: MlpShard(weights.layers[l], layout, g, fmt, threads))
                         for l, g in enumerate(share.mlp) if g}
@@ -143,6 +148,20 @@ class DeviceWorker:
     def close(self) -> None:
         if self.remapper is not None:
             self.remapper.close()
+
+
+class _Progress:
+    """Blocks built so far out of `total`, told to a callback as they come."""
+
+    def __init__(self, total: int, callback=None):
+        self.done, self.total, self.callback = 0, total, callback
+        if callback is not None:
+            callback(0, total)
+
+    def step(self) -> None:
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done, self.total)
 
 
 class PiecedShard:

@@ -57,14 +57,22 @@ def train_predictors(model: str | None, data: str, out: str | Path, hidden: int 
     return manifest
 
 
+RANKERS = ("predictor", "ridge", "static", "random")  # the MLP, a linear baseline, the mean norms, chance
+METRICS = ("spearman", "recall@25%", "recall@50%", "ndcg")
+SUMMARY_COLUMNS = ("layer", "block", "val loss", "Spearman", "recall@25%", "recall@50%", "NDCG")
+
+
 def summary_rows(manifest: dict) -> list[list[str]]:
+    """Per layer and block, each metric as "predictor / ridge / static / random" ("-" where a manifest written
+    before a ranker or metric existed lacks it)."""
     rows = []
     for layer, entry in sorted(manifest["layers"].items(), key=lambda kv: int(kv[0])):
         m = entry["metrics"]
         for block in ("attention", "mlp"):
             cells = [layer, block, f"{m['val_loss']:.2e}" if block == "attention" else ""]
-            for metric in ("spearman", "recall@25%", "recall@50%"):
-                cells.append(" / ".join(f"{m[who][block][metric]:.3f}" for who in ("predictor", "static", "random")))
+            for metric in METRICS:
+                values = [m.get(who, {}).get(block, {}).get(metric) for who in RANKERS]
+                cells.append(" / ".join("-" if v is None else f"{v:.3f}" for v in values))
             rows.append(cells)
     return rows
 
@@ -96,8 +104,8 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"validation ({manifest['data']['tokens']['val']} tokens): predictor / static / random")
-    for column in ("layer", "block", "val loss", "Spearman", "recall@25%", "recall@50%"):
+    table = Table(title=f"validation ({manifest['data']['tokens']['val']} tokens): {' / '.join(RANKERS)}")
+    for column in SUMMARY_COLUMNS:
         table.add_column(column)
     for row in summary_rows(manifest):
         table.add_row(*row)

@@ -1,4 +1,8 @@
-"""How well a ranking of neuron groups matches their true importance (numpy only)."""
+"""How well a ranking of neuron groups matches their true importance.
+
+Spearman and top-k recall are hand-written (numpy; the runtime's tests use them); NDCG is
+scikit-learn's `ndcg_score` (the `train` extra), with the true norms as graded relevance: it weighs a
+mistake at the top of the ranking, where the critical partials are chosen, more than one at the bottom."""
 
 from __future__ import annotations
 
@@ -29,6 +33,13 @@ def top_k_recall(predicted: np.ndarray, true: np.ndarray, fraction: float) -> fl
     return float(np.mean(hits) / k)
 
 
+def ndcg(predicted: np.ndarray, true: np.ndarray) -> float:
+    """Mean normalized discounted cumulative gain of the predicted order, true norms as relevance."""
+    from sklearn.metrics import ndcg_score
+
+    return float(ndcg_score(np.asarray(true, dtype=np.float64), np.asarray(predicted, dtype=np.float64)))
+
+
 def ranking_report(predicted: np.ndarray, true: np.ndarray) -> dict:
     return {"spearman": spearman(predicted, true), "recall@25%": top_k_recall(predicted, true, 0.25),
-            "recall@50%": top_k_recall(predicted, true, 0.50)}
+            "recall@50%": top_k_recall(predicted, true, 0.50), "ndcg": ndcg(predicted, true)}

@@ -72,6 +72,16 @@ def baselines(train_norms: np.ndarray, val_norms: np.ndarray, n_heads: int, seed
     return {"static": evaluate(static, val_norms, n_heads), "random": evaluate(random, val_norms, n_heads)}
 
 
+def ridge_baseline(x_train: np.ndarray, y_train: np.ndarray, x_val: np.ndarray, true: np.ndarray, n_heads: int,
+                   alpha: float = 1.0) -> dict:
+    """A linear predictor (scikit-learn ridge regression on the same standardized inputs and targets): what the
+    MLP's hidden layer has to beat to be worth its compute."""
+    from sklearn.linear_model import Ridge
+
+    model = Ridge(alpha=alpha).fit(x_train, y_train)
+    return evaluate(model.predict(x_val), true, n_heads)
+
+
 def train_layer(directory: Path, layer: int, n_heads: int, settings: TrainSettings, log=None) -> LayerPredictor:
     """Train the predictor of `layer` (>= 1) from layer-1's hidden states."""
     import torch
@@ -124,6 +134,7 @@ def train_layer(directory: Path, layer: int, n_heads: int, settings: TrainSettin
     true = np.asarray(n_val)
     predictor.metrics = {"val_loss": best, "val_tokens": len(true), "train_tokens": len(xt),
                          "predictor": evaluate(predicted, true, n_heads),
+                         "ridge": ridge_baseline(xt.numpy(), yt.numpy(), xv.numpy(), true, n_heads),
                          **baselines(n_train, true, n_heads, settings.seed + layer)}
     return predictor
 

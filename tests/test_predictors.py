@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from halo.errors import ConfigError
-from halo.predictors.metrics import spearman, top_k_recall
+from halo.predictors.metrics import ndcg, spearman, top_k_recall
 from halo.predictors.profiler import load_split, split_text
 
 pytest.importorskip("torch")
@@ -108,6 +108,19 @@ def test_metrics_known_values():
     assert spearman(true, true) == pytest.approx(1.0)
     assert spearman(-true, true) == pytest.approx(-1.0)
     assert top_k_recall(np.array([[4.0, 1.0, 2.0, 3.0]]), true, 0.5) == pytest.approx(0.5)
+    assert ndcg(true, true) == pytest.approx(1.0)
+    # swapping the top two costs more than swapping the bottom two (NDCG weighs the head of the ranking)
+    top_swapped, bottom_swapped = np.array([[3.0, 4.0, 2.0, 1.0]]), np.array([[4.0, 3.0, 1.0, 2.0]])
+    assert ndcg(top_swapped, true) < ndcg(bottom_swapped, true) < 1.0
+
+
+def test_the_mlp_predictor_is_compared_with_a_linear_baseline(trained):
+    _, manifest = trained
+    for entry in manifest["layers"].values():
+        m = entry["metrics"]
+        for block in ("attention", "mlp"):
+            assert -1.0 <= m["ridge"][block]["spearman"] <= 1.0 and 0.0 < m["ridge"][block]["ndcg"] <= 1.0
+            assert m["ridge"][block]["spearman"] > m["random"][block]["spearman"]  # the hidden state says something
 
 
 def test_split_is_at_a_paragraph_boundary():

@@ -9,17 +9,19 @@ session opened with each participant's share.
 
 Hello tells each agent the protocol, the model's sha256, its share and node id, the sync settings,
 the weight format (cluster-wide) and where the master's UDP endpoint listens (its port; the agent
-takes the master's address from the control connection). Each agent loads its share while
-answering, with its own profile and UDP port. Every blocking call has a bound: a profile within
-`profile_timeout_s`, a hello within `hello_timeout_s` or the time its share takes to read at
-`LOAD_BYTES_PER_S` (whichever is longer: a 1/5 share of a 1.1B model is ~0.9 GB of float32 to read and
-quantize, on a busy Pi core), every later reply within `timeout_s`, every send within `timeout_s`, and
-`close` never waits for an agent that is gone.
+takes the master's address from the control connection). Each agent loads its share in a thread,
+reports how far it got ("loading", about every second) and answers "ready" with its own profile and UDP
+port. Every blocking call has a bound: a profile within `profile_timeout_s`; a hello's loading may take
+any time while it advances, but each step (one block's share built) within `hello_timeout_s` or the
+time the whole share takes to read at `LOAD_BYTES_PER_S` (whichever is longer: a 1/5 share of a 1.1B
+model is ~0.9 GB of float32 to read and quantize, on a busy Pi core); every later reply within
+`timeout_s`, every send within `timeout_s`, and `close` never waits for an agent that is gone.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -171,7 +173,23 @@ class Session:
         return agent
 
     def _welcome(self, agent: RemoteAgent, settings: MasterSettings) -> None:
-        reply = agent.receive("hello")  # loading weights may take a while: hello_timeout_s
+        """Wait for the agent's "ready". A share that takes long to load is reported on ("loading", every second or
+        so, with the blocks built): the agent is given up only when it has built nothing more for the hello
+        timeout (its share's size at LOAD_BYTES_PER_S, at least hello_timeout_s), however slow its storage."""
+        stall_s, advanced, done = agent.timeout_s, time.monotonic(), -1
+        while True:
+            reply = agent.receive("hello")
+            if reply.kind != "loading":
+                break
+            built = reply.fields.get("blocks_done")
+            if type(built) is not int:
+                raise AgentError(f"agent {agent} sent a malformed loading report (blocks_done {built!r})")
+            if built > done:
+                done, advanced = built, time.monotonic()
+            elif time.monotonic() - advanced > stall_s:
+                raise AgentError(f"agent {agent} built nothing of its share for {stall_s:.1f} s (at "
+                                 f"{reply.fields.get('percent', 0)} % after {reply.fields.get('seconds', '?')} s): its "
+                                 "storage or CPU stalls; give it less work or look at the device")
         agent.name = f"{reply.fields.get('name', agent.name)}#{agent.node_id}"
         agent.profile = reply.fields.get("profile", {})
         agent.weight_bytes = int(reply.fields.get("weight_bytes", 0))

@@ -1,0 +1,105 @@
+"""An agent loads its share in a thread and reports how far it got: a slow load is not taken for a dead agent,
+a stalled one is, and `halo-master status` shows the loading."""
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from halo.distributed import AgentError, cluster_model
+from halo.distributed.remote import ask_status
+from halo.model import Transformer
+
+CONTEXT = 64
+PROMPT = [1, 403, 407, 261, 378, 282]
+
+
+@pytest.fixture
+def slow_agent(monkeypatch):
+    """An in-process agent whose share builds `step_s` seconds per block (a device reading from slow storage);
+    `stall_after` blocks built, the next one takes `stall_s`."""
+    from halo.edge_agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "LOADING_REPORT_S", 0.1)
+    pace = {"step_s": 0.0, "stall_after": None, "stall_s": 0.0}
+    real_worker = agent_module.DeviceWorker
+
+    def paced_worker(*args, progress=None, **kwargs):
+        def slowed(done, total):
+            if done and done == pace["stall_after"]:
+                time.sleep(pace["stall_s"])
+            elif done:
+                time.sleep(pace["step_s"])
+            progress(done, total)
+
+        return real_worker(*args, progress=slowed, **kwargs)
+
+    monkeypatch.setattr(agent_module, "DeviceWorker", paced_worker)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    agent = agent_module.Agent(None, "tcp://127.0.0.1:0", None, insecure=True, name="slow")
+    signal.signal(signal.SIGTERM, sigterm)  # the daemon takes SIGTERM for its drain: give it back to pytest
+    server = threading.Thread(target=agent.serve, daemon=True)
+    server.start()
+    yield agent, pace
+    agent.stop()
+    server.join(5)
+
+
+def test_a_slow_loading_agent_is_waited_for_while_it_reports_progress(slow_agent, stories_weights):
+    agent, pace = slow_agent
+    pace["step_s"] = 0.15  # 11 blocks (an even half of stories260K): ~1.7 s, past the 0.5 s hello timeout
+    seen = []
+
+    def watch():  # what `halo-master status` asks, while the master waits for the hello
+        for _ in range(40):
+            loading = ask_status([agent.endpoint], None, insecure=True)[agent.endpoint].get("loading")
+            if loading:
+                seen.append(loading)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    t = time.perf_counter()
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=0.5)
+    waited = time.perf_counter() - t
+    watcher.join()
+    try:
+        assert waited > 1.0  # it did take longer than the hello timeout, and the master kept waiting
+        reference = Transformer(stories_weights, max_seq_len=CONTEXT)
+        assert np.argmax(model.forward(PROMPT)) == np.argmax(reference.forward(PROMPT))
+    finally:
+        model.close()
+    assert seen and seen[0]["master"] and 0 <= seen[0]["percent"] < 100 and seen[0]["blocks"] == 11
+    assert [s["blocks_done"] for s in seen] == sorted(s["blocks_done"] for s in seen)  # it only goes forward
+    assert ask_status([agent.endpoint], None, insecure=True)[agent.endpoint]["loading"] is None
+
+
+def test_a_stalled_load_is_given_up_with_how_far_it_got(slow_agent, stories_weights):
+    agent, pace = slow_agent
+    pace["stall_after"], pace["stall_s"] = 3, 2.5  # alive (it reports) but builds nothing more for 2.5 s
+    with pytest.raises(AgentError, match=r"built nothing of its share for 0.5 s \(at \d+(\.\d+)? % after"):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=0.5)
+    # the master said bye while it loaded: the agent drops what it built and takes the next hello
+    pace["stall_after"] = None
+    deadline = time.monotonic() + 10
+    while agent.loading is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert agent.loading is None and agent.session is None
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)
+    model.close()
+
+
+def test_a_hello_while_loading_is_refused_as_busy(slow_agent, stories_weights):
+    agent, pace = slow_agent
+    pace["step_s"] = 0.3
+    first = threading.Thread(target=lambda: cluster_model(stories_weights, [agent.endpoint], insecure=True,
+                                                          context=CONTEXT).close())
+    first.start()
+    deadline = time.monotonic() + 5
+    while agent.loading is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(AgentError, match="busy: loading a share for master"):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)
+    first.join(20)
