@@ -55,9 +55,13 @@ class Loading:
     total: int = 0
     worker: DeviceWorker | None = None
     error: str | None = None
-    reported: float = 0.0  # when the master last heard of it
+    reported: float = field(init=False)  # when the master last heard of it (a share built within LOADING_REPORT_S
+    # of the hello goes without reports)
     thread: threading.Thread | None = None
     abandoned: bool = False  # its master said bye before it was ready
+
+    def __post_init__(self):
+        self.reported = self.started
 
     def progress(self, done: int, total: int) -> None:
         self.done, self.total = done, total
@@ -247,7 +251,6 @@ class Agent(ControlServer):
             return refuse(f"bad hello: {e}")
         self._end_session(retain=True)  # a new master replaces the old session now; its kernels wait for the build
         loading = Loading(str(f.get("master", "?")), peer, f, address, sync, node_id)
-        loading.reported = loading.started  # a share that loads within LOADING_REPORT_S goes without reports
 
         def run() -> None:
             try:
@@ -286,7 +289,6 @@ class Agent(ControlServer):
             return
         worker = loading.worker
         self.retired = None  # what the new worker kept from it is in it; the rest goes
-        self._end_session()
         self._join_udp(loading.fields, loading.sync, loading.node_id, loading.address)
         self.session = Session(loading.master, loading.peer, worker,
                                AgentRounds(worker, loading.sync, self.udp, self.served), loading.sync, time.monotonic())
