@@ -110,11 +110,14 @@ class KernelSpec:
 class _KernelProjection:
     """Matrices sharing an input, fused into MatMulNBits calls: rows stacked, split into kernels of at most
     MAX_KERNEL_BYTES of codes, so a kernel's transient copy while onnxruntime repacks it stays small next to
-    the model. `fill(rows, codes, scales, offsets)` writes a run of rows in the kernel's terms."""
+    the model. `fill(rows, codes, scales, offsets)` writes a run of rows in the kernel's terms.
+
+    open_session=False prepares the kernels' weights without opening their sessions: a block graph
+    (halo/block_graph.py) takes a projection with one kernel into its own session; `open()` opens them."""
 
     MAX_KERNEL_BYTES = 32 << 20
 
-    def __init__(self, matrices: list, threads: int, spec: KernelSpec, fill):
+    def __init__(self, matrices: list, threads: int, spec: KernelSpec, fill, open_session: bool = True):
         k = matrices[0].shape[1]
         if any(m.shape[1] != k for m in matrices):
             raise ValueError("fused matrices must share their input size")
@@ -127,6 +130,13 @@ class _KernelProjection:
         self.kernels = [_NBitsKernel(stacked, start, min(n, start + rows_per_kernel), k, spec, fill, threads)
                         for start in range(0, n, rows_per_kernel)]
         self.nbytes = sum(kernel.nbytes for kernel in self.kernels)
+        if open_session:
+            self.open()
+
+    def open(self) -> None:
+        """Open each kernel's own session (once)."""
+        for kernel in self.kernels:
+            kernel.open()
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -139,7 +149,7 @@ class Int8Projection(_KernelProjection):
     """Float32 matrices (or compact ones, dequantized a chunk at a time) quantized to per-block int8,
     run with int8 activations (accuracy_level 4)."""
 
-    def __init__(self, matrices: list, threads: int = 1, block: int = INT8_BLOCK):
+    def __init__(self, matrices: list, threads: int = 1, block: int = INT8_BLOCK, open_session: bool = True):
         k = matrices[0].shape[1]
         while block > MIN_INT8_BLOCK and -k % block > k // 16:
             block //= 2  # small inputs (tiny models): a smaller block instead of > 6 % zero padding
@@ -147,7 +157,7 @@ class Int8Projection(_KernelProjection):
         def fill(rows, codes, scales, offsets):
             quantize_int8(rows, block, out=(codes, scales))
 
-        super().__init__(matrices, threads, KernelSpec(8, block), fill)
+        super().__init__(matrices, threads, KernelSpec(8, block), fill, open_session)
 
 
 class CompactProjection(_KernelProjection):
@@ -155,7 +165,8 @@ class CompactProjection(_KernelProjection):
     (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
     keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
 
-    def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None):
+    def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None,
+                 open_session: bool = True):
         codec = matrices[0].codec
         if any(m.codec != codec for m in matrices):
             raise ValueError("fused compact matrices must share their block type")
@@ -170,7 +181,8 @@ class CompactProjection(_KernelProjection):
 
         level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
-                                                       split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill)
+                                                       split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill,
+                         open_session)
 
 
 class _RowStack:
@@ -189,7 +201,7 @@ class _RowStack:
 
 
 class _NBitsKernel:
-    """One onnxruntime MatMulNBits session over rows start..stop of a row stack.
+    """One MatMulNBits kernel over rows start..stop of a row stack: its weights, and (once opened) its session.
 
     The codes, scales (and offsets) are written to an unlinked temporary file and handed to onnxruntime as
     external initializers: the kernel repacks them into its own layout at session start, after which the
@@ -197,98 +209,150 @@ class _NBitsKernel:
     """
 
     def __init__(self, stack: _RowStack, start: int, stop: int, k: int, spec: KernelSpec, fill, threads: int):
-        import onnxruntime as ort
-        from onnx import TensorProto
-
-        n, blocks = stop - start, -(-k // spec.block)
-        shapes = {"codes": ((n, blocks, spec.block * spec.bits // 8), np.uint8, TensorProto.UINT8),
-                  "scales": ((n, blocks), np.float32, TensorProto.FLOAT)}
+        self.k, self.n, self.spec, self.threads = k, stop - start, spec, threads
+        blocks = -(-k // spec.block)
+        shapes = {"codes": ((self.n, blocks, spec.block * spec.bits // 8), np.uint8),
+                  "scales": ((self.n, blocks), np.float32)}
         if spec.with_offsets:
-            shapes["offsets"] = ((n, blocks), np.float32, TensorProto.FLOAT)
-        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in shapes.values()]
+            shapes["offsets"] = ((self.n, blocks), np.float32)
+        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in shapes.values()]
         with tempfile.TemporaryFile(prefix="halo-kernel-") as file:  # one mapping; its own descriptor outlives the file
             file.truncate(sum(sizes))
             self._mapping = mmap.mmap(file.fileno(), sum(sizes))
-        arrays, at = {}, 0
-        for (name, (shape, dtype, _)), size in zip(shapes.items(), sizes):
-            arrays[name] = np.frombuffer(self._mapping, dtype=dtype, count=size // np.dtype(dtype).itemsize,
-                                         offset=at).reshape(shape)
+        self.weights, at = {}, 0  # onnxruntime reads these without owning them: they live as long as the kernel
+        for (name, (shape, dtype)), size in zip(shapes.items(), sizes):
+            self.weights[name] = np.frombuffer(self._mapping, dtype=dtype, count=size // np.dtype(dtype).itemsize,
+                                               offset=at).reshape(shape)
             at += size
-        offsets = arrays.get("offsets")
+        offsets = self.weights.get("offsets")
         for first, rows in stack.pieces(start, stop):
             end = first + rows.shape[0]
-            fill(rows, arrays["codes"][first:end], arrays["scales"][first:end],
+            fill(rows, self.weights["codes"][first:end], self.weights["scales"][first:end],
                  None if offsets is None else offsets[first:end])
         self.nbytes = sum(sizes)
-        model = _kernel_graph(k, n, spec, {name: (shape, proto) for name, (shape, _, proto) in shapes.items()})
+        self.session = None
+
+    def open(self) -> None:
+        if self.session is None:
+            graph = GraphBuilder()
+            self.add_to(graph, "", "x", "y")
+            self.session = graph.session({"x": ("T", self.k)}, {"y": ("T", self.n)}, self.threads)
+            self.release()
+
+    def add_to(self, graph: "GraphBuilder", prefix: str, x: str, y: str) -> None:
+        """Append y = x @ W.T to a graph (weights named with `prefix`), see KernelSpec."""
+        add_nbits_matmul(graph, prefix, x, y, self.k, self.n, self.spec,
+                         {prefix + name: array for name, array in self.weights.items()})
+
+    def release(self) -> None:
+        """onnxruntime has its own packed copy: drop the weights' pages from the process. No msync first: the page
+        cache keeps what they hold (writeback runs in the background), and a synchronous flush made every share's
+        load wait for its whole size to reach the disk (0.7 s of a 3.3 s quarter-share of a 1.1B model in Q4_0)."""
+        self._mapping.madvise(mmap.MADV_DONTNEED)
+        release_freed_heap()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run({"x": x})[0]
+
+
+class GraphBuilder:
+    """The nodes and initializers of one onnxruntime graph; weight arrays enter as in-memory external
+    initializers (no copy into the model), and `session` opens it on one or `threads` CPU threads."""
+
+    def __init__(self):
+        from onnx import helper
+
+        self.nodes, self.initializers, self.external = [], [], {}
+        self._helper = helper
+
+    def constant(self, name: str, values, dtype=np.int64) -> str:
+        from onnx import numpy_helper
+
+        self.initializers.append(numpy_helper.from_array(np.asarray(values, dtype=dtype), name))
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        from onnx import TensorProto, helper
+
+        proto_type = helper.np_dtype_to_tensor_dtype(array.dtype)
+        tensor = TensorProto(name=name, data_type=proto_type, dims=array.shape, data_location=TensorProto.EXTERNAL)
+        tensor.external_data.add(key="location", value="in-memory")  # supplied as OrtValues
+        self.initializers.append(tensor)
+        self.external[name] = array
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | str, domain: str | None = None, **attributes):
+        outputs = [outputs] if isinstance(outputs, str) else outputs
+        self.nodes.append(self._helper.make_node(op, inputs, outputs, domain=domain, **attributes))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def model(self, inputs: dict, outputs: dict):
+        """inputs/outputs: name -> shape (float32; strings are symbolic dimensions)."""
+        from onnx import TensorProto, helper
+
+        def info(name, shape):
+            return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+        graph = helper.make_graph(self.nodes, "halo", [info(n, s) for n, s in inputs.items()],
+                                  [info(n, s) for n, s in outputs.items()], initializer=self.initializers)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                       helper.make_opsetid("com.microsoft", 1)])
+
+    def session(self, inputs: dict, outputs: dict, threads: int = 1) -> "GraphSession":
+        import onnxruntime as ort
+
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
-        # onnxruntime reads these buffers without owning them: keep them alive as long as the session
-        values = [ort.OrtValue.ortvalue_from_numpy(arrays[name]) for name in shapes]
-        self._buffers = (arrays, values)
-        options.add_external_initializers(list(shapes), values)
-        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        # onnxruntime has its own packed copy: drop these pages from the process. No msync first: the page cache
-        # keeps what they hold (writeback runs in the background), and a synchronous flush made every share's load
-        # wait for its whole size to reach the disk (0.7 s of a 3.3 s quarter-share of a 1.1B model in Q4_0)
-        self._mapping.madvise(mmap.MADV_DONTNEED)
-        release_freed_heap()
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {"x": x})[0]
+        values = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.external.values()]
+        options.add_external_initializers(list(self.external), values)
+        session = ort.InferenceSession(self.model(inputs, outputs).SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"])
+        return GraphSession(session, values)
 
 
-def _kernel_graph(k: int, n: int, spec: KernelSpec, weights: dict):
-    """y = x @ W.T as an ONNX graph around MatMulNBits (see KernelSpec); `weights` name the external
-    initializers: codes, scales (and offsets), as name -> (shape, ONNX type)."""
-    from onnx import TensorProto, helper
+class GraphSession:
+    """An onnxruntime session and the OrtValues of its external weights (it reads them, it does not own them)."""
 
+    def __init__(self, session, values):
+        self._session, self._values = session, values
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        return self._session.run(None, feeds)
+
+
+def add_nbits_matmul(graph: GraphBuilder, prefix: str, x: str, y: str, k: int, n: int, spec: KernelSpec,
+                     weights: dict) -> None:
+    """y = x @ W.T around MatMulNBits (see KernelSpec); `weights`: the codes, scales (and offsets) arrays,
+    named prefix + codes/scales/offsets; every intermediate name starts with `prefix`."""
+    p = prefix
+    names = [graph.weight(name, array) for name, array in weights.items()]
+    codes, scales = names[0], names[1]
+    node, const = graph.node, graph.constant
     blocks = -(-k // spec.block)
-    initializers = []
-    for name, (shape, proto_type) in weights.items():
-        tensor = TensorProto(name=name, data_type=proto_type, dims=shape, data_location=TensorProto.EXTERNAL)
-        tensor.external_data.add(key="location", value="in-memory")  # supplied as OrtValues
-        initializers.append(tensor)
-    node = helper.make_node
-    nodes, kernel_input = [], "x"
     if spec.split_activations or spec.with_offsets:
-        initializers.append(helper.make_tensor("block_shape", TensorProto.INT64, [3], [-1, blocks, spec.block]))
-        nodes.append(node("Reshape", ["x", "block_shape"], ["x_blocks"]))
+        x_blocks = node("Reshape", [x, const(p + "block_shape", [-1, blocks, spec.block])], p + "x_blocks")
+    kernel_input = x
     if spec.split_activations:  # x = hi + lo, one kernel call on [hi; lo], the two halves added
-        initializers += [helper.make_tensor("int8_max", TensorProto.FLOAT, [], [127.0]),
-                         helper.make_tensor("tiny", TensorProto.FLOAT, [], [1e-30]),
-                         helper.make_tensor("row_shape", TensorProto.INT64, [2], [-1, k]),
-                         helper.make_tensor("halves_shape", TensorProto.INT64, [3], [2, -1, n]),
-                         helper.make_tensor("first_axis", TensorProto.INT64, [1], [0])]
-        nodes += [node("Abs", ["x_blocks"], ["x_abs"]),
-                  node("ReduceMax", ["x_abs"], ["x_amax"], axes=[2], keepdims=1),
-                  node("Div", ["x_amax", "int8_max"], ["x_step"]),
-                  node("Max", ["x_step", "tiny"], ["x_step_safe"]),
-                  node("Div", ["x_blocks", "x_step_safe"], ["x_steps"]),
-                  node("Round", ["x_steps"], ["x_codes"]),
-                  node("Mul", ["x_codes", "x_step_safe"], ["hi_blocks"]),
-                  node("Reshape", ["hi_blocks", "row_shape"], ["hi"]),
-                  node("Sub", ["x", "hi"], ["lo"]),
-                  node("Concat", ["hi", "lo"], ["hi_lo"], axis=0)]
-        kernel_input = "hi_lo"
-    codes_output = "y_codes" if spec.with_offsets else "y"  # x @ (scaled codes).T
-    nodes.append(node("MatMulNBits", [kernel_input, "codes", "scales"],
-                      ["y_halves_flat" if spec.split_activations else codes_output], domain="com.microsoft",
-                      K=k, N=n, bits=spec.bits, block_size=spec.block, accuracy_level=spec.accuracy_level))
+        amax = node("ReduceMax", [node("Abs", [x_blocks], p + "x_abs")], p + "x_amax", axes=[2], keepdims=1)
+        step = node("Max", [node("Div", [amax, const(p + "int8_max", 127.0, np.float32)], p + "x_step"),
+                            const(p + "tiny", 1e-30, np.float32)], p + "x_step_safe")
+        codes_x = node("Round", [node("Div", [x_blocks, step], p + "x_steps")], p + "x_codes")
+        hi = node("Reshape", [node("Mul", [codes_x, step], p + "hi_blocks"), const(p + "row_shape", [-1, k])], p + "hi")
+        kernel_input = node("Concat", [hi, node("Sub", [x, hi], p + "lo")], p + "hi_lo", axis=0)
+    codes_output = p + "y_codes" if spec.with_offsets else y  # x @ (scaled codes).T
+    kernel_output = p + "y_halves_flat" if spec.split_activations else codes_output
+    node("MatMulNBits", [kernel_input, codes, scales], kernel_output, domain="com.microsoft",
+         K=k, N=n, bits=spec.bits, block_size=spec.block, accuracy_level=spec.accuracy_level)
     if spec.split_activations:
-        nodes += [node("Reshape", ["y_halves_flat", "halves_shape"], ["y_halves"]),
-                  node("ReduceSum", ["y_halves", "first_axis"], [codes_output], keepdims=0)]
+        halves = node("Reshape", [kernel_output, const(p + "halves_shape", [2, -1, n])], p + "y_halves")
+        node("ReduceSum", [halves, const(p + "first_axis", [0])], codes_output, keepdims=0)
     if spec.with_offsets:  # y += block_sums(x) @ offsets.T
-        initializers.append(helper.make_tensor("sum_axis", TensorProto.INT64, [1], [2]))
-        nodes += [node("ReduceSum", ["x_blocks", "sum_axis"], ["block_sums"], keepdims=0),
-                  node("Gemm", ["block_sums", "offsets"], ["y_offsets"], transB=1),
-                  node("Add", ["y_codes", "y_offsets"], ["y"])]
-    graph = helper.make_graph(nodes, "projection", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])], initializer=initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+        sums = node("ReduceSum", [x_blocks, const(p + "sum_axis", [2])], p + "block_sums", keepdims=0)
+        y_offsets = node("Gemm", [sums, names[2]], p + "y_offsets", transB=1)
+        node("Add", [codes_output, y_offsets], y)
 
 
 class SplitProjection:
@@ -303,16 +367,20 @@ class SplitProjection:
         return [y for part in self.parts for y in part(x)]
 
 
-def make_projection(matrices: list, fmt: str, threads: int = 1, int8_block: int = INT8_BLOCK):
-    """The projection of `matrices` (float32 arrays or QuantizedMatrix) in weight format `fmt`."""
+def make_projection(matrices: list, fmt: str, threads: int = 1, int8_block: int = INT8_BLOCK,
+                    open_session: bool = True):
+    """The projection of `matrices` (float32 arrays or QuantizedMatrix) in weight format `fmt`.
+    open_session=False: a kernel projection is returned with its weights prepared and its sessions not opened
+    (for a block graph; see _KernelProjection); every other projection is ready to call."""
     if fmt == "fp32":
         return DenseProjection([as_float32(m) for m in matrices])
     if fmt == "int8":
-        return Int8Projection(matrices, threads, int8_block)
+        return Int8Projection(matrices, threads, int8_block, open_session)
     if fmt == "native":
         runs = [list(run) for _, run in groupby(matrices, key=_kind)]
-        parts = [CompactProjection(run, threads) if isinstance(run[0], QuantizedMatrix) else DenseProjection(run)
-                 for run in runs]
+        defer = not open_session and len(runs) == 1
+        parts = [CompactProjection(run, threads, open_session=not defer) if isinstance(run[0], QuantizedMatrix)
+                 else DenseProjection(run) for run in runs]
         return parts[0] if len(parts) == 1 else SplitProjection(parts)
     raise ConfigError(f"unknown weight format {fmt!r}; choose one of {', '.join(FORMATS)}")
 

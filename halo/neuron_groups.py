@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import ModelConfig
+from .block_graph import AttentionGraph, MlpGraph, single_kernels
 from .linear import DenseProjection, int8_block_for, make_projection
 from .memory import load_pages
 from .ops import Rotary, silu, softmax
@@ -138,26 +139,50 @@ class AttentionShard:
         q_rows = np.concatenate([np.arange(h * hd, (h + 1) * hd) for h in self.heads])
         kv_rows = np.concatenate([np.arange(k * hd, (k + 1) * hd) for k in self.kv_heads])
         self.qkv = make_projection([take_rows(layer.wq, q_rows), take_rows(layer.wk, kv_rows),
-                                    take_rows(layer.wv, kv_rows)], fmt, threads)
-        self.out = make_projection([take_cols(layer.wo, q_rows, fmt)], fmt, threads, int8_block_for(hd))
+                                    take_rows(layer.wv, kv_rows)], fmt, threads, open_session=False)
+        self.out = make_projection([take_cols(layer.wo, q_rows, fmt)], fmt, threads, int8_block_for(hd),
+                                   open_session=False)
         self._wo_dense = self.out.matrices[0] if isinstance(self.out, DenseProjection) else None
         # local query heads grouped by the local KV head they read
         local_kv = {k: i for i, k in enumerate(self.kv_heads)}
         self.heads_of_kv = [[i for i, h in enumerate(self.heads) if local_kv[layout.kv_head(h)] == j]
                             for j in range(len(self.kv_heads))]
-        self.cache_k = np.zeros((len(self.kv_heads), max_seq_len, hd), dtype=np.float32)
-        self.cache_v = np.zeros_like(self.cache_k)
+        self.graph = (AttentionGraph(self.qkv, self.out, [local_kv[layout.kv_head(h)] for h in self.heads], hd,
+                                     len(self.kv_heads), threads)
+                      if single_kernels(self.qkv, self.out) else None)
+        # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
+        self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
+        self.cache_v = np.zeros(self.cache_k.shape, np.float32)
 
     def forward(self, x: np.ndarray, start_pos: int, rotary: Rotary, with_norms: bool = False):
         """x: [T, D] normed input at positions start_pos.. -> partial output [T, D] (and head norms [T, H])."""
-        attended = self._attend(x, start_pos, rotary)
-        if not with_norms:
-            return self.out(attended)[0]
-        return sum_and_norms(self._contributions(attended))
+        if with_norms:
+            return sum_and_norms(self.forward_groups(x, start_pos, rotary))
+        if self.graph is not None:
+            return self._run_graph(x, start_pos, rotary)
+        return self.out(self._attend(x, start_pos, rotary))[0]
 
     def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
         """Each head's contribution to the block output, [T, H, D] (for relaxed merging)."""
-        return self._contributions(self._attend(x, start_pos, rotary))
+        if self._wo_dense is None:
+            raise ValueError("per-group outputs need the fp32 weight format")
+        hd = self.head_dim
+        return grouped_output(self._attend(x, start_pos, rotary), self._wo_dense,
+                              [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
+
+    def _run_graph(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+        """The compact formats' path: the whole block in one graph call; the new K/V go to the cache."""
+        end = self._check_end(start_pos + len(x))
+        cos, sin = rotary.cos[start_pos:end, None, :], rotary.sin[start_pos:end, None, :]
+        y, k, v = self.graph(np.ascontiguousarray(x, dtype=np.float32), cos, sin, self.cache_k[:start_pos],
+                             self.cache_v[:start_pos], start_pos)
+        self.cache_k[start_pos:end], self.cache_v[start_pos:end] = k, v
+        return y
+
+    def _check_end(self, end: int) -> int:
+        if end > self.cache_k.shape[0]:
+            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[0]}")
+        return end
 
     def _attend(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
         """Project, rotate, cache K/V, attend: [T, D] -> the heads' outputs [T, H * hd] before W_o."""
@@ -171,38 +196,36 @@ class AttentionShard:
         for j, local_heads in enumerate(self.heads_of_kv):
             r = len(local_heads)
             qj = q[:, local_heads, :].reshape(T * r, hd)
-            scores = (qj @ self.cache_k[j, :end].T).reshape(T, r, end) * scale  # [T, r, S]
+            scores = (qj @ self.cache_k[:end, j].T).reshape(T, r, end) * scale  # [T, r, S]
             if mask is not None:
                 scores = np.where(mask[:, None, :], -np.inf, scores)
             probs = softmax(scores).reshape(T * r, end)
-            attended[:, local_heads, :] = (probs @ self.cache_v[j, :end]).reshape(T, r, hd)
+            attended[:, local_heads, :] = (probs @ self.cache_v[:end, j]).reshape(T, r, hd)
         return attended.reshape(T, -1)
 
     def fill(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> None:
         """Write the K/V of positions start_pos.. from their normed inputs without attending: a new session's
-        cache filled from the inputs the master recorded, instead of replaying the history through every block."""
-        self._project(x, start_pos, rotary)
+        cache filled from the inputs the master recorded, instead of replaying the history through every block
+        (the graph path attends too, and its output is dropped: fills are rare, the graph is the one kernel)."""
+        if self.graph is not None:
+            self._run_graph(x, start_pos, rotary)
+        else:
+            self._project(x, start_pos, rotary)
 
     def _project(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
         """Project, rotate, write K/V to the cache at start_pos..: the rotated queries [T, H, hd]."""
         T, hd = x.shape[0], self.head_dim
-        end = start_pos + T
-        if end > self.cache_k.shape[1]:
-            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[1]}")
+        end = self._check_end(start_pos + T)
         q, k, v = self.qkv(x)
-        self.cache_k[:, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos).transpose(1, 0, 2)
-        self.cache_v[:, start_pos:end] = v.reshape(T, -1, hd).transpose(1, 0, 2)
+        self.cache_k[start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos)
+        self.cache_v[start_pos:end] = v.reshape(T, -1, hd)
         return rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
 
-    def _contributions(self, attended: np.ndarray) -> np.ndarray:
-        if self._wo_dense is None:
-            raise ValueError("per-group outputs need the fp32 weight format")
-        hd = self.head_dim
-        return grouped_output(attended, self._wo_dense, [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
-
     def reset(self) -> None:
-        self.cache_k[:] = 0
-        self.cache_v[:] = 0
+        """Forget every position. Fresh zero arrays rather than zeroing these: the allocator maps untouched zero
+        pages, so a reset does not make the whole context's cache resident (94 MB for SmolLM2 at 2048)."""
+        self.cache_k = np.zeros(self.cache_k.shape, np.float32)  # np.zeros (calloc), not zeros_like (writes zeros)
+        self.cache_v = np.zeros(self.cache_v.shape, np.float32)
 
     @property
     def nbytes(self) -> int:
@@ -237,30 +260,30 @@ class MlpShard:
                  threads: int = 1):
         self.groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
         neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, self.groups)])
-        self.gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads)
-        self.down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads)
+        self.gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
+                                       open_session=False)
+        self.down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
+        self.graph = MlpGraph(self.gate_up, self.down, threads) if single_kernels(self.gate_up, self.down) else None
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def forward(self, x: np.ndarray, with_norms: bool = False):
         """x: [T, D] normed input -> partial output [T, D] (and group norms [T, G])."""
+        if with_norms:
+            return sum_and_norms(self.forward_groups(x))
+        if self.graph is not None:
+            return self.graph(np.ascontiguousarray(x, dtype=np.float32))
         gate, up = self.gate_up(x)
-        act = silu(gate) * up
-        if not with_norms:
-            return self.down(act)[0]
-        return sum_and_norms(self._contributions(act))
+        return self.down(silu(gate) * up)[0]
 
     def forward_groups(self, x: np.ndarray) -> np.ndarray:
         """Each group's contribution to the block output, [T, G, D] (for relaxed merging)."""
-        gate, up = self.gate_up(x)
-        return self._contributions(silu(gate) * up)
-
-    def _contributions(self, act: np.ndarray) -> np.ndarray:
         if self._down_dense is None:
             raise ValueError("per-group outputs need the fp32 weight format")
-        return grouped_output(act, self._down_dense, self.slices)
+        gate, up = self.gate_up(x)
+        return grouped_output(silu(gate) * up, self._down_dense, self.slices)
 
     @property
     def nbytes(self) -> int:

@@ -111,7 +111,7 @@ def test_kv_heads_follow_the_query_heads(stories_weights):
     layout = GroupLayout.for_model(stories_weights.config)
     shard = AttentionShard(stories_weights.layers[0], layout, [1, 4, 5], MAX_SEQ)
     assert shard.kv_heads == (0, 2)  # 8 query heads over 4 KV heads: head h reads KV head h // 2
-    assert shard.cache_k.shape == (2, MAX_SEQ, 8)
+    assert shard.cache_k.shape == (MAX_SEQ, 2, 8)  # [positions, local KV heads, head_dim]
 
 
 @pytest.mark.parametrize("groups", [[], [0, 0], [99]])
@@ -141,3 +141,30 @@ def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
     expected = exact[1] - MlpShard(layer, layout, groups[:1]).forward(x[1:2])[0]
     assert relative_error(bank.forward(x, groups, keep)[1], expected) < tolerance
     assert bank.nbytes > 0
+
+
+def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights):
+    """Compact formats run a block's share as one onnxruntime graph (halo/block_graph.py); it computes what
+    the same kernels give called one at a time around numpy attention and SwiGLU, KV cache included."""
+    c = weights.config
+    layout = GroupLayout.for_model(c)
+    layer, rotary = weights.layers[1], Rotary(c, MAX_SEQ)
+    heads = [1, 4, 5]  # query heads of two KV heads, one of them shared by two local heads
+    graph, steps = (AttentionShard(layer, layout, heads, MAX_SEQ, "int8") for _ in range(2))
+    steps.graph = None
+    steps.qkv.open(), steps.out.open()
+    assert graph.graph is not None
+    rng = np.random.default_rng(3)
+    for pos, t in [(0, 5), (5, 1), (6, 1), (7, 2)]:
+        x = rng.standard_normal((t, c.dim)).astype(np.float32)
+        assert relative_error(graph.forward(x, pos, rotary), steps.forward(x, pos, rotary)) <= 1e-4
+    assert relative_error(graph.cache_k[:9], steps.cache_k[:9]) <= 1e-5 and not graph.cache_k[9:].any()
+    assert relative_error(graph.cache_v[:9], steps.cache_v[:9]) <= 1e-5
+
+    groups = [0, 2, 3]
+    graph, steps = (MlpShard(layer, layout, groups, "int8") for _ in range(2))
+    steps.graph = None
+    steps.gate_up.open(), steps.down.open()
+    x = rng.standard_normal((4, c.dim)).astype(np.float32)
+    assert graph.graph is not None
+    assert relative_error(graph.forward(x), steps.forward(x)) <= 1e-4

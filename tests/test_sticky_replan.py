@@ -98,18 +98,19 @@ def test_a_worker_with_other_settings_builds_everything(stories_weights):
     assert DeviceWorker(stories_weights, layout, share, 32, "int8", reuse=old).reused_groups == 0  # another format
 
 
-def test_a_fill_writes_the_kv_cache_a_forward_pass_writes(stories_weights):
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])  # int8: the one-graph blocks fill through their graph
+def test_a_fill_writes_the_kv_cache_a_forward_pass_writes(stories_weights, fmt):
     c = stories_weights.config
     layout = layout_of(stories_weights)
     share = even_shares(stories_weights, layout, 2)[1]
-    ran, filled = (DeviceWorker(stories_weights, layout, share, 32, "fp32") for _ in range(2))
+    ran, filled = (DeviceWorker(stories_weights, layout, share, 32, fmt) for _ in range(2))
     x = np.random.default_rng(1).standard_normal((7, c.dim)).astype(np.float32)
     for layer in ran.attention:
         ran.compute(Block("attention", layer), x, 0)
         filled.fill(layer, x)
         a, b = ran.attention[layer], filled.attention[layer]
         assert np.array_equal(a.cache_k, b.cache_k) and np.array_equal(a.cache_v, b.cache_v)
-        assert np.abs(b.cache_k[:, :7]).max() > 0 and not b.cache_k[:, 7:].any()
+        assert np.abs(b.cache_k[:7]).max() > 0 and not b.cache_k[7:].any()
     y = rmsnorm(x, stories_weights.layers[0].attn_norm, c.norm_eps)[:1]  # the next position reads the filled cache
     np.testing.assert_array_equal(ran.attention[0].forward(y, 7, ran.rotary), filled.attention[0].forward(y, 7, filled.rotary))
 
