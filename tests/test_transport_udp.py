@@ -225,3 +225,37 @@ def test_a_replayed_nack_sends_nothing_and_a_fresh_one_is_answered_where_the_vec
     spoofer.close()
     assert agent.stats[0].nacks_answered == 1 and agent.stats[0].rejected["replayed"] == 1
     assert sent == [master.address, master.address]  # two chunks again, to the master, never to the stranger
+
+
+def test_only_chunks_sent_again_count_as_recovered_by_nack(cluster):
+    """An original that arrives after the receiver NACKed it was late, not lost: counting it made a descheduled
+    sender look like a lossy link (and switched parity on at 0 % loss). A copy sent again on a NACK counts."""
+    master, agents = cluster
+    a, b = agents[0], agents[1]
+    held = []
+
+    def hold_chunk_3(sock, datagram, address):  # the first transmission of chunk 3 is held back (a's) or lost (b's)
+        fields = wire.HEADER.unpack_from(datagram)
+        if fields[3] == wire.DATA and fields[8] == 3 and not held:
+            held.append((sock, datagram, address))
+        else:
+            sock.sendto(datagram, address)
+
+    a.send_hook = hold_chunk_3
+    a.send_vector({0: master.address}, 11, np.arange(4096, dtype=np.float32))  # a does not answer NACKs
+    release = threading.Timer(0.05, lambda: held[0][0].sendto(held[0][1], held[0][2]))
+    release.start()
+    result = master.gather(11, {a.node_id: 4096}, policy=GatherPolicy(deadline_s=1.0, nack=True))
+    release.join()
+    assert result.complete and master.stats[a.node_id].nacks_sent >= 1
+    assert master.stats[a.node_id].chunks_recovered_nack == 0 and master.stats[a.node_id].observed_plr == 0.0
+
+    held.clear()
+    b.send_hook = hold_chunk_3
+    b.send_vector({0: master.address}, 12, np.arange(4096, dtype=np.float32))  # chunk 3's original never comes
+    threads = serve_in_background([b], 0.3)  # b answers the NACK with chunk 3 again
+    result = master.gather(12, {b.node_id: 4096}, policy=GatherPolicy(deadline_s=1.0, nack=True))
+    for t in threads:
+        t.join()
+    assert result.complete and master.stats[b.node_id].chunks_recovered_nack == 1
+    np.testing.assert_array_equal(result.values[b.node_id], np.arange(4096, dtype=np.float32))

@@ -89,8 +89,11 @@ class GatherPolicy:
     nack: frozenset | bool = False  # peers whose holes are NACKed (True: every peer)
     silent_s: float | None = None  # a peer owed data that has sent nothing for this long is chased (on_silent)
     stop_on_newer: bool = False  # return as soon as an expected peer sends a newer epoch (it has moved on)
-    gap_s: float = 0.0005  # NACK this long after the last chunk when the burst's tail has not come
-    nack_retry_s: float = 0.001
+    # NACK this long after the last chunk when the burst's tail has not come, and again every nack_retry_s. Not
+    # shorter: a sender descheduled mid-burst on a busy device (a scheduler slice is milliseconds) was NACKed
+    # at 0.5 ms and answered every retry at 1 ms: duplicates, and parity switched on at 0 % loss
+    gap_s: float = 0.002
+    nack_retry_s: float = 0.003
 
 
 @dataclass
@@ -115,7 +118,7 @@ class Inbound:
     Payloads are kept as they came and decoded once, when the gather ends (`vector`)."""
 
     __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
-                 "nacked", "lossy", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end")
+                 "nacked", "lossy", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin")
 
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
                  silent_at: float):
@@ -131,6 +134,9 @@ class Inbound:
         self.completed_at: float | None = None
         self.next_nack = float("inf")  # armed by the first chunk: never NACK blindly
         self.next_silent = silent_at
+        # counter - index of the vector's first transmission: its data chunks are packed one after the other, so
+        # they share this; a chunk sent again (NACK, chase) was packed later and has a larger one
+        self.origin: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -173,9 +179,18 @@ class Inbound:
                 self.lossy = True  # a hole before this chunk: chunks arrive in order unless lost
             self._store(index, payload)
             stats.chunks_received += 1
-            stats.chunks_recovered_nack += self.nacked
+            stats.chunks_recovered_nack += self._sent_again(header)
         if self.parities:
             stats.chunks_recovered_parity += self._repair_with_parity()
+
+    def _sent_again(self, header: wire.Header) -> bool:
+        """Whether this data chunk is a re-sent copy rather than its first transmission. Only these count as
+        recovered by NACK: an original that arrives after a NACK was late, not lost (counting it made a
+        descheduled sender look like a lossy link)."""
+        origin = header.counter - header.index
+        if self.origin is None or origin < self.origin:
+            self.origin = origin
+        return origin > self.origin
 
     def _payload_bytes(self, index: int) -> int:
         return wire.payload_bytes(min(self.per, self.n_values - index * self.per), self.dtype)

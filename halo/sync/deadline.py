@@ -9,9 +9,7 @@ A round's droppable partials get
 
 measured from the moment the input was sent. The median, not the maximum: one straggling agent does
 not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2); its low-importance
-share is what gets dropped. Before any measurement the ceiling applies. An agent that has sent
-nothing is chased (halo/sync/modes.py) after 0.6 x the deadline: with slack 2, when it is 20 % later
-than usual.
+share is what gets dropped. Before any measurement the ceiling applies.
 
 That deadline is for partials that showed loss (holes, NACKs, a chase): what HALO saves is the
 retransmission wait. A partial with no sign of loss (arriving in order, or not yet sent: its agent
@@ -21,6 +19,10 @@ is computing) is only late, and gets the looser
 
 so a busy or descheduled device is not cut off for timing alone (at 0 % loss nothing is dropped
 that arrives within 4 x the usual turnaround). Drops are counted by cause (loss / late).
+
+An agent that has sent nothing is chased (halo/sync/modes.py: its input sent again) after 0.6 x the
+late deadline: when it takes 2.4 x its usual turnaround (at least 12 ms). Chasing at 0.6 x the loss
+deadline sent inputs again to agents that were only computing on a busy machine.
 """
 
 from __future__ import annotations
