@@ -47,6 +47,7 @@ INT8_BLOCK = 64
 INT8_BLOCK_BYTES = INT8_BLOCK + 4
 KEY_BYTES = 32
 REPLAY_WINDOW = 4096  # counters below the newest that are still accepted (once each): reordering slack
+_WINDOW_MASK = (1 << REPLAY_WINDOW) - 1  # built once: a 4096-bit integer per datagram was measurable
 
 
 class WireError(Exception):
@@ -136,7 +137,7 @@ class ReplayWindow:
     def accept(self, counter: int) -> bool:
         if counter > self.top:
             shift = counter - self.top
-            self.seen = ((self.seen << shift) | 1) & ((1 << REPLAY_WINDOW) - 1) if shift < REPLAY_WINDOW else 1
+            self.seen = ((self.seen << shift) | 1) & _WINDOW_MASK if shift < REPLAY_WINDOW else 1
             self.top = counter
             return True
         offset = self.top - counter
