@@ -198,7 +198,8 @@ def speed(args) -> None:
 def render_speed(rows: list[dict], args) -> list[str]:
     by = {(r["agents"], r["plr"], r["sync"]): r for r in rows}
     modes = args.modes.split(",")
-    lines = [f"# Time per output token under real packet loss ({args.weights} weights, {args.layers} layers)", "",
+    shape = f"{args.model}, " if args.model else f"TinyLlama-1.1B shape, random weights, {args.layers} layers, "
+    lines = [f"# Time per output token under real packet loss ({shape}{args.weights} weights)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
              f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
