@@ -16,17 +16,17 @@ import math
 
 import numpy as np
 
-from .linear import GraphBuilder, GraphSession, _KernelProjection
+from .linear import GraphBuilder, GraphSession, KernelProjection
 
 
 def single_kernels(*projections) -> bool:
     """Whether every projection is one unopened MatMulNBits kernel (what a block graph is built from); if not,
     their own sessions are opened so that they run as separate calls."""
-    if all(isinstance(p, _KernelProjection) and len(p.kernels) == 1 and p.kernels[0].session is None
+    if all(isinstance(p, KernelProjection) and len(p.kernels) == 1 and p.kernels[0].session is None
            for p in projections):
         return True
     for p in projections:
-        if isinstance(p, _KernelProjection):
+        if isinstance(p, KernelProjection):
             p.open()
     return False
 
@@ -43,7 +43,7 @@ class AttentionGraph:
     cached keys/values of positions 0..P-1 [P, KV, hd] and an additive causal mask [T, P+T]; outputs: the
     partial output [T, D] and the new positions' rotated keys and values [T, KV, hd] for the cache."""
 
-    def __init__(self, qkv: _KernelProjection, out: _KernelProjection, kv_of_head: list[int], head_dim: int,
+    def __init__(self, qkv: KernelProjection, out: KernelProjection, kv_of_head: list[int], head_dim: int,
                  n_kv_heads: int, threads: int = 1):
         g = GraphBuilder()
         node, const = g.node, g.constant
@@ -92,7 +92,7 @@ class AttentionGraph:
 class MlpGraph:
     """MLP neuron groups of one layer as one graph: normed x [T, D] -> partial output [T, D]."""
 
-    def __init__(self, gate_up: _KernelProjection, down: _KernelProjection, threads: int = 1):
+    def __init__(self, gate_up: KernelProjection, down: KernelProjection, threads: int = 1):
         g = GraphBuilder()
         node = g.node
         neurons = gate_up.outputs[0].stop

@@ -107,7 +107,7 @@ class KernelSpec:
     split_activations: bool = False
 
 
-class _KernelProjection:
+class KernelProjection:
     """Matrices sharing an input, fused into MatMulNBits calls: rows stacked, split into kernels of at most
     MAX_KERNEL_BYTES of codes, so a kernel's transient copy while onnxruntime repacks it stays small next to
     the model. `fill(rows, codes, scales, offsets)` writes a run of rows in the kernel's terms.
@@ -145,7 +145,7 @@ class _KernelProjection:
         return [y[:, s] for s in self.outputs]
 
 
-class Int8Projection(_KernelProjection):
+class Int8Projection(KernelProjection):
     """Float32 matrices (or compact ones, dequantized a chunk at a time) quantized to per-block int8,
     run with int8 activations (accuracy_level 4)."""
 
@@ -160,7 +160,7 @@ class Int8Projection(_KernelProjection):
         super().__init__(matrices, threads, KernelSpec(8, block), fill, open_session)
 
 
-class CompactProjection(_KernelProjection):
+class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
     (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
     keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
@@ -371,7 +371,7 @@ def make_projection(matrices: list, fmt: str, threads: int = 1, int8_block: int 
                     open_session: bool = True):
     """The projection of `matrices` (float32 arrays or QuantizedMatrix) in weight format `fmt`.
     open_session=False: a kernel projection is returned with its weights prepared and its sessions not opened
-    (for a block graph; see _KernelProjection); every other projection is ready to call."""
+    (for a block graph; see KernelProjection); every other projection is ready to call."""
     if fmt == "fp32":
         return DenseProjection([as_float32(m) for m in matrices])
     if fmt == "int8":
