@@ -19,16 +19,17 @@ import numpy as np
 from .linear import GraphBuilder, GraphSession, KernelProjection
 
 
-def single_kernels(*projections) -> bool:
-    """Whether every projection is one unopened MatMulNBits kernel (what a block graph is built from); if not,
-    their own sessions are opened so that they run as separate calls."""
+def graph_or_sessions(build, *projections):
+    """build(*projections), the block graph, when every projection is one unopened MatMulNBits kernel; else None,
+    after opening the projections' own sessions (they then run as separate calls: fp32, mixed kinds, or a
+    matrix big enough to span several kernels)."""
     if all(isinstance(p, KernelProjection) and len(p.kernels) == 1 and p.kernels[0].session is None
            for p in projections):
-        return True
+        return build(*projections)
     for p in projections:
         if isinstance(p, KernelProjection):
             p.open()
-    return False
+    return None
 
 
 def _open(graph: GraphBuilder, projections, inputs: dict, outputs: dict, threads: int) -> GraphSession:

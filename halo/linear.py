@@ -241,8 +241,7 @@ class _NBitsKernel:
 
     def add_to(self, graph: "GraphBuilder", prefix: str, x: str, y: str) -> None:
         """Append y = x @ W.T to a graph (weights named with `prefix`), see KernelSpec."""
-        add_nbits_matmul(graph, prefix, x, y, self.k, self.n, self.spec,
-                         {prefix + name: array for name, array in self.weights.items()})
+        add_nbits_matmul(graph, prefix, x, y, self.k, self.n, self.spec, self.weights)
 
     def release(self) -> None:
         """onnxruntime has its own packed copy: drop the weights' pages from the process. No msync first: the page
@@ -325,11 +324,10 @@ class GraphSession:
 
 def add_nbits_matmul(graph: GraphBuilder, prefix: str, x: str, y: str, k: int, n: int, spec: KernelSpec,
                      weights: dict) -> None:
-    """y = x @ W.T around MatMulNBits (see KernelSpec); `weights`: the codes, scales (and offsets) arrays,
-    named prefix + codes/scales/offsets; every intermediate name starts with `prefix`."""
+    """y = x @ W.T around MatMulNBits (see KernelSpec); `weights`: "codes", "scales" (and "offsets") arrays,
+    entering the graph as prefix + that name; every intermediate name starts with `prefix` too."""
     p = prefix
-    names = [graph.weight(name, array) for name, array in weights.items()]
-    codes, scales = names[0], names[1]
+    codes, scales = graph.weight(p + "codes", weights["codes"]), graph.weight(p + "scales", weights["scales"])
     node, const = graph.node, graph.constant
     blocks = -(-k // spec.block)
     if spec.split_activations or spec.with_offsets:
@@ -351,7 +349,7 @@ def add_nbits_matmul(graph: GraphBuilder, prefix: str, x: str, y: str, k: int, n
         node("ReduceSum", [halves, const(p + "first_axis", [0])], codes_output, keepdims=0)
     if spec.with_offsets:  # y += block_sums(x) @ offsets.T
         sums = node("ReduceSum", [x_blocks, const(p + "sum_axis", [2])], p + "block_sums", keepdims=0)
-        y_offsets = node("Gemm", [sums, names[2]], p + "y_offsets", transB=1)
+        y_offsets = node("Gemm", [sums, graph.weight(p + "offsets", weights["offsets"])], p + "y_offsets", transB=1)
         node("Add", [codes_output, y_offsets], y)
 
 

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import ModelConfig
-from .block_graph import AttentionGraph, MlpGraph, single_kernels
+from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
 from .linear import DenseProjection, int8_block_for, make_projection
 from .memory import load_pages
 from .ops import Rotary, silu, softmax
@@ -147,9 +147,9 @@ class AttentionShard:
         local_kv = {k: i for i, k in enumerate(self.kv_heads)}
         self.heads_of_kv = [[i for i, h in enumerate(self.heads) if local_kv[layout.kv_head(h)] == j]
                             for j in range(len(self.kv_heads))]
-        self.graph = (AttentionGraph(self.qkv, self.out, [local_kv[layout.kv_head(h)] for h in self.heads], hd,
-                                     len(self.kv_heads), threads)
-                      if single_kernels(self.qkv, self.out) else None)
+        kv_of_head = [local_kv[layout.kv_head(h)] for h in self.heads]
+        self.graph = graph_or_sessions(lambda qkv, out: AttentionGraph(qkv, out, kv_of_head, hd, len(self.kv_heads),
+                                                                       threads), self.qkv, self.out)
         # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
         self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
         self.cache_v = np.zeros(self.cache_k.shape, np.float32)
@@ -264,7 +264,7 @@ class MlpShard:
                                        open_session=False)
         self.down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
-        self.graph = MlpGraph(self.gate_up, self.down, threads) if single_kernels(self.gate_up, self.down) else None
+        self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
