@@ -94,7 +94,7 @@ class AgentRounds:
         recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
         parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
         self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
-                             parity_group=parity)
+                             dtype=self.sync.partial_dtype, parity_group=parity)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
     def poll(self) -> bool:
@@ -154,7 +154,12 @@ class AgentRounds:
 
     def _resend_partial(self, header: wire.Header, _address) -> None:
         """The master sent an input again that we already answered: our partial got lost (or is late);
-        send it again (once per re-sent input: its chunks arrive together)."""
+        send it again, once per re-sent input. A re-sent input starts at its first chunk, so only that chunk
+        asks: answering every stale chunk (each 2 ms at most) made a 64-token LM-head partial (3 MB, ~2,700
+        datagrams) go out dozens of times per chase, flooding the master's socket and keeping the agent
+        too busy to answer the next control message."""
+        if header.kind != wire.DATA or header.index != 0:
+            return
         now = time.monotonic()
         if now - self._resent.get(header.epoch, 0.0) < RESEND_INTERVAL_S:
             return

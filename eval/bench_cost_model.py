@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .accuracy_runtime import held_out_windows, teacher_forced
 from .report import command_line, write_report
 from halo.distributed.local import module_command
 
@@ -225,28 +226,10 @@ def job_lossy(weights, args) -> dict:
     return out
 
 
-def held_out_windows(tokenizer, path: str, n_tokens: int, window: int = 64) -> list[list[int]]:
-    from halo.predictors.profiler import split_text
-
-    text = split_text(Path(path).read_text(encoding="utf-8"), 0.8)[1]
-    tokens = tokenizer.encode(text[:40 * n_tokens], bos=False)[:n_tokens]
-    bos = tokenizer.bos_id if tokenizer.bos_id is not None else 0
-    return [[bos] + tokens[i:i + window - 1] for i in range(0, len(tokens), window - 1) if len(tokens[i:i + window - 1]) > 1]
-
-
 def perplexity(model, windows: list[list[int]]) -> tuple[float, list[float]]:
     """Teacher-forced, one token per forward (as generation runs): exp(mean NLL of every next token)."""
-    nll, count, times = 0.0, 0, []
-    for window in windows:
-        model.reset()
-        for t in range(len(window) - 1):
-            start = time.perf_counter()
-            logits = np.asarray(model.forward([window[t]]), dtype=np.float64)
-            times.append(1e3 * (time.perf_counter() - start))
-            top = logits.max()
-            nll += top + np.log(np.exp(logits - top).sum()) - logits[window[t + 1]]
-            count += 1
-    return float(np.exp(nll / count)), times
+    scored = teacher_forced(model, windows)
+    return scored.perplexity, scored.ms
 
 
 def job_accuracy(weights, args) -> dict:

@@ -7,7 +7,8 @@
 folder to --include_path and runs lm-eval's own command line (every flag of `lm-eval run` works).
 
 model_args (all optional):
-  model=PATH            llama2.c .bin or Hugging Face directory (default: bundled stories260K)
+  model=PATH|NAME       llama2.c .bin, GGUF, Hugging Face directory or a fetched model's name such as
+                        smollm2-135m-instruct (default: bundled stories260K)
   tokenizer=PATH        its tokenizer (default: found beside the model)
   local_agents=N        start N agents on this machine; 0 with no agents/cluster = single process
   agents=H:P;H:P        running agents (';'-separated: lm-eval splits model_args at commas)
@@ -15,7 +16,8 @@ model_args (all optional):
   key=FILE, insecure=true   the cluster key, or plaintext agents
   sync=exact|tcp|lossy|halo|halo-tcp, deadline_floor_ms, deadline_ceiling_ms, critical_fraction,
   inject_plr=P, seed=S  drop P of every sender's UDP datagrams (seeded): accuracy under loss
-  weights=fp32|int8, context=N, timeout=S, predictors=DIR, max_gen_toks=N
+  wire_partials=fp32|fp16   agents' partial sums on the wire in lossy/halo sync
+  weights=fp32|int8|native (a GGUF's own 4-bit blocks), context=N, timeout=S, predictors=DIR, max_gen_toks=N
   cache_dir=DIR         keep answers in DIR/halo-lm-eval.sqlite, keyed by the model's sha256 and
                         every runtime setting above (a lossy run never reads a lossless run's answers)
   batch_size, device    accepted for the harness; requests run one at a time on the CPU
@@ -45,7 +47,7 @@ from halo.errors import ConfigError
 
 log = logging.getLogger("halo.lm_eval")
 SETTINGS = ("model", "tokenizer", "local_agents", "agents", "cluster", "plan", "sync", "deadline_floor_ms",
-            "deadline_ceiling_ms", "critical_fraction", "inject_plr", "seed", "weights", "context", "predictors")
+            "deadline_ceiling_ms", "critical_fraction", "inject_plr", "seed", "weights", "context", "predictors", "wire_partials")
 
 
 class HaloLM(LM):
@@ -53,7 +55,8 @@ class HaloLM(LM):
                  agents: str | None = None, cluster: str | None = None, plan: str | None = None,
                  key: str = "/etc/halo/cluster.key", insecure: bool = False, sync: str | None = None,
                  deadline_floor_ms: float = 5.0, deadline_ceiling_ms: float = 100.0, critical_fraction: float = 0.25,
-                 inject_plr: float = 0.0, seed: int = 0, weights: str = "fp32", context: int | None = None,
+                 inject_plr: float = 0.0, seed: int = 0, wire_partials: str = "fp32", weights: str = "fp32",
+                 context: int | None = None,
                  timeout: float = 2.0, predictors: str | None = None, max_gen_toks: int = 256,
                  cache_dir: str | None = None, batch_size=None, device=None, **unknown):
         super().__init__()
@@ -66,6 +69,9 @@ class HaloLM(LM):
         from halo.model import Transformer
         from halo.sync import SyncSettings
 
+        from halo.models import resolve_model
+
+        model = str(resolve_model(model)) if model else None  # a fetched model's name means its cached file
         self.weights = load_weights(model)
         self.tok = load_tokenizer(self.weights, tokenizer)
         self.bos = self.weights.config.bos_id
@@ -73,7 +79,8 @@ class HaloLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         settings = SyncSettings(mode=sync or "exact", deadline_floor_ms=float(deadline_floor_ms),
                                 deadline_ceiling_ms=float(deadline_ceiling_ms),
-                                critical_fraction=float(critical_fraction), inject_plr=float(inject_plr), seed=int(seed))
+                                critical_fraction=float(critical_fraction), inject_plr=float(inject_plr), seed=int(seed),
+                                wire_partials=str(wire_partials))
         self._stack = ExitStack()
         agent_list = [a for a in str(agents).replace(";", " ").split() if a] if agents else None
         if local_agents or agent_list or cluster or plan:

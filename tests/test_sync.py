@@ -68,6 +68,27 @@ def test_without_loss_every_mode_is_exact(stories_weights, cluster, mode):
         model.close()
 
 
+def test_fp16_partials_halve_the_datagrams_and_keep_the_tokens(stories_weights, cluster):
+    """--wire-partials fp16 (lossy sync modes): agents' partial sums travel in half the chunks, the logits move
+    by fp16 rounding only, greedy tokens stay; exact mode refuses it (it promises one device's tokens)."""
+    ref = Transformer(stories_weights, max_seq_len=CONTEXT)
+    expected = ref.forward(PROMPT, all_logits=True)
+    chunks = {}
+    for fmt in ("fp32", "fp16"):
+        model = distributed(stories_weights, cluster, mode="halo", wire_partials=fmt, deadline_floor_ms=500,
+                            deadline_ceiling_ms=1000)
+        try:
+            got = model.forward(PROMPT, all_logits=True)  # 6 positions: 2 fp32 chunks per block partial, 1 in fp16
+            chunks[fmt] = model.sync_report()["loss"]["chunks_expected"]
+            np.testing.assert_allclose(got, expected, atol=1e-4 if fmt == "fp32" else 2e-2)
+            assert greedy(model, 24) == greedy(ref, 24)
+        finally:
+            model.close()
+    assert chunks["fp16"] < 0.75 * chunks["fp32"]
+    with pytest.raises(ConfigError, match="fp16 partial sums would round"):
+        SyncSettings(mode="exact", wire_partials="fp16")
+
+
 def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
     """10 % of datagrams dropped at every sender: the lossy baseline zero-fills partial sums, halo
     recovers them (parity, NACK, re-sent inputs) and never drops a critical one."""
@@ -148,6 +169,18 @@ def test_deadline_rule_follows_the_median_and_is_clamped():
     rule.observe("mlp", 2, 0.0001)
     assert rule.deadline_s("mlp", [1]) >= 0.005  # the floor
     assert rule.deadline_s("mlp", [3]) == pytest.approx(0.100)  # the ceiling
+
+
+def test_deadline_ceiling_grows_with_the_rounds_tokens():
+    """A 64-token prefill round of 0.5 s is not cut at the decode step's 100 ms ceiling (it was: every
+    prefill round's droppable partials were dropped as late and its agents chased while computing)."""
+    rule = AdaptiveDeadline(SyncSettings(deadline_floor_ms=5, deadline_ceiling_ms=100, deadline_slack=2))
+    assert rule.late_deadline_s("lm_head", [1], tokens=64) == pytest.approx(6.4)  # nothing measured
+    for _ in range(3):
+        rule.observe("lm_head", 1, 0.5, tokens=64)
+    assert rule.deadline_s("lm_head", [1], tokens=64) == pytest.approx(1.0)
+    assert rule.late_deadline_s("lm_head", [1], tokens=64) == pytest.approx(2.0)
+    assert rule.deadline_s("lm_head", [1], tokens=1) == pytest.approx(0.100)  # decode keeps its own ceiling
 
 
 def test_broadcast_framing_lets_the_receiver_learn_the_size():
@@ -273,3 +306,33 @@ def test_udp_rounds_keep_an_agent_session_alive_and_silence_ends_it(stories_weig
         model.close()
         agent.stop()
         server.join(5)
+
+
+def test_an_agent_sends_its_partial_again_once_per_re_sent_input():
+    """A chase re-sends the whole input; the agent answers its first chunk, not each of its chunks (it did,
+    every 2 ms: a 3 MB LM-head partial went out dozens of times per chase) nor stale NACK answers."""
+    from edge_agent.rounds import AgentRounds
+
+    class Udp:
+        resent = 0
+
+        def resend(self, epoch, peer):
+            Udp.resent += 1
+            return True
+
+    served = {"partials_resent": 0}
+    rounds = AgentRounds(None, SyncSettings(mode="halo"), Udp(), served)
+
+    def stale(index, kind=wire.DATA, epoch=77):
+        rounds._resend_partial(wire.Header(kind, wire.FLOAT32, 0, 1, epoch, 1000 + index, index, 100, 0), None)
+
+    import time
+
+    for index in range(100):  # one re-sent input, all of it
+        stale(index)
+    time.sleep(0.01)  # later than the 2 ms spacing: the old rule answered these again
+    stale(3)
+    stale(0, kind=wire.PARITY)  # a late parity or NACK answer is not a request
+    assert Udp.resent == served["partials_resent"] == 1
+    stale(0, epoch=78)  # another input re-sent
+    assert Udp.resent == 2

@@ -242,8 +242,9 @@ class Inbound:
     def vector(self) -> np.ndarray:
         """The values, missing chunks zero-filled (decoded once, here)."""
         values = np.zeros(self.n_values or 0, dtype=np.float32)
-        if self.dtype == wire.FLOAT32 and self.received == self.count and self.count:
-            values[:] = np.frombuffer(b"".join(self.payloads[i] for i in range(self.count)), "<f4")
+        if self.dtype in (wire.FLOAT32, wire.FLOAT16) and self.received == self.count and self.count:
+            raw = b"".join(self.payloads[i] for i in range(self.count))
+            values[:] = np.frombuffer(raw, "<f4" if self.dtype == wire.FLOAT32 else "<f2")
             return values
         for i, payload in self.payloads.items():
             n = min(self.per, self.n_values - i * self.per)

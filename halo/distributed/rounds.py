@@ -76,7 +76,7 @@ class MasterRound:
         policy = GatherPolicy(deadline_s=max(0.0, deadline - waited), hard_deadline_s=ctx.timeout_s,
                               late_deadline_s=max(0.0, late - waited), critical=plan.critical, nack=plan.nack,
                               silent_s=AdaptiveDeadline.chase_after_s(late))
-        result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, wire.FLOAT32, policy, on_silent=self._chase)
+        result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, ctx.sync.partial_dtype, policy, on_silent=self._chase)
         gathered = time.perf_counter() - self.sent_at
         if any(i not in plan.critical for i in holders):
             ctx.ledger.blocks += 1

@@ -9,7 +9,9 @@ A round's droppable partials get
 
 measured from the moment the input was sent. The median, not the maximum: one straggling agent does
 not stretch everyone's deadline (defaults: floor 5 ms, ceiling 100 ms, slack 2); its low-importance
-share is what gets dropped. Before any measurement the ceiling applies.
+share is what gets dropped. Before any measurement the ceiling applies. The ceiling is per token of the
+round's input: a 64-token prefill does ~64x a decode step's work, and a fixed 100 ms cut every prefill
+round (non-critical partials dropped as late, agents chased while still computing).
 
 That deadline is for partials that showed loss (holes, NACKs, a chase): what HALO saves is the
 retransmission wait. A partial with no sign of loss (arriving in order, or not yet sent: its agent
@@ -61,16 +63,19 @@ class AdaptiveDeadline:
         middle = len(known) // 2  # a few agents: plain Python beats numpy's per-call cost here (every round)
         return known[middle] if len(known) % 2 else (known[middle - 1] + known[middle]) / 2
 
+    def ceiling_s(self, tokens: int = 1) -> float:
+        return self.ceiling * max(1, int(tokens))
+
     def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
         """For partials that showed loss."""
-        median = self._median(kind, agents, tokens)
-        return self.ceiling if median is None else float(np.clip(self.slack * median, self.floor, self.ceiling))
+        median, ceiling = self._median(kind, agents, tokens), self.ceiling_s(tokens)
+        return ceiling if median is None else float(np.clip(self.slack * median, self.floor, ceiling))
 
     def late_deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
         """For partials with no sign of loss (in order, or not sent yet)."""
-        median = self._median(kind, agents, tokens)
+        median, ceiling = self._median(kind, agents, tokens), self.ceiling_s(tokens)
         floor = max(self.floor, LATE_FLOOR_S)
-        return self.ceiling if median is None else float(np.clip(LATE_SLACK * median, floor, max(floor, self.ceiling)))
+        return ceiling if median is None else float(np.clip(LATE_SLACK * median, floor, max(floor, ceiling)))
 
     @staticmethod
     def chase_after_s(deadline_s: float) -> float:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 
 from halo.errors import ConfigError
+from halo.transport import wire
 
 
 class Transport(str, Enum):
@@ -62,6 +63,7 @@ POLICIES: dict[str, ModePolicy] = {
                            remap=True),
 }
 SYNC_MODES = tuple(POLICIES)
+WIRE_PARTIALS = {"fp32": wire.FLOAT32, "fp16": wire.FLOAT16}
 RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
                        "--sync tcp (the control connection)"}
 
@@ -79,6 +81,9 @@ class SyncSettings:
     parity_group: int = 4  # one XOR parity chunk per this many data chunks (0: none)
     inject_plr: float = 0.0  # drop this fraction of UDP datagrams at every sender (seeded, for accuracy runs)
     seed: int = 0
+    # agents' partial sums over UDP as fp16: half the datagrams, so fewer of them at risk on a lossy link (relative
+    # rounding 2e-4, eval/results/transport_compression.md); lossy sync modes only: exact promises one device's tokens
+    wire_partials: str = "fp32"
 
     def __post_init__(self):
         if self.mode in RENAMED:
@@ -92,10 +97,20 @@ class SyncSettings:
             raise ConfigError("critical_fraction must lie in [0, 1] and inject_plr in [0, 1)")
         if self.parity_group < 0 or self.deadline_slack <= 0:
             raise ConfigError("parity_group must be >= 0 and deadline_slack > 0")
+        if self.wire_partials not in WIRE_PARTIALS:
+            raise ConfigError(f"unknown partial-sum wire format {self.wire_partials!r}; choose one of {', '.join(WIRE_PARTIALS)}")
+        if self.wire_partials != "fp32" and self.policy.all_critical:
+            raise ConfigError(f"--sync {self.mode} gives the single-device tokens, which fp16 partial sums would round "
+                              "away: use --wire-partials fp32 (the default), or --sync lossy / halo")
 
     @property
     def policy(self) -> ModePolicy:
         return POLICIES[self.mode]
+
+    @property
+    def partial_dtype(self) -> int:
+        """The wire dtype of agents' partial sums over UDP."""
+        return WIRE_PARTIALS[self.wire_partials]
 
     def to_json(self) -> dict:
         return asdict(self)

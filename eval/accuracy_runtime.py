@@ -1,0 +1,259 @@
+"""Accuracy under loss through the runtime: the model over N local agents, every UDP sender dropping a seeded
+fraction of its datagrams, per sync mode; what a user of `halo-master generate --local-agents N` would get.
+
+    python -m halo.eval.accuracy_runtime --model smollm2-135m-instruct --agents 4 --plr 0.01,0.02,0.05,0.1
+
+Every configuration is compared with the lossless reference, the same weights in one process (a lossless
+cluster gives its tokens: eval/results/halo_speed_smollm2.md), on the same data:
+- perplexity of held-out text (the last 20 % of tinystories_valid_dev.txt), teacher-forced one token per
+  forward as generation runs: decode rounds are where loss costs accuracy (a prefill's rounds have
+  token-scaled deadlines and recover every lost chunk);
+- top-1 agreement: the next-token argmax at every position of that text equals the reference's;
+- continuation exact-match: greedy continuations of held-out prompts equal the reference's, token for token;
+- chat answers identical: 50 fixed questions (eval/chat_prompts.txt) through the model's chat template, the
+  greedy answer equal to the reference's (the path of `halo-master generate --chat`).
+Exact mode recovers every loss: its row at the highest PLR is the check that the runtime loses nothing there.
+Rows are written after every configuration (a long run that stops keeps what it measured).
+Writes eval/results/accuracy_runtime_<model>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .report import command_line, write_report
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
+CHAT_PROMPTS = Path(__file__).with_name("chat_prompts.txt")
+
+
+@dataclass
+class Scored:
+    """Teacher-forced scores of held-out windows: per predicted token its NLL and the argmax there."""
+
+    nll: list[float] = field(default_factory=list)
+    top1: list[int] = field(default_factory=list)
+    ms: list[float] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        return float(np.exp(np.mean(self.nll)))
+
+
+def held_out_tokens(tokenizer, path: str, n_tokens: int) -> list[int]:
+    """The first n_tokens of the held-out 20 % of the text (the predictors trained on the other 80 %)."""
+    from halo.predictors.profiler import split_text
+
+    text = split_text(Path(path).read_text(encoding="utf-8"), 0.8)[1]
+    tokens = tokenizer.encode(text[:40 * n_tokens], bos=False)[:n_tokens]
+    if len(tokens) < n_tokens:
+        raise SystemExit(f"{path} holds out only {len(tokens)} tokens; ask for fewer")
+    return tokens
+
+
+def start_token(tokenizer) -> int:
+    return tokenizer.bos_id if tokenizer.bos_id is not None else 0
+
+
+def held_out_windows(tokenizer, path: str, n_tokens: int, window: int = 64) -> list[list[int]]:
+    """n_tokens of held-out text in windows that each start at BOS (or token 0)."""
+    tokens = held_out_tokens(tokenizer, path, n_tokens)
+    bos = start_token(tokenizer)
+    return [[bos] + tokens[i:i + window - 1] for i in range(0, len(tokens), window - 1) if len(tokens[i:i + window - 1]) > 1]
+
+
+def teacher_forced(model, windows: list[list[int]]) -> Scored:
+    """One token per forward, as generation runs: the NLL of every next token and the argmax before it."""
+    scored = Scored()
+    for window in windows:
+        model.reset()
+        for t in range(len(window) - 1):
+            start = time.perf_counter()
+            logits = np.asarray(model.forward([window[t]]), dtype=np.float64).reshape(-1)
+            scored.ms.append(1e3 * (time.perf_counter() - start))
+            top = logits.max()
+            scored.nll.append(float(top + np.log(np.exp(logits - top).sum()) - logits[window[t + 1]]))
+            scored.top1.append(int(logits.argmax()))
+    return scored
+
+
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    model.reset()
+    logits = np.asarray(model.forward(prompt)).reshape(-1)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = np.asarray(model.forward([out[-1]])).reshape(-1)
+    return out
+
+
+def chat_questions(limit: int) -> list[str]:
+    return [q for q in CHAT_PROMPTS.read_text(encoding="utf-8").splitlines() if q.strip()][:limit]
+
+
+def measure(model, tokenizer, data: dict, answer_tokens: int) -> dict:
+    """Everything one configuration is scored on, as token ids (compared with the reference afterwards)."""
+    from halo.chat import chat_prompt
+    from halo.generate import generate
+
+    scored = teacher_forced(model, data["windows"])
+    continuations = [greedy_tokens(model, p, data["continuation_tokens"]) for p in data["prompts"]]
+    chats = [generate(model, tokenizer, chat_prompt(tokenizer, [{"role": "user", "content": q}]), answer_tokens).token_ids
+             for q in data["chats"]]
+    return {"nll": scored.nll, "top1": scored.top1, "perplexity": scored.perplexity,
+            "ms_per_token": float(np.median(scored.ms)), "continuations": continuations, "chats": chats}
+
+
+def compared(result: dict, reference: dict) -> dict:
+    """A configuration's scores against the reference's."""
+    top1 = np.asarray(result["top1"]) == np.asarray(reference["top1"])
+    return {"perplexity": result["perplexity"], "ppl_change": result["perplexity"] / reference["perplexity"] - 1,
+            "top1_agreement": float(top1.mean()),
+            "continuation_exact": float(np.mean([a == b for a, b in zip(result["continuations"], reference["continuations"])])),
+            "chat_identical": (float(np.mean([a == b for a, b in zip(result["chats"], reference["chats"])]))
+                               if reference["chats"] else None),
+            "ms_per_token": result["ms_per_token"]}
+
+
+def run_cluster(model_path: str, weights, tokenizer, data: dict, args, agents: int, mode: str, plr: float) -> dict:
+    """One configuration over freshly started local agents (a failure is a row that says why, not the end of
+    the study). An agent lost mid-run ends the configuration: a re-plan would change what is measured."""
+    from halo.distributed.connect import connect
+    from halo.errors import HaloError
+    from halo.sync import SyncSettings
+
+    row = {"agents": agents, "sync": mode, "plr": plr, "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
+    start = time.perf_counter()
+    try:
+        with contextlib.ExitStack() as stack:
+            model = connect(weights, stack, model_path=model_path, local_agents=agents, fmt="native",
+                            sync=SyncSettings(mode=mode, inject_plr=plr, seed=args.seed,
+                                              wire_partials="fp32" if mode == "exact" else args.wire_partials), predictors=args.predictors,
+                            context=args.context, survive=None)
+            stack.callback(model.close)
+            row["result"] = measure(model, tokenizer, data, args.answer_tokens)
+            row["loss"] = model.sync_report()["loss"]
+    except HaloError as e:
+        row["error"] = str(e)
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f} %"
+
+
+def previous_run(path: Path, model: str, data: dict) -> dict | None:
+    """--append: the earlier run's results when they scored the same model on the same data (its reference is
+    reused and its rows kept); None when there is none to extend."""
+    if not path.exists():
+        return None
+    out = json.loads(path.read_text())
+    ref = out["reference"]
+    same = (out["model"] == model and len(ref["nll"]) == sum(len(w) - 1 for w in data["windows"])
+            and len(ref["continuations"]) == len(data["prompts"]) and len(ref["chats"]) == len(data["chats"])
+            and out["continuation_tokens"] == data["continuation_tokens"] and out["answer_tokens"] == data["answer_tokens"])
+    if not same:
+        raise SystemExit(f"--append: {path} scored other data or another model; use the same settings or --name")
+    out.setdefault("commands", [out.pop("command")] if "command" in out else [])
+    return out
+
+
+def render(data: dict) -> list[str]:
+    ref = data["reference"]
+    commands = "; ".join(f"`{c}`" for c in data["commands"])
+    lines = [f"# Accuracy under injected loss through the runtime: {data['model']}", "",
+             f"Commands (each appends its rows): {commands}.", "",
+             f"Master + N local agents on loopback; every UDP sender drops PLR of its datagrams (seeded, "
+             f"`--inject-plr`). Reference: the same weights in one process, perplexity {ref['perplexity']:.3f} over "
+             f"{len(ref['nll'])} held-out tokens (teacher-forced, one token per forward), "
+             f"{len(ref['continuations'])} held-out prompts for {data['continuation_tokens']}-token greedy "
+             f"continuations, {len(ref['chats'])} chat questions answered greedily up to {data['answer_tokens']} tokens. "
+             "Partials dropped: agents' partial sums with a zero-filled chunk, by cause (loss: its recovery missed the "
+             "deadline / late: nothing lost, it came after the late deadline).", "",
+             "| agents | sync | PLR | perplexity | vs lossless | top-1 agreement | continuation exact-match | "
+             "chat answers identical | partials dropped (loss / late) of | ms/token (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        wire_format = "" if row.get("wire_partials", "fp32") == "fp32" else f", {row['wire_partials']} partials"
+        head = f"| {row['agents']} | {row['sync']}{wire_format} | {100 * row['plr']:g} % |"
+        if "error" in row:
+            lines.append(f"{head} failed: {row['error'][:200]} | | | | | | |")
+            continue
+        c, loss = row["compared"], row["loss"]
+        lines.append(f"{head} {c['perplexity']:.3f} | {100 * c['ppl_change']:+.2f} % | {100 * c['top1_agreement']:.1f} % | "
+                     f"{100 * c['continuation_exact']:.0f} % | {percent(c['chat_identical'])} | "
+                     f"{loss['dropped_for_loss']} / {loss['dropped_late']} of {loss['partials']} | {c['ms_per_token']:.0f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model file or name (default: %(default)s)")
+    parser.add_argument("--predictors", help="the model's trained predictors (default: predictors/ beside the model)")
+    parser.add_argument("--agents", default="4", help="local agent counts, comma-separated (default: %(default)s)")
+    parser.add_argument("--modes", default="lossy,halo", help="lossy sync modes to score at every PLR (default: %(default)s)")
+    parser.add_argument("--plr", default="0.01,0.02,0.05,0.1", help="injected loss rates (default: %(default)s)")
+    parser.add_argument("--wire-partials", choices=("fp32", "fp16"), default="fp32",
+                        help="agents' partial sums on the wire in lossy/halo modes (default: %(default)s)")
+    parser.add_argument("--name", help="results file stem (default: accuracy_runtime_<model>)")
+    parser.add_argument("--append", action="store_true",
+                        help="add rows to the results file of an earlier run on the same data (its reference reused)")
+    parser.add_argument("--exact-check", action="store_true", help="also run exact mode at the highest PLR")
+    parser.add_argument("--data", default=str(DATA), help="text whose last 20 %% is held out (default: %(default)s)")
+    parser.add_argument("--ppl-tokens", type=int, default=256, help="held-out tokens scored (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for greedy continuations (default: %(default)s)")
+    parser.add_argument("--continuation-tokens", type=int, default=16)
+    parser.add_argument("--chats", type=int, default=50, help="chat questions (at most 50; 0 for a base model)")
+    parser.add_argument("--answer-tokens", type=int, default=16, help="greedy answer length per question (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    from halo.loader import load_tokenizer, load_weights
+    from halo.model import Transformer
+    from halo.models import resolve_model
+
+    model_path = str(resolve_model(args.model))
+    weights = load_weights(model_path)
+    tokenizer = load_tokenizer(weights)
+    windows = held_out_windows(tokenizer, args.data, args.ppl_tokens)
+    after = held_out_tokens(tokenizer, args.data, args.ppl_tokens + 100 * args.prompts)[args.ppl_tokens:]
+    prompts = [[start_token(tokenizer)] + after[100 * i:100 * i + 23] for i in range(args.prompts)]
+    data = {"windows": windows, "prompts": prompts, "continuation_tokens": args.continuation_tokens,
+            "chats": chat_questions(args.chats) if tokenizer.chat_template is not None else [],
+            "answer_tokens": args.answer_tokens}
+    stem = args.name or f"accuracy_runtime_{Path(model_path).name.split('.')[0]}"
+    out = previous_run(Path(args.out) / f"{stem}.json", Path(model_path).name, data) if args.append else None
+    if out is None:
+        print(f"reference: {Path(model_path).name} in one process", file=sys.stderr, flush=True)
+        reference = measure(Transformer(weights, fmt="native", max_seq_len=args.context), tokenizer, data, args.answer_tokens)
+        out = {"commands": [], "model": Path(model_path).name, "continuation_tokens": args.continuation_tokens,
+               "answer_tokens": args.answer_tokens, "reference": reference, "rows": []}
+    reference = out["reference"]
+    out["commands"].append(command_line("halo.eval.accuracy_runtime", argv))
+    plrs = [float(p) for p in args.plr.split(",")]
+    configs = [(n, mode, plr) for n in (int(a) for a in args.agents.split(",")) for mode in args.modes.split(",")
+               for plr in plrs]
+    if args.exact_check:
+        configs += [(n, "exact", max(plrs)) for n in (int(a) for a in args.agents.split(","))]
+    for n, mode, plr in configs:
+        row = run_cluster(model_path, weights, tokenizer, data, args, n, mode, plr)
+        if "result" in row:
+            row["compared"] = compared(row["result"], reference)
+        out["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "result"}), file=sys.stderr, flush=True)
+        write_report(args.out, stem, out, render(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
