@@ -259,3 +259,21 @@ def test_only_chunks_sent_again_count_as_recovered_by_nack(cluster):
         t.join()
     assert result.complete and master.stats[b.node_id].chunks_recovered_nack == 1
     np.testing.assert_array_equal(result.values[b.node_id], np.arange(4096, dtype=np.float32))
+
+
+def test_a_chased_silent_peer_keeps_the_late_deadline(cluster):
+    """A droppable partial whose sender says nothing for silent_s is chased; silence is no hole, so it is still
+    taken until the late deadline (marking it lossy at the chase cut it at once: the chase comes after the loss
+    deadline, so a peer that had only lost its input, or was still computing, was always dropped)."""
+    master, agents = cluster
+    sender = agents[0]
+    chased = []
+    late_send = threading.Timer(0.040, lambda: sender.send_vector({0: master.address}, 7, np.ones(700), wire.FLOAT32))
+    late_send.start()
+    try:
+        result = master.gather(7, {sender.node_id: 700}, policy=GatherPolicy(
+            deadline_s=0.010, late_deadline_s=0.300, nack=True, silent_s=0.015), on_silent=chased.append)
+    finally:
+        late_send.join()
+    assert chased and result.complete and (result.values[sender.node_id] == 1).all()
+    assert sender.node_id in result.lossy  # counted as a loss sign all the same

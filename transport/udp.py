@@ -118,7 +118,7 @@ class Inbound:
     Payloads are kept as they came and decoded once, when the gather ends (`vector`)."""
 
     __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
-                 "nacked", "lossy", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin")
+                 "nacked", "lossy", "chased", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin")
 
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
                  silent_at: float):
@@ -130,7 +130,7 @@ class Inbound:
         self.received = 0
         self.payloads: dict[int, bytes] = {}
         self.parities: dict[int, tuple[int, bytes]] = {}  # first chunk of a group -> (group size, XOR)
-        self.heard = self.nacked = self.lossy = False
+        self.heard = self.nacked = self.lossy = self.chased = False
         self.completed_at: float | None = None
         self.next_nack = float("inf")  # armed by the first chunk: never NACK blindly
         self.next_silent = silent_at
@@ -483,7 +483,10 @@ class UdpEndpoint:
             now = time.perf_counter()
             for state in waiting:
                 if not state.heard and now >= state.next_silent:
-                    state.lossy = True  # it may have lost all of its input: chasing is recovery
+                    # it may have lost all of its input, or be computing still: chasing is recovery, but silence
+                    # is no hole, so the peer keeps the late deadline (marking it lossy dropped it at once: the
+                    # chase comes after the loss deadline)
+                    state.chased = True
                     on_silent(state.peer)
                     state.next_silent = now + policy.silent_s
                 if not state.complete and now >= state.next_nack and state.peer in self.peers:
@@ -554,7 +557,7 @@ class UdpEndpoint:
             stats.sync_ms.append(waited_ms)
         return GatherResult({p: s.vector() for p, s in inbound.items()}, {p: s.mask() for p, s in inbound.items()},
                             {p: s.completed_at - start for p, s in inbound.items() if s.completed_at is not None},
-                            {p for p, s in inbound.items() if s.heard}, {p for p, s in inbound.items() if s.lossy})
+                            {p for p, s in inbound.items() if s.heard}, {p for p, s in inbound.items() if s.lossy or s.chased})
 
     def pending_epochs(self, peer: int, after: int, timeout_s: float, on_stale=None) -> list[int]:
         """Epochs beyond `after` that `peer` has sent datagrams of (oldest first), waiting up to timeout_s

@@ -24,7 +24,8 @@ that arrives within 4 x the usual turnaround). Drops are counted by cause (loss 
 
 An agent that has sent nothing is chased (halo/sync/modes.py: its input sent again) after 0.6 x the
 late deadline: when it takes 2.4 x its usual turnaround (at least 12 ms). Chasing at 0.6 x the loss
-deadline sent inputs again to agents that were only computing on a busy machine.
+deadline sent inputs again to agents that were only computing on a busy machine. A chased agent keeps
+the late deadline (silence is no hole): it had been cut at the chase itself, past its loss deadline.
 """
 
 from __future__ import annotations
