@@ -226,10 +226,13 @@ class Agent(ControlServer):
         import psutil
 
         worker = self.session.worker if self.session is not None else None
-        return {"budget_bytes": self.memory_budget, "weights_bytes": worker.nbytes if worker else 0,
-                "kv_cache_bytes": sum(s.cache_nbytes for s in worker.attention.values()) if worker else 0,
-                "retained_bytes": self.retired[0].nbytes if self.retired else 0,
-                "rss_bytes": psutil.Process().memory_info().rss}
+        memory = {"budget_bytes": self.memory_budget, "weights_bytes": worker.nbytes if worker else 0,
+                  "kv_cache_bytes": sum(s.cache_nbytes for s in worker.attention.values()) if worker else 0,
+                  "retained_bytes": self.retired[0].nbytes if self.retired else 0,
+                  "rss_bytes": psutil.Process().memory_info().rss}
+        if worker is not None and worker.remapper is not None:
+            memory.update(worker.remapper.report())  # HALO mode: loading, and the built groups it keeps (group_cache)
+        return memory
 
     def _hello(self, f: dict, peer: bytes, address: str | None) -> Message:
         def refuse(reason: str) -> Message:
@@ -346,7 +349,7 @@ class Agent(ControlServer):
         node_id = int(f.get("node_id", 0))
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")
-        self._check_budget(share, layout, context, fmt)
+        cache_bytes = self._check_budget(share, layout, context, fmt, remap=sync.policy.remap)
         predictors = self._predictors() if sync.policy.remap and sync.predict else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
@@ -356,16 +359,20 @@ class Agent(ControlServer):
         def build(progress) -> DeviceWorker:
             return DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                 predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
-                                progress=progress)
+                                progress=progress, mlp_cache_bytes=cache_bytes)
 
         return build, sync, node_id
 
-    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
-        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget."""
+    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, remap: bool = False) -> int | None:
+        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. HALO mode
+        with compact weights: what the budget leaves after the share's attention, LM head and KV cache goes to
+        built MLP groups (halo/group_cache.py); returns those compact bytes, or None where everything fits."""
+        from halo.group_cache import RESIDENT_PER_KERNEL_BYTE
         from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
 
-        weights = share_float32_bytes(share, layout, self.weights.config.dim) / 4 \
-            * BYTES_PER_WEIGHT[planning_format(fmt, self.weights)]
+        per_weight = BYTES_PER_WEIGHT[planning_format(fmt, self.weights)] / 4
+        c = self.weights.config
+        weights = share_float32_bytes(share, layout, c.dim) * per_weight
         cache = kv_cache_bytes(share, layout, context)
         if weights + cache > self.memory_budget:
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
@@ -373,6 +380,16 @@ class Agent(ControlServer):
                             f"{self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
                             "(a plan from its measured memory, or a shorter --context) or more memory")
+        if not remap or planning_format(fmt, self.weights) == "fp32":
+            return None
+        layers = sum(1 for groups in share.mlp if groups)
+        every_group = share_float32_bytes(Shares([[]] * c.n_layers, [list(range(layout.n_mlp_groups))] * layers, []),
+                                          layout, c.dim) * per_weight
+        rest = self.memory_budget - (weights + cache) + share_float32_bytes(Shares([[]] * c.n_layers, share.mlp, []),
+                                                                             layout, c.dim) * per_weight
+        if every_group * RESIDENT_PER_KERNEL_BYTE <= rest:
+            return None  # every candidate group fits: all built at the start
+        return int(rest / RESIDENT_PER_KERNEL_BYTE)
 
     def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
         """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import ModelConfig
+from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
 from .linear import DenseProjection, int8_block_for, make_projection
 from .memory import load_pages
@@ -296,17 +297,21 @@ class MlpGroupBank:
     fp32: nothing is copied. The checkpoint's own layout is group-major enough: a group's W_gate and W_up
     rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of group-size
     floats), so nothing is gathered per token; loading = bringing those pages in (`prefetch`).
-    Compact formats (int8, native 4/8-bit): one MlpShard per group, built when the bank is, so a group
-    is computed from its compact blocks by its own kernels (a re-mapped group costs a kernel call, never a
-    dequantization); the weights then live in the kernels, and `prefetch` has nothing left to read."""
+    Compact formats (int8, native 4/8-bit): one MlpShard per group, computed from its compact blocks by its
+    own kernels (a re-mapped group costs a kernel call, never a dequantization). The built groups live in a
+    `GroupCache` shared by the device's banks: unbounded, every group is built once and stays; bounded (a
+    memory budget), a group the ranking needs and the cache lost is built again from the model file
+    (`prefetch` does it ahead, on the load thread)."""
 
-    def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1):
-        self.layout, self.fmt = layout, fmt
+    def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1,
+                 cache: GroupCache | None = None, index: int = 0):
+        """cache: where compact groups are kept (None: a bank of its own, unbounded); index: the layer, its key."""
+        self.layer, self.layout, self.fmt, self.threads, self.index = layer, layout, fmt, threads, index
         if fmt == "fp32":
             self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
-            self.shards = {}
+            self.cache = None
         else:
-            self.shards = {g: MlpShard(layer, layout, [g], fmt, threads) for g in range(layout.n_mlp_groups)}
+            self.cache = cache if cache is not None else GroupCache()
             self.w_down = None
         self.dim = layer.w_down.shape[0]
 
@@ -314,30 +319,38 @@ class MlpGroupBank:
         r = self.layout.mlp_neurons(group)
         return slice(r.start, r.stop)
 
+    def shard(self, group: int, ahead: bool = False) -> "MlpShard":
+        """A compact group's kernels: from the cache, or built from the model file now."""
+        return self.cache.get((self.index, group), lambda: MlpShard(self.layer, self.layout, [group], self.fmt,
+                                                                    self.threads), ahead)
+
     def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
         """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says
         which tokens each group serves (None: all)."""
         out = np.zeros((len(x), self.dim), dtype=np.float32)
+        shards = None if self.cache is None else [self.shard(int(g)) for g in groups]  # held until computed
         for j, g in enumerate(groups):
             tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
             xs = x[tokens]
             if len(xs) == 0:
                 continue
-            out[tokens] += self._group(int(g), xs)
+            if shards is not None:
+                out[tokens] += shards[j].forward(xs)
+            else:
+                s = self._rows(int(g))
+                out[tokens] += (silu(xs @ self.w_gate[s].T) * (xs @ self.w_up[s].T)) @ self.w_down[:, s].T
         return out
 
-    def _group(self, g: int, x: np.ndarray) -> np.ndarray:
-        if self.shards:
-            return self.shards[g].forward(x)
-        s = self._rows(g)
-        return (silu(x @ self.w_gate[s].T) * (x @ self.w_up[s].T)) @ self.w_down[:, s].T
-
     def prefetch(self, groups: Sequence[int]) -> int:
-        """fp32: have the kernel read the groups' weights from the model file ahead of use (madvise WILLNEED:
-        asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read. Returns the
-        bytes asked for (W_down columns span whole rows of pages: its rows are advised). Compact: 0."""
-        if self.shards or not len(groups):
+        """Load the groups ahead of use. fp32: have the kernel read their weights from the model file (madvise
+        WILLNEED: asynchronous, no copy, the GIL stays free); on a device short of RAM this is the disk read;
+        returns the bytes asked for (W_down columns span whole rows of pages: its rows are advised). Compact:
+        build the groups the cache lacks; returns their bytes."""
+        if not len(groups):
             return 0
+        if self.cache is not None:
+            missing = [int(g) for g in groups if (self.index, int(g)) not in self.cache]
+            return sum(self.shard(g, ahead=True).nbytes for g in missing)
         covered = 0
         for g in groups:
             s = self._rows(int(g))
@@ -346,9 +359,8 @@ class MlpGroupBank:
 
     @property
     def nbytes(self) -> int:
-        if self.shards:
-            return sum(s.nbytes for s in self.shards.values())
-        return sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
+        """fp32: the layer's mapped MLP weights; compact: 0 (the shared cache holds them: GroupCache.held_bytes)."""
+        return 0 if self.cache is not None else sum(w.nbytes for w in (self.w_gate, self.w_up, self.w_down))
 
 
 class LmHeadShard:

@@ -9,11 +9,13 @@ digest of its ranking with each MLP broadcast and an agent that disagrees refuse
 master then stops with an error instead of merging a wrong sum).
 
 Load-Comp overlap: as soon as layer l+1's ranking is known (during layer l), a background thread
-asks the kernel to read those groups' weights from the memory-mapped model file
-(`MlpGroupBank.prefetch`, madvise WILLNEED: on a device short of RAM, this starts the disk read);
-the MLP block then computes on pages already resident. Without overlap the same request runs inline,
-just before the computation. (The thread only issues system calls: it never competes with the
-computation for Python's GIL, which touching pages from Python did, 30x slowing the compute thread.)
+loads those groups (`MlpGroupBank.prefetch`). fp32: it asks the kernel to read their weights from the
+memory-mapped model file (madvise WILLNEED: on a device short of RAM, this starts the disk read; the
+thread only issues system calls, so it never competes with the computation for Python's GIL, which
+touching pages from Python did, 30x slowing the compute thread). Compact formats: the device's built
+groups are a `GroupCache`; unbounded, every candidate group is built at the start and nothing is loaded
+per token; bounded by a memory budget (`cache_bytes`), the thread builds the groups the cache lacks.
+Without overlap the same load runs inline, just before the computation.
 
 Without predictors (ablation "no prediction, no loading", or layer 0) the ranking is the identity:
 rank r = group r.
@@ -26,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .errors import ConfigError
+from .group_cache import GroupCache, minimum_capacity
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
 from .weights import ModelWeights
@@ -33,24 +37,52 @@ from .weights import ModelWeights
 
 class Remapper:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, rank_ranges: dict[int, tuple[int, int]],
-                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1, built=None):
+                 predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1, built=None,
+                 cache_bytes: int | None = None):
         """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted); fmt: the
-        weight format its candidate groups are computed in (compact: every group's kernels built now); built():
-        called after each layer's bank (loading progress)."""
+        weight format its candidate groups are computed in; cache_bytes: how many compact bytes of built groups
+        it may keep (None: all of them, built now); built(): called after each layer's groups (loading progress)."""
         self.ranges = {l: r for l, r in rank_ranges.items() if r[1] > r[0]}
-        self.banks = {}
-        for l in self.ranges:
-            self.banks[l] = MlpGroupBank(weights.layers[l], layout, fmt, threads)
-            if built is not None:
-                built()
-        self.predictors = predictors
+        self.cache = GroupCache(cache_bytes) if fmt != "fp32" else None
+        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads, self.cache, l) for l in self.ranges}
         self.n_groups = layout.n_mlp_groups
+        self._fill(built)
+        self.predictors = predictors
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="halo-load") if load_overlap else None
         self.rankings: dict[int, np.ndarray] = {}  # layer -> [T, G] MLP ranking (most important first)
         self.head_rankings: dict[int, np.ndarray] = {}  # layer -> [T, H]
         self.loading: dict[int, Future] = {}
         self.predict_ms = 0.0
-        self.load_ms = 0.0
+        self.load_ms = 0.0  # building/reading groups ahead (either thread)
+        self.wait_ms = 0.0  # the computation waiting for a layer's groups to be loaded
+
+    def _fill(self, built) -> None:
+        """Build the groups a device starts with: every layer's own rank range under the identity ranking (what
+        it computes without predictions), then, while the cache has room, the other groups layer by layer in
+        rank order. Unbounded: every candidate group. Refuses a cache too small for two layers' ranges."""
+        cache = self.cache
+        bounded = cache is not None and cache.capacity_bytes is not None
+        for l, (a, b) in self.ranges.items():
+            for g in (range(a, b) if bounded else range(self.n_groups)) if cache is not None else ():
+                self.banks[l].shard(g)
+            if bounded:
+                need = minimum_capacity(int(self._group_bytes() * max(b - a for a, b in self.ranges.values())))
+                if cache.capacity_bytes < need:
+                    raise ConfigError(f"a memory budget for re-mapped MLP groups of {cache.capacity_bytes / 1e6:.1f} MB "
+                                      f"is less than two layers of this share's groups ({need / 1e6:.1f} MB): give "
+                                      "this device fewer MLP ranks or more memory")
+            if built is not None:
+                built()
+        for l, (a, b) in self.ranges.items() if bounded else ():
+            for g in (g for g in range(self.n_groups) if not a <= g < b):
+                if not cache.room_for(self._group_bytes()):
+                    break
+                self.banks[l].shard(g)
+        if cache is not None:
+            cache.filling = False
+
+    def _group_bytes(self) -> int:
+        return int(self.cache.held_bytes / max(1, len(self.cache)))
 
     def begin(self) -> None:
         """A new forward pass: rankings of the previous one must not be reused."""
@@ -100,12 +132,23 @@ class Remapper:
         if layer not in self.ranges:
             return None
         pending = self.loading.pop(layer, None)
+        t = time.perf_counter()
         if pending is not None:
             pending.result()
         elif self.predicts(layer) and layer in self.rankings:
             self._load(layer)  # no overlap: load now, then compute
+        self.wait_ms += 1e3 * (time.perf_counter() - t)
         groups, keep = self._assignment(layer, len(x))
         return self.banks[layer].forward(x, groups, keep)
+
+    def report(self) -> dict:
+        """Prediction and loading time; for compact groups what the cache holds and how it served."""
+        out = {"predict_ms": round(self.predict_ms, 3), "load_ms": round(self.load_ms, 3),
+               "load_wait_ms": round(self.wait_ms, 3)}
+        if self.cache is not None:
+            out["group_cache"] = {"capacity_bytes": self.cache.capacity_bytes, "held_bytes": self.cache.held_bytes,
+                                  "groups": len(self.cache), **self.cache.stats.to_json()}
+        return out
 
     def close(self) -> None:
         if self.pool is not None:

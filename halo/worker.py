@@ -27,12 +27,15 @@ from .weights import ModelWeights
 class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
                  threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
-                 reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None):
+                 reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None,
+                 mlp_cache_bytes: int | None = None):
         """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
         the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
         stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
         it did not hold are built: after a sticky re-plan a survivor builds just what it gained.
-        progress(done, total): called as each block's share is ready (an agent reports its loading with it)."""
+        progress(done, total): called as each block's share is ready (an agent reports its loading with it).
+        mlp_cache_bytes: HALO mode, compact weights: the most bytes of built MLP groups kept (halo/group_cache.py;
+        None: every candidate group, built now)."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads = context, fmt, threads
@@ -63,7 +66,8 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step)
+            self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
+                                     cache_bytes=mlp_cache_bytes)
         else:
             self.mlp = {l: shard("mlp", l, g, lambda g, l=l: MlpShard(weights.layers[l], layout, g, fmt, threads))
                         for l, g in enumerate(share.mlp) if g}
@@ -141,8 +145,9 @@ class DeviceWorker:
     def nbytes(self) -> int:
         shards = [*self.attention.values(), *self.mlp.values()] + ([self.lm_head] if self.lm_head else [])
         total = sum(s.nbytes for s in shards)
-        if self.remapper is not None:  # every candidate MLP group of its layers (any may be re-mapped here)
+        if self.remapper is not None:  # the candidate MLP groups it holds (any may be re-mapped here)
             total += sum(bank.nbytes for bank in self.remapper.banks.values())
+            total += self.remapper.cache.held_bytes if self.remapper.cache is not None else 0
         return total
 
     def close(self) -> None:

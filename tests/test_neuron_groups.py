@@ -140,7 +140,7 @@ def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
     keep[1, 0] = False  # token 1 is not served by the first group
     expected = exact[1] - MlpShard(layer, layout, groups[:1]).forward(x[1:2])[0]
     assert relative_error(bank.forward(x, groups, keep)[1], expected) < tolerance
-    assert bank.nbytes > 0
+    assert (bank.nbytes if fmt == "fp32" else bank.cache.held_bytes) > 0
 
 
 def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights):

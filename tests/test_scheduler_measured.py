@@ -269,3 +269,29 @@ def test_plan_summary_says_why(tmp_path):
     rows = {d["name"]: d for d in summary["devices"]}
     assert not rows["agent-2"]["participant"] and rows["agent-2"]["with_it"]["minmax_ms"] >= summary["estimate"]["ms_per_token"]
     assert rows["master"]["attention"]["ranks"][0] == 0
+
+
+def test_memory_available_is_what_the_process_cgroup_limit_leaves(tmp_path):
+    """An agent in a memory cgroup (a systemd MemoryMax, the test bed's per-agent limit) budgets from its own cgroup's
+    limit, not the machine's free memory (the root cgroup's files said unlimited)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path("/sys/fs/cgroup/memory")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup-v1 memory controller to make a cgroup")
+    group = root / f"halo-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(400 << 20))
+        code = ("import os; open(os.environ['PROCS'], 'w').write(str(os.getpid()));"
+                "from halo.scheduler.measure import memory_available, memory_limit;"
+                "print(memory_available(), *memory_limit())")
+        out = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "PROCS": str(group / "cgroup.procs")},
+                             capture_output=True, text=True, timeout=60)
+        available, limit, usage = map(int, out.stdout.split())
+        assert limit == 400 << 20 and 0 < usage < limit and available == limit - usage
+    finally:
+        group.rmdir()

@@ -206,8 +206,7 @@ class DistributedModel:
         if self.session.udp is not None:
             out["rejected"] = self.session.udp.rejections()  # datagrams refused here, by reason
         if self.worker.remapper is not None:
-            out["predict_ms"] = round(self.worker.remapper.predict_ms, 3)
-            out["load_ms"] = round(self.worker.remapper.load_ms, 3)
+            out.update(self.worker.remapper.report())
         return out
 
     def refill(self, inputs: np.ndarray) -> None:
