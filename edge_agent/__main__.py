@@ -20,6 +20,7 @@ DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
 
 EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
+  halo-agent prepare --model MODEL --weights native  (once: HALO mode's MLP groups laid out for re-mapping; see --help)
   halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors,
                                                        memory_budget in MB)
 """
@@ -61,7 +62,60 @@ def read_config(path: str) -> dict:
     return settings
 
 
+PREPARE_EPILOG = """HALO mode re-maps MLP groups per token; an agent whose memory budget cannot hold all of them builds the
+ones a ranking needs when it needs them. Prepared, each group is one contiguous read in the form its kernels take
+(nothing to convert): run this once per device, model and weight format (the Pi installer does). The agent finds
+the result by itself (a cache directory named by the model's sha256, the format and the group size).
+
+examples:
+  halo-agent prepare --model /opt/halo/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  halo-agent prepare --model smollm2-135m-instruct --weights int8
+"""
+
+
+def prepare_main(argv: list[str]) -> int:
+    """`halo-agent prepare`: write the model's MLP groups group-major in kernel form (halo/prepared.py)."""
+    parser = OneLineParser(prog="halo-agent prepare", epilog=PREPARE_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Write a model's MLP groups group-major for HALO mode's re-mapping under a "
+                                       "memory budget.")
+    parser.add_argument("--model", help="the model file (or a fetched model's name; default: the bundled stories260K)")
+    parser.add_argument("--weights", choices=[f for f in FORMATS if f != "fp32"], default="native",
+                        help="the weight format the cluster computes in (default native: a GGUF file's own blocks)")
+    parser.add_argument("--mlp-group-size", type=integer(1, 1 << 20), help="neurons per MLP group (default: the "
+                        "master's default for this model)")
+    parser.add_argument("--out", help="directory to write (default: the cache directory the agent looks in)")
+    args = parser.parse_args(argv)
+    try:
+        from halo.linear import resolve_format
+        from halo.loader import load_weights, model_fingerprint
+        from halo.neuron_groups import GroupLayout
+        from halo.prepared import prepare
+        from rich.progress import Progress
+
+        weights = load_weights(args.model)
+        fmt = resolve_format(args.weights, weights)
+        if fmt == "fp32":
+            raise ConfigError(f"{weights.source} has no compact blocks: --weights native is float32 here, which HALO "
+                              "mode reads from the model file as it is; prepare --weights int8 instead")
+        layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
+        with Progress(transient=True) as bar:
+            task = bar.add_task(f"preparing {Path(str(weights.source)).name} ({fmt})", total=weights.config.n_layers)
+            out = prepare(weights, model_fingerprint(weights.source), fmt, layout, Path(args.out) if args.out else None,
+                          progress=lambda done, total: bar.update(task, completed=done))
+    except HaloError as e:
+        print(f"halo-agent prepare: error: {e}", file=sys.stderr)
+        return 2
+    size = (out / "groups.bin").stat().st_size
+    print(f"prepared {layout.n_mlp_groups} MLP groups x {weights.config.n_layers} layers ({size / 1e6:.1f} MB, {fmt}) "
+          f"in {out}")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prepare"]:
+        return prepare_main(argv[1:])
     parser = OneLineParser(prog="halo-agent", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Serve a share of a model's neuron groups to a halo master.")
     parser.add_argument("--config", help="TOML file with any of the options below")

@@ -85,6 +85,17 @@ class Session:
     last_seen: float
 
 
+def _storage_reads() -> dict:
+    """Bytes this process had read from storage (page cache misses included) and its major page faults so far: what
+    a device short of memory pays for re-reading its model (Linux; empty elsewhere)."""
+    try:
+        io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+        faults = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[9])
+    except (OSError, ValueError, IndexError):
+        return {}
+    return {"storage_read_bytes": int(io["read_bytes"]), "major_faults": faults}
+
+
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
                  name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
@@ -114,6 +125,7 @@ class Agent(ControlServer):
                        "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
+        self._said_unprepared: set[str] = set()
         self.loading: Loading | None = None  # a hello whose share is being built
         self._wake = os.pipe()  # the loading thread's "done", which wakes the control loop's poll
         os.set_blocking(self._wake[0], False)
@@ -229,7 +241,7 @@ class Agent(ControlServer):
         memory = {"budget_bytes": self.memory_budget, "weights_bytes": worker.nbytes if worker else 0,
                   "kv_cache_bytes": sum(s.cache_nbytes for s in worker.attention.values()) if worker else 0,
                   "retained_bytes": self.retired[0].nbytes if self.retired else 0,
-                  "rss_bytes": psutil.Process().memory_info().rss}
+                  "rss_bytes": psutil.Process().memory_info().rss, **_storage_reads()}
         if worker is not None and worker.remapper is not None:
             memory.update(worker.remapper.report())  # HALO mode: loading, and the built groups it keeps (group_cache)
         return memory
@@ -349,8 +361,9 @@ class Agent(ControlServer):
         node_id = int(f.get("node_id", 0))
         if sync.policy.uses_udp and not 0 < node_id < 255:
             raise HaloError(f"node id {node_id} outside 1..254")
-        cache_bytes = self._check_budget(share, layout, context, fmt, remap=sync.policy.remap)
+        self._check_budget(share, layout, context, fmt)
         predictors = self._predictors() if sync.policy.remap and sync.predict else None
+        prepared = self._prepared(fmt, layout) if sync.policy.remap else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
             self.retired = None  # nothing of it serves this hello: its memory goes back before the build
@@ -359,20 +372,17 @@ class Agent(ControlServer):
         def build(progress) -> DeviceWorker:
             return DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                 predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
-                                progress=progress, mlp_cache_bytes=cache_bytes)
+                                progress=progress, memory_budget=self.memory_budget, prepared=prepared)
 
         return build, sync, node_id
 
-    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, remap: bool = False) -> int | None:
-        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. HALO mode
-        with compact weights: what the budget leaves after the share's attention, LM head and KV cache goes to
-        built MLP groups (halo/group_cache.py); returns those compact bytes, or None where everything fits."""
-        from halo.group_cache import RESIDENT_PER_KERNEL_BYTE
+    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
+        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. (HALO mode
+        with compact weights also keeps re-mappable MLP groups within what the budget leaves: DeviceWorker.)"""
         from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
 
-        per_weight = BYTES_PER_WEIGHT[planning_format(fmt, self.weights)] / 4
-        c = self.weights.config
-        weights = share_float32_bytes(share, layout, c.dim) * per_weight
+        weights = share_float32_bytes(share, layout, self.weights.config.dim) / 4 \
+            * BYTES_PER_WEIGHT[planning_format(fmt, self.weights)]
         cache = kv_cache_bytes(share, layout, context)
         if weights + cache > self.memory_budget:
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
@@ -380,16 +390,6 @@ class Agent(ControlServer):
                             f"{self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
                             "(a plan from its measured memory, or a shorter --context) or more memory")
-        if not remap or planning_format(fmt, self.weights) == "fp32":
-            return None
-        layers = sum(1 for groups in share.mlp if groups)
-        every_group = share_float32_bytes(Shares([[]] * c.n_layers, [list(range(layout.n_mlp_groups))] * layers, []),
-                                          layout, c.dim) * per_weight
-        rest = self.memory_budget - (weights + cache) + share_float32_bytes(Shares([[]] * c.n_layers, share.mlp, []),
-                                                                             layout, c.dim) * per_weight
-        if every_group * RESIDENT_PER_KERNEL_BYTE <= rest:
-            return None  # every candidate group fits: all built at the start
-        return int(rest / RESIDENT_PER_KERNEL_BYTE)
 
     def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
         """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""
@@ -402,6 +402,22 @@ class Agent(ControlServer):
             from halo.transport.loss import LossInjector
 
             self.udp.send_hook = LossInjector(seed=sync.seed + 1000 * node_id, drop=sync.inject_plr)
+
+    def _prepared(self, fmt: str, layout: GroupLayout):
+        """The MLP groups `halo-agent prepare` wrote for this model, format and group size (HALO mode builds re-mapped
+        groups from them); None: built from the model file (said once per format)."""
+        from halo.linear import resolve_format
+        from halo.prepared import find_prepared
+
+        fmt = resolve_format(fmt, self.weights)
+        if fmt == "fp32":
+            return None
+        prepared = find_prepared(self.weights, self.model_sha256, fmt, layout)
+        if prepared is None and fmt not in self._said_unprepared:
+            self._said_unprepared.add(fmt)
+            log.info("no prepared MLP groups for --weights %s: HALO mode builds them from the model file (faster with: "
+                     "halo-agent prepare --model %s --weights %s)", fmt, self.weights.source, fmt)
+        return prepared
 
     def _predictors(self):
         if self._predictor_set is None:

@@ -61,6 +61,7 @@ def checkpoint(layers: int) -> Path:
 # ---- the master, inside its namespace ------------------------------------------------------------------
 def master(args) -> None:
     from halo.distributed import cluster_model
+    from halo.distributed.remote import ask_status
     from halo.loader import load_weights
     from halo.model import Transformer
     from halo.sync import SyncSettings
@@ -75,9 +76,17 @@ def master(args) -> None:
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
     model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0,
                           hello_timeout_s=600.0, sync=sync, fmt=fmt)
+    endpoints = args.endpoints.split(",")
+
+    def agents_memory() -> list:  # budgets, group caches, storage reads
+        answers = ask_status(endpoints, load_key(args.key), timeout_s=5.0)
+        return [answers[e].get("memory") for e in endpoints]
+
     try:
-        out = decode(model, args.tokens, args.time_limit)
+        start = {}
+        out = decode(model, args.tokens, args.time_limit, at_timed_start=lambda: start.update(memory=agents_memory()))
         out.update(sync=model.sync_report(), udp=[r.get("udp") for r in model.report()])
+        out.update(agents_memory=agents_memory(), agents_memory_at_timed_start=start.get("memory"))
     finally:
         model.close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -89,14 +98,17 @@ def resolved_format(fmt: str, weights) -> str:
     return linear.resolve_format(fmt, weights) if hasattr(linear, "resolve_format") else fmt
 
 
-def decode(model, tokens: int, time_limit: float) -> dict:
-    """Greedy from a fixed prompt: WARMUP steps, then up to `tokens` timed ones (or until time_limit)."""
+def decode(model, tokens: int, time_limit: float, at_timed_start=None) -> dict:
+    """Greedy from a fixed prompt: WARMUP steps, then up to `tokens` timed ones (or until time_limit);
+    at_timed_start(): called once, after the warm-up (untimed)."""
     times, out = [], []
     deadline = time.monotonic() + time_limit
     logits = model.forward(PROMPT)
     for step in range(tokens + WARMUP):
         token = int(np.argmax(logits))
         out.append(token)
+        if step == WARMUP and at_timed_start is not None:
+            at_timed_start()
         t = time.perf_counter()
         logits = model.forward([token])
         if step >= WARMUP:

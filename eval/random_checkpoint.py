@@ -62,9 +62,10 @@ def write_random_llama(directory: str | Path, cfg: dict, seed: int = 0, std: flo
     return directory
 
 
-def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int = 0) -> Path:
+def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int = 0, out: str | Path | None = None) -> Path:
     """Untrained predictors (random weights, the real ONNX format and manifest) for a random checkpoint in
-    `directory`: HALO mode runs on them exactly as on trained ones (speed benchmarks; rankings are noise)."""
+    `directory` (or a model file: then give `out`): HALO mode runs on them exactly as on trained ones (speed
+    benchmarks; rankings are noise). Written to out, default directory/predictors."""
     from halo.loader import load_config, model_fingerprint
     from halo.neuron_groups import GroupLayout
     from halo.predictors.export import export
@@ -84,7 +85,7 @@ def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int =
             "dim": config.dim, "n_heads": layout.n_heads, "n_mlp_groups": layout.n_mlp_groups,
             "mlp_group_size": layout.mlp_group_size, "text": "none (random, untrained)", "train_fraction": 0.0,
             "window": 0, "max_chars": 0, "tokens": 0}
-    return export(layers, directory / "predictors", meta, {"untrained": True, "seed": seed})
+    return export(layers, Path(out) if out else directory / "predictors", meta, {"untrained": True, "seed": seed})
 
 
 GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -2,10 +2,10 @@
 
 In HALO mode any MLP group of a layer where a device holds ranks can land on it in a token (the ranking
 decides), so holding every candidate built costs the whole MLP of those layers on every device, whatever
-its share. A `GroupCache` keeps at most `capacity_bytes` of built groups (compact kernels), least recently
-used evicted, and builds a missing group from the model file when a ranking needs it. The load thread builds
-the next layer's predicted groups while this layer computes (Load-Comp); a group the compute thread needs
-and nobody built yet is built in line (a stall, counted).
+its share. A `GroupCache` keeps at most `capacity_bytes` of built groups (compact kernels), evicting those of
+the layer computed last (`_victim`), and builds a missing group from the model file when a ranking needs it.
+The load thread builds the next layer's predicted groups while this layer computes (Load-Comp); a group the
+compute thread needs and nobody built yet is built in line (a stall, counted).
 
 A group being built by one thread is waited for by the other (never built twice); a group the compute thread
 took stays alive until it is computed even if evicted meanwhile, so memory can exceed the capacity by the
@@ -19,11 +19,6 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable
-
-
-#: process memory per compact byte of a one-group kernel (its own onnxruntime session): measured 2.28 for Q4_0 and
-#: 2.08 for int8 on the TinyLlama shape (a whole layer's MLP in one session: 1.41 / 1.61). Budgets divide by it.
-RESIDENT_PER_KERNEL_BYTE = 2.2
 
 
 @dataclass
@@ -42,8 +37,9 @@ class CacheStats:
 
 class GroupCache:
     def __init__(self, capacity_bytes: int | None = None):
-        """capacity_bytes None: unbounded (every group built stays)."""
+        """capacity_bytes None: unbounded (every group built stays). Keys are (layer, group)."""
         self.capacity_bytes = capacity_bytes
+        self.computing = None  # the layer of the computation's last request
         self.stats = CacheStats()
         self.held_bytes = 0
         self._entries: OrderedDict[Hashable, object] = OrderedDict()  # least recently used first
@@ -68,6 +64,8 @@ class GroupCache:
         waited = time.perf_counter()
         while True:
             with self._lock:
+                if not ahead:
+                    self.computing = key[0]
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
@@ -104,9 +102,21 @@ class GroupCache:
         self._entries[key] = entry
         self.held_bytes += entry.nbytes
         while self.capacity_bytes is not None and self.held_bytes > self.capacity_bytes and len(self._entries) > 1:
-            _, old = self._entries.popitem(last=False)
+            old = self._entries.pop(self._victim(key))  # (never `key` itself)
             self.held_bytes -= old.nbytes
             self.stats.evicted += 1
+
+    def _victim(self, key: Hashable) -> Hashable:
+        """What to evict for `key`: the most recently used group of a layer other than the one being loaded (key's)
+        and the one being computed. Layers are visited in turn every token, so the groups used last are the ones
+        needed last again (a token later): evicting them keeps the layers coming next, which hit where the ranking
+        repeats. Least recently used instead, once they do not all fit, evicts exactly the layers that come next and
+        nothing ever hits."""
+        busy = (key[0], self.computing)
+        for k in reversed(self._entries):
+            if k[0] not in busy:
+                return k
+        return next(k for k in self._entries if k != key)
 
     def clear(self) -> None:
         with self._lock:

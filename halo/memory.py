@@ -69,6 +69,33 @@ def release_freed_heap() -> None:
         pass  # not glibc: nothing to do
 
 
+def resident_bytes() -> int:
+    """This process's resident set now (after returning freed heap to the OS, so that it measures what is held)."""
+    release_freed_heap()
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+HEADROOM_MARGIN = 0.10  # of a cgroup limit, and at least HEADROOM_MIN: transient memory of building a kernel,
+HEADROOM_MIN = 24 << 20  # the page cache its weights pass through, the heap's own slack
+
+
+def memory_headroom() -> int | None:
+    """What this process may still grow by under its cgroup's memory limit, less a margin (None: no limit). The
+    limit counts the page cache too; the process's resident set is what reclaim cannot take back."""
+    from .scheduler.measure import memory_limit
+
+    limit = memory_limit()
+    if limit is None:
+        return None
+    return int(limit[0] - resident_bytes() - max(HEADROOM_MIN, HEADROOM_MARGIN * limit[0]))
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far.
 

@@ -259,11 +259,22 @@ class MlpShard:
 
     def __init__(self, layer: LayerWeights, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
                  threads: int = 1):
-        self.groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
-        neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, self.groups)])
-        self.gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
-                                       open_session=False)
-        self.down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
+        groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
+        neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, groups)])
+        gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
+                                  open_session=False)
+        down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
+        self._assemble(layout, groups, gate_up, down, threads)
+
+    @classmethod
+    def from_projections(cls, layout: GroupLayout, groups: Sequence[int], gate_up, down, threads: int = 1) -> "MlpShard":
+        """A shard from its two projections made elsewhere (a prepared group's kernels: halo/prepared.py)."""
+        shard = cls.__new__(cls)
+        shard._assemble(layout, _check_groups(groups, layout.n_mlp_groups, "MLP"), gate_up, down, threads)
+        return shard
+
+    def _assemble(self, layout: GroupLayout, groups: tuple, gate_up, down, threads: int) -> None:
+        self.groups, self.gate_up, self.down = groups, gate_up, down
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
         self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
@@ -304,9 +315,12 @@ class MlpGroupBank:
     (`prefetch` does it ahead, on the load thread)."""
 
     def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1,
-                 cache: GroupCache | None = None, index: int = 0):
-        """cache: where compact groups are kept (None: a bank of its own, unbounded); index: the layer, its key."""
+                 cache: GroupCache | None = None, index: int = 0, prepared=None):
+        """cache: where compact groups are kept (None: a bank of its own, unbounded); index: the layer, its key;
+        prepared: the device's groups written group-major in kernel form (halo/prepared.py), built from instead of
+        the model file."""
         self.layer, self.layout, self.fmt, self.threads, self.index = layer, layout, fmt, threads, index
+        self.prepared = prepared
         if fmt == "fp32":
             self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
             self.cache = None
@@ -321,6 +335,8 @@ class MlpGroupBank:
 
     def shard(self, group: int, ahead: bool = False) -> "MlpShard":
         """A compact group's kernels: from the cache, or built from the model file now."""
+        if self.prepared is not None:
+            return self.cache.get((self.index, group), lambda: self.prepared.shard(self.index, group, self.threads), ahead)
         return self.cache.get((self.index, group), lambda: MlpShard(self.layer, self.layout, [group], self.fmt,
                                                                     self.threads), ahead)
 

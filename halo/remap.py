@@ -23,6 +23,7 @@ rank r = group r.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,21 +31,33 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
+from .memory import resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
 from .weights import ModelWeights
+
+log = logging.getLogger("halo.remap")
+RESIDENT_MARGIN = 1.15  # over the measured cost of the first groups built: heap growth they do not show
+MIN_RESIDENT_PER_BYTE = 2.0  # measured 3.3 (SmolLM2 Q4_1 groups), 1.7 (TinyLlama Q4_0); less: they reused freed heap
+CALIBRATION_GROUPS = 12  # groups built (and run once) before their measured cost sets a budget's capacity
 
 
 class Remapper:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, rank_ranges: dict[int, tuple[int, int]],
                  predictors=None, load_overlap: bool = True, fmt: str = "fp32", threads: int = 1, built=None,
-                 cache_bytes: int | None = None):
+                 cache_bytes: int | None = None, resident_budget: int | None = None, prepared=None):
         """rank_ranges: layer -> this device's [a, b) of MLP ranks (layers with an empty range omitted); fmt: the
-        weight format its candidate groups are computed in; cache_bytes: how many compact bytes of built groups
-        it may keep (None: all of them, built now); built(): called after each layer's groups (loading progress)."""
+        weight format its candidate groups are computed in. The built groups it keeps (compact formats), at most:
+        cache_bytes of compact weights, or resident_budget bytes of process memory (converted with what the first
+        layer's groups measurably cost: a one-group kernel's session holds several times its weights); neither:
+        all of them, built now. built(): called after each layer's groups (loading progress). prepared: the groups
+        written group-major in kernel form (halo/prepared.py), built from instead of the model file."""
         self.ranges = {l: r for l, r in rank_ranges.items() if r[1] > r[0]}
         self.cache = GroupCache(cache_bytes) if fmt != "fp32" else None
-        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads, self.cache, l) for l in self.ranges}
+        self.resident_budget = resident_budget if self.cache is not None else None
+        self.resident_per_byte = None  # process memory per compact byte of a built group (measured with a budget)
+        self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads, self.cache, l,
+                                      prepared if fmt != "fp32" else None) for l in self.ranges}
         self.n_groups = layout.n_mlp_groups
         self._fill(built)
         self.predictors = predictors
@@ -61,25 +74,50 @@ class Remapper:
         it computes without predictions), then, while the cache has room, the other groups layer by layer in
         rank order. Unbounded: every candidate group. Refuses a cache too small for two layers' ranges."""
         cache = self.cache
-        bounded = cache is not None and cache.capacity_bytes is not None
+        calibrating = self.resident_budget is not None
+        before, seen = (resident_bytes() if calibrating else 0), []
         for l, (a, b) in self.ranges.items():
+            bounded = calibrating or (cache is not None and cache.capacity_bytes is not None)
             for g in (range(a, b) if bounded else range(self.n_groups)) if cache is not None else ():
                 self.banks[l].shard(g)
-            if bounded:
+            seen.append(l)
+            if calibrating and (len(cache) >= CALIBRATION_GROUPS or l == max(self.ranges)):
+                calibrating = False  # what these groups cost, each run once (a session allocates buffers at its first run)
+                for k in seen:
+                    self.banks[k].forward(np.zeros((1, self.banks[k].dim), dtype=np.float32), range(*self.ranges[k]))
+                self._set_capacity(resident_bytes() - before)
+                for k in seen if cache.capacity_bytes is None else ():
+                    for g in range(self.n_groups):
+                        self.banks[k].shard(g)  # everything fits: the rest of these layers too
+            if cache is not None and cache.capacity_bytes is not None:
                 need = minimum_capacity(int(self._group_bytes() * max(b - a for a, b in self.ranges.values())))
                 if cache.capacity_bytes < need:
-                    raise ConfigError(f"a memory budget for re-mapped MLP groups of {cache.capacity_bytes / 1e6:.1f} MB "
-                                      f"is less than two layers of this share's groups ({need / 1e6:.1f} MB): give "
-                                      "this device fewer MLP ranks or more memory")
+                    raise ConfigError(f"the memory left for re-mapped MLP groups holds {cache.capacity_bytes / 1e6:.1f} MB "
+                                      f"of them, less than two layers of this share's groups ({need / 1e6:.1f} MB): give "
+                                      "this device fewer MLP ranks or more memory (halo-agent --memory-budget)")
             if built is not None:
                 built()
-        for l, (a, b) in self.ranges.items() if bounded else ():
+        for l, (a, b) in self.ranges.items() if cache is not None and cache.capacity_bytes is not None else ():
             for g in (g for g in range(self.n_groups) if not a <= g < b):
                 if not cache.room_for(self._group_bytes()):
                     break
                 self.banks[l].shard(g)
         if cache is not None:
             cache.filling = False
+
+    def _set_capacity(self, grown: int) -> None:
+        """The compact capacity a resident budget buys, from what the first groups built made the process grow by
+        (a one-group kernel's session holds 2-5 x its weights: its own buffers and graph);
+        unbounded where every candidate group fits."""
+        cache = self.cache
+        self.resident_per_byte = RESIDENT_MARGIN * max(MIN_RESIDENT_PER_BYTE, grown / max(1, cache.held_bytes))
+        capacity = int(self.resident_budget / self.resident_per_byte)
+        every = self._group_bytes() * self.n_groups * len(self.ranges)
+        if capacity < every:
+            cache.capacity_bytes = capacity
+        log.info("HALO groups within %.1f MB of memory: %.1f MB of built groups (%.1f x their weights in memory) of "
+                 "%.1f MB candidates%s", self.resident_budget / 1e6, capacity / 1e6, self.resident_per_byte, every / 1e6,
+                 "" if capacity < every else ": all of them")
 
     def _group_bytes(self) -> int:
         return int(self.cache.held_bytes / max(1, len(self.cache)))
@@ -147,7 +185,9 @@ class Remapper:
                "load_wait_ms": round(self.wait_ms, 3)}
         if self.cache is not None:
             out["group_cache"] = {"capacity_bytes": self.cache.capacity_bytes, "held_bytes": self.cache.held_bytes,
-                                  "groups": len(self.cache), **self.cache.stats.to_json()}
+                                  "groups": len(self.cache), "resident_budget_bytes": self.resident_budget,
+                                  "prepared": next(iter(self.banks.values())).prepared is not None if self.banks else False,
+                                  "resident_per_byte": self.resident_per_byte, **self.cache.stats.to_json()}
         return out
 
     def close(self) -> None:

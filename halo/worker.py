@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .memory import memory_headroom, resident_bytes
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from .ops import Rotary, rmsnorm
 from .shares import Block, Shares, rank_range
@@ -28,20 +29,29 @@ class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
                  threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
                  reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None,
-                 mlp_cache_bytes: int | None = None):
+                 memory_budget: int | None = None, prepared=None):
         """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
         the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
         stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
         it did not hold are built: after a sticky re-plan a survivor builds just what it gained.
         progress(done, total): called as each block's share is ready (an agent reports its loading with it).
-        mlp_cache_bytes: HALO mode, compact weights: the most bytes of built MLP groups kept (halo/group_cache.py;
-        None: every candidate group, built now)."""
+        memory_budget: the most process memory the share's weights and KV cache may take; in HALO mode with compact
+        weights, the built MLP groups it keeps are bounded by what the other shards (measured) and the KV cache
+        leave of it (halo/group_cache.py; None: every candidate group, built now). prepared: HALO mode's groups
+        written group-major in kernel form (halo/prepared.py: `halo-agent prepare`), built from instead of the file."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads = context, fmt, threads
         self.rotary = Rotary(c, context)
+        # the RMSNorm weights, copied out of the memory-mapped model: every block reads them every token, and a device
+        # short of memory that loses their page faults in the disk's whole read-ahead window (8 MB here) each time
+        self.norms = {"attention": [np.array(l.attn_norm) for l in weights.layers],
+                      "mlp": [np.array(l.mlp_norm) for l in weights.layers]}
+        self.final_norm = np.array(weights.final_norm)
         old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads) else None
         self.reused_groups = 0  # groups whose kernels came from `reuse`
+        bounded = remap and fmt != "fp32" and memory_budget is not None  # HALO's built groups: within the budget
+        started = resident_bytes() if bounded else 0
         kept_caches = []
         blocks = [*share.attention, *share.mlp, share.lm_head]
         loaded = _Progress(sum(1 for groups in blocks if groups), progress)
@@ -60,20 +70,27 @@ class DeviceWorker:
         self.attention = {l: shard("attention", l, heads,
                                    lambda g, l=l: AttentionShard(weights.layers[l], layout, g, context, fmt, threads))
                           for l, heads in enumerate(share.attention) if heads}
+        self.lm_head = (shard("lm_head", c.n_layers, share.lm_head,
+                              lambda g: LmHeadShard(weights.lm_head, layout, g, fmt, threads))
+                        if share.lm_head else None)
         self.mlp: dict[int, MlpShard] = {}
         self.remapper = None
         if remap:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
+            groups_budget = None
+            if bounded:  # what the MLP groups may take: the rest, measured
+                kv = sum(s.cache_nbytes for s in self.attention.values())
+                groups_budget = memory_budget - (resident_bytes() - started) - kv
+                headroom = memory_headroom()
+                if headroom is not None:  # a cgroup limit counts everything: the predictors, buffers, page cache
+                    groups_budget = min(groups_budget, headroom - kv)
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
-                                     cache_bytes=mlp_cache_bytes)
+                                     resident_budget=groups_budget, prepared=prepared)
         else:
             self.mlp = {l: shard("mlp", l, g, lambda g, l=l: MlpShard(weights.layers[l], layout, g, fmt, threads))
                         for l, g in enumerate(share.mlp) if g}
-        self.lm_head = (shard("lm_head", c.n_layers, share.lm_head,
-                              lambda g: LmHeadShard(weights.lm_head, layout, g, fmt, threads))
-                        if share.lm_head else None)
         for cache in kept_caches:  # only once everything was built: a failed build leaves the old session intact
             cache.reset()  # the history is replayed into the new assignment
         self.compute_ms = 0.0  # wall clock, every compute call
@@ -102,15 +119,14 @@ class DeviceWorker:
         """This device's partial output of a block for the residual stream x [T, D] at positions start..:
         [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head)."""
         t, cpu = time.perf_counter(), time.thread_time()
-        w, eps = self.weights, self.config.norm_eps
+        norm = self.final_norm if block.kind == "lm_head" else self.norms[block.kind][block.layer]
+        h = rmsnorm(x, norm, self.config.norm_eps)
         if block.kind == "attention":
-            out = self.attention[block.layer].forward(rmsnorm(x, w.layers[block.layer].attn_norm, eps), start,
-                                                      self.rotary)
+            out = self.attention[block.layer].forward(h, start, self.rotary)
         elif block.kind == "mlp":
-            h = rmsnorm(x, w.layers[block.layer].mlp_norm, eps)
             out = self.remapper.mlp_partial(block.layer, h) if self.remapper else self.mlp[block.layer].forward(h)
         else:
-            out = self.lm_head.forward(rmsnorm(x, w.final_norm, eps))
+            out = self.lm_head.forward(h)
         self.last_compute_ms = 1e3 * (time.perf_counter() - t)
         self.compute_ms += self.last_compute_ms
         self.cpu_ms += 1e3 * (time.thread_time() - cpu)
@@ -119,7 +135,7 @@ class DeviceWorker:
     def fill(self, layer: int, x: np.ndarray) -> None:
         """The KV cache of layer `layer` at positions 0.. from the residual stream that entered its attention block
         there, x [T, D] (a re-plan's new shares, from the master's InputLog)."""
-        self.attention[layer].fill(rmsnorm(x, self.weights.layers[layer].attn_norm, self.config.norm_eps), 0,
+        self.attention[layer].fill(rmsnorm(x, self.norms["attention"][layer], self.config.norm_eps), 0,
                                    self.rotary)
 
     def predicts_from(self, block: Block) -> bool:

@@ -21,7 +21,13 @@ python3 -m venv /opt/halo/venv
 /opt/halo/venv/bin/pip install -q --upgrade pip
 /opt/halo/venv/bin/pip install -q "$package"      # core only: numpy, pyzmq, onnxruntime, onnx, psutil
 
-[ -n "$model" ] && install -o root -g root -m 0644 "$model" /opt/halo/models/
+if [ -n "$model" ]; then
+  install -o root -g root -m 0644 "$model" /opt/halo/models/
+  # HALO mode's MLP groups laid out for re-mapping (read-only for the service; see `halo-agent prepare --help`)
+  HALO_PREPARED_DIR=/opt/halo/prepared /opt/halo/venv/bin/halo-agent prepare \
+      --model "/opt/halo/models/$(basename "$model")" \
+    || echo "note: no prepared groups (a float model needs none for --weights native; see halo-agent prepare --help)"
+fi
 [ -f /etc/halo/agent.toml ] || install -o root -g halo -m 0640 "$here/agent.example.toml" /etc/halo/agent.toml
 if [ -n "$key" ]; then
   install -o halo -g halo -m 0600 "$key" /etc/halo/cluster.key

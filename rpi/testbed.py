@@ -14,7 +14,7 @@ as on a radio link, and the sender's sendto() still succeeds (an output-hook dro
 EPERM, which no real link does). Segmentation offloads are off so loss applies to real frames, ARP
 entries are pinned (loss hits data, not address resolution), and
 TCP uses the same congestion control (cubic) in every namespace. Everything is removed on exit,
-also after errors. Needs root, iproute2, nftables and ethtool; `available()` says why not.
+also after errors. Needs root, iproute2, nftables, ethtool and nsenter; `available()` says why not.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def available() -> tuple[bool, str]:
     """(can we build the test bed here, why not)."""
     if os.geteuid() != 0:
         return False, "network namespaces need root"
-    for tool in ("ip", "nft", "ethtool"):
+    for tool in ("ip", "nft", "ethtool", "nsenter"):
         if shutil.which(tool) is None:
-            return False, f"'{tool}' is not installed (apt-get install iproute2 nftables ethtool)"
+            return False, f"'{tool}' is not installed (apt-get install iproute2 nftables ethtool util-linux)"
     probe = subprocess.run(["ip", "netns", "add", "halo-probe"], capture_output=True, text=True)
     if probe.returncode != 0:
         return False, f"cannot create network namespaces: {probe.stderr.strip()}"
@@ -153,7 +153,9 @@ class LossyTestbed:
         return dropped
 
     def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(["ip", "netns", "exec", self.hosts[host][0], *argv], **kwargs)
+        """Run a program in a host's network namespace. nsenter enters only the network namespace: `ip netns exec`
+        also remounts /sys, which hides /sys/fs/cgroup, so a process could not see its own memory or CPU limit."""
+        return subprocess.Popen(["nsenter", f"--net=/run/netns/{self.hosts[host][0]}", *argv], **kwargs)
 
     def teardown(self) -> None:
         _run("nft", "delete", "table", "bridge", self.table, check=False)

@@ -103,3 +103,56 @@ def test_a_hello_while_loading_is_refused_as_busy(slow_agent, stories_weights):
     with pytest.raises(AgentError, match="busy: loading a share for master"):
         cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)
     first.join(20)
+
+
+def test_an_agent_on_throttled_storage_is_waited_for_while_it_loads(tmp_path):
+    """A device reading its model from SD-card-slow storage: its own GGUF copy (read lazily, block by block), evicted
+    from the page cache, read through a cgroup-v1 blkio throttle of 8 MB/s. Its half of a 3-layer, 40 MB Q8_0 model
+    takes seconds to build, past the hello timeout; it reports progress, so the master waits, and its logits are the
+    single process's."""
+    import os
+    import shutil
+    import subprocess
+
+    from gguf_models import tiny_gguf
+    from halo.distributed import AgentProcess, agent_command, stop_processes
+    from halo.loader import load_weights, model_fingerprint
+    from halo.rpi.limits import DeviceLimits, available, drop_cached
+    from halo.transport.reliable import generate_key, load_key
+
+    ok, why = available(storage=True)
+    if not ok:
+        pytest.skip(f"throttled storage needs cgroup-v1 blkio: {why}")
+    original = tiny_gguf(tmp_path / "model.gguf", "Q8_0", hidden_size=1024, intermediate_size=2816,
+                         num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=8)
+    model = tmp_path / "sd-card" / "model.gguf"  # the device's own copy: the master's reads do not cache its pages
+    model.parent.mkdir()
+    shutil.copyfile(original, model)
+    weights = load_weights(original)
+    model_fingerprint(model)  # cached on disk: the agent does not hash the file through the throttle at start
+    key = tmp_path / "cluster.key"
+    generate_key(key)
+    with DeviceLimits(f"test-{os.getpid()}", None, 8e6, model) as limits:
+
+        def popen(argv, preexec_fn=None, **kwargs):
+            def both():
+                preexec_fn()
+                limits.join()
+            return subprocess.Popen(argv, preexec_fn=both, **kwargs)
+
+        agent = AgentProcess("sd-card", agent_command("tcp://127.0.0.1:0", key, "sd-card", 1, model), popen=popen)
+        try:
+            endpoint = agent.wait_listening(120.0)
+            drop_cached(model)
+            start = time.monotonic()
+            distributed = cluster_model(weights, [endpoint], load_key(key), context=CONTEXT, hello_timeout_s=2.0,
+                                        plan="even", fmt="native")
+            loaded_s = time.monotonic() - start
+            got = distributed.forward([1, 17, 42, 99, 250])
+            read = ask_status([endpoint], load_key(key))[endpoint]["memory"]["storage_read_bytes"]
+            distributed.close()
+        finally:
+            stop_processes([agent])
+    expected = Transformer(weights, fmt="native", max_seq_len=CONTEXT).forward([1, 17, 42, 99, 250])
+    assert loaded_s > 2.0 and read > 10e6, (loaded_s, read)  # slower than the hello timeout, from the disk
+    assert np.argmax(got) == np.argmax(expected) and np.allclose(got, expected, atol=5e-3)  # partials summed in two

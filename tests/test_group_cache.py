@@ -40,6 +40,18 @@ def test_the_cache_keeps_the_most_recently_used_groups_within_its_capacity():
     assert cache.stats.prefetched == 1 and cache.stats.evicted == 2
 
 
+def test_layers_visited_in_turn_keep_the_layers_that_come_next():
+    """Every token visits layers 0, 1, 2 in turn. Holding 4 of the 6 groups, least-recently-used eviction would always
+    have just evicted the layer that comes next (no hit ever); evicting the layer computed last keeps the others."""
+    cache = GroupCache(capacity_bytes=40)
+    cache.filling = False
+    for _ in range(5):
+        for layer in range(3):
+            for group in range(2):
+                cache.get((layer, group), lambda key=(layer, group): Built(key))
+    assert cache.held_bytes <= 40 and cache.stats.hits >= 6  # 2 of 3 layers' groups hit from the third token on
+
+
 def test_a_group_being_built_is_waited_for_not_built_twice():
     cache = GroupCache(capacity_bytes=None)
     started, builds = threading.Event(), []
@@ -101,13 +113,20 @@ def test_a_cache_smaller_than_two_layers_of_ranks_is_refused(stories_weights):
         Remapper(stories_weights, layout, {0: (0, 4), 1: (0, 4)}, fmt="int8", cache_bytes=1000)
 
 
-def test_an_agent_under_a_memory_budget_keeps_a_bounded_cache_and_the_same_tokens(stories_weights):
+def test_an_agent_under_a_memory_budget_keeps_a_bounded_cache_and_the_same_tokens(stories_weights, tmp_path,
+                                                                                  monkeypatch):
     """halo-agent --memory-budget: in HALO mode (halo-tcp: reliable, so the tokens are deterministic) with int8
     weights, an agent whose budget cannot hold every candidate MLP group keeps what it allows, builds the rest
-    when rankings need them (its status says how many and how long) and gives the tokens of unbounded agents."""
+    when rankings need them (its status says how many and how long) and gives the tokens of unbounded agents;
+    after `halo-agent prepare` it builds them from the prepared groups, with the same tokens again."""
+    import subprocess
+    import sys
+
     from halo.distributed import LocalCluster, cluster_model
     from halo.distributed.remote import ask_status
     from halo.sync import SyncSettings
+
+    monkeypatch.setenv("HALO_PREPARED_DIR", str(tmp_path / "prepared"))  # the agents inherit it
 
     def run(extra):
         with LocalCluster(2, extra_args=extra) as cluster:
@@ -122,11 +141,63 @@ def test_an_agent_under_a_memory_budget_keeps_a_bounded_cache_and_the_same_token
             return tokens, memory
 
     free_tokens, free = run(())
-    bounded_tokens, bounded = run(("--memory-budget", "0.2"))
+    budget = ("--memory-budget", "17")  # MB of process memory: ~12 MB go to attention and LM head, a group ~0.2 MB
+    bounded_tokens, bounded = run(budget)
     assert bounded_tokens == free_tokens
     for unbounded, memory in zip(free, bounded):
         cache = memory["group_cache"]
         assert unbounded["group_cache"]["capacity_bytes"] is None and unbounded["group_cache"]["stalls"] == 0
         assert 0 < cache["held_bytes"] <= cache["capacity_bytes"] < unbounded["group_cache"]["held_bytes"]
-        assert cache["prefetched"] + cache["stalls"] > 0 and cache["built_bytes"] > 0
+        assert cache["prefetched"] + cache["stalls"] > 0 and cache["built_bytes"] > 0 and not cache["prepared"]
+        assert cache["resident_per_byte"] > 1 and cache["resident_budget_bytes"] < 17e6
         assert memory["weights_bytes"] < unbounded["weights_bytes"]
+    done = subprocess.run([sys.executable, "-P", "-m", "halo.edge_agent", "prepare", "--weights", "int8"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "prepared 8 MLP groups x 5 layers" in done.stdout, done.stderr
+    prepared_tokens, prepared = run(budget)
+    assert prepared_tokens == free_tokens and all(m["group_cache"]["prepared"] for m in prepared)
+
+
+def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weights, tmp_path):
+    """halo-agent prepare writes every MLP group in kernel form, group-major; a group built from those bytes is the
+    same kernel as one built from the model file: bitwise the same output."""
+    from halo.loader import model_fingerprint
+    from halo.neuron_groups import MlpShard
+    from halo.prepared import PreparedGroups, prepare
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    sha = model_fingerprint(stories_weights.source)
+    out = prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared")
+    groups = PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
+    x = np.random.default_rng(3).standard_normal((3, stories_weights.config.dim)).astype(np.float32)
+    for layer, group in [(0, 0), (2, 5), (4, layout.n_mlp_groups - 1)]:  # the last group is smaller (172 = 7 x 22 + 18)
+        np.testing.assert_array_equal(groups.shard(layer, group).forward(x),
+                                      MlpShard(stories_weights.layers[layer], layout, [group], "int8").forward(x))
+
+
+def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):
+    import json
+
+    from halo.loader import model_fingerprint
+    from halo.prepared import PreparedGroups, prepare
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    sha = model_fingerprint(stories_weights.source)
+    out = prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared")
+    with pytest.raises(ConfigError, match=r"prepared for format 'int8', this session needs 'native'; run: halo-agent prepare"):
+        PreparedGroups(out, sha, "native", layout, stories_weights.config.n_layers)
+    with pytest.raises(ConfigError, match=r"prepared for model_sha256 .* run: halo-agent prepare"):
+        PreparedGroups(out, "0" * 64, "int8", layout, stories_weights.config.n_layers)
+    data = out / "groups.bin"
+    data.write_bytes(data.read_bytes()[:-10])
+    with pytest.raises(ConfigError, match=r"groups.bin is missing or truncated \(expected \d+ bytes\); run: halo-agent prepare"):
+        PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
+    manifest = json.loads((out / "manifest.json").read_text())
+    data.write_bytes(data.read_bytes() + bytes(10))
+    manifest["groups"][3]["kernels"][0]["arrays"][0][1][0] += 1  # a forged shape: refused at start, not mid-generation
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"manifest.json, layer 0 group 3: arrays .* where the kernel needs"):
+        PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
+    (out / "manifest.json").write_text(json.dumps({"version": 99}))
+    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 1"):
+        PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)

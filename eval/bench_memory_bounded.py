@@ -1,0 +1,287 @@
+"""Agents under memory limits (HALO's 8 GB Pi that cannot hold the model) and SD-card read rates.
+
+    python -m halo.eval.bench_memory_bounded [--model tinyllama-q4] [--agents 3] [--modes exact,halo]
+                                             [--limits 1.25,1.10] [--read-mbps 40] [--tokens 16]
+
+The namespace test bed (rpi/testbed.py, 0 % loss), the master unlimited, every agent in its own cgroup-v1
+memory group (rpi/limits.py) with its own copy of the model file. Per sync mode, first unlimited: each agent's
+share is what its process grew by in exact mode (peak resident set minus its idle size before the hello: weights
+as built, KV cache, buffers). Then every agent limited to its idle size + FACTOR x its share (--limits: share +
+25 %, share + 10 %), the agent budgeting from what its cgroup leaves (its default budget). HALO mode re-maps
+MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
+keeps what its budget allows (halo/group_cache.py) and builds the rest when the predictors rank them onto it.
+
+--read-mbps adds rows with the agents' storage throttled (blkio) after their copies are evicted from the page
+cache, with the load thread on and off (the prefetch ablation): bytes read from the disk per token.
+
+Reported per row: time per output token (median after a warm-up), vs unlimited in the same mode; the cgroup's
+peak usage (page cache included) against its limit and OOM kills; the agent's peak resident set; per timed token:
+groups built (HALO mode), bytes read from storage and major faults; partials dropped; whether the tokens equal the
+unlimited run's (HALO mode drops partials that come too late, so a slow agent changes them). Writes
+eval/results/<name>.{json,md}. Needs root (test bed, cgroups); skips otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .bench_halo_speed import run_master, summarize
+from .report import command_line, write_report
+
+WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
+
+
+def model_and_predictors(name: str) -> tuple[Path, Path]:
+    """The model file the master reads and the predictors every agent ranks with."""
+    if name == "tinyllama-q4":
+        from .bench_churn import q4_checkpoint
+        from .random_checkpoint import write_random_predictors
+
+        original = q4_checkpoint(22)
+        path = WORK / "master" / original.name  # a hard link (the same file): the master finds predictors/ beside it
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.link(original, path)
+        predictors = path.parent / "predictors"
+        if not (predictors / "manifest.json").exists():
+            write_random_predictors(path, out=predictors)
+        return path, predictors
+    from halo.loader import model_path
+
+    path = model_path(name)
+    return path, path.parent / "predictors"
+
+
+def agent_copies(model: Path, n: int) -> list[Path]:
+    """Each agent's own copy of the model file (its page cache is its own), fingerprinted once (cached on disk, so an
+    agent does not read the whole file again at start)."""
+    from halo.loader import model_fingerprint
+
+    copies = []
+    for i in range(1, n + 1):
+        copy = WORK / f"agent-{i}" / model.name
+        if not copy.exists() or copy.stat().st_size != model.stat().st_size:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(model, copy)
+        model_fingerprint(copy)
+        copies.append(copy)
+    return copies
+
+
+def status_of(pid: int) -> dict:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _then(first, second):
+    """A Popen preexec_fn that runs two (AgentProcess's own, then joining the cgroups)."""
+    def both():
+        if first is not None:
+            first()
+        second()
+    return both
+
+
+def prepared_root(copy: Path) -> Path:
+    return copy.parent / "prepared"
+
+
+def prepare_copies(copies: list[Path], weights: str) -> None:
+    """`halo-agent prepare` for each agent's copy, into the agent's own directory (its own page cache)."""
+    import subprocess
+
+    from halo.distributed.local import module_command
+
+    for copy in copies:
+        if not any(prepared_root(copy).glob("*/manifest.json")):
+            subprocess.run(module_command("halo.edge_agent", "prepare", "--model", str(copy), "--weights", weights),
+                           env={**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy))}, check=True, timeout=3600)
+
+
+def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: Path, mode: str,
+            limits_bytes: list[int | None], read_bps: float | None = None, settings: dict | None = None) -> dict:
+    """Agents in fresh cgroups with these limits, one master decoding; what each agent used. Mode "halo+prepared":
+    halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare)."""
+    prepared = mode.endswith("+prepared")
+    mode = mode.removesuffix("+prepared")
+    from contextlib import ExitStack
+
+    from halo.distributed import AgentProcess, agent_command, stop_processes
+    from halo.rpi.limits import DeviceLimits, drop_cached
+
+    with ExitStack() as stack:
+        limits, processes = [], []
+        for i, (copy, limit) in enumerate(zip(copies, limits_bytes), start=1):
+            host = f"agent-{i}"
+            device = stack.enter_context(DeviceLimits(f"mb-{i}", limit, read_bps, copy))
+            if read_bps is not None:  # nothing of the model in memory: the agent reads it from the "card"
+                for file in [copy, *prepared_root(copy).glob("*/groups.bin")]:
+                    drop_cached(file)
+            argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, copy, predictors)
+            env = {**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy) if prepared else WORK / "none")}
+            processes.append(AgentProcess(host, argv, popen=lambda a, host=host, device=device, env=env, preexec_fn=None,
+                                          **kw: bed.popen(host, a, preexec_fn=_then(preexec_fn, device.join), env=env,
+                                                          **kw)))
+            limits.append(device)
+        stack.callback(stop_processes, processes)
+        endpoints = [p.wait_listening(120.0) for p in processes]
+        idle = [status_of(p.pid)["VmRSS"] for p in processes]
+        row = {"mode": mode + ("+prepared" if prepared else ""), "limits_bytes": limits_bytes, "read_bps": read_bps, "settings": settings or {}}
+        try:
+            result = run_master(bed, model, key, endpoints, mode, args.tokens, settings or {}, args.time_limit,
+                                args.weights)
+            row.update(summarize(result))
+            row["agents_memory"] = result.get("agents_memory")
+            row["agents_memory_at_timed_start"] = result.get("agents_memory_at_timed_start")
+        except (RuntimeError, OSError) as e:
+            row["error"] = str(e).strip().splitlines()[-1][:400]
+        row["agents"] = []
+        for p, device, rss in zip(processes, limits, idle):
+            agent = {"idle_rss_bytes": rss, **device.usage()}
+            if p.poll() is None:
+                agent["peak_rss_bytes"] = status_of(p.pid)["VmHWM"]
+            else:
+                agent["exit_code"] = p.returncode
+            row["agents"].append(agent)
+    return row
+
+
+def run(args) -> None:
+    from halo.rpi.testbed import LossyTestbed
+    from halo.transport.reliable import generate_key
+
+    model, predictors = model_and_predictors(args.model)
+    copies = agent_copies(model, args.agents)
+    modes = args.modes.split(",")
+    if any(m.endswith("+prepared") for m in modes):
+        prepare_copies(copies, args.weights)
+    rows, partial = [], Path(args.out) / f"{args.name}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: dict, **labels) -> dict:
+        row.update(labels)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("generated", "agents_memory")}), flush=True)
+        partial.write_text(json.dumps(rows, indent=1))
+        return row
+
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="mb") as bed:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        unlimited = dict.fromkeys(m.removesuffix("+prepared") for m in modes)  # unlimited, everything is built at start
+        free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
+                          limit="none", factor=None) for m in unlimited}
+        base = free.get("exact") or free[modes[0]]
+        shares = [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]]
+        for factor in [float(f) for f in args.limits.split(",")]:
+            limits = [int(a["idle_rss_bytes"] + factor * s) for a, s in zip(base["agents"], shares)]
+            for m in modes:
+                record(one_run(bed, args, model, predictors, copies, key, m, limits), limit=f"share+{factor - 1:.0%}",
+                       factor=factor, shares_bytes=shares)
+        if args.read_mbps:
+            factor = float(args.limits.split(",")[0])
+            limits = [int(a["idle_rss_bytes"] + factor * s) for a, s in zip(base["agents"], shares)]
+            for m in modes:
+                for overlap in ([True, False] if m.startswith("halo") else [True]):
+                    settings = {} if overlap else {"load_overlap": False}
+                    record(one_run(bed, args, model, predictors, copies, key, m, limits, args.read_mbps * 1e6, settings),
+                           limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares,
+                           read_mbps=args.read_mbps, prefetch=overlap)
+    lines = render(rows, args, model)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_memory_bounded", args.argv),
+                                        "model": str(model), "weights": args.weights, "agents": args.agents,
+                                        "rows": rows}, lines)
+    partial.unlink(missing_ok=True)
+
+
+def during_decoding(row: dict, field) -> float | None:
+    """A cumulative agent counter summed over agents, from the end of the warm-up to the end: per timed token."""
+    start, end = row.get("agents_memory_at_timed_start"), row.get("agents_memory")
+    if not start or not end:
+        return None
+    values = [(field(a), field(b)) for a, b in zip(start, end) if a and b]
+    if any(x is None or y is None for x, y in values):
+        return None
+    return sum(y - x for x, y in values) / max(1, row["tokens"])
+
+
+def render(rows: list[dict], args, model: Path) -> list[str]:
+    free = {r["mode"]: r for r in rows if r["limit"] == "none"}
+    free.update({m + "+prepared": r for m, r in list(free.items())})  # the same unlimited run: it builds everything
+    mb = 1e6
+    lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
+             f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`", "",
+             f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
+             "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
+             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + factor x share. Per-token columns count "
+             "the timed tokens only (agents' counters after the warm-up and at the end), summed over the agents.", "",
+             "| mode | limit | storage | ms/token (median) | vs unlimited | cgroup peak / limit (MB, max over agents) "
+             "| OOM kills | agent peak RSS (MB) | groups built per token (in line) | storage MB read per token "
+             "| major faults per token | partials dropped | tokens = unlimited |", "|" + "---|" * 13]
+    for r in rows:
+        storage = f"{r['read_mbps']:g} MB/s, prefetch {'on' if r.get('prefetch') else 'off'}" if r.get("read_mbps") else "page cache"
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['limit']} | {storage} | failed: {r['error']} |" + " |" * 9)
+            continue
+        base, agents = free.get(r["mode"]), r["agents"]
+        peak = max(a["max_usage_bytes"] for a in agents) / mb
+        limit = f"{max(a['limit_bytes'] for a in agents) / mb:.0f}" if agents[0]["limit_bytes"] else "none"
+        rss = max(a.get("peak_rss_bytes", 0) for a in agents) / mb
+        built = during_decoding(r, lambda m: m.get("group_cache", {}).get("prefetched", 0) + m.get("group_cache", {})
+                                .get("stalls", 0) if m.get("group_cache") else 0)
+        stalls = during_decoding(r, lambda m: m.get("group_cache", {}).get("stalls", 0))
+        read = during_decoding(r, lambda m: m.get("storage_read_bytes"))
+        faults = during_decoding(r, lambda m: m.get("major_faults"))
+        show = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+        dropped = f"{r['partials_dropped']} of {r['partials']}" if r.get("partials") else "-"
+        ratio = f"{r['ms_median'] / base['ms_median']:.2f}x" if base and "ms_median" in base else "-"
+        same = "yes" if base and r["generated"] == base.get("generated") else "no"
+        lines.append(f"| {r['mode']} | {r['limit']} | {storage} | {r['ms_median']:.0f} | {ratio} | {peak:.0f} / {limit} "
+                     f"| {sum(a['oom_kills'] for a in agents)} | {rss:.0f} | {show(built)} ({show(stalls)}) "
+                     f"| {show(None if read is None else read / mb)} | {show(faults, '{:.0f}')} | {dropped} | {same} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tinyllama-q4",
+                        help="tinyllama-q4 (a random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), a fetched model's "
+                             "name (smollm2-135m-instruct) or a path")
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--modes", default="exact,halo,halo+prepared",
+                        help="sync modes; halo+prepared: halo, agents building re-mapped groups from `halo-agent "
+                             "prepare`d directories (unlimited, it is the halo row: everything is built at the start)")
+    parser.add_argument("--limits", default="1.25,1.10", help="limit factors over each agent's share")
+    parser.add_argument("--read-mbps", type=float, default=0.0, help="also rows with storage read at this rate")
+    parser.add_argument("--weights", default="native")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--time-limit", type=float, default=300.0)
+    parser.add_argument("--name", default="memory_bounded")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    from halo.rpi.limits import available as limits_available
+    from halo.rpi.testbed import available
+
+    for ok, why in (available(), limits_available(storage=bool(args.read_mbps))):
+        if not ok:
+            print(f"skipped: {why}")
+            return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

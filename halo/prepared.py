@@ -1,0 +1,206 @@
+"""A device's MLP groups written group-major in kernel form: one group is one contiguous read.
+
+HALO mode re-maps MLP groups per token; a memory-bounded device (halo/group_cache.py) builds a group again when a
+ranking needs one it no longer holds. From the model file that means gathering the group's W_gate and W_up rows
+and W_down columns (strided across the file) and restating them in MatMulNBits terms (nibble repacking, scale
+conversion, or quantizing float32 to int8): about half of a group's build time. `halo-agent prepare` does that
+once per device and format and writes every group's kernel arrays (codes, scales, offsets; exactly what the
+kernels would be given) one after the other into `groups.bin`, with a manifest that names the model (sha256),
+the format, the group size and every array's shape; a bank then builds a group from its bytes alone.
+
+    halo-agent prepare --model MODEL --weights native     (writes <cache>/prepared/<sha>-<format>-g<size>/)
+
+The agent finds the prepared groups of its model, format and group size by themselves (`find_prepared`); a
+stale or damaged directory is refused with what to run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+from .linear import KernelProjection, KernelSpec, make_projection
+from .neuron_groups import GroupLayout, MlpShard, take_cols, take_rows
+from .weights import ModelWeights
+
+VERSION = 1
+ARRAYS = ("codes", "scales", "offsets")
+
+
+def prepared_dir(sha256: str, fmt: str, group_size: int) -> Path:
+    from .cache import cache_subdir
+
+    return cache_subdir("prepared", "HALO_PREPARED_DIR") / f"{sha256[:16]}-{fmt}-g{group_size}"
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """Rows of a matrix already in MatMulNBits terms (a prepared group's bytes): what a kernel is filled with."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (len(self.codes), self.k)
+
+    def __getitem__(self, rows: slice) -> "KernelForm":
+        return KernelForm(self.codes[rows], self.scales[rows], None if self.offsets is None else self.offsets[rows],
+                          self.k)
+
+
+def _fill_from_form(rows: KernelForm, codes, scales, offsets) -> None:
+    codes[:], scales[:] = rows.codes, rows.scales
+    if offsets is not None:
+        offsets[:] = rows.offsets
+
+
+def group_projections(weights: ModelWeights, layout: GroupLayout, layer: int, group: int, fmt: str):
+    """A group's two kernel projections (gate+up rows, down columns) as a bank would build them, sessions unopened."""
+    w = weights.layers[layer]
+    neurons = np.arange(layout.mlp_neurons(group).start, layout.mlp_neurons(group).stop)
+    gate_up = make_projection([take_rows(w.w_gate, neurons), take_rows(w.w_up, neurons)], fmt, open_session=False)
+    down = make_projection([take_cols(w.w_down, neurons, fmt)], fmt, open_session=False)
+    for p in (gate_up, down):
+        if not isinstance(p, KernelProjection) or len(p.kernels) != 1:
+            raise ConfigError(f"--weights {fmt} on {weights.source}: an MLP group is not one compact kernel here "
+                              "(a float32 or mixed-type tensor); prepared groups need int8 or a GGUF's 4/8-bit blocks")
+    return gate_up, down
+
+
+def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, out: Path | None = None,
+            progress=None) -> Path:
+    """Write every MLP group of every layer in kernel form (see the module docstring); returns the directory.
+    progress(done, total) after each layer. Written under a temporary name and renamed: never half a directory."""
+    out = out or prepared_dir(sha256, fmt, layout.mlp_group_size)
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    groups, at = [], 0
+    c = weights.config
+    with open(partial / "groups.bin", "wb") as f:
+        for layer in range(c.n_layers):
+            for g in range(layout.n_mlp_groups):
+                entry = {"offset": at, "kernels": []}
+                for projection in group_projections(weights, layout, layer, g, fmt):
+                    kernel = projection.kernels[0]
+                    arrays = [(name, kernel.weights[name]) for name in ARRAYS if name in kernel.weights]
+                    spec = kernel.spec
+                    entry["kernels"].append({"k": kernel.k, "n": kernel.n, "outputs": [[s.start, s.stop] for s in
+                                                                                      projection.outputs],
+                                             "spec": [spec.bits, spec.block, spec.with_offsets, spec.accuracy_level,
+                                                      spec.split_activations],
+                                             "arrays": [[name, list(a.shape), str(a.dtype)] for name, a in arrays]})
+                    for _, a in arrays:
+                        f.write(np.ascontiguousarray(a).tobytes())
+                        at += a.nbytes
+                    kernel.release()
+                entry["bytes"] = at - entry["offset"]
+                groups.append(entry)
+            if progress is not None:
+                progress(layer + 1, c.n_layers)
+    manifest = {"version": VERSION, "model_sha256": sha256, "format": fmt, "mlp_group_size": layout.mlp_group_size,
+                "n_layers": c.n_layers, "n_mlp_groups": layout.n_mlp_groups, "dim": c.dim, "bytes": at,
+                "source": str(weights.source), "groups": groups}
+    (partial / "manifest.json").write_text(json.dumps(manifest))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return out
+
+
+class PreparedGroups:
+    """A prepared directory, checked against the model, format and group size it must serve; `shard(layer, group)`
+    builds a group's MlpShard from its bytes: one pread of a contiguous range (no readahead: the file is read at
+    random, and under a memory limit a neighbour read ahead only pushes out what the device needs)."""
+
+    def __init__(self, path: Path, sha256: str, fmt: str, layout: GroupLayout, n_layers: int):
+        fix = "run: halo-agent prepare --model MODEL --weights FORMAT"
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path}: no readable manifest.json ({e}); {fix}") from None
+        expected = {"version": VERSION, "model_sha256": sha256, "format": fmt,
+                    "mlp_group_size": layout.mlp_group_size, "n_layers": n_layers, "n_mlp_groups": layout.n_mlp_groups}
+        for name, value in expected.items():
+            if manifest.get(name) != value:
+                raise ConfigError(f"{path}: prepared for {name} {manifest.get(name)!r}, this session needs {value!r}; {fix}")
+        data = path / "groups.bin"
+        if not data.is_file() or data.stat().st_size != manifest["bytes"]:
+            raise ConfigError(f"{path}: groups.bin is missing or truncated (expected {manifest['bytes']} bytes); {fix}")
+        self.path, self.layout = path, layout
+        self.groups = manifest.get("groups")
+        if not isinstance(self.groups, list) or len(self.groups) != n_layers * layout.n_mlp_groups:
+            raise ConfigError(f"{path}: manifest.json does not list {n_layers} x {layout.n_mlp_groups} groups; {fix}")
+        for i, entry in enumerate(self.groups):
+            why = _entry_problem(entry, manifest["bytes"])
+            if why:
+                raise ConfigError(f"{path}: manifest.json, layer {i // layout.n_mlp_groups} group "
+                                  f"{i % layout.n_mlp_groups}: {why}; {fix}")
+        self._fd = os.open(data, os.O_RDONLY)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)  # one group per read: no readahead of its neighbours
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def shard(self, layer: int, group: int, threads: int = 1) -> MlpShard:
+        entry = self.groups[layer * self.layout.n_mlp_groups + group]
+        data = np.empty(entry["bytes"], dtype=np.uint8)
+        if os.preadv(self._fd, [data], entry["offset"]) != entry["bytes"]:
+            raise ConfigError(f"{self.path}: groups.bin ended inside layer {layer} group {group}; run: halo-agent prepare")
+        at, projections = 0, []
+        for kernel in entry["kernels"]:
+            arrays = {}
+            for name, shape, dtype in kernel["arrays"]:
+                size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                arrays[name] = data[at:at + size].view(dtype).reshape(shape)
+                at += size
+            form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
+            spec = KernelSpec(*kernel["spec"])
+            rows = [form[a:b] for a, b in kernel["outputs"]]
+            projections.append(KernelProjection(rows, threads, spec, _fill_from_form, open_session=False))
+        return MlpShard.from_projections(self.layout, [group], *projections, threads=threads)
+
+
+def _entry_problem(entry, file_bytes: int) -> str | None:
+    """What is wrong with one group's manifest entry (None: its kernels' arrays are the shapes their specs imply and
+    lie within the file), so that a damaged manifest is refused at start, not mid-generation."""
+    try:
+        total = 0
+        for kernel in entry["kernels"]:
+            bits, block, with_offsets = kernel["spec"][:3]
+            n, k, units = int(kernel["n"]), int(kernel["k"]), -(-int(kernel["k"]) // int(block))
+            if bits not in (4, 8) or block <= 0 or n <= 0 or k <= 0:
+                return f"kernel spec {kernel['spec']} (n {n}, k {k}) is not a MatMulNBits kernel"
+            want = {"codes": ([n, units, block * bits // 8], "uint8"), "scales": ([n, units], "float32")}
+            if with_offsets:
+                want["offsets"] = ([n, units], "float32")
+            got = {name: (list(shape), dtype) for name, shape, dtype in kernel["arrays"]}
+            if got != want:
+                return f"arrays {got} where the kernel needs {want}"
+            if [b - a for a, b in kernel["outputs"]] and sum(b - a for a, b in kernel["outputs"]) != n:
+                return f"outputs {kernel['outputs']} do not cover {n} rows"
+            total += sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in want.values())
+        if total != entry["bytes"] or not 0 <= entry["offset"] <= file_bytes - total:
+            return f"{entry['bytes']} bytes at {entry['offset']} where its arrays take {total}"
+    except (KeyError, TypeError, ValueError) as e:
+        return f"malformed ({e!r})"
+    return None
+
+
+def find_prepared(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout) -> PreparedGroups | None:
+    """The prepared groups for this model, format and group size, if `halo-agent prepare` wrote them."""
+    path = prepared_dir(sha256, fmt, layout.mlp_group_size)
+    if not (path / "manifest.json").exists():
+        return None
+    return PreparedGroups(path, sha256, fmt, layout, weights.config.n_layers)
