@@ -1,9 +1,10 @@
-"""Process memory: peak RSS, and dropping pages of memory-mapped weights once converted.
+"""Process memory: peak RSS, dropping pages of memory-mapped weights once converted, and the cgroup's limit.
 
 A checkpoint is memory-mapped; converting it to int8 touches every float32 page, and touched pages
 of a mapping count in this process's RSS until released. `release_pages` hands them back (the
 file stays in the kernel's page cache and re-reads transparently), so converting a model never
-holds its float32 copy and its int8 copy at once.
+holds its float32 copy and its int8 copy at once. Under a cgroup memory limit (a systemd MemoryMax, the
+test bed's per-device limit) `memory_limit` and `memory_headroom` say what the process may still take.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ctypes
 import mmap
 import resource
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -81,6 +83,33 @@ def resident_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
+def cgroups() -> list[tuple[list[str], str]]:
+    """This process's cgroups: (controllers, path) per hierarchy (v2: controllers [""]); [] when unknown."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    return [(controllers.split(","), path) for _, controllers, path in (line.split(":", 2) for line in lines)]
+
+
+def memory_limit() -> tuple[int, int] | None:
+    """This process's cgroup memory limit and the cgroup's usage (bytes), None when unlimited or unknown."""
+    for controllers, path in cgroups():
+        if "memory" in controllers:
+            files = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+        elif controllers == [""]:
+            files = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current"
+        else:
+            continue
+        try:
+            cap, usage = ((files[0] / name).read_text().strip() for name in files[1:])
+            if cap != "max" and int(cap) < 1 << 60:  # v1 writes "unlimited" as a huge number
+                return int(cap), int(usage)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 HEADROOM_MARGIN = 0.10  # of a cgroup limit, and at least HEADROOM_MIN: transient memory of building a kernel,
 HEADROOM_MIN = 24 << 20  # the page cache its weights pass through, the heap's own slack
 
@@ -88,8 +117,6 @@ HEADROOM_MIN = 24 << 20  # the page cache its weights pass through, the heap's o
 def memory_headroom() -> int | None:
     """What this process may still grow by under its cgroup's memory limit, less a margin (None: no limit). The
     limit counts the page cache too; the process's resident set is what reclaim cannot take back."""
-    from .scheduler.measure import memory_limit
-
     limit = memory_limit()
     if limit is None:
         return None

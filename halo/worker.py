@@ -43,11 +43,7 @@ class DeviceWorker:
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads = context, fmt, threads
         self.rotary = Rotary(c, context)
-        # the RMSNorm weights, copied out of the memory-mapped model: every block reads them every token, and a device
-        # short of memory that loses their page faults in the disk's whole read-ahead window (8 MB here) each time
-        self.norms = {"attention": [np.array(l.attn_norm) for l in weights.layers],
-                      "mlp": [np.array(l.mlp_norm) for l in weights.layers]}
-        self.final_norm = np.array(weights.final_norm)
+        self.norms, self.final_norm = _own_norms(weights)
         old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads) else None
         self.reused_groups = 0  # groups whose kernels came from `reuse`
         bounded = remap and fmt != "fp32" and memory_budget is not None  # HALO's built groups: within the budget
@@ -79,13 +75,7 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            groups_budget = None
-            if bounded:  # what the MLP groups may take: the rest, measured
-                kv = sum(s.cache_nbytes for s in self.attention.values())
-                groups_budget = memory_budget - (resident_bytes() - started) - kv
-                headroom = memory_headroom()
-                if headroom is not None:  # a cgroup limit counts everything: the predictors, buffers, page cache
-                    groups_budget = min(groups_budget, headroom - kv)
+            groups_budget = self._groups_budget(memory_budget, started) if bounded else None
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
                                      resident_budget=groups_budget, prepared=prepared)
         else:
@@ -96,6 +86,15 @@ class DeviceWorker:
         self.compute_ms = 0.0  # wall clock, every compute call
         self.cpu_ms = 0.0  # the same in this thread's CPU time: what it costs without other processes on the cores
         self.last_compute_ms = 0.0
+
+    def _groups_budget(self, memory_budget: int, started: int) -> int:
+        """HALO mode: the process memory its built MLP groups may take: the budget less what the other shards made the
+        process grow by and the KV cache (filled as positions come), and under a cgroup limit at most what the limit
+        leaves (it counts everything: the predictors, buffers, page cache)."""
+        kv = sum(s.cache_nbytes for s in self.attention.values())
+        budget = memory_budget - (resident_bytes() - started) - kv
+        headroom = memory_headroom()
+        return budget if headroom is None else min(budget, headroom - kv)
 
     def compatible(self, weights, layout, context, fmt, threads) -> bool:
         """Whether this worker's shards can serve a new session with these settings."""
@@ -169,6 +168,13 @@ class DeviceWorker:
     def close(self) -> None:
         if self.remapper is not None:
             self.remapper.close()
+
+
+def _own_norms(weights: ModelWeights) -> tuple[dict[str, list[np.ndarray]], np.ndarray]:
+    """The RMSNorm weights, copied out of the memory-mapped model: every block reads them every token, and a device
+    short of memory that loses their page faults in the disk's whole read-ahead window (8 MB here) each time."""
+    return ({"attention": [np.array(l.attn_norm) for l in weights.layers],
+             "mlp": [np.array(l.mlp_norm) for l in weights.layers]}, np.array(weights.final_norm))
 
 
 class _Progress:

@@ -57,18 +57,11 @@ def prune_cache() -> int:
     return remove_files(cache_dir(), DEVICE_FILES, older_than_s=CACHE_MAX_AGE_S)
 
 
-def _cgroups() -> list[tuple[list[str], str]]:
-    """This process's cgroups: (controllers, path) per hierarchy (v2: controllers [""]); [] when unknown."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    return [(controllers.split(","), path) for _, controllers, path in (line.split(":", 2) for line in lines)]
-
-
 def cpu_limit() -> float | None:
     """This process's CPU quota in cores (cgroup v1 or v2), None when unlimited or unknown."""
-    for controllers, path in _cgroups():
+    from halo.memory import cgroups
+
+    for controllers, path in cgroups():
         if "cpu" in controllers:
             base = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
             try:
@@ -90,29 +83,13 @@ def memory_available() -> int:
     process is in, v1 or v2: a device's agent under a systemd MemoryMax or a test bed's limit)."""
     import psutil
 
+    from halo.memory import memory_limit
+
     available = psutil.virtual_memory().available
     limit = memory_limit()
     if limit is not None and limit[0] - limit[1] < available:
         available = limit[0] - limit[1]
     return max(int(available), 0)
-
-
-def memory_limit() -> tuple[int, int] | None:
-    """This process's cgroup memory limit and the cgroup's usage (bytes), None when unlimited or unknown."""
-    for controllers, path in _cgroups():
-        if "memory" in controllers:
-            files = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"
-        elif controllers == [""]:
-            files = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current"
-        else:
-            continue
-        try:
-            cap, usage = ((files[0] / name).read_text().strip() for name in files[1:])
-            if cap != "max" and int(cap) < 1 << 60:  # v1 writes "unlimited" as a huge number
-                return int(cap), int(usage)
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def _time_calls(call, seconds: float, batches: int = 3) -> float:

@@ -287,7 +287,7 @@ def test_memory_available_is_what_the_process_cgroup_limit_leaves(tmp_path):
     try:
         (group / "memory.limit_in_bytes").write_text(str(400 << 20))
         code = ("import os; open(os.environ['PROCS'], 'w').write(str(os.getpid()));"
-                "from halo.scheduler.measure import memory_available, memory_limit;"
+                "from halo.memory import memory_limit; from halo.scheduler.measure import memory_available;"
                 "print(memory_available(), *memory_limit())")
         out = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "PROCS": str(group / "cgroup.procs")},
                              capture_output=True, text=True, timeout=60)

@@ -311,7 +311,7 @@ def test_udp_rounds_keep_an_agent_session_alive_and_silence_ends_it(stories_weig
 def test_an_agent_sends_its_partial_again_once_per_re_sent_input():
     """A chase re-sends the whole input; the agent answers its first chunk, not each of its chunks (it did,
     every 2 ms: a 3 MB LM-head partial went out dozens of times per chase) nor stale NACK answers."""
-    from edge_agent.rounds import AgentRounds
+    from halo.edge_agent.rounds import AgentRounds
 
     class Udp:
         resent = 0

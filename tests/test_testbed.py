@@ -68,7 +68,7 @@ def test_a_process_in_a_namespace_sees_its_own_cgroup_memory_limit():
     ok, why = limits_available()
     if not ok:
         pytest.skip(f"memory cgroups unavailable: {why}")
-    code = ("import socket; from halo.scheduler.measure import memory_limit; s = socket.socket(socket.AF_INET, "
+    code = ("import socket; from halo.memory import memory_limit; s = socket.socket(socket.AF_INET, "
             "socket.SOCK_DGRAM); s.bind((__import__('sys').argv[1], 0)); print(memory_limit()[0])")
     with LossyTestbed(1, prefix=PREFIX) as bed, DeviceLimits(f"{PREFIX}-tb", 300 << 20) as limits:
         out = bed.popen("agent-1", [sys.executable, "-P", "-c", code, bed.address("agent-1")], preexec_fn=limits.join,
