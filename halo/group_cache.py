@@ -118,11 +118,6 @@ class GroupCache:
                 return k
         return next(k for k in self._entries if k != key)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.held_bytes = 0
-
 
 def minimum_capacity(largest_layer_bytes: int) -> int:
     """The least a bounded cache may hold: one layer's groups being computed and the next layer's being loaded."""

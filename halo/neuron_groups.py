@@ -254,17 +254,21 @@ def sum_and_norms(contributions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return contributions.sum(axis=1), np.linalg.norm(contributions, axis=-1)
 
 
+def mlp_projections(layer: LayerWeights, layout: GroupLayout, groups: Sequence[int], fmt: str, threads: int = 1):
+    """The two projections of some MLP groups (W_gate and W_up rows fused; W_down columns), sessions not opened."""
+    neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, groups)])
+    gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
+                              open_session=False)
+    return gate_up, make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
+
+
 class MlpShard:
     """A set of MLP neuron groups of one layer: SwiGLU over its neurons, then its W_down columns."""
 
     def __init__(self, layer: LayerWeights, layout: GroupLayout, groups: Sequence[int], fmt: str = "fp32",
                  threads: int = 1):
         groups = _check_groups(groups, layout.n_mlp_groups, "MLP")
-        neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, groups)])
-        gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
-                                  open_session=False)
-        down = make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
-        self._assemble(layout, groups, gate_up, down, threads)
+        self._assemble(layout, groups, *mlp_projections(layer, layout, groups, fmt, threads), threads)
 
     @classmethod
     def from_projections(cls, layout: GroupLayout, groups: Sequence[int], gate_up, down, threads: int = 1) -> "MlpShard":

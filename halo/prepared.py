@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .linear import KernelProjection, KernelSpec, make_projection
-from .neuron_groups import GroupLayout, MlpShard, take_cols, take_rows
+from .linear import KernelProjection, KernelSpec
+from .neuron_groups import GroupLayout, MlpShard, mlp_projections
 from .weights import ModelWeights
 
 VERSION = 1
@@ -64,10 +64,7 @@ def _fill_from_form(rows: KernelForm, codes, scales, offsets) -> None:
 
 def group_projections(weights: ModelWeights, layout: GroupLayout, layer: int, group: int, fmt: str):
     """A group's two kernel projections (gate+up rows, down columns) as a bank would build them, sessions unopened."""
-    w = weights.layers[layer]
-    neurons = np.arange(layout.mlp_neurons(group).start, layout.mlp_neurons(group).stop)
-    gate_up = make_projection([take_rows(w.w_gate, neurons), take_rows(w.w_up, neurons)], fmt, open_session=False)
-    down = make_projection([take_cols(w.w_down, neurons, fmt)], fmt, open_session=False)
+    gate_up, down = mlp_projections(weights.layers[layer], layout, [group], fmt)
     for p in (gate_up, down):
         if not isinstance(p, KernelProjection) or len(p.kernels) != 1:
             raise ConfigError(f"--weights {fmt} on {weights.source}: an MLP group is not one compact kernel here "
