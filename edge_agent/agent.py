@@ -26,6 +26,7 @@ from halo.errors import HaloError
 from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
+from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport
 from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
 from halo.worker import DeviceWorker
@@ -370,9 +371,12 @@ class Agent(ControlServer):
         previous = self.session.worker if self.session is not None else self.retired[0] if self.retired else None
 
         def build(progress) -> DeviceWorker:
-            return DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
-                                predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
-                                progress=progress, memory_budget=self.memory_budget, prepared=prepared)
+            worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
+                                  predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
+                                  progress=progress, memory_budget=self.memory_budget, prepared=prepared)
+            if memory_limit() is not None:  # pages of code and model evicted under the limit: no 8 MB read-around
+                log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)
+            return worker
 
         return build, sync, node_id
 
@@ -415,8 +419,9 @@ class Agent(ControlServer):
         prepared = find_prepared(self.weights, self.model_sha256, fmt, layout)
         if prepared is None and fmt not in self._said_unprepared:
             self._said_unprepared.add(fmt)
-            log.info("no prepared MLP groups for --weights %s: HALO mode builds them from the model file (faster with: "
-                     "halo-agent prepare --model %s --weights %s)", fmt, self.weights.source, fmt)
+            log.info("no prepared MLP groups for --weights %s: HALO mode builds them from the model file, and under a "
+                     "memory budget converts a group again whenever it reads it again (SmolLM2: ~3x slower tokens); "
+                     "once per device: halo-agent prepare --model %s --weights %s", fmt, self.weights.source, fmt)
         return prepared
 
     def _predictors(self):

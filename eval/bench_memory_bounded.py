@@ -103,9 +103,10 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
     import subprocess
 
     from halo.distributed.local import module_command
+    from halo.prepared import VERSION
 
     for copy in copies:
-        if not any(prepared_root(copy).glob("*/manifest.json")):
+        if not any(json.loads(m.read_text()).get("version") == VERSION for m in prepared_root(copy).glob("*/manifest.json")):
             subprocess.run(module_command("halo.edge_agent", "prepare", "--model", str(copy), "--weights", weights),
                            env={**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy))}, check=True, timeout=3600)
 
@@ -180,25 +181,28 @@ def run(args) -> None:
     with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="mb") as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
-        unlimited = dict.fromkeys(m.removesuffix("+prepared") for m in modes)  # unlimited, everything is built at start
-        free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
-                          limit="none", factor=None) for m in unlimited}
-        base = free.get("exact") or free[modes[0]]
-        shares = [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]]
-        for factor in [float(f) for f in args.limits.split(",")]:
-            limits = [int(a["idle_rss_bytes"] + factor * s) for a, s in zip(base["agents"], shares)]
-            for m in modes:
-                record(one_run(bed, args, model, predictors, copies, key, m, limits), limit=f"share+{factor - 1:.0%}",
-                       factor=factor, shares_bytes=shares)
-        if args.read_mbps:
-            factor = float(args.limits.split(",")[0])
-            limits = [int(a["idle_rss_bytes"] + factor * s) for a, s in zip(base["agents"], shares)]
-            for m in modes:
-                for overlap in ([True, False] if m.startswith("halo") else [True]):
-                    settings = {} if overlap else {"load_overlap": False}
-                    record(one_run(bed, args, model, predictors, copies, key, m, limits, args.read_mbps * 1e6, settings),
-                           limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares,
-                           read_mbps=args.read_mbps, prefetch=overlap)
+        unlimited = list(dict.fromkeys(m.removesuffix("+prepared") for m in modes))  # unlimited, all built at start
+        limits = None
+        for round_ in range(args.rounds):  # every configuration once per round, its ratio taken inside the round
+            free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
+                              limit="none", factor=None, round=round_) for m in unlimited}
+            if limits is None:  # the limits stay those of the first round's shares
+                base = free.get("exact") or free[unlimited[0]]
+                shares = [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]]
+                limits = {float(f): [int(a["idle_rss_bytes"] + float(f) * s) for a, s in zip(base["agents"], shares)]
+                          for f in args.limits.split(",")}
+            for factor, limit in limits.items():
+                for m in modes:
+                    record(one_run(bed, args, model, predictors, copies, key, m, limit),
+                           limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares, round=round_)
+            if args.read_mbps:
+                factor, limit = next(iter(limits.items()))
+                for m in modes:
+                    for overlap in ([True, False] if m.startswith("halo") else [True]):
+                        settings = {} if overlap else {"load_overlap": False}
+                        record(one_run(bed, args, model, predictors, copies, key, m, limit, args.read_mbps * 1e6,
+                                       settings), limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares,
+                               read_mbps=args.read_mbps, prefetch=overlap, round=round_)
     lines = render(rows, args, model)
     write_report(args.out, args.name, {"command": command_line("halo.eval.bench_memory_bounded", args.argv),
                                         "model": str(model), "weights": args.weights, "agents": args.agents,
@@ -217,25 +221,44 @@ def during_decoding(row: dict, field) -> float | None:
     return sum(y - x for x, y in values) / max(1, row["tokens"])
 
 
+def configuration(row: dict) -> tuple:
+    return row["mode"], row["limit"], row.get("read_mbps"), row.get("prefetch")
+
+
 def render(rows: list[dict], args, model: Path) -> list[str]:
-    free = {r["mode"]: r for r in rows if r["limit"] == "none"}
-    free.update({m + "+prepared": r for m, r in list(free.items())})  # the same unlimited run: it builds everything
+    """One line per configuration: the median over rounds of its median ms/token, and of its ratio to the unlimited
+    run of the same mode in the same round (the machine drifts between rounds); counters from its median round."""
+    free = {(r.get("round", 0), r["mode"]): r for r in rows if r["limit"] == "none"}
+    free.update({(k, m + "+prepared"): r for (k, m), r in list(free.items())})  # the same unlimited run
+    runs: dict[tuple, list[dict]] = {}
+    for r in rows:
+        runs.setdefault(configuration(r), []).append(r)
     mb = 1e6
     lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`", "",
              f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
              "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
              "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + factor x share. Per-token columns count "
-             "the timed tokens only (agents' counters after the warm-up and at the end), summed over the agents.", "",
+             f"the timed tokens only (agents' counters after the warm-up and at the end), summed over the agents. "
+             f"{args.rounds} round(s): every configuration once per round; ms/token is the median over rounds, the ratio "
+             "the median of each round's ratio to that round's unlimited run (all rounds' ratios in brackets); the other "
+             "columns are the median round's.", "",
              "| mode | limit | storage | ms/token (median) | vs unlimited | cgroup peak / limit (MB, max over agents) "
              "| OOM kills | agent peak RSS (MB) | groups built per token (in line) | storage MB read per token "
              "| major faults per token | partials dropped | tokens = unlimited |", "|" + "---|" * 13]
-    for r in rows:
-        storage = f"{r['read_mbps']:g} MB/s, prefetch {'on' if r.get('prefetch') else 'off'}" if r.get("read_mbps") else "page cache"
-        if "error" in r:
-            lines.append(f"| {r['mode']} | {r['limit']} | {storage} | failed: {r['error']} |" + " |" * 9)
+    for (mode, limit_name, read_mbps, prefetch), group in runs.items():
+        storage = f"{read_mbps:g} MB/s, prefetch {'on' if prefetch else 'off'}" if read_mbps else "page cache"
+        done = [r for r in group if "error" not in r]
+        if not done:
+            lines.append(f"| {mode} | {limit_name} | {storage} | failed: {group[0]['error']} |" + " |" * 9)
             continue
-        base, agents = free.get(r["mode"]), r["agents"]
+        done.sort(key=lambda r: r["ms_median"])
+        r = done[(len(done) - 1) // 2]
+        base, agents = free.get((r.get("round", 0), mode)), r["agents"]
+        ratios = [x["ms_median"] / free[(x.get("round", 0), mode)]["ms_median"] for x in done
+                  if (x.get("round", 0), mode) in free]
+        ratio = "-" if not ratios else f"{float(np.median(ratios)):.2f}x" + (
+            f" ({', '.join(f'{v:.2f}' for v in ratios)})" if len(ratios) > 1 else "")
         peak = max(a["max_usage_bytes"] for a in agents) / mb
         limit = f"{max(a['limit_bytes'] for a in agents) / mb:.0f}" if agents[0]["limit_bytes"] else "none"
         rss = max(a.get("peak_rss_bytes", 0) for a in agents) / mb
@@ -246,11 +269,11 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
         faults = during_decoding(r, lambda m: m.get("major_faults"))
         show = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
         dropped = f"{r['partials_dropped']} of {r['partials']}" if r.get("partials") else "-"
-        ratio = f"{r['ms_median'] / base['ms_median']:.2f}x" if base and "ms_median" in base else "-"
-        same = "yes" if base and r["generated"] == base.get("generated") else "no"
-        lines.append(f"| {r['mode']} | {r['limit']} | {storage} | {r['ms_median']:.0f} | {ratio} | {peak:.0f} / {limit} "
-                     f"| {sum(a['oom_kills'] for a in agents)} | {rss:.0f} | {show(built)} ({show(stalls)}) "
-                     f"| {show(None if read is None else read / mb)} | {show(faults, '{:.0f}')} | {dropped} | {same} |")
+        same = "yes" if all(base and x["generated"] == free[(x.get("round", 0), mode)].get("generated") for x in done) else "no"
+        lines.append(f"| {mode} | {limit_name} | {storage} | {float(np.median([x['ms_median'] for x in done])):.0f} | {ratio} "
+                     f"| {peak:.0f} / {limit} | {max(sum(a['oom_kills'] for a in x['agents']) for x in done)} | {rss:.0f} "
+                     f"| {show(built)} ({show(stalls)}) | {show(None if read is None else read / mb)} "
+                     f"| {show(faults, '{:.0f}')} | {dropped} | {same} |")
     return lines
 
 
@@ -260,6 +283,9 @@ def main(argv=None) -> int:
                         help="tinyllama-q4 (a random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), a fetched model's "
                              "name (smollm2-135m-instruct) or a path")
     parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, round by round, each ratio against the "
+                             "unlimited run of its own round (this 2-core machine drifts +-20 %% over a run)")
     parser.add_argument("--modes", default="exact,halo,halo+prepared",
                         help="sync modes; halo+prepared: halo, agents building re-mapped groups from `halo-agent "
                              "prepare`d directories (unlimited, it is the halo row: everything is built at the start)")

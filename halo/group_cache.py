@@ -1,9 +1,10 @@
-"""A bounded set of built MLP group kernels: what a memory-bounded device keeps of HALO's re-mappable groups.
+"""A bounded set of built MLP groups: what a memory-bounded device keeps of HALO's re-mappable groups.
 
 In HALO mode any MLP group of a layer where a device holds ranks can land on it in a token (the ranking
 decides), so holding every candidate built costs the whole MLP of those layers on every device, whatever
-its share. A `GroupCache` keeps at most `capacity_bytes` of built groups (compact kernels), evicting those of
-the layer computed last (`_victim`), and builds a missing group from the model file when a ranking needs it.
+its share. A `GroupCache` keeps at most `capacity_bytes` of built groups (their compact bytes), evicting those
+needed again furthest ahead in layer order (`_victim`), and builds a missing group (prepared bytes or the model
+file) when a ranking needs it.
 The load thread builds the next layer's predicted groups while this layer computes (Load-Comp); a group the
 compute thread needs and nobody built yet is built in line (a stall, counted).
 
@@ -53,6 +54,20 @@ class GroupCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every built group (a device that measured its kernels too large for its budget starts over compact)."""
+        with self._lock:
+            self._entries.clear()
+            self.held_bytes = 0
+
+    def shrink(self, capacity_bytes: int) -> None:
+        """Lower the capacity, evicting down to it now."""
+        with self._lock:
+            self.capacity_bytes = capacity_bytes
+            while self.held_bytes > capacity_bytes and self._entries:
+                self.held_bytes -= self._entries.pop(self._victim((None, None))).nbytes
+                self.stats.evicted += 1
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a group of nbytes fits without evicting anything (the initial fill stops when it does not)."""
@@ -107,16 +122,21 @@ class GroupCache:
             self.stats.evicted += 1
 
     def _victim(self, key: Hashable) -> Hashable:
-        """What to evict for `key`: the most recently used group of a layer other than the one being loaded (key's)
-        and the one being computed. Layers are visited in turn every token, so the groups used last are the ones
-        needed last again (a token later): evicting them keeps the layers coming next, which hit where the ranking
-        repeats. Least recently used instead, once they do not all fit, evicts exactly the layers that come next and
-        nothing ever hits."""
-        busy = (key[0], self.computing)
-        for k in reversed(self._entries):
-            if k[0] not in busy:
-                return k
-        return next(k for k in self._entries if k != key)
+        """What to evict for `key`: the group needed again furthest in the future, as far as layer order tells.
+        Layers are visited in turn every token, so with the computation at layer c the layers before c come back
+        only next token (the closer to c, the later) and those after c come this token (the further, the later):
+        first c-1, c-2, .., 0, then the last layer down to c+1. Never key's layer (being loaded) nor c (in use).
+        Least recently used instead, once the groups do not all fit, evicts exactly the layers that come next and
+        nothing ever hits; "most recently used" evicted the next layer's groups the load thread had just built
+        when it went on to the layer after."""
+        c, best, best_rank = self.computing, None, None
+        for k in self._entries:  # least recently used first: it wins ties
+            if k[0] == key[0] or k[0] == c:
+                continue
+            rank = (c is not None and k[0] < c, k[0])
+            if best_rank is None or rank > best_rank:
+                best, best_rank = k, rank
+        return best if best is not None else next(k for k in self._entries if k != key)
 
 
 def minimum_capacity(largest_layer_bytes: int) -> int:

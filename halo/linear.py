@@ -27,7 +27,7 @@ from itertools import groupby
 import numpy as np
 
 from .errors import ConfigError
-from .memory import release_freed_heap, release_pages
+from .memory import own_pages, release_freed_heap, release_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
@@ -252,6 +252,55 @@ class _NBitsKernel:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.session.run({"x": x})[0]
+
+
+class DequantKernel:
+    """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
+    [+ offset], per block) computed in numpy, the codes expanded to float32 at each call. Holding one costs exactly
+    its compact bytes and making one costs nothing beyond having the arrays: what a memory-bounded device computes
+    HALO's re-mapped groups with (halo/remap.py). A one-group onnxruntime session takes ~10 ms to build and holds
+    2-3x its weights; a call here costs ~1.3x a session's (SmolLM2 group: ~0.26 ms). Activations stay float32, so
+    results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a session's.
+
+    The codes are kept block-major ([blocks, n, bytes]): each block's codes times its slice of x is one small
+    contiguous matrix product, scaled afterwards by [blocks, n] scales; scaling the expanded codes first (a
+    broadcast over 16 or 32 values) cost as much as everything else together."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec):
+        """Block-major arrays (kept as given): codes [blocks, n, bytes], scales and offsets [blocks, n]."""
+        units, n = scales.shape
+        if codes.shape != (units, n, spec.block * spec.bits // 8) or units * spec.block < k or spec.bits not in (4, 8):
+            raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
+        self.codes, self.scales, self.k, self.n, self.spec = codes, scales, k, n, spec
+        self.zero_point = np.float32(1 << (spec.bits - 1))
+        self.bias = None if offsets is None else offsets - self.zero_point * scales  # Q4_1's minimums, zero point
+        self.nbytes = sum(a.nbytes for a in (codes, scales, self.bias) if a is not None)
+
+    @classmethod
+    def copy_of(cls, kernel: "_NBitsKernel") -> "DequantKernel":
+        """The arrays of a prepared (unopened) kernel, copied block-major out of its temporary file."""
+        w = {}
+        for name, a in kernel.weights.items():
+            w[name] = own_pages(a.nbytes).view(a.dtype).reshape(a.swapaxes(0, 1).shape)
+            w[name][...] = a.swapaxes(0, 1)
+        return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x [T, k] -> x @ W.T [T, n]."""
+        spec, units = self.spec, self.scales.shape[0]
+        x = np.asarray(x, dtype=np.float32)
+        if units * spec.block != self.k:  # the last block's padding (int8 of small models): zero inputs
+            x = np.pad(x, ((0, 0), (0, units * spec.block - self.k)))
+        t = len(x)
+        if spec.bits == 4:  # byte i of a block: weight 2i in the low nibble, 2i + 1 in the high one
+            pairs = x.reshape(t, units, spec.block // 2, 2)
+            dots = np.matmul((self.codes & 0x0F).astype(np.float32), np.ascontiguousarray(pairs[..., 0].transpose(1, 2, 0)))
+            dots += np.matmul((self.codes >> 4).astype(np.float32), np.ascontiguousarray(pairs[..., 1].transpose(1, 2, 0)))
+        else:
+            dots = np.matmul(self.codes.astype(np.float32), np.ascontiguousarray(x.reshape(t, units, -1).transpose(1, 2, 0)))
+        dots *= self.scales[..., None]  # [blocks, n, T]
+        bias = -self.zero_point * self.scales if self.bias is None else self.bias  # [blocks, n]
+        return dots.sum(axis=0).T + x.reshape(t, units, spec.block).sum(axis=2) @ bias
 
 
 class GraphBuilder:

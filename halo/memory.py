@@ -71,6 +71,35 @@ def release_freed_heap() -> None:
         pass  # not glibc: nothing to do
 
 
+def own_pages(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 buffer in an anonymous mapping of its own, unmapped when the last array viewing it goes.
+    Buffers of ~1 MB freed to the heap stay in the allocator (glibc raises its mmap threshold after the first
+    such free, and each thread has its own arena), so a cache that keeps evicting groups and reading others in
+    grew the process past its budget; these leave nothing behind."""
+    return np.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=np.uint8)[:nbytes]
+
+
+def read_mapped_files_at_random() -> int:
+    """madvise(MADV_RANDOM) every file-backed mapping of this process (the interpreter and its libraries' code, the
+    model file): under a memory limit their pages are evicted and fault back in, and with the default read-around
+    each fault reads the disk's whole read-ahead window (8 MB on this machine's disk: TinyLlama-shape agents read
+    1.7 GB per token at 40 MB/s), which pushes out still more of them. Returns the bytes advised."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    advised = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith("/"):
+            continue  # anonymous memory, the stack, [vdso]...
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_RANDOM) == 0:
+            advised += end - start
+    return advised
+
+
 def resident_bytes() -> int:
     """This process's resident set now (after returning freed heap to the OS, so that it measures what is held)."""
     release_freed_heap()

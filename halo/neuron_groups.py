@@ -28,9 +28,10 @@ from typing import Sequence
 import numpy as np
 
 from .config import ModelConfig
+from .errors import ConfigError
 from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
-from .linear import DenseProjection, int8_block_for, make_projection
+from .linear import DenseProjection, DequantKernel, KernelProjection, int8_block_for, make_projection
 from .memory import load_pages
 from .ops import Rotary, silu, softmax
 from .quant import QuantizedMatrix, Weight, as_float32
@@ -262,6 +263,41 @@ def mlp_projections(layer: LayerWeights, layout: GroupLayout, groups: Sequence[i
     return gate_up, make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
 
 
+def mlp_group_kernels(layer: LayerWeights, layout: GroupLayout, group: int, fmt: str):
+    """One MLP group's two kernel projections (gate+up rows, down columns), sessions not opened; refused where a
+    projection is not one compact kernel (float32 or mixed-type tensors): prepared and compact groups need one."""
+    gate_up, down = mlp_projections(layer, layout, [group], fmt)
+    for p in (gate_up, down):
+        if not isinstance(p, KernelProjection) or len(p.kernels) != 1:
+            raise ConfigError(f"--weights {fmt}: an MLP group is not one compact kernel here (a float32 or mixed-type "
+                              "tensor); prepared and compact groups need int8 or a GGUF's 4/8-bit blocks")
+    return gate_up, down
+
+
+class CompactMlpGroup:
+    """One MLP group held as its kernels' compact arrays and computed in numpy (linear.DequantKernel): how a
+    memory-bounded device keeps HALO's re-mapped groups. It costs its compact bytes in memory (an onnxruntime
+    session per group: 2-3x) and nothing to make from them (a session: ~10 ms), so a group the ranking moves onto
+    the device is one read away, at ~1.3x a session's compute (a SmolLM2 share, per token)."""
+
+    def __init__(self, gate_up: DequantKernel, down: DequantKernel):
+        if gate_up.n % 2 or down.k != gate_up.n // 2:
+            raise ValueError(f"gate+up rows {gate_up.n} do not feed W_down's {down.k} columns")
+        self.gate_up, self.down = gate_up, down
+        self.nbytes = gate_up.nbytes + down.nbytes
+
+    @classmethod
+    def build(cls, layer: LayerWeights, layout: GroupLayout, group: int, fmt: str) -> "CompactMlpGroup":
+        """From the model file (gathered and restated in kernel terms, as a session's kernels would be)."""
+        gate_up, down = mlp_group_kernels(layer, layout, group, fmt)
+        return cls(DequantKernel.copy_of(gate_up.kernels[0]), DequantKernel.copy_of(down.kernels[0]))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """x: [T, D] normed input -> this group's contribution [T, D]."""
+        gate_up, n = self.gate_up(x), self.down.k
+        return self.down(silu(gate_up[:, :n]) * gate_up[:, n:])
+
+
 class MlpShard:
     """A set of MLP neuron groups of one layer: SwiGLU over its neurons, then its W_down columns."""
 
@@ -312,11 +348,11 @@ class MlpGroupBank:
     fp32: nothing is copied. The checkpoint's own layout is group-major enough: a group's W_gate and W_up
     rows are contiguous, and its W_down columns are a block BLAS reads in place (runs of group-size
     floats), so nothing is gathered per token; loading = bringing those pages in (`prefetch`).
-    Compact formats (int8, native 4/8-bit): one MlpShard per group, computed from its compact blocks by its
-    own kernels (a re-mapped group costs a kernel call, never a dequantization). The built groups live in a
-    `GroupCache` shared by the device's banks: unbounded, every group is built once and stays; bounded (a
-    memory budget), a group the ranking needs and the cache lost is built again from the model file
-    (`prefetch` does it ahead, on the load thread)."""
+    Compact formats (int8, native 4/8-bit): the built groups live in a `GroupCache` shared by the device's banks.
+    Unbounded, every group is one MlpShard (onnxruntime kernels on its compact blocks), built once. Bounded (a
+    memory budget: `compact` set), a group is a CompactMlpGroup (its compact arrays, numpy), and one the ranking
+    needs and the cache lost is read again from the prepared groups or the model file (`prefetch` does it ahead,
+    on the load thread)."""
 
     def __init__(self, layer: LayerWeights, layout: GroupLayout, fmt: str = "fp32", threads: int = 1,
                  cache: GroupCache | None = None, index: int = 0, prepared=None):
@@ -325,6 +361,7 @@ class MlpGroupBank:
         the model file."""
         self.layer, self.layout, self.fmt, self.threads, self.index = layer, layout, fmt, threads, index
         self.prepared = prepared
+        self.compact = False  # compact formats: groups held as CompactMlpGroup (memory-bounded) instead of sessions
         if fmt == "fp32":
             self.w_gate, self.w_up, self.w_down = (as_float32(w) for w in (layer.w_gate, layer.w_up, layer.w_down))
             self.cache = None
@@ -337,12 +374,18 @@ class MlpGroupBank:
         r = self.layout.mlp_neurons(group)
         return slice(r.start, r.stop)
 
-    def shard(self, group: int, ahead: bool = False) -> "MlpShard":
-        """A compact group's kernels: from the cache, or built from the model file now."""
+    def shard(self, group: int, ahead: bool = False) -> "MlpShard | CompactMlpGroup":
+        """A compact group's kernels: from the cache, or built now (from the prepared groups or the model file)."""
+        return self.cache.get((self.index, group), lambda: self._build(group), ahead)
+
+    def _build(self, group: int) -> "MlpShard | CompactMlpGroup":
+        if self.compact:
+            if self.prepared is not None:
+                return self.prepared.compact_group(self.index, group)
+            return CompactMlpGroup.build(self.layer, self.layout, group, self.fmt)
         if self.prepared is not None:
-            return self.cache.get((self.index, group), lambda: self.prepared.shard(self.index, group, self.threads), ahead)
-        return self.cache.get((self.index, group), lambda: MlpShard(self.layer, self.layout, [group], self.fmt,
-                                                                    self.threads), ahead)
+            return self.prepared.shard(self.index, group, self.threads)
+        return MlpShard(self.layer, self.layout, [group], self.fmt, self.threads)
 
     def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
         """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says

@@ -3,10 +3,11 @@
 HALO mode re-maps MLP groups per token; a memory-bounded device (halo/group_cache.py) builds a group again when a
 ranking needs one it no longer holds. From the model file that means gathering the group's W_gate and W_up rows
 and W_down columns (strided across the file) and restating them in MatMulNBits terms (nibble repacking, scale
-conversion, or quantizing float32 to int8): about half of a group's build time. `halo-agent prepare` does that
-once per device and format and writes every group's kernel arrays (codes, scales, offsets; exactly what the
-kernels would be given) one after the other into `groups.bin`, with a manifest that names the model (sha256),
-the format, the group size and every array's shape; a bank then builds a group from its bytes alone.
+conversion, or quantizing float32 to int8): nearly all of the time a compact group (numpy) takes to make.
+`halo-agent prepare` does that once per device and format and writes every group's kernel arrays (codes, scales,
+offsets; exactly what the kernels would be given) one after the other into `groups.bin`, with a manifest that
+names the model (sha256), the format, the group size and every array's shape; a bank then holds a group as the
+bytes of one read (or builds its onnxruntime kernels from them).
 
     halo-agent prepare --model MODEL --weights native     (writes <cache>/prepared/<sha>-<format>-g<size>/)
 
@@ -24,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .linear import KernelProjection, KernelSpec
-from .neuron_groups import GroupLayout, MlpShard, mlp_projections
+from .linear import DequantKernel, KernelProjection, KernelSpec
+from .memory import own_pages
+from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from .weights import ModelWeights
 
-VERSION = 1
+VERSION = 2  # 2: arrays block-major (a compact group is the read buffer itself)
 ARRAYS = ("codes", "scales", "offsets")
 
 
@@ -62,16 +64,6 @@ def _fill_from_form(rows: KernelForm, codes, scales, offsets) -> None:
         offsets[:] = rows.offsets
 
 
-def group_projections(weights: ModelWeights, layout: GroupLayout, layer: int, group: int, fmt: str):
-    """A group's two kernel projections (gate+up rows, down columns) as a bank would build them, sessions unopened."""
-    gate_up, down = mlp_projections(weights.layers[layer], layout, [group], fmt)
-    for p in (gate_up, down):
-        if not isinstance(p, KernelProjection) or len(p.kernels) != 1:
-            raise ConfigError(f"--weights {fmt} on {weights.source}: an MLP group is not one compact kernel here "
-                              "(a float32 or mixed-type tensor); prepared groups need int8 or a GGUF's 4/8-bit blocks")
-    return gate_up, down
-
-
 def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, out: Path | None = None,
             progress=None) -> Path:
     """Write every MLP group of every layer in kernel form (see the module docstring); returns the directory.
@@ -85,9 +77,9 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
         for layer in range(c.n_layers):
             for g in range(layout.n_mlp_groups):
                 entry = {"offset": at, "kernels": []}
-                for projection in group_projections(weights, layout, layer, g, fmt):
+                for projection in mlp_group_kernels(weights.layers[layer], layout, g, fmt):
                     kernel = projection.kernels[0]
-                    arrays = [(name, kernel.weights[name]) for name in ARRAYS if name in kernel.weights]
+                    arrays = [(name, block_major(kernel.weights[name])) for name in ARRAYS if name in kernel.weights]
                     spec = kernel.spec
                     entry["kernels"].append({"k": kernel.k, "n": kernel.n, "outputs": [[s.start, s.stop] for s in
                                                                                       projection.outputs],
@@ -115,9 +107,10 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
 
 
 class PreparedGroups:
-    """A prepared directory, checked against the model, format and group size it must serve; `shard(layer, group)`
-    builds a group's MlpShard from its bytes: one pread of a contiguous range (no readahead: the file is read at
-    random, and under a memory limit a neighbour read ahead only pushes out what the device needs)."""
+    """A prepared directory, checked against the model, format and group size it must serve. A group is one pread
+    of a contiguous range (no readahead: the file is read at random, and under a memory limit a neighbour read
+    ahead only pushes out what the device needs): `compact_group` keeps those bytes as they are, `shard` builds
+    onnxruntime kernels from them."""
 
     def __init__(self, path: Path, sha256: str, fmt: str, layout: GroupLayout, n_layers: int):
         fix = "run: halo-agent prepare --model MODEL --weights FORMAT"
@@ -150,23 +143,42 @@ class PreparedGroups:
             os.close(self._fd)
             self._fd = None
 
-    def shard(self, layer: int, group: int, threads: int = 1) -> MlpShard:
+    def _read(self, layer: int, group: int) -> list[tuple[dict, dict]]:
+        """A group's kernels: (manifest entry, arrays by name, views of one pread buffer) each."""
         entry = self.groups[layer * self.layout.n_mlp_groups + group]
-        data = np.empty(entry["bytes"], dtype=np.uint8)
+        data = own_pages(entry["bytes"])  # evicted, it goes back to the system at once
         if os.preadv(self._fd, [data], entry["offset"]) != entry["bytes"]:
             raise ConfigError(f"{self.path}: groups.bin ended inside layer {layer} group {group}; run: halo-agent prepare")
-        at, projections = 0, []
+        at, kernels = 0, []
         for kernel in entry["kernels"]:
             arrays = {}
             for name, shape, dtype in kernel["arrays"]:
                 size = int(np.prod(shape)) * np.dtype(dtype).itemsize
                 arrays[name] = data[at:at + size].view(dtype).reshape(shape)
                 at += size
+            kernels.append((kernel, arrays))
+        return kernels
+
+    def shard(self, layer: int, group: int, threads: int = 1) -> MlpShard:
+        """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
+        projections = []
+        for kernel, arrays in self._read(layer, group):
+            arrays = {name: block_major(a) for name, a in arrays.items()}  # block-major -> row-major views: its transpose
             form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
-            spec = KernelSpec(*kernel["spec"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
-            projections.append(KernelProjection(rows, threads, spec, _fill_from_form, open_session=False))
+            projections.append(KernelProjection(rows, threads, KernelSpec(*kernel["spec"]), _fill_from_form,
+                                                open_session=False))
         return MlpShard.from_projections(self.layout, [group], *projections, threads=threads)
+
+    def compact_group(self, layer: int, group: int) -> CompactMlpGroup:
+        """The group as its compact arrays, the read buffer itself (what a memory-bounded device holds)."""
+        return CompactMlpGroup(*(DequantKernel(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"],
+                                               KernelSpec(*kernel["spec"])) for kernel, arrays in self._read(layer, group)))
+
+
+def block_major(a: np.ndarray) -> np.ndarray:
+    """A kernel array [rows, blocks, ...] as [blocks, rows, ...] (a view; its own inverse)."""
+    return a.swapaxes(0, 1)
 
 
 def _entry_problem(entry, file_bytes: int) -> str | None:
@@ -179,9 +191,9 @@ def _entry_problem(entry, file_bytes: int) -> str | None:
             n, k, units = int(kernel["n"]), int(kernel["k"]), -(-int(kernel["k"]) // int(block))
             if bits not in (4, 8) or block <= 0 or n <= 0 or k <= 0:
                 return f"kernel spec {kernel['spec']} (n {n}, k {k}) is not a MatMulNBits kernel"
-            want = {"codes": ([n, units, block * bits // 8], "uint8"), "scales": ([n, units], "float32")}
+            want = {"codes": ([units, n, block * bits // 8], "uint8"), "scales": ([units, n], "float32")}
             if with_offsets:
-                want["offsets"] = ([n, units], "float32")
+                want["offsets"] = ([units, n], "float32")
             got = {name: (list(shape), dtype) for name, shape, dtype in kernel["arrays"]}
             if got != want:
                 return f"arrays {got} where the kernel needs {want}"

@@ -13,8 +13,10 @@ loads those groups (`MlpGroupBank.prefetch`). fp32: it asks the kernel to read t
 memory-mapped model file (madvise WILLNEED: on a device short of RAM, this starts the disk read; the
 thread only issues system calls, so it never competes with the computation for Python's GIL, which
 touching pages from Python did, 30x slowing the compute thread). Compact formats: the device's built
-groups are a `GroupCache`; unbounded, every candidate group is built at the start and nothing is loaded
-per token; bounded by a memory budget (`cache_bytes`), the thread builds the groups the cache lacks.
+groups are a `GroupCache`; unbounded, every candidate group is built at the start (onnxruntime kernels) and
+nothing is loaded per token; bounded by a memory budget, groups are held as their compact arrays and computed
+in numpy (CompactMlpGroup: a session per group would hold 2-5x its weights and take ~10 ms to build), and the
+thread reads the groups the cache lacks (from `halo-agent prepare`d groups: one pread each).
 Without overlap the same load runs inline, just before the computation.
 
 Without predictors (ablation "no prediction, no loading", or layer 0) the ranking is the identity:
@@ -31,7 +33,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
-from .memory import resident_bytes
+from .memory import memory_headroom, release_freed_heap, resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
 from .weights import ModelWeights
@@ -40,6 +42,7 @@ log = logging.getLogger("halo.remap")
 RESIDENT_MARGIN = 1.15  # over the measured cost of the first groups built: heap growth they do not show
 MIN_RESIDENT_PER_BYTE = 2.0  # measured 3.3 (SmolLM2 Q4_1 groups), 1.7 (TinyLlama Q4_0); less: they reused freed heap
 CALIBRATION_GROUPS = 12  # groups built (and run once) before their measured cost sets a budget's capacity
+COMPACT_MARGIN = 1.1  # compact groups are numpy arrays of exactly their bytes; the allocator's slack
 
 
 class Remapper:
@@ -58,7 +61,9 @@ class Remapper:
         self.resident_per_byte = None  # process memory per compact byte of a built group (measured with a budget)
         self.banks = {l: MlpGroupBank(weights.layers[l], layout, fmt, threads, self.cache, l,
                                       prepared if fmt != "fp32" else None) for l in self.ranges}
-        self.n_groups = layout.n_mlp_groups
+        self.n_groups, self.layout = layout.n_mlp_groups, layout
+        self.floor = 0  # the least a bounded cache may hold (two layers of this device's ranks)
+        self.shrunk = 0  # bytes of capacity given up since the start to stay under the cgroup limit
         self._fill(built)
         self.predictors = predictors
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="halo-load") if load_overlap else None
@@ -70,34 +75,29 @@ class Remapper:
         self.wait_ms = 0.0  # the computation waiting for a layer's groups to be loaded
 
     def _fill(self, built) -> None:
-        """Build the groups a device starts with: every layer's own rank range under the identity ranking (what
-        it computes without predictions), then, while the cache has room, the other groups layer by layer in
-        rank order. Unbounded: every candidate group. Refuses a cache too small for two layers' ranges."""
+        """Build the groups a device starts with. Unbounded: every candidate group, as onnxruntime kernels. Bounded
+        (cache_bytes, or a resident budget too small for every candidate as kernels: `_calibrate`): compact groups
+        (CompactMlpGroup), first every layer's own rank range under the identity ranking (what it computes without
+        predictions), then, while the cache has room, the other groups layer by layer in rank order; a cache too
+        small for two layers' ranges is refused."""
         cache = self.cache
-        calibrating = self.resident_budget is not None
-        before, seen = (resident_bytes() if calibrating else 0), []
+        if cache is not None and cache.capacity_bytes is not None:
+            self._go_compact(cache.capacity_bytes)
+        elif cache is not None and self.resident_budget is not None:
+            self._calibrate()
+        bounded = cache is not None and cache.capacity_bytes is not None
         for l, (a, b) in self.ranges.items():
-            bounded = calibrating or (cache is not None and cache.capacity_bytes is not None)
             for g in (range(a, b) if bounded else range(self.n_groups)) if cache is not None else ():
                 self.banks[l].shard(g)
-            seen.append(l)
-            if calibrating and (len(cache) >= CALIBRATION_GROUPS or l == max(self.ranges)):
-                calibrating = False  # what these groups cost, each run once (a session allocates buffers at its first run)
-                for k in seen:
-                    self.banks[k].forward(np.zeros((1, self.banks[k].dim), dtype=np.float32), range(*self.ranges[k]))
-                self._set_capacity(resident_bytes() - before)
-                for k in seen if cache.capacity_bytes is None else ():
-                    for g in range(self.n_groups):
-                        self.banks[k].shard(g)  # everything fits: the rest of these layers too
-            if cache is not None and cache.capacity_bytes is not None:
-                need = minimum_capacity(int(self._group_bytes() * max(b - a for a, b in self.ranges.values())))
+            if bounded:
+                need = self.floor = minimum_capacity(int(self._group_bytes() * max(b - a for a, b in self.ranges.values())))
                 if cache.capacity_bytes < need:
                     raise ConfigError(f"the memory left for re-mapped MLP groups holds {cache.capacity_bytes / 1e6:.1f} MB "
                                       f"of them, less than two layers of this share's groups ({need / 1e6:.1f} MB): give "
                                       "this device fewer MLP ranks or more memory (halo-agent --memory-budget)")
             if built is not None:
                 built()
-        for l, (a, b) in self.ranges.items() if cache is not None and cache.capacity_bytes is not None else ():
+        for l, (a, b) in self.ranges.items() if bounded else ():
             for g in (g for g in range(self.n_groups) if not a <= g < b):
                 if not cache.room_for(self._group_bytes()):
                     break
@@ -105,19 +105,41 @@ class Remapper:
         if cache is not None:
             cache.filling = False
 
-    def _set_capacity(self, grown: int) -> None:
-        """The compact capacity a resident budget buys, from what the first groups built made the process grow by
-        (a one-group kernel's session holds 2-5 x its weights: its own buffers and graph);
-        unbounded where every candidate group fits."""
-        cache = self.cache
-        self.resident_per_byte = RESIDENT_MARGIN * max(MIN_RESIDENT_PER_BYTE, grown / max(1, cache.held_bytes))
-        capacity = int(self.resident_budget / self.resident_per_byte)
+    def _calibrate(self) -> None:
+        """Whether the resident budget holds every candidate group as onnxruntime kernels (fastest per call; a
+        one-group session holds 2-5x its weights: its own buffers and graph), from what the first groups built (and
+        run once) made the process grow by. If not, they are dropped and the budget holds compact groups."""
+        cache, before, layers = self.cache, resident_bytes(), []
+        for l, (a, b) in self.ranges.items():
+            for g in range(a, b):
+                self.banks[l].shard(g)
+            layers.append(l)
+            if len(cache) >= CALIBRATION_GROUPS:
+                break
+        for l in layers:  # a session allocates its buffers at its first run
+            self.banks[l].forward(np.zeros((1, self.banks[l].dim), dtype=np.float32), range(*self.ranges[l]))
+        per_byte = RESIDENT_MARGIN * max(MIN_RESIDENT_PER_BYTE, (resident_bytes() - before) / max(1, cache.held_bytes))
         every = self._group_bytes() * self.n_groups * len(self.ranges)
-        if capacity < every:
-            cache.capacity_bytes = capacity
-        log.info("HALO groups within %.1f MB of memory: %.1f MB of built groups (%.1f x their weights in memory) of "
-                 "%.1f MB candidates%s", self.resident_budget / 1e6, capacity / 1e6, self.resident_per_byte, every / 1e6,
-                 "" if capacity < every else ": all of them")
+        if self.resident_budget >= every * per_byte:
+            self.resident_per_byte = per_byte
+            log.info("HALO groups within %.1f MB of memory: all %.1f MB of candidates as kernels (%.1f x their weights "
+                     "in memory)", self.resident_budget / 1e6, every / 1e6, per_byte)
+            return
+        cache.clear()
+        release_freed_heap()
+        dim = next(iter(self.banks.values())).dim
+        working = 8 * self.layout.mlp_group_size * dim  # a call's float32 expansion of gate+up (numpy, transient)
+        self._go_compact(int(max(0, self.resident_budget - working) / COMPACT_MARGIN))
+        log.info("HALO groups within %.1f MB of memory: %.1f MB of compact groups of %.1f MB candidates (as kernels "
+                 "they would take %.1f x their weights)", self.resident_budget / 1e6, cache.capacity_bytes / 1e6,
+                 every / 1e6, per_byte)
+
+    def _go_compact(self, capacity: int) -> None:
+        """Bounded: groups held as compact arrays (numpy) within `capacity` bytes."""
+        self.cache.capacity_bytes = capacity
+        self.resident_per_byte = COMPACT_MARGIN
+        for bank in self.banks.values():
+            bank.compact = True
 
     def _group_bytes(self) -> int:
         return int(self.cache.held_bytes / max(1, len(self.cache)))
@@ -127,6 +149,24 @@ class Remapper:
         self.rankings.clear()
         self.head_rankings.clear()
         self.loading.clear()
+        if self.resident_budget is not None and self.cache.capacity_bytes is not None:
+            self._stay_under_limit()
+
+    def _stay_under_limit(self) -> None:
+        """Under a cgroup limit, give up cache capacity where the process outgrew what the budget was measured from
+        (buffers of the first passes, the KV cache filling, the predictors): checked each forward pass, so the
+        agent shrinks its cache rather than be killed by the limit."""
+        headroom = memory_headroom()
+        if headroom is None or headroom >= 0:
+            return
+        cache = self.cache
+        capacity = max(self.floor, cache.capacity_bytes + headroom)
+        if capacity < cache.capacity_bytes:
+            self.shrunk += cache.capacity_bytes - capacity
+            cache.shrink(capacity)
+            release_freed_heap()
+            log.warning("memory limit: the HALO group cache shrinks to %.1f MB (%.1f MB given up so far)",
+                        capacity / 1e6, self.shrunk / 1e6)
 
     def predicts(self, layer: int) -> bool:
         return self.predictors is not None and layer in self.predictors.sessions
@@ -187,7 +227,10 @@ class Remapper:
             out["group_cache"] = {"capacity_bytes": self.cache.capacity_bytes, "held_bytes": self.cache.held_bytes,
                                   "groups": len(self.cache), "resident_budget_bytes": self.resident_budget,
                                   "prepared": next(iter(self.banks.values())).prepared is not None if self.banks else False,
-                                  "resident_per_byte": self.resident_per_byte, **self.cache.stats.to_json()}
+                                  "resident_per_byte": self.resident_per_byte,
+                                  "kernel": "numpy" if self.cache.capacity_bytes is not None else "onnxruntime",
+                                  "shrunk_bytes": self.shrunk,
+                                  **self.cache.stats.to_json()}
         return out
 
     def close(self) -> None:

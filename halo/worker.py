@@ -75,6 +75,8 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
+            if bounded:
+                self._warm_static()
             groups_budget = self._groups_budget(memory_budget, started) if bounded else None
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
                                      resident_budget=groups_budget, prepared=prepared)
@@ -86,6 +88,17 @@ class DeviceWorker:
         self.compute_ms = 0.0  # wall clock, every compute call
         self.cpu_ms = 0.0  # the same in this thread's CPU time: what it costs without other processes on the cores
         self.last_compute_ms = 0.0
+
+    def _warm_static(self) -> None:
+        """Run each attention and LM-head shard once (zeros at position 0, caches cleared after): a kernel session
+        allocates its buffers at its first run, and the memory left to HALO's groups must be measured after that
+        (TinyLlama shape: an agent budgeted before it outgrew its cgroup limit at the first token)."""
+        x = np.zeros((1, self.config.dim), dtype=np.float32)
+        for shard in self.attention.values():
+            shard.forward(x, 0, self.rotary)
+            shard.reset()
+        if self.lm_head is not None:
+            self.lm_head.forward(x)
 
     def _groups_budget(self, memory_budget: int, started: int) -> int:
         """HALO mode: the process memory its built MLP groups may take: the budget less what the other shards made the

@@ -52,6 +52,22 @@ def test_layers_visited_in_turn_keep_the_layers_that_come_next():
     assert cache.held_bytes <= 40 and cache.stats.hits >= 6  # 2 of 3 layers' groups hit from the third token on
 
 
+def test_loading_two_layers_ahead_keeps_the_next_layer_loaded_first():
+    """The load thread builds layer c+1's groups, then (the next ranking known) c+2's, while layer c computes: c+2's
+    must evict a layer already computed, not the c+1 groups built a moment ago for the next computation."""
+    cache = GroupCache(capacity_bytes=60)
+    cache.filling = False
+    for layer in range(3):
+        for group in range(2):
+            cache.get((layer, group), lambda key=(layer, group): Built(key))  # computing layer 2 now
+    for layer in (3, 4):
+        for group in range(2):
+            cache.get((layer, group), lambda key=(layer, group): Built(key), ahead=True)
+    assert (3, 0) in cache and (3, 1) in cache and (4, 0) in cache and (4, 1) in cache
+    assert (2, 0) in cache and (2, 1) in cache  # in use
+    assert cache.held_bytes == 60 and cache.stats.evicted == 4  # layers 1 and 0, computed before
+
+
 def test_a_group_being_built_is_waited_for_not_built_twice():
     cache = GroupCache(capacity_bytes=None)
     started, builds = threading.Event(), []
@@ -78,8 +94,9 @@ def ranked_tokens(layout, layers, tokens, seed):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, overlap):
     """A device whose built groups are capped (two layers' worth of its ranks, a fraction of every candidate) gives
-    the same partial sums token after token as one holding every candidate group; what it had to build again is
-    counted, and it never holds more than its capacity."""
+    the same partial sums token after token as a bounded one whose cache holds every candidate (both compute
+    compact groups in numpy), and those of one holding every group as onnxruntime kernels within the kernels' int8
+    activation rounding; what it had to build again is counted, and it never holds more than its capacity."""
     c = stories_weights.config
     layout = GroupLayout.for_model(c)
     ranges = {l: (2, 5) for l in range(c.n_layers)}
@@ -87,23 +104,27 @@ def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, o
     group_bytes = full.cache.held_bytes // len(full.cache)
     capacity = 7 * group_bytes  # two layers of 3 ranks and one group more: less than the 15 groups of its ranks
     bounded = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=capacity, load_overlap=overlap)
-    assert len(full.cache) == c.n_layers * layout.n_mlp_groups and 6 <= len(bounded.cache) <= 7
+    ample = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=full.cache.held_bytes + group_bytes)
+    assert len(full.cache) == len(ample.cache) == c.n_layers * layout.n_mlp_groups and 6 <= len(bounded.cache) <= 7
+    assert full.report()["group_cache"]["kernel"] == "onnxruntime" and bounded.report()["group_cache"]["kernel"] == "numpy"
     rng = np.random.default_rng(0)
     for rankings in ranked_tokens(layout, ranges, 6, seed=1):
-        for remapper in (full, bounded):
+        for remapper in (full, bounded, ample):
             remapper.begin()
             remapper.rankings.update(rankings)
         x = rng.standard_normal((1, c.dim)).astype(np.float32)
         for l in ranges:
             if overlap:  # as the worker does: the next layer's groups load while this one computes
                 bounded.loading[l] = bounded.pool.submit(bounded._load, l)
-            np.testing.assert_array_equal(bounded.mlp_partial(l, x), full.mlp_partial(l, x))
+            partial = bounded.mlp_partial(l, x)
+            np.testing.assert_array_equal(partial, ample.mlp_partial(l, x))
+            np.testing.assert_allclose(partial, full.mlp_partial(l, x), atol=0.1)  # int8 activations: 1/254 of a block
             assert bounded.cache.held_bytes <= capacity
     stats = bounded.report()["group_cache"]
     assert stats["prefetched" if overlap else "stalls"] > 0 and stats["evicted"] > 0 and stats["built_bytes"] > 0
     assert stats["capacity_bytes"] == capacity and full.report()["group_cache"]["capacity_bytes"] is None
-    assert full.cache.stats.stalls == 0 and full.cache.stats.evicted == 0
-    for r in (full, bounded):
+    assert full.cache.stats.stalls == 0 and full.cache.stats.evicted == 0 and ample.cache.stats.evicted == 0
+    for r in (full, bounded, ample):
         r.close()
 
 
@@ -113,12 +134,13 @@ def test_a_cache_smaller_than_two_layers_of_ranks_is_refused(stories_weights):
         Remapper(stories_weights, layout, {0: (0, 4), 1: (0, 4)}, fmt="int8", cache_bytes=1000)
 
 
-def test_an_agent_under_a_memory_budget_keeps_a_bounded_cache_and_the_same_tokens(stories_weights, tmp_path,
+def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens(stories_weights, tmp_path,
                                                                                   monkeypatch):
     """halo-agent --memory-budget: in HALO mode (halo-tcp: reliable, so the tokens are deterministic) with int8
-    weights, an agent whose budget cannot hold every candidate MLP group keeps what it allows, builds the rest
-    when rankings need them (its status says how many and how long) and gives the tokens of unbounded agents;
-    after `halo-agent prepare` it builds them from the prepared groups, with the same tokens again."""
+    weights, an agent whose budget cannot hold every candidate MLP group as onnxruntime kernels (measured: here
+    they would take tens of times their weights) holds them as compact groups within its budget (its status says
+    so) and gives the tokens of unbounded agents; after `halo-agent prepare` it reads them from the prepared groups,
+    with the same tokens again. (What a cache smaller than the candidates rebuilds and evicts: the test above.)"""
     import subprocess
     import sys
 
@@ -146,11 +168,11 @@ def test_an_agent_under_a_memory_budget_keeps_a_bounded_cache_and_the_same_token
     assert bounded_tokens == free_tokens
     for unbounded, memory in zip(free, bounded):
         cache = memory["group_cache"]
-        assert unbounded["group_cache"]["capacity_bytes"] is None and unbounded["group_cache"]["stalls"] == 0
-        assert 0 < cache["held_bytes"] <= cache["capacity_bytes"] < unbounded["group_cache"]["held_bytes"]
-        assert cache["prefetched"] + cache["stalls"] > 0 and cache["built_bytes"] > 0 and not cache["prepared"]
-        assert cache["resident_per_byte"] > 1 and cache["resident_budget_bytes"] < 17e6
-        assert memory["weights_bytes"] < unbounded["weights_bytes"]
+        assert unbounded["group_cache"]["capacity_bytes"] is None and unbounded["group_cache"]["kernel"] == "onnxruntime"
+        assert unbounded["group_cache"]["stalls"] == 0  # its default budget (the machine's memory) holds them as kernels
+        assert cache["kernel"] == "numpy" and cache["resident_budget_bytes"] < 17e6 and not cache["prepared"]
+        assert 0 < cache["held_bytes"] <= cache["capacity_bytes"] <= cache["resident_budget_bytes"]
+        assert cache["held_bytes"] == unbounded["group_cache"]["held_bytes"]  # the same groups, in their compact bytes
     done = subprocess.run([sys.executable, "-P", "-m", "halo.edge_agent", "prepare", "--weights", "int8"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "prepared 8 MLP groups x 5 layers" in done.stdout, done.stderr
@@ -162,7 +184,7 @@ def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weigh
     """halo-agent prepare writes every MLP group in kernel form, group-major; a group built from those bytes is the
     same kernel as one built from the model file: bitwise the same output."""
     from halo.loader import model_fingerprint
-    from halo.neuron_groups import MlpShard
+    from halo.neuron_groups import CompactMlpGroup, MlpShard
     from halo.prepared import PreparedGroups, prepare
 
     layout = GroupLayout.for_model(stories_weights.config)
@@ -173,6 +195,10 @@ def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weigh
     for layer, group in [(0, 0), (2, 5), (4, layout.n_mlp_groups - 1)]:  # the last group is smaller (172 = 7 x 22 + 18)
         np.testing.assert_array_equal(groups.shard(layer, group).forward(x),
                                       MlpShard(stories_weights.layers[layer], layout, [group], "int8").forward(x))
+        compact = groups.compact_group(layer, group)  # what a memory-bounded device holds: the read bytes themselves
+        np.testing.assert_array_equal(compact.forward(x),
+                                      CompactMlpGroup.build(stories_weights.layers[layer], layout, group, "int8").forward(x))
+        assert compact.nbytes == groups.groups[layer * layout.n_mlp_groups + group]["bytes"]
 
 
 def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):
@@ -199,5 +225,88 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
     with pytest.raises(ConfigError, match=r"manifest.json, layer 0 group 3: arrays .* where the kernel needs"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
     (out / "manifest.json").write_text(json.dumps({"version": 99}))
-    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 1"):
+    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 2"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "int8"])
+def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, tmp_path, qtype):
+    """What a memory-bounded device computes a re-mapped group with (numpy on the group's compact codes and scales,
+    no onnxruntime session) is float32 arithmetic on exactly the stored weights: the fp32 shard of the dequantized
+    model to rounding, in prefill and decode, and it holds the group's compact bytes, not more."""
+    from gguf_models import tiny_gguf
+
+    from halo.linear import dequantize_int8
+    from halo.loader import load_weights
+    from halo.neuron_groups import CompactMlpGroup, MlpShard, mlp_group_kernels
+
+    weights = stories_weights if qtype == "int8" else load_weights(tiny_gguf(tmp_path / "model.gguf", qtype, seed=5))
+    fmt = "int8" if qtype == "int8" else "native"
+    layout = GroupLayout.for_model(weights.config)
+    rng = np.random.default_rng(2)
+    for layer, group in [(0, 0), (1, layout.n_mlp_groups - 1)]:
+        compact = CompactMlpGroup.build(weights.layers[layer], layout, group, fmt)
+        if fmt == "int8":  # int8 quantizes the float32 weights: the reference is its own codes, dequantized
+            gate_up, down = (p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt))
+            w_gate_up = dequantize_int8(gate_up.weights["codes"], gate_up.weights["scales"], gate_up.k)
+            w_down = dequantize_int8(down.weights["codes"], down.weights["scales"], down.k)
+            n = w_down.shape[1]
+
+            def reference(x):
+                h = x @ w_gate_up.T
+                return (h[:, :n] / (1 + np.exp(-h[:, :n])) * h[:, n:]) @ w_down.T
+        else:
+            reference = MlpShard(weights.layers[layer], layout, [group], "fp32").forward
+        for tokens in (1, 3):
+            x = rng.standard_normal((tokens, weights.config.dim)).astype(np.float32)
+            want = reference(x)
+            np.testing.assert_allclose(compact.forward(x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        kernels = [p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt)]
+        assert compact.nbytes == sum(k.nbytes for k in kernels)
+
+
+def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(stories_weights, monkeypatch):
+    """What the first passes make resident can exceed what the budget was measured from: each forward pass, a
+    bounded device gives up the cache capacity its cgroup limit lacks (evicting at once), down to two layers of its
+    ranks, and says so in its report."""
+    import halo.remap
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    ranges = {l: (2, 5) for l in range(stories_weights.config.n_layers)}
+    remapper = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=10**9)
+    remapper.resident_budget = 10**9  # as when the budget came from the agent's memory
+    group = remapper._group_bytes()
+    held = remapper.cache.held_bytes
+    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: -5 * group)
+    remapper.begin()
+    assert remapper.cache.capacity_bytes == 10**9 - 5 * group and remapper.cache.held_bytes == held  # room to spare
+    remapper.cache.shrink(held)
+    remapper.begin()
+    assert remapper.cache.held_bytes <= held - 5 * group and remapper.report()["group_cache"]["shrunk_bytes"] > 0
+    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: -10**9)
+    remapper.begin()
+    assert remapper.cache.capacity_bytes == remapper.floor > 5 * group and remapper.cache.held_bytes <= remapper.floor
+    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: None)  # no limit: nothing changes
+    remapper.begin()
+    assert remapper.cache.capacity_bytes == remapper.floor
+    remapper.close()
+
+
+def test_mapped_files_are_advised_random_access():
+    """Under a memory limit an agent turns off read-around on its file-backed mappings (code, the model): each
+    evicted page faults back alone instead of with the disk's whole read-ahead window. The kernel shows the
+    advice as the mapping's "rr" flag in /proc/self/smaps."""
+    import mmap
+    from pathlib import Path
+
+    from halo.memory import read_mapped_files_at_random
+
+    def flags_of(path: str) -> list[str]:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if line.endswith(path))
+        return next(line for line in lines[at:] if line.startswith("VmFlags:")).split()[1:]
+
+    with open(__file__, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+        assert "rr" not in flags_of(__file__)
+        assert read_mapped_files_at_random() > 0
+        assert "rr" in flags_of(__file__)
