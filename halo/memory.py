@@ -143,13 +143,24 @@ HEADROOM_MARGIN = 0.10  # of a cgroup limit, and at least HEADROOM_MIN: transien
 HEADROOM_MIN = 24 << 20  # the page cache its weights pass through, the heap's own slack
 
 
-def memory_headroom() -> int | None:
-    """What this process may still grow by under its cgroup's memory limit, less a margin (None: no limit). The
-    limit counts the page cache too; the process's resident set is what reclaim cannot take back."""
+GROUPS_HEADROOM_MARGIN = 0.05  # HALO's re-mapped groups: buffers of their own, returned at eviction, and the
+GROUPS_HEADROOM_MIN = 8 << 20  # cache shrinks each pass where the limit runs short (halo/remap.py)
+
+
+def memory_headroom(margin: float = HEADROOM_MARGIN, least: int = HEADROOM_MIN) -> int | None:
+    """What this process may still grow by under its cgroup's memory limit, less a margin (`margin` of the limit,
+    at least `least` bytes; None: no limit). The limit counts the page cache too; the process's resident set is
+    what reclaim cannot take back."""
     limit = memory_limit()
     if limit is None:
         return None
-    return int(limit[0] - resident_bytes() - max(HEADROOM_MIN, HEADROOM_MARGIN * limit[0]))
+    return int(limit[0] - resident_bytes() - max(least, margin * limit[0]))
+
+
+def groups_headroom() -> int | None:
+    """memory_headroom for HALO's bounded group cache (a smaller margin: a SmolLM2 agent at its share + 10 % had no
+    room left at the general one)."""
+    return memory_headroom(GROUPS_HEADROOM_MARGIN, GROUPS_HEADROOM_MIN)
 
 
 def peak_rss_bytes() -> int:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
-from .memory import memory_headroom, release_freed_heap, resident_bytes
+from .memory import groups_headroom, release_freed_heap, resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
 from .weights import ModelWeights
@@ -156,7 +156,7 @@ class Remapper:
         """Under a cgroup limit, give up cache capacity where the process outgrew what the budget was measured from
         (buffers of the first passes, the KV cache filling, the predictors): checked each forward pass, so the
         agent shrinks its cache rather than be killed by the limit."""
-        headroom = memory_headroom()
+        headroom = groups_headroom()
         if headroom is None or headroom >= 0:
             return
         cache = self.cache

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .memory import memory_headroom, resident_bytes
+from .memory import groups_headroom, resident_bytes
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from .ops import Rotary, rmsnorm
 from .shares import Block, Shares, rank_range
@@ -106,7 +106,7 @@ class DeviceWorker:
         leaves (it counts everything: the predictors, buffers, page cache)."""
         kv = sum(s.cache_nbytes for s in self.attention.values())
         budget = memory_budget - (resident_bytes() - started) - kv
-        headroom = memory_headroom()
+        headroom = groups_headroom()
         return budget if headroom is None else min(budget, headroom - kv)
 
     def compatible(self, weights, layout, context, fmt, threads) -> bool:

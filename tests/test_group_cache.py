@@ -277,16 +277,16 @@ def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(s
     remapper.resident_budget = 10**9  # as when the budget came from the agent's memory
     group = remapper._group_bytes()
     held = remapper.cache.held_bytes
-    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: -5 * group)
+    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: -5 * group)
     remapper.begin()
     assert remapper.cache.capacity_bytes == 10**9 - 5 * group and remapper.cache.held_bytes == held  # room to spare
     remapper.cache.shrink(held)
     remapper.begin()
     assert remapper.cache.held_bytes <= held - 5 * group and remapper.report()["group_cache"]["shrunk_bytes"] > 0
-    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: -10**9)
+    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: -10**9)
     remapper.begin()
     assert remapper.cache.capacity_bytes == remapper.floor > 5 * group and remapper.cache.held_bytes <= remapper.floor
-    monkeypatch.setattr(halo.remap, "memory_headroom", lambda: None)  # no limit: nothing changes
+    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: None)  # no limit: nothing changes
     remapper.begin()
     assert remapper.cache.capacity_bytes == remapper.floor
     remapper.close()
