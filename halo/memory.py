@@ -149,25 +149,12 @@ GROUPS_HEADROOM_MIN = 8 << 20  # cache shrinks each pass where the limit runs sh
 
 def memory_headroom(margin: float = HEADROOM_MARGIN, least: int = HEADROOM_MIN) -> int | None:
     """What this process may still grow by under its cgroup's memory limit, less a margin (`margin` of the limit,
-    at least `least` bytes, left to the page cache its code and files need; None: no limit): the limit less the
-    memory reclaim cannot take back (`unreclaimable_bytes`)."""
+    at least `least` bytes; None: no limit). The limit counts the page cache too; the process's resident set is
+    what reclaim cannot take back."""
     limit = memory_limit()
     if limit is None:
         return None
-    return int(limit[0] - unreclaimable_bytes() - max(least, margin * limit[0]))
-
-
-def unreclaimable_bytes() -> int:
-    """This process's anonymous and shared-anonymous memory (after returning freed heap to the OS): with no swap,
-    what stays in RAM whatever the limit. Its resident set also counts mapped file pages (libraries' code: ~55 MB
-    here), which the page cache can drop and which are charged to whichever cgroup read them first; counting them
-    made a SmolLM2 agent give up two thirds of its group cache to a shortage that was not there."""
-    release_freed_heap()
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-        return sum(int(fields[name].split()[0]) * 1024 for name in ("RssAnon", "RssShmem"))
-    except (OSError, KeyError, ValueError):
-        return resident_bytes()
+    return int(limit[0] - resident_bytes() - max(least, margin * limit[0]))
 
 
 def groups_headroom() -> int | None:
