@@ -64,7 +64,7 @@ def read_config(path: str) -> dict:
 
 PREPARE_EPILOG = """HALO mode re-maps MLP groups per token; an agent whose memory budget cannot hold all of them keeps
 what fits (compact: the groups' 4/8-bit codes and scales) and reads the ones a ranking needs when it needs them.
-Prepared, each group is one contiguous read in that form (nothing to convert; SmolLM2 under a budget: ~3x faster
+Prepared, each group is one contiguous read in that form (nothing to convert; SmolLM2 under a budget: ~2x faster
 tokens than converting from the model file): run this once per device, model and weight format (the Pi
 installer does). The agent finds the result by itself (a cache directory named by the model's sha256, the format
 and the group size).

@@ -420,7 +420,7 @@ class Agent(ControlServer):
         if prepared is None and fmt not in self._said_unprepared:
             self._said_unprepared.add(fmt)
             log.info("no prepared MLP groups for --weights %s: HALO mode builds them from the model file, and under a "
-                     "memory budget converts a group again whenever it reads it again (SmolLM2: ~3x slower tokens); "
+                     "memory budget converts a group again whenever it reads it again (SmolLM2: ~2x slower tokens); "
                      "once per device: halo-agent prepare --model %s --weights %s", fmt, self.weights.source, fmt)
         return prepared
 
