@@ -75,8 +75,6 @@ class DeviceWorker:
             from .remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            if bounded:
-                self._warm_static()
             groups_budget = self._groups_budget(memory_budget, started) if bounded else None
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
                                      resident_budget=groups_budget, prepared=prepared)
@@ -104,6 +102,7 @@ class DeviceWorker:
         """HALO mode: the process memory its built MLP groups may take: the budget less what the other shards made the
         process grow by and the KV cache (filled as positions come), and under a cgroup limit at most what the limit
         leaves (it counts everything: the predictors, buffers, page cache)."""
+        self._warm_static()  # measured after the other shards' first run
         kv = sum(s.cache_nbytes for s in self.attention.values())
         budget = memory_budget - (resident_bytes() - started) - kv
         headroom = groups_headroom()
