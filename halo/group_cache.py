@@ -21,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable
 
+from .memory import BufferPool
+
 
 @dataclass
 class CacheStats:
@@ -41,12 +43,15 @@ class GroupCache:
         """capacity_bytes None: unbounded (every group built stays). Keys are (layer, group)."""
         self.capacity_bytes = capacity_bytes
         self.computing = None  # the layer of the computation's last request
+        self._visits: dict[Hashable, int] = {}  # layer -> how many times the computation came to it
+        self._used: dict[Hashable, int] = {}  # key -> the visit of its layer it was last used in (or is loaded for)
         self.stats = CacheStats()
         self.held_bytes = 0
         self._entries: OrderedDict[Hashable, object] = OrderedDict()  # least recently used first
         self._building: dict[Hashable, threading.Event] = {}
         self._lock = threading.Lock()
         self.filling = True  # builds during the initial fill are not counted as loads
+        self.buffers = BufferPool()  # what evicted compact groups were read into, for the next ones
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
@@ -55,19 +60,27 @@ class GroupCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def begin_pass(self) -> None:
+        """A new forward pass: its first request of a layer is a new visit of it, even where it is the layer of the
+        last request (a device with one layer of ranks)."""
+        with self._lock:
+            self.computing = None
+
     def clear(self) -> None:
         """Drop every built group (a device that measured its kernels too large for its budget starts over compact)."""
         with self._lock:
             self._entries.clear()
+            self._used.clear()
             self.held_bytes = 0
+        self.buffers.clear()
 
     def shrink(self, capacity_bytes: int) -> None:
         """Lower the capacity, evicting down to it now."""
         with self._lock:
             self.capacity_bytes = capacity_bytes
             while self.held_bytes > capacity_bytes and self._entries:
-                self.held_bytes -= self._entries.pop(self._victim((None, None))).nbytes
-                self.stats.evicted += 1
+                self._evict(self._victim((None, None)))
+        self.buffers.clear()
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a group of nbytes fits without evicting anything (the initial fill stops when it does not)."""
@@ -79,11 +92,13 @@ class GroupCache:
         waited = time.perf_counter()
         while True:
             with self._lock:
-                if not ahead:
+                if not ahead and self.computing != key[0]:
                     self.computing = key[0]
+                    self._visits[key[0]] = self._visits.get(key[0], 0) + 1
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
+                    self._used[key] = self._visits.get(key[0], 0) + (ahead and key[0] != self.computing)
                     if not ahead:
                         self.stats.hits += 1
                     return entry
@@ -115,25 +130,32 @@ class GroupCache:
 
     def _insert(self, key: Hashable, entry) -> None:
         self._entries[key] = entry
+        self._used[key] = self._visits.get(key[0], 0) + (key[0] != self.computing)  # loaded ahead: the next visit's
         self.held_bytes += entry.nbytes
         while self.capacity_bytes is not None and self.held_bytes > self.capacity_bytes and len(self._entries) > 1:
-            old = self._entries.pop(self._victim(key))  # (never `key` itself)
-            self.held_bytes -= old.nbytes
-            self.stats.evicted += 1
+            self._evict(self._victim(key))  # (never `key` itself)
+
+    def _evict(self, key: Hashable) -> None:
+        self.held_bytes -= self._entries.pop(key).nbytes
+        self._used.pop(key, None)
+        self.stats.evicted += 1
 
     def _victim(self, key: Hashable) -> Hashable:
-        """What to evict for `key`: the group needed again furthest in the future, as far as layer order tells.
-        Layers are visited in turn every token, so with the computation at layer c the layers before c come back
-        only next token (the closer to c, the later) and those after c come this token (the further, the later):
-        first c-1, c-2, .., 0, then the last layer down to c+1. Never key's layer (being loaded) nor c (in use).
-        Least recently used instead, once the groups do not all fit, evicts exactly the layers that come next and
-        nothing ever hits; "most recently used" evicted the next layer's groups the load thread had just built
-        when it went on to the layer after."""
+        """What to evict for `key`: the group needed again furthest in the future, as far as the rankings and layer
+        order tell. First groups the last visit of their layer did not use (the ranking moved away from them: the
+        groups a token used are the likeliest its next token uses), then by layer order: layers are visited in turn
+        every token, so with the computation at layer c the layers before c come back only next token (the closer
+        to c, the later) and those after c come this token (the further, the later): first c-1, c-2, .., 0, then
+        the last layer down to c+1. Never key's layer (being loaded) nor c (in use). Least recently used instead,
+        once the groups do not all fit, evicts exactly the layers that come next and nothing ever hits; "most
+        recently used" evicted the next layer's groups the load thread had just built when it went on to the layer
+        after; layer order alone evicted the groups of the layers just computed, which the next token mostly needs
+        again (SmolLM2: a quarter of the groups a token needed were still held)."""
         c, best, best_rank = self.computing, None, None
         for k in self._entries:  # least recently used first: it wins ties
             if k[0] == key[0] or k[0] == c:
                 continue
-            rank = (c is not None and k[0] < c, k[0])
+            rank = (self._used.get(k, 0) < self._visits.get(k[0], 0), c is not None and k[0] < c, k[0])
             if best_rank is None or rank > best_rank:
                 best, best_rank = k, rank
         return best if best is not None else next(k for k in self._entries if k != key)

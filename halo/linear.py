@@ -27,7 +27,7 @@ from itertools import groupby
 import numpy as np
 
 from .errors import ConfigError
-from .memory import own_pages, release_freed_heap, release_pages
+from .memory import memory_limit, release_freed_heap, release_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
@@ -267,23 +267,33 @@ class DequantKernel:
     broadcast over 16 or 32 values) cost as much as everything else together."""
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec):
-        """Block-major arrays (kept as given): codes [blocks, n, bytes], scales and offsets [blocks, n]."""
+        """Block-major arrays, the kernel's own (kept as given; Q4_1's offsets become its bias in place: a group read
+        into a buffer allocates nothing more): codes [blocks, n, bytes], scales and offsets [blocks, n]."""
         units, n = scales.shape
         if codes.shape != (units, n, spec.block * spec.bits // 8) or units * spec.block < k or spec.bits not in (4, 8):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
         self.codes, self.scales, self.k, self.n, self.spec = codes, scales, k, n, spec
         self.zero_point = np.float32(1 << (spec.bits - 1))
-        self.bias = None if offsets is None else offsets - self.zero_point * scales  # Q4_1's minimums, zero point
+        self.bias = None  # Q4_1's minimums less the zero point's share: [blocks, n]
+        if offsets is not None:
+            self.bias = offsets
+            self.bias -= self.zero_point * scales
         self.nbytes = sum(a.nbytes for a in (codes, scales, self.bias) if a is not None)
 
     @classmethod
-    def copy_of(cls, kernel: "_NBitsKernel") -> "DequantKernel":
-        """The arrays of a prepared (unopened) kernel, copied block-major out of its temporary file."""
-        w = {}
+    def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray) -> "DequantKernel":
+        """The arrays of a prepared (unopened) kernel, copied block-major out of its temporary file into a uint8
+        buffer of `kernel_bytes(kernel)`."""
+        w, at = {}, 0
         for name, a in kernel.weights.items():
-            w[name] = own_pages(a.nbytes).view(a.dtype).reshape(a.swapaxes(0, 1).shape)
+            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.swapaxes(0, 1).shape)
             w[name][...] = a.swapaxes(0, 1)
+            at += a.nbytes
         return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
+
+    @staticmethod
+    def kernel_bytes(kernel: "_NBitsKernel") -> int:
+        return sum(a.nbytes for a in kernel.weights.values())
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, k] -> x @ W.T [T, n]."""
@@ -349,16 +359,28 @@ class GraphBuilder:
     def session(self, inputs: dict, outputs: dict, threads: int = 1) -> "GraphSession":
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
+        options = session_options(threads)
         values = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.external.values()]
         options.add_external_initializers(list(self.external), values)
         session = ort.InferenceSession(self.model(inputs, outputs).SerializeToString(), options,
                                        providers=["CPUExecutionProvider"])
         return GraphSession(session, values)
+
+
+def session_options(threads: int = 1):
+    """onnxruntime options for halo's sessions: `threads` intra-op threads that sleep between calls, quiet logs. Under
+    a cgroup memory limit, no memory arena: an arena keeps its largest run's buffers for good (a 30-token prefill grew
+    a SmolLM2 agent's attention, LM-head and predictor sessions by 22 MB, which its HALO group cache then gave up);
+    without one, a run's buffers go back when it ends."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3
+    options.enable_cpu_mem_arena = memory_limit() is None
+    return options
 
 
 class GraphSession:

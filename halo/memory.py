@@ -13,6 +13,8 @@ import ctypes
 import mmap
 import resource
 import sys
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +74,52 @@ def release_freed_heap() -> None:
 
 
 def own_pages(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 buffer in an anonymous mapping of its own, unmapped when the last array viewing it goes.
-    Buffers of ~1 MB freed to the heap stay in the allocator (glibc raises its mmap threshold after the first
-    such free, and each thread has its own arena), so a cache that keeps evicting groups and reading others in
-    grew the process past its budget; these leave nothing behind."""
-    return np.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=np.uint8)[:nbytes]
+    """A zeroed uint8 buffer in a private anonymous mapping of its own (its pages populated at once: the caller fills
+    all of them), unmapped when the last array viewing it goes. Buffers of ~1 MB freed to the heap stay in the
+    allocator (glibc raises its mmap threshold after the first such free, and each thread has its own arena), so a
+    cache that keeps evicting groups and reading others in grew the process past its budget; these leave nothing
+    behind."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return np.frombuffer(mmap.mmap(-1, max(1, nbytes), flags=flags), dtype=np.uint8)[:nbytes]
+
+
+class BufferPool:
+    """Buffers reused for the groups a bounded cache reads and evicts (halo/group_cache.py): a group's buffers go back
+    to the pool when the group is garbage (evicted and no longer computed), and the next group read of that size
+    takes them. Mapping fresh pages per read cost 0.4 ms of a SmolLM2 group's 0.45 ms (the page faults of a new
+    mapping, then unmapping it at eviction); a reused buffer costs the copy alone (0.05 ms). Buffers are `own_pages`,
+    so what the pool holds is exactly its buffers, and `clear` gives the idle ones back to the system."""
+
+    def __init__(self):
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of nbytes (its old contents, or zeros): an idle one, or new pages."""
+        with self._lock:
+            idle = self._idle.get(nbytes)
+            if idle:
+                return idle.pop()
+        return own_pages(nbytes)
+
+    def return_with(self, owner: object, *buffers: np.ndarray) -> None:
+        """Take `buffers` back once `owner` (what was built on them) is garbage."""
+        weakref.finalize(owner, self._put, buffers)
+
+    def _put(self, buffers: tuple[np.ndarray, ...]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                self._idle.setdefault(buffer.nbytes, []).append(buffer)
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for idle in self._idle.values() for b in idle)
+
+    def clear(self) -> None:
+        """Give the idle buffers back to the system (a cache that shrank needs fewer)."""
+        with self._lock:
+            self._idle.clear()
 
 
 def read_mapped_files_at_random() -> int:

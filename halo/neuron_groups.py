@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
 from .linear import DenseProjection, DequantKernel, KernelProjection, int8_block_for, make_projection
-from .memory import load_pages
+from .memory import BufferPool, load_pages, own_pages
 from .ops import Rotary, silu, softmax
 from .quant import QuantizedMatrix, Weight, as_float32
 from .weights import LayerWeights
@@ -287,10 +287,17 @@ class CompactMlpGroup:
         self.nbytes = gate_up.nbytes + down.nbytes
 
     @classmethod
-    def build(cls, layer: LayerWeights, layout: GroupLayout, group: int, fmt: str) -> "CompactMlpGroup":
-        """From the model file (gathered and restated in kernel terms, as a session's kernels would be)."""
-        gate_up, down = mlp_group_kernels(layer, layout, group, fmt)
-        return cls(DequantKernel.copy_of(gate_up.kernels[0]), DequantKernel.copy_of(down.kernels[0]))
+    def build(cls, layer: LayerWeights, layout: GroupLayout, group: int, fmt: str,
+              buffers: BufferPool | None = None) -> "CompactMlpGroup":
+        """From the model file (gathered and restated in kernel terms, as a session's kernels would be), into one
+        buffer (from `buffers`, back to it when the group is garbage)."""
+        kernels = [p.kernels[0] for p in mlp_group_kernels(layer, layout, group, fmt)]
+        sizes = [DequantKernel.kernel_bytes(k) for k in kernels]
+        buffer = own_pages(sum(sizes)) if buffers is None else buffers.take(sum(sizes))
+        made = cls(DequantKernel.copy_of(kernels[0], buffer[:sizes[0]]), DequantKernel.copy_of(kernels[1], buffer[sizes[0]:]))
+        if buffers is not None:
+            buffers.return_with(made, buffer)
+        return made
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         """x: [T, D] normed input -> this group's contribution [T, D]."""
@@ -381,8 +388,8 @@ class MlpGroupBank:
     def _build(self, group: int) -> "MlpShard | CompactMlpGroup":
         if self.compact:
             if self.prepared is not None:
-                return self.prepared.compact_group(self.index, group)
-            return CompactMlpGroup.build(self.layer, self.layout, group, self.fmt)
+                return self.prepared.compact_group(self.index, group, self.cache.buffers)
+            return CompactMlpGroup.build(self.layer, self.layout, group, self.fmt, self.cache.buffers)
         if self.prepared is not None:
             return self.prepared.shard(self.index, group, self.threads)
         return MlpShard(self.layer, self.layout, [group], self.fmt, self.threads)

@@ -18,6 +18,7 @@ stale or damaged directory is refused with what to run.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .linear import DequantKernel, KernelProjection, KernelSpec
-from .memory import own_pages
+from .memory import BufferPool, own_pages
 from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from .weights import ModelWeights
 
@@ -143,17 +144,17 @@ class PreparedGroups:
             os.close(self._fd)
             self._fd = None
 
-    def _read(self, layer: int, group: int) -> list[tuple[dict, dict]]:
-        """A group's kernels: (manifest entry, arrays by name, views of one pread buffer) each."""
+    def _read(self, layer: int, group: int, data: np.ndarray | None = None) -> list[tuple[dict, dict]]:
+        """A group's kernels: (manifest entry, arrays by name, views of one pread buffer: `data` or pages of its own)."""
         entry = self.groups[layer * self.layout.n_mlp_groups + group]
-        data = own_pages(entry["bytes"])  # evicted, it goes back to the system at once
+        data = own_pages(entry["bytes"]) if data is None else data
         if os.preadv(self._fd, [data], entry["offset"]) != entry["bytes"]:
             raise ConfigError(f"{self.path}: groups.bin ended inside layer {layer} group {group}; run: halo-agent prepare")
         at, kernels = 0, []
         for kernel in entry["kernels"]:
             arrays = {}
             for name, shape, dtype in kernel["arrays"]:
-                size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+                size = math.prod(shape) * np.dtype(dtype).itemsize
                 arrays[name] = data[at:at + size].view(dtype).reshape(shape)
                 at += size
             kernels.append((kernel, arrays))
@@ -170,10 +171,15 @@ class PreparedGroups:
                                                 open_session=False))
         return MlpShard.from_projections(self.layout, [group], *projections, threads=threads)
 
-    def compact_group(self, layer: int, group: int) -> CompactMlpGroup:
-        """The group as its compact arrays, the read buffer itself (what a memory-bounded device holds)."""
-        return CompactMlpGroup(*(DequantKernel(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"],
-                                               KernelSpec(*kernel["spec"])) for kernel, arrays in self._read(layer, group)))
+    def compact_group(self, layer: int, group: int, buffers: BufferPool | None = None) -> CompactMlpGroup:
+        """The group as its compact arrays, the read buffer itself (what a memory-bounded device holds): a buffer
+        from `buffers` (back to it when the group is garbage), or pages of its own."""
+        data = None if buffers is None else buffers.take(self.groups[layer * self.layout.n_mlp_groups + group]["bytes"])
+        made = CompactMlpGroup(*(DequantKernel(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"],
+                                               KernelSpec(*kernel["spec"])) for kernel, arrays in self._read(layer, group, data)))
+        if buffers is not None:
+            buffers.return_with(made, data)
+        return made
 
 
 def block_major(a: np.ndarray) -> np.ndarray:

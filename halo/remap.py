@@ -150,6 +150,8 @@ class Remapper:
         self.rankings.clear()
         self.head_rankings.clear()
         self.loading.clear()
+        if self.cache is not None:
+            self.cache.begin_pass()
         if self.resident_budget is not None and self.cache.capacity_bytes is not None:
             self._stay_under_limit()
 

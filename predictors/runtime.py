@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from halo.errors import ConfigError
+from halo.linear import session_options
 
 MANIFEST = "manifest.json"  # the format of a predictor directory, which export.py writes
 FORMAT, VERSION = "halo-predictors", 1
@@ -40,10 +41,7 @@ class PredictorSet:
         self.n_heads = int(manifest["n_heads"])
         self.n_mlp_groups = int(manifest["n_mlp_groups"])
         self.dim = int(manifest["dim"])
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
+        options = session_options(threads)
         self.sessions = {}
         for layer, entry in manifest["layers"].items():
             file = directory / entry["file"]

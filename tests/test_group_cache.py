@@ -52,6 +52,27 @@ def test_layers_visited_in_turn_keep_the_layers_that_come_next():
     assert cache.held_bytes <= 40 and cache.stats.hits >= 6  # 2 of 3 layers' groups hit from the third token on
 
 
+def test_groups_the_ranking_moved_away_from_go_before_those_the_last_token_used():
+    """Rankings change a little from token to token: 3 of a layer's 8 groups are used, and each token one layer (at
+    random) swaps one of them. With room for every group in use and a few more, a group a token needs again is still
+    held: the only builds are the swapped-in groups. (Evicting by layer order alone evicted the groups just computed,
+    which the next token needed again: 59 builds here instead of 33.)"""
+    layers, rng = 6, np.random.default_rng(4)
+    cache = GroupCache(capacity_bytes=10 * (3 * layers + 4))
+    used = {l: list(rng.choice(8, 3, replace=False)) for l in range(layers)}
+    for token in range(40):
+        cache.begin_pass()
+        if token >= 2:  # the first two tokens fill the cache
+            layer = int(rng.integers(layers))
+            used[layer][rng.integers(3)] = rng.choice([g for g in range(8) if g not in used[layer]])
+        for l in range(layers):
+            for g in used[l]:
+                cache.get((l, int(g)), lambda key=(l, int(g)): Built(key))
+        if token == 1:
+            cache.filling = False
+    assert cache.held_bytes <= cache.capacity_bytes and cache.stats.stalls <= 38  # one swap a token
+
+
 def test_loading_two_layers_ahead_keeps_the_next_layer_loaded_first():
     """The load thread builds layer c+1's groups, then (the next ranking known) c+2's, while layer c computes: c+2's
     must evict a layer already computed, not the c+1 groups built a moment ago for the next computation."""
@@ -310,3 +331,74 @@ def test_mapped_files_are_advised_random_access():
         assert "rr" not in flags_of(__file__)
         assert read_mapped_files_at_random() > 0
         assert "rr" in flags_of(__file__)
+
+
+def test_buffers_of_garbage_groups_are_read_into_again_and_idle_ones_freed():
+    """A group's buffer goes back to the pool when the group is garbage (evicted and not being computed), and the
+    next group read of that size takes it: no new pages mapped per read. `clear` lets the idle ones go."""
+    from halo.memory import BufferPool
+
+    class Group:
+        pass
+
+    pool = BufferPool()
+    first = pool.take(4096)
+    group = Group()
+    pool.return_with(group, first)
+    assert pool.take(4096) is not first and pool.idle_bytes == 0  # still in use: a new buffer
+    address = first.ctypes.data
+    del group, first
+    assert pool.idle_bytes == 4096
+    again = pool.take(4096)
+    assert again.ctypes.data == address and pool.idle_bytes == 0
+    pool.return_with(Group(), again)  # garbage at once
+    assert pool.idle_bytes == 4096
+    pool.clear()
+    assert pool.idle_bytes == 0
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_a_bounded_device_maps_no_new_pages_per_group_it_reads(stories_weights, tmp_path, monkeypatch, prepared):
+    """Token after token a bounded device reads groups it evicted back in, into the buffers of those it evicted:
+    new pages are mapped only for the groups it holds at once (its capacity and one layer in flight), however many
+    it reads."""
+    import halo.memory
+    from halo.loader import model_fingerprint
+    from halo.prepared import PreparedGroups, prepare
+
+    c = stories_weights.config
+    layout = GroupLayout.for_model(c)
+    groups = None
+    if prepared:
+        sha = model_fingerprint(stories_weights.source)
+        groups = PreparedGroups(prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared"), sha, "int8",
+                                layout, c.n_layers)
+    ranges = {l: (2, 5) for l in range(c.n_layers)}
+    mapped = []
+    own_pages = halo.memory.own_pages
+    monkeypatch.setattr(halo.memory, "own_pages", lambda n: mapped.append(n) or own_pages(n))
+    remapper = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=10**9, load_overlap=False,
+                        prepared=groups)
+    group_bytes = remapper._group_bytes()
+    remapper.cache.shrink(7 * group_bytes)
+    mapped.clear()
+    rng = np.random.default_rng(0)
+    for rankings in ranked_tokens(layout, ranges, 6, seed=1):
+        remapper.begin()
+        remapper.rankings.update(rankings)
+        for l in ranges:
+            remapper.mlp_partial(l, rng.standard_normal((1, c.dim)).astype(np.float32))
+    stats = remapper.cache.stats
+    assert stats.stalls > 20 and len(mapped) <= 3  # the cache was full: only what is in flight beyond it is new
+    remapper.close()
+
+
+def test_sessions_under_a_memory_limit_give_their_buffers_back_after_each_run(monkeypatch):
+    """An onnxruntime arena keeps its largest run's buffers (a prefill's) for good; under a cgroup memory limit
+    halo's sessions run without one."""
+    import halo.linear
+
+    monkeypatch.setattr(halo.linear, "memory_limit", lambda: (256 << 20, 100 << 20))
+    assert not halo.linear.session_options().enable_cpu_mem_arena
+    monkeypatch.setattr(halo.linear, "memory_limit", lambda: None)
+    assert halo.linear.session_options(2).enable_cpu_mem_arena and halo.linear.session_options(2).intra_op_num_threads == 2
