@@ -143,16 +143,6 @@ def read_mapped_files_at_random() -> int:
     return advised
 
 
-def mapped_file_bytes() -> int:
-    """This process's resident pages of mapped files (its libraries' code, the model): page cache, which reclaim can
-    take back (and which is charged to whichever cgroup read it first)."""
-    try:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("RssFile:"))
-        return int(line.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError):
-        return 0
-
-
 def resident_bytes() -> int:
     """This process's resident set now (after returning freed heap to the OS, so that it measures what is held)."""
     release_freed_heap()

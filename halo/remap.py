@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
-from .memory import groups_headroom, mapped_file_bytes, release_freed_heap, resident_bytes
+from .memory import groups_headroom, release_freed_heap, resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
 from .weights import ModelWeights
@@ -63,7 +63,6 @@ class Remapper:
                                       prepared if fmt != "fp32" else None) for l in self.ranges}
         self.n_groups, self.layout = layout.n_mlp_groups, layout
         self.floor = 0  # the least a bounded cache may hold (two layers of this device's ranks)
-        self.mapped_at_start = mapped_file_bytes()  # code pages the budget's measurement already counted
         self.shrunk = 0  # bytes of capacity given up since the start to stay under the cgroup limit
         self._fill(built)
         self.predictors = predictors
@@ -160,8 +159,6 @@ class Remapper:
         (buffers of the first passes, the KV cache filling, the predictors): checked each forward pass, so the
         agent shrinks its cache rather than be killed by the limit."""
         headroom = groups_headroom()
-        if headroom is not None and headroom < 0:  # code first run since (numpy's BLAS...) is page cache, not a need
-            headroom += max(0, mapped_file_bytes() - self.mapped_at_start)
         if headroom is None or headroom >= 0:
             return
         cache = self.cache
