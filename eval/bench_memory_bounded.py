@@ -105,8 +105,11 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
     from halo.distributed.local import module_command
     from halo.prepared import VERSION
 
+    def prepared(manifest: dict, copy: Path) -> bool:  # (agents' directories hold every model's copy and groups)
+        return manifest.get("version") == VERSION and manifest.get("source") == str(copy)
+
     for copy in copies:
-        if not any(json.loads(m.read_text()).get("version") == VERSION for m in prepared_root(copy).glob("*/manifest.json")):
+        if not any(prepared(json.loads(m.read_text()), copy) for m in prepared_root(copy).glob("*/manifest.json")):
             subprocess.run(module_command("halo.edge_agent", "prepare", "--model", str(copy), "--weights", weights),
                            env={**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy))}, check=True, timeout=3600)
 
@@ -146,6 +149,10 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
             row.update(summarize(result))
             row["agents_memory"] = result.get("agents_memory")
             row["agents_memory_at_timed_start"] = result.get("agents_memory_at_timed_start")
+            unprepared = [i for i, m in enumerate(row["agents_memory"] or [], start=1)
+                          if prepared and not (m.get("group_cache") or {}).get("prepared")]
+            if unprepared:  # (stop 31's TinyLlama rows were: another model's prepared groups were taken for these)
+                raise RuntimeError(f"agents {unprepared} built their groups from the model file in a +prepared row")
         except (RuntimeError, OSError) as e:
             row["error"] = str(e).strip().splitlines()[-1][:400]
         row["agents"] = []
