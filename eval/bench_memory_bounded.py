@@ -11,8 +11,10 @@ as built, KV cache, buffers). Then every agent limited to its idle size + FACTOR
 MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
 keeps what its budget allows (halo/group_cache.py) and builds the rest when the predictors rank them onto it.
 
---read-mbps adds rows with the agents' storage throttled (blkio) after their copies are evicted from the page
-cache, with the load thread on and off (the prefetch ablation): bytes read from the disk per token.
+Storage: in the "page cache" rows each agent's copy and prepared groups are read into the host's page cache first
+(storage as fast as memory, outside the agent's limit). --read-mbps adds rows with the agents' storage throttled
+(blkio) after their copies are evicted from the page cache, with the load thread on and off (the prefetch
+ablation): bytes read from the disk per token.
 
 Reported per row: time per output token (median after a warm-up), vs unlimited in the same mode; the cgroup's
 peak usage (page cache included) against its limit and OOM kills; the agent's peak resident set; per timed token:
@@ -123,16 +125,18 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
     from contextlib import ExitStack
 
     from halo.distributed import AgentProcess, agent_command, stop_processes
-    from halo.rpi.limits import DeviceLimits, drop_cached
+    from halo.rpi.limits import DeviceLimits, drop_cached, read_into_cache
 
     with ExitStack() as stack:
         limits, processes = [], []
         for i, (copy, limit) in enumerate(zip(copies, limits_bytes), start=1):
             host = f"agent-{i}"
             device = stack.enter_context(DeviceLimits(f"mb-{i}", limit, read_bps, copy))
-            if read_bps is not None:  # nothing of the model in memory: the agent reads it from the "card"
-                for file in [copy, *prepared_root(copy).glob("*/groups.bin")]:
+            for file in [copy, *prepared_root(copy).glob("*/groups.bin")]:
+                if read_bps is not None:  # nothing of the model in memory: the agent reads it from the "card"
                     drop_cached(file)
+                else:  # storage as fast as memory: the host's page cache holds it (earlier rows had evicted it)
+                    read_into_cache(file)
             argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, copy, predictors)
             env = {**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy) if prepared else WORK / "none")}
             processes.append(AgentProcess(host, argv, popen=lambda a, host=host, device=device, env=env, preexec_fn=None,
@@ -245,7 +249,10 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`", "",
              f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
              "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
-             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + factor x share. Per-token columns count "
+             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + factor x share. Storage \"page cache\": "
+             "each agent's model copy and prepared groups read into the host's page cache before the row (storage as "
+             "fast as memory; outside the agent's limit); \"N MB/s\": evicted first and read through a blkio "
+             "throttle. Per-token columns count "
              f"the timed tokens only (agents' counters after the warm-up and at the end), summed over the agents. "
              f"{args.rounds} round(s): every configuration once per round; ms/token is the median over rounds, the ratio "
              "the median of each round's ratio to that round's unlimited run (all rounds' ratios in brackets); the other "

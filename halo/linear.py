@@ -259,8 +259,9 @@ class DequantKernel:
     [+ offset], per block) computed in numpy, the codes expanded to float32 at each call. Holding one costs exactly
     its compact bytes and making one costs nothing beyond having the arrays: what a memory-bounded device computes
     HALO's re-mapped groups with (halo/remap.py). A one-group onnxruntime session takes ~10 ms to build and holds
-    2-3x its weights; a call here costs ~1.3x a session's (SmolLM2 group: ~0.26 ms). Activations stay float32, so
-    results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a session's.
+    2-3x its weights; a call here costs ~1.3x a session's on a SmolLM2 group (~0.26 ms) and ~4.7x on a
+    TinyLlama-sized one (0.62 ms: the float32 expansion passes 8x the codes' bytes through memory). Activations
+    stay float32, so results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a session's.
 
     The codes are kept block-major ([blocks, n, bytes]): each block's codes times its slice of x is one small
     contiguous matrix product, scaled afterwards by [blocks, n] scales; scaling the expanded codes first (a
