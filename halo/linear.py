@@ -284,17 +284,13 @@ class DequantKernel:
     @classmethod
     def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray) -> "DequantKernel":
         """The arrays of a prepared (unopened) kernel, copied block-major out of its temporary file into a uint8
-        buffer of `kernel_bytes(kernel)`."""
+        buffer of `kernel.nbytes`."""
         w, at = {}, 0
         for name, a in kernel.weights.items():
             w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.swapaxes(0, 1).shape)
             w[name][...] = a.swapaxes(0, 1)
             at += a.nbytes
         return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
-
-    @staticmethod
-    def kernel_bytes(kernel: "_NBitsKernel") -> int:
-        return sum(a.nbytes for a in kernel.weights.values())
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x [T, k] -> x @ W.T [T, n]."""

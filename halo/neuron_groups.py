@@ -292,7 +292,7 @@ class CompactMlpGroup:
         """From the model file (gathered and restated in kernel terms, as a session's kernels would be), into one
         buffer (from `buffers`, back to it when the group is garbage)."""
         kernels = [p.kernels[0] for p in mlp_group_kernels(layer, layout, group, fmt)]
-        sizes = [DequantKernel.kernel_bytes(k) for k in kernels]
+        sizes = [k.nbytes for k in kernels]
         buffer = own_pages(sum(sizes)) if buffers is None else buffers.take(sum(sizes))
         made = cls(DequantKernel.copy_of(kernels[0], buffer[:sizes[0]]), DequantKernel.copy_of(kernels[1], buffer[sizes[0]:]))
         if buffers is not None:

@@ -144,10 +144,12 @@ class PreparedGroups:
             os.close(self._fd)
             self._fd = None
 
-    def _read(self, layer: int, group: int, data: np.ndarray | None = None) -> list[tuple[dict, dict]]:
-        """A group's kernels: (manifest entry, arrays by name, views of one pread buffer: `data` or pages of its own)."""
+    def _read(self, layer: int, group: int,
+              buffers: BufferPool | None = None) -> tuple[np.ndarray, list[tuple[dict, dict]]]:
+        """A group's read buffer (from `buffers`, or pages of its own) and its kernels: (manifest entry, arrays by name,
+        views of that buffer) each."""
         entry = self.groups[layer * self.layout.n_mlp_groups + group]
-        data = own_pages(entry["bytes"]) if data is None else data
+        data = own_pages(entry["bytes"]) if buffers is None else buffers.take(entry["bytes"])
         if os.preadv(self._fd, [data], entry["offset"]) != entry["bytes"]:
             raise ConfigError(f"{self.path}: groups.bin ended inside layer {layer} group {group}; run: halo-agent prepare")
         at, kernels = 0, []
@@ -158,12 +160,12 @@ class PreparedGroups:
                 arrays[name] = data[at:at + size].view(dtype).reshape(shape)
                 at += size
             kernels.append((kernel, arrays))
-        return kernels
+        return data, kernels
 
     def shard(self, layer: int, group: int, threads: int = 1) -> MlpShard:
         """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
         projections = []
-        for kernel, arrays in self._read(layer, group):
+        for kernel, arrays in self._read(layer, group)[1]:
             arrays = {name: block_major(a) for name, a in arrays.items()}  # block-major -> row-major views: its transpose
             form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
@@ -174,9 +176,9 @@ class PreparedGroups:
     def compact_group(self, layer: int, group: int, buffers: BufferPool | None = None) -> CompactMlpGroup:
         """The group as its compact arrays, the read buffer itself (what a memory-bounded device holds): a buffer
         from `buffers` (back to it when the group is garbage), or pages of its own."""
-        data = None if buffers is None else buffers.take(self.groups[layer * self.layout.n_mlp_groups + group]["bytes"])
+        data, kernels = self._read(layer, group, buffers)
         made = CompactMlpGroup(*(DequantKernel(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"],
-                                               KernelSpec(*kernel["spec"])) for kernel, arrays in self._read(layer, group, data)))
+                                               KernelSpec(*kernel["spec"])) for kernel, arrays in kernels))
         if buffers is not None:
             buffers.return_with(made, data)
         return made
