@@ -254,24 +254,44 @@ class _NBitsKernel:
         return self.session.run({"x": x})[0]
 
 
+try:  # the C kernel for compact groups (built with the package where a C compiler is; numpy computes otherwise)
+    from . import _nbits
+except ImportError:  # pragma: no cover - depends on how the package was built
+    _nbits = None
+
+COMPACT_KERNEL = "numpy" if _nbits is None else "halo._nbits"  # what computes compact groups (agents report it)
+NATIVE_TOKENS = 4  # above this many tokens per call, numpy's expansion is amortized and BLAS wins (a prefill)
+
+
+def rows_last(a: np.ndarray) -> np.ndarray:
+    """A kernel array [rows, blocks, ...] as [blocks, ..., rows] (a view): the layout `DequantKernel` computes in."""
+    return np.moveaxis(a, 0, -1)
+
+
+def rows_first(a: np.ndarray) -> np.ndarray:
+    """The inverse of `rows_last` (a view): MatMulNBits' layout."""
+    return np.moveaxis(a, -1, 0)
+
+
 class DequantKernel:
     """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
-    [+ offset], per block) computed in numpy, the codes expanded to float32 at each call. Holding one costs exactly
-    its compact bytes and making one costs nothing beyond having the arrays: what a memory-bounded device computes
-    HALO's re-mapped groups with (halo/remap.py). A one-group onnxruntime session takes ~10 ms to build and holds
-    2-3x its weights; a call here costs ~1.3x a session's on a SmolLM2 group (~0.26 ms) and ~4.7x on a
-    TinyLlama-sized one (0.62 ms: the float32 expansion passes 8x the codes' bytes through memory). Activations
-    stay float32, so results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a session's.
+    [+ offset], per block) computed straight from the codes: what a memory-bounded device computes HALO's re-mapped
+    groups with (halo/remap.py). Holding one costs exactly its compact bytes and making one costs nothing beyond
+    having the arrays; a one-group onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
 
-    The codes are kept block-major ([blocks, n, bytes]): each block's codes times its slice of x is one small
-    contiguous matrix product, scaled afterwards by [blocks, n] scales; scaling the expanded codes first (a
-    broadcast over 16 or 32 values) cost as much as everything else together."""
+    The arrays are kept rows last (codes [blocks, bytes, n], scales and offsets [blocks, n]): byte i of every row
+    is contiguous, so halo's C kernel (halo/_nbits.c) multiplies it into all rows at once without expanding the
+    codes (a TinyLlama-sized group of 512 x 2048: 0.21 ms, numpy's float32 expansion 0.56 ms, a prepacked
+    MatMulNBits session 0.08-0.13 ms; SmolLM2's: 0.05 vs 0.15 ms). Where the package was built without a C
+    compiler, and for prefills (over `NATIVE_TOKENS` tokens), numpy computes the same sums. Activations stay
+    float32, so results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a
+    session's."""
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec):
-        """Block-major arrays, the kernel's own (kept as given; Q4_1's offsets become its bias in place: a group read
-        into a buffer allocates nothing more): codes [blocks, n, bytes], scales and offsets [blocks, n]."""
+        """Rows-last arrays, the kernel's own (kept as given; Q4_1's offsets become its bias in place: a group read
+        into a buffer allocates nothing more): codes [blocks, bytes, n], scales and offsets [blocks, n]."""
         units, n = scales.shape
-        if codes.shape != (units, n, spec.block * spec.bits // 8) or units * spec.block < k or spec.bits not in (4, 8):
+        if codes.shape != (units, spec.block * spec.bits // 8, n) or units * spec.block < k or spec.bits not in (4, 8):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
         self.codes, self.scales, self.k, self.n, self.spec = codes, scales, k, n, spec
         self.zero_point = np.float32(1 << (spec.bits - 1))
@@ -283,31 +303,35 @@ class DequantKernel:
 
     @classmethod
     def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray) -> "DequantKernel":
-        """The arrays of a prepared (unopened) kernel, copied block-major out of its temporary file into a uint8
+        """The arrays of a prepared (unopened) kernel, copied rows last out of its temporary file into a uint8
         buffer of `kernel.nbytes`."""
         w, at = {}, 0
         for name, a in kernel.weights.items():
-            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.swapaxes(0, 1).shape)
-            w[name][...] = a.swapaxes(0, 1)
+            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(rows_last(a).shape)
+            w[name][...] = rows_last(a)
             at += a.nbytes
         return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        """x [T, k] -> x @ W.T [T, n]."""
+    def __call__(self, x: np.ndarray, native: bool = True) -> np.ndarray:
+        """x [T, k] -> x @ W.T [T, n] (`native=False`: numpy's sums, whatever was built)."""
         spec, units = self.spec, self.scales.shape[0]
-        x = np.asarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
         if units * spec.block != self.k:  # the last block's padding (int8 of small models): zero inputs
             x = np.pad(x, ((0, 0), (0, units * spec.block - self.k)))
         t = len(x)
-        if spec.bits == 4:  # byte i of a block: weight 2i in the low nibble, 2i + 1 in the high one
-            pairs = x.reshape(t, units, spec.block // 2, 2)
-            dots = np.matmul((self.codes & 0x0F).astype(np.float32), np.ascontiguousarray(pairs[..., 0].transpose(1, 2, 0)))
-            dots += np.matmul((self.codes >> 4).astype(np.float32), np.ascontiguousarray(pairs[..., 1].transpose(1, 2, 0)))
+        if native and _nbits is not None and t <= NATIVE_TOKENS:
+            out = np.empty((t, self.n), np.float32)
+            _nbits.matmul(self.codes, self.scales, self.bias, x, out, spec.bits, spec.block)
+            return out
+        blocks = x.reshape(t, units, spec.block).transpose(1, 0, 2)  # [blocks, T, block]
+        if spec.bits == 4:  # byte i of a block: input 2i's weight in the low nibble, 2i + 1's in the high one
+            dots = np.matmul(np.ascontiguousarray(blocks[..., 0::2]), (self.codes & 0x0F).astype(np.float32))
+            dots += np.matmul(np.ascontiguousarray(blocks[..., 1::2]), (self.codes >> 4).astype(np.float32))
         else:
-            dots = np.matmul(self.codes.astype(np.float32), np.ascontiguousarray(x.reshape(t, units, -1).transpose(1, 2, 0)))
-        dots *= self.scales[..., None]  # [blocks, n, T]
+            dots = np.matmul(np.ascontiguousarray(blocks), self.codes.astype(np.float32))
+        dots *= self.scales[:, None, :]  # [blocks, T, n]
         bias = -self.zero_point * self.scales if self.bias is None else self.bias  # [blocks, n]
-        return dots.sum(axis=0).T + x.reshape(t, units, spec.block).sum(axis=2) @ bias
+        return dots.sum(axis=0) + blocks.sum(axis=2).T @ bias
 
 
 class GraphBuilder:

@@ -275,10 +275,10 @@ def mlp_group_kernels(layer: LayerWeights, layout: GroupLayout, group: int, fmt:
 
 
 class CompactMlpGroup:
-    """One MLP group held as its kernels' compact arrays and computed in numpy (linear.DequantKernel): how a
+    """One MLP group held as its kernels' compact arrays and computed from them (linear.DequantKernel): how a
     memory-bounded device keeps HALO's re-mapped groups. It costs its compact bytes in memory (an onnxruntime
     session per group: 2-3x) and nothing to make from them (a session: ~10 ms), so a group the ranking moves onto
-    the device is one read away, at ~1.3x a session's compute (a SmolLM2 share, per token)."""
+    the device is one read away."""
 
     def __init__(self, gate_up: DequantKernel, down: DequantKernel):
         if gate_up.n % 2 or down.k != gate_up.n // 2:
@@ -357,7 +357,7 @@ class MlpGroupBank:
     floats), so nothing is gathered per token; loading = bringing those pages in (`prefetch`).
     Compact formats (int8, native 4/8-bit): the built groups live in a `GroupCache` shared by the device's banks.
     Unbounded, every group is one MlpShard (onnxruntime kernels on its compact blocks), built once. Bounded (a
-    memory budget: `compact` set), a group is a CompactMlpGroup (its compact arrays, numpy), and one the ranking
+    memory budget: `compact` set), a group is a CompactMlpGroup (its compact arrays), and one the ranking
     needs and the cache lost is read again from the prepared groups or the model file (`prefetch` does it ahead,
     on the load thread)."""
 

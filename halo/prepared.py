@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .linear import DequantKernel, KernelProjection, KernelSpec
+from .linear import DequantKernel, KernelProjection, KernelSpec, rows_first, rows_last
 from .memory import BufferPool, own_pages
 from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from .weights import ModelWeights
 
-VERSION = 2  # 2: arrays block-major (a compact group is the read buffer itself)
+VERSION = 3  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c)
 ARRAYS = ("codes", "scales", "offsets")
 
 
@@ -80,7 +80,7 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
                 entry = {"offset": at, "kernels": []}
                 for projection in mlp_group_kernels(weights.layers[layer], layout, g, fmt):
                     kernel = projection.kernels[0]
-                    arrays = [(name, block_major(kernel.weights[name])) for name in ARRAYS if name in kernel.weights]
+                    arrays = [(name, rows_last(kernel.weights[name])) for name in ARRAYS if name in kernel.weights]
                     spec = kernel.spec
                     entry["kernels"].append({"k": kernel.k, "n": kernel.n, "outputs": [[s.start, s.stop] for s in
                                                                                       projection.outputs],
@@ -166,7 +166,7 @@ class PreparedGroups:
         """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
         projections = []
         for kernel, arrays in self._read(layer, group)[1]:
-            arrays = {name: block_major(a) for name, a in arrays.items()}  # block-major -> row-major views: its transpose
+            arrays = {name: rows_first(a) for name, a in arrays.items()}  # MatMulNBits' layout (views)
             form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
             projections.append(KernelProjection(rows, threads, KernelSpec(*kernel["spec"]), _fill_from_form,
@@ -184,11 +184,6 @@ class PreparedGroups:
         return made
 
 
-def block_major(a: np.ndarray) -> np.ndarray:
-    """A kernel array [rows, blocks, ...] as [blocks, rows, ...] (a view; its own inverse)."""
-    return a.swapaxes(0, 1)
-
-
 def _entry_problem(entry, file_bytes: int) -> str | None:
     """What is wrong with one group's manifest entry (None: its kernels' arrays are the shapes their specs imply and
     lie within the file), so that a damaged manifest is refused at start, not mid-generation."""
@@ -199,7 +194,7 @@ def _entry_problem(entry, file_bytes: int) -> str | None:
             n, k, units = int(kernel["n"]), int(kernel["k"]), -(-int(kernel["k"]) // int(block))
             if bits not in (4, 8) or block <= 0 or n <= 0 or k <= 0:
                 return f"kernel spec {kernel['spec']} (n {n}, k {k}) is not a MatMulNBits kernel"
-            want = {"codes": ([units, n, block * bits // 8], "uint8"), "scales": ([units, n], "float32")}
+            want = {"codes": ([units, block * bits // 8, n], "uint8"), "scales": ([units, n], "float32")}
             if with_offsets:
                 want["offsets"] = ([units, n], "float32")
             got = {name: (list(shape), dtype) for name, shape, dtype in kernel["arrays"]}

@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
+from .linear import COMPACT_KERNEL
 from .memory import groups_headroom, release_freed_heap, resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
@@ -131,11 +132,14 @@ class Remapper:
         working = 8 * self.layout.mlp_group_size * dim  # a call's float32 expansion of gate+up (numpy, transient)
         self._go_compact(int(max(0, self.resident_budget - working) / COMPACT_MARGIN))
         log.info("HALO groups within %.1f MB of memory: %.1f MB of compact groups of %.1f MB candidates (as kernels "
-                 "they would take %.1f x their weights)", self.resident_budget / 1e6, cache.capacity_bytes / 1e6,
-                 every / 1e6, per_byte)
+                 "they would take %.1f x their weights), computed by %s", self.resident_budget / 1e6,
+                 cache.capacity_bytes / 1e6, every / 1e6, per_byte, COMPACT_KERNEL)
+        if COMPACT_KERNEL == "numpy":
+            log.warning("halo._nbits was not built with this install (no C compiler then): compact groups are computed "
+                        "in numpy, ~3x slower per group; install a C compiler (apt install gcc) and reinstall halo")
 
     def _go_compact(self, capacity: int) -> None:
-        """Bounded: groups held as compact arrays (numpy) within `capacity` bytes."""
+        """Bounded: groups held as compact arrays (linear.DequantKernel) within `capacity` bytes."""
         self.cache.capacity_bytes = capacity
         self.resident_per_byte = COMPACT_MARGIN
         for bank in self.banks.values():
@@ -230,7 +234,7 @@ class Remapper:
                                   "groups": len(self.cache), "resident_budget_bytes": self.resident_budget,
                                   "prepared": next(iter(self.banks.values())).prepared is not None if self.banks else False,
                                   "resident_per_byte": self.resident_per_byte,
-                                  "kernel": "numpy" if self.cache.capacity_bytes is not None else "onnxruntime",
+                                  "kernel": COMPACT_KERNEL if self.cache.capacity_bytes is not None else "onnxruntime",
                                   "shrunk_bytes": self.shrunk,
                                   **self.cache.stats.to_json()}
         return out

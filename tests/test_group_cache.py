@@ -1,6 +1,7 @@
 """The bounded cache of built MLP groups (HALO mode under a memory budget): what it keeps, what it counts, and
 that a device computing from it gives what one holding every group gives."""
 
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import pytest
 
 from halo.errors import ConfigError
 from halo.group_cache import GroupCache
+from halo.linear import COMPACT_KERNEL
 from halo.neuron_groups import GroupLayout
 from halo.remap import Remapper
 
@@ -116,7 +118,7 @@ def ranked_tokens(layout, layers, tokens, seed):
 def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, overlap):
     """A device whose built groups are capped (two layers' worth of its ranks, a fraction of every candidate) gives
     the same partial sums token after token as a bounded one whose cache holds every candidate (both compute
-    compact groups in numpy), and those of one holding every group as onnxruntime kernels within the kernels' int8
+    compact groups from their arrays), and those of one holding every group as onnxruntime kernels within the kernels' int8
     activation rounding; what it had to build again is counted, and it never holds more than its capacity."""
     c = stories_weights.config
     layout = GroupLayout.for_model(c)
@@ -127,7 +129,7 @@ def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, o
     bounded = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=capacity, load_overlap=overlap)
     ample = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=full.cache.held_bytes + group_bytes)
     assert len(full.cache) == len(ample.cache) == c.n_layers * layout.n_mlp_groups and 6 <= len(bounded.cache) <= 7
-    assert full.report()["group_cache"]["kernel"] == "onnxruntime" and bounded.report()["group_cache"]["kernel"] == "numpy"
+    assert full.report()["group_cache"]["kernel"] == "onnxruntime" and bounded.report()["group_cache"]["kernel"] == COMPACT_KERNEL
     rng = np.random.default_rng(0)
     for rankings in ranked_tokens(layout, ranges, 6, seed=1):
         for remapper in (full, bounded, ample):
@@ -191,7 +193,7 @@ def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens
         cache = memory["group_cache"]
         assert unbounded["group_cache"]["capacity_bytes"] is None and unbounded["group_cache"]["kernel"] == "onnxruntime"
         assert unbounded["group_cache"]["stalls"] == 0  # its default budget (the machine's memory) holds them as kernels
-        assert cache["kernel"] == "numpy" and cache["resident_budget_bytes"] < 17e6 and not cache["prepared"]
+        assert cache["kernel"] == COMPACT_KERNEL and cache["resident_budget_bytes"] < 17e6 and not cache["prepared"]
         assert 0 < cache["held_bytes"] <= cache["capacity_bytes"] <= cache["resident_budget_bytes"]
         assert cache["held_bytes"] == unbounded["group_cache"]["held_bytes"]  # the same groups, in their compact bytes
     done = subprocess.run([sys.executable, "-P", "-m", "halo.edge_agent", "prepare", "--weights", "int8"],
@@ -246,7 +248,7 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
     with pytest.raises(ConfigError, match=r"manifest.json, layer 0 group 3: arrays .* where the kernel needs"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
     (out / "manifest.json").write_text(json.dumps({"version": 99}))
-    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 2"):
+    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 3"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
 
 
@@ -278,12 +280,41 @@ def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, 
                 return (h[:, :n] / (1 + np.exp(-h[:, :n])) * h[:, n:]) @ w_down.T
         else:
             reference = MlpShard(weights.layers[layer], layout, [group], "fp32").forward
-        for tokens in (1, 3):
+        for tokens in (1, 3, 9):  # 9: over NATIVE_TOKENS, numpy computes it
             x = rng.standard_normal((tokens, weights.config.dim)).astype(np.float32)
             want = reference(x)
             np.testing.assert_allclose(compact.forward(x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+            for kernel in (compact.gate_up, compact.down):  # halo's C kernel and numpy give the same sums
+                xk = rng.standard_normal((tokens, kernel.k)).astype(np.float32)
+                want = kernel(xk, native=False)
+                np.testing.assert_allclose(kernel(xk), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
         kernels = [p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt)]
         assert compact.nbytes == sum(k.nbytes for k in kernels)
+
+
+def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
+    """The C kernel is there wherever a C compiler was (the install's optional extension), and its boundary names
+    what is wrong with the arrays instead of reading past them."""
+    from halo import linear
+
+    if linear._nbits is None:
+        assert shutil.which("cc") is None, "a C compiler is here but halo._nbits was not built: reinstall halo"
+        pytest.skip("halo._nbits not built (no C compiler): numpy computes compact groups")
+    nbits = linear._nbits
+    codes, scales = np.zeros((2, 16, 8), np.uint8), np.ones((2, 8), np.float32)
+    x, out = np.ones((1, 64), np.float32), np.empty((1, 8), np.float32)
+    nbits.matmul(codes, scales, None, x, out, 4, 32)
+    np.testing.assert_array_equal(out, np.full((1, 8), -8 * 64, np.float32))  # every weight (0 - 8) x 1
+    with pytest.raises(ValueError, match="codes holds 128 values; the shapes given need 256"):
+        nbits.matmul(codes[:1], scales, None, x, out, 4, 32)
+    with pytest.raises(ValueError, match="scales holds values of type 'd'; it must be float32"):
+        nbits.matmul(codes, scales.astype(np.float64), None, x, out, 4, 32)
+    with pytest.raises(ValueError, match="x holds 252 bytes, not whole rows of 64 float32 inputs"):
+        nbits.matmul(codes, scales, None, x[:, :63], out, 4, 32)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        nbits.matmul(codes, scales, None, x, out, 3, 32)
+    with pytest.raises(ValueError, match="out holds 4 values; the shapes given need 8"):
+        nbits.matmul(codes, scales, None, x, out[:, :4], 4, 32)
 
 
 def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(stories_weights, monkeypatch):
