@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install halo-agent as a systemd service on a Raspberry Pi (aarch64 Debian / Raspberry Pi OS bookworm).
 #   sudo ./install-agent.sh [WHEEL_OR_REQUIREMENT] [CLUSTER_KEY_FILE] [MODEL_FILE]
-# e.g. sudo ./install-agent.sh ./halo_edge-0.1.0-py3-none-any.whl ./cluster.key ./stories260K.bin
+# e.g. sudo ./install-agent.sh ./halo_edge-0.1.0-cp311-cp311-linux_aarch64.whl ./cluster.key ./stories260K.bin
+# (a wheel built on aarch64 carries the compact-group C kernel; from source, gcc below builds it)
 set -euo pipefail
 package="${1:-halo-edge}"
 key="${2:-}"
@@ -12,7 +13,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 arch="$(uname -m)"
 [ "$arch" = aarch64 ] || echo "note: this script targets aarch64 boards; continuing on $arch"
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "halo needs Python >= 3.11"; exit 1; }
-apt-get install -y -q python3-venv >/dev/null
+apt-get install -y -q python3-venv gcc python3-dev >/dev/null  # gcc + headers: halo's C kernel when built here
 
 id halo >/dev/null 2>&1 || useradd --system --home /opt/halo --shell /usr/sbin/nologin halo
 install -d -o root -g root -m 0755 /opt/halo /opt/halo/models
@@ -20,6 +21,7 @@ install -d -o root -g halo -m 0750 /etc/halo
 python3 -m venv /opt/halo/venv
 /opt/halo/venv/bin/pip install -q --upgrade pip
 /opt/halo/venv/bin/pip install -q "$package"      # core only: numpy, pyzmq, onnxruntime, onnx, psutil
+/opt/halo/venv/bin/python -c 'from halo.linear import COMPACT_KERNEL; print("compact groups computed by", COMPACT_KERNEL)'
 
 if [ -n "$model" ]; then
   install -o root -g root -m 0644 "$model" /opt/halo/models/
