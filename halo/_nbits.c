@@ -8,7 +8,7 @@
  * Layout (MatMulNBits' arrays with their row axis moved last): codes [blocks, block * bits / 8, n] (4-bit: byte i
  * holds input 2i's weight in its low nibble, 2i + 1's in its high one), scales and bias [blocks, n], x [T, blocks *
  * block], out [T, n]:
- *     out[t, r] = sum_b scales[b, r] * dot(codes[b, r], x[t, block b]) + bias[b, r] * sum(x[t, block b])
+ *     out[t, r] = sum_b scales[b, r] * dot(codes[b, :, r], x[t, block b]) + bias[b, r] * sum(x[t, block b])
  * where bias = offset - 2^(bits-1) x scale (Q4_1's minimums), or -2^(bits-1) x scale when no bias is given. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -114,13 +114,24 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "scales must be a [blocks, n] float32 array");
         return NULL;
     }
-    const Py_ssize_t blocks = scales.shape[0], n = scales.shape[1];
-    if (contiguous(codes_obj, &codes, "codes", blocks * n * block * bits / 8, "B", 0) < 0) {
+    const Py_ssize_t blocks = scales.shape[0], n = scales.shape[1], row_bytes = block * bits / 8;
+    if (blocks == 0 || block > (1 << 20)) {  /* real blocks are 32 (4-bit) or up to a row (int8) */
+        PyBuffer_Release(&scales);
+        PyErr_Format(PyExc_ValueError, "scales hold %zd blocks of %zd inputs: nothing to compute with", blocks, block);
+        return NULL;
+    }
+    /* shapes compared, never multiplied: the products of a real buffer's dimensions cannot overflow */
+    if (contiguous(codes_obj, &codes, "codes", -1, "B", 0) < 0) {
         PyBuffer_Release(&scales);
         return NULL;
     }
+    if (codes.ndim != 3 || codes.shape[0] != blocks || codes.shape[1] != row_bytes || codes.shape[2] != n) {
+        PyErr_Format(PyExc_ValueError, "codes must be [blocks %zd, bytes %zd, n %zd] (rows last)", blocks, row_bytes, n);
+        PyBuffer_Release(&scales), PyBuffer_Release(&codes);
+        return NULL;
+    }
     int have_bias = bias_obj != Py_None;
-    if (have_bias && contiguous(bias_obj, &bias, "bias", blocks * n, "f", 0) < 0) {
+    if (have_bias && contiguous(bias_obj, &bias, "bias", scales.len / 4, "f", 0) < 0) {
         PyBuffer_Release(&scales), PyBuffer_Release(&codes);
         return NULL;
     }
@@ -129,18 +140,24 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
         if (have_bias) PyBuffer_Release(&bias);
         return NULL;
     }
-    const Py_ssize_t row = blocks * block * 4;
-    if (x.len % row || x.len == 0) {
-        PyErr_Format(PyExc_ValueError, "x holds %zd bytes, not whole rows of %zd float32 inputs", x.len, blocks * block);
+    if (x.ndim != 2 || x.shape[1] != blocks * block) {
+        PyErr_Format(PyExc_ValueError, "x must be [tokens, %zd] float32 inputs", blocks * block);
         goto fail_x;
     }
-    const Py_ssize_t tokens = x.len / row;
+    const Py_ssize_t tokens = x.shape[0];
     if (contiguous(out_obj, &out, "out", tokens * n, "f", 1) < 0)
         goto fail_x;
-    int failed;
-    Py_BEGIN_ALLOW_THREADS
-    failed = matmul(codes.buf, scales.buf, have_bias ? bias.buf : NULL, x.buf, out.buf, tokens, blocks, n, bits, block);
-    Py_END_ALLOW_THREADS
+    if ((char *)out.buf < (char *)x.buf + x.len && (char *)x.buf < (char *)out.buf + out.len) {
+        PyErr_SetString(PyExc_ValueError, "out overlaps x: give it a buffer of its own");
+        PyBuffer_Release(&out);
+        goto fail_x;
+    }
+    int failed = 0;
+    if (tokens > 0 && n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        failed = matmul(codes.buf, scales.buf, have_bias ? bias.buf : NULL, x.buf, out.buf, tokens, blocks, n, bits, block);
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&out);
     if (failed) {
         PyErr_NoMemory();

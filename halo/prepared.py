@@ -3,7 +3,7 @@
 HALO mode re-maps MLP groups per token; a memory-bounded device (halo/group_cache.py) builds a group again when a
 ranking needs one it no longer holds. From the model file that means gathering the group's W_gate and W_up rows
 and W_down columns (strided across the file) and restating them in MatMulNBits terms (nibble repacking, scale
-conversion, or quantizing float32 to int8): nearly all of the time a compact group (numpy) takes to make.
+conversion, or quantizing float32 to int8): nearly all of the time a compact group takes to make.
 `halo-agent prepare` does that once per device and format and writes every group's kernel arrays (codes, scales,
 offsets; exactly what the kernels would be given) one after the other into `groups.bin`, with a manifest that
 names the model (sha256), the format, the group size and every array's shape; a bank then holds a group as the

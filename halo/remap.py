@@ -15,8 +15,8 @@ thread only issues system calls, so it never competes with the computation for P
 touching pages from Python did, 30x slowing the compute thread). Compact formats: the device's built
 groups are a `GroupCache`; unbounded, every candidate group is built at the start (onnxruntime kernels) and
 nothing is loaded per token; bounded by a memory budget, groups are held as their compact arrays and computed
-in numpy (CompactMlpGroup: a session per group would hold 2-5x its weights and take ~10 ms to build), and the
-thread reads the groups the cache lacks (from `halo-agent prepare`d groups: one pread each).
+by halo._nbits, numpy without it (CompactMlpGroup: a session per group would hold 2-5x its weights and take ~10 ms
+to build), and the thread reads the groups the cache lacks (from `halo-agent prepare`d groups: one pread each).
 Without overlap the same load runs inline, just before the computation.
 
 Without predictors (ablation "no prediction, no loading", or layer 0) the ranking is the identity:
@@ -129,7 +129,7 @@ class Remapper:
         cache.clear()
         release_freed_heap()
         dim = next(iter(self.banks.values())).dim
-        working = 8 * self.layout.mlp_group_size * dim  # a call's float32 expansion of gate+up (numpy, transient)
+        working = 8 * self.layout.mlp_group_size * dim  # a call's float32 expansion of gate+up (numpy, prefills; transient)
         self._go_compact(int(max(0, self.resident_budget - working) / COMPACT_MARGIN))
         log.info("HALO groups within %.1f MB of memory: %.1f MB of compact groups of %.1f MB candidates (as kernels "
                  "they would take %.1f x their weights), computed by %s", self.resident_budget / 1e6,

@@ -11,7 +11,7 @@ import pytest
 
 from halo.errors import ConfigError
 from halo.group_cache import GroupCache
-from halo.linear import COMPACT_KERNEL
+from halo.linear import COMPACT_KERNEL, NATIVE_TOKENS
 from halo.neuron_groups import GroupLayout
 from halo.remap import Remapper
 
@@ -254,7 +254,7 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "int8"])
 def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, tmp_path, qtype):
-    """What a memory-bounded device computes a re-mapped group with (numpy on the group's compact codes and scales,
+    """What a memory-bounded device computes a re-mapped group with (the group's compact codes and scales,
     no onnxruntime session) is float32 arithmetic on exactly the stored weights: the fp32 shard of the dequantized
     model to rounding, in prefill and decode, and it holds the group's compact bytes, not more."""
     from gguf_models import tiny_gguf
@@ -280,11 +280,12 @@ def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, 
                 return (h[:, :n] / (1 + np.exp(-h[:, :n])) * h[:, n:]) @ w_down.T
         else:
             reference = MlpShard(weights.layers[layer], layout, [group], "fp32").forward
-        for tokens in (1, 3, 9):  # 9: over NATIVE_TOKENS, numpy computes it
+        for tokens in (1, 3, NATIVE_TOKENS, NATIVE_TOKENS + 1, 9):  # over NATIVE_TOKENS, numpy computes it
             x = rng.standard_normal((tokens, weights.config.dim)).astype(np.float32)
             want = reference(x)
             np.testing.assert_allclose(compact.forward(x), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-            for kernel in (compact.gate_up, compact.down):  # halo's C kernel and numpy give the same sums
+        for kernel in (compact.gate_up, compact.down):  # halo's C kernel (where built) and numpy give the same sums
+            for tokens in range(1, NATIVE_TOKENS + 1):
                 xk = rng.standard_normal((tokens, kernel.k)).astype(np.float32)
                 want = kernel(xk, native=False)
                 np.testing.assert_allclose(kernel(xk), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
@@ -298,19 +299,32 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
     from halo import linear
 
     if linear._nbits is None:
-        assert shutil.which("cc") is None, "a C compiler is here but halo._nbits was not built: reinstall halo"
-        pytest.skip("halo._nbits not built (no C compiler): numpy computes compact groups")
+        import sysconfig
+
+        headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+        assert not (shutil.which("cc") and headers), "a C compiler and Python's headers are here but halo._nbits was " \
+                                                     "not built: reinstall halo"
+        pytest.skip("halo._nbits not built (no C compiler or no Python headers): numpy computes compact groups")
     nbits = linear._nbits
     codes, scales = np.zeros((2, 16, 8), np.uint8), np.ones((2, 8), np.float32)
     x, out = np.ones((1, 64), np.float32), np.empty((1, 8), np.float32)
     nbits.matmul(codes, scales, None, x, out, 4, 32)
     np.testing.assert_array_equal(out, np.full((1, 8), -8 * 64, np.float32))  # every weight (0 - 8) x 1
-    with pytest.raises(ValueError, match="codes holds 128 values; the shapes given need 256"):
+    with pytest.raises(ValueError, match=r"codes must be \[blocks 2, bytes 16, n 8\] \(rows last\)"):
         nbits.matmul(codes[:1], scales, None, x, out, 4, 32)
+    with pytest.raises(ValueError, match=r"codes must be"):  # the right count in the old block-major layout
+        nbits.matmul(np.zeros((2, 8, 16), np.uint8), scales, None, x, out, 4, 32)
+    with pytest.raises(ValueError, match="scales hold 0 blocks"):
+        nbits.matmul(codes[:0], scales[:0], None, x, out, 4, 32)
+    with pytest.raises(ValueError, match="scales hold 2 blocks of 6148914691236517206 inputs"):  # no overflow
+        nbits.matmul(codes, scales, None, x, out, 8, 6148914691236517206)
     with pytest.raises(ValueError, match="scales holds values of type 'd'; it must be float32"):
         nbits.matmul(codes, scales.astype(np.float64), None, x, out, 4, 32)
-    with pytest.raises(ValueError, match="x holds 252 bytes, not whole rows of 64 float32 inputs"):
-        nbits.matmul(codes, scales, None, x[:, :63], out, 4, 32)
+    with pytest.raises(ValueError, match=r"x must be \[tokens, 64\] float32 inputs"):
+        nbits.matmul(codes, scales, None, np.ones((1, 63), np.float32), out, 4, 32)
+    wide = np.ones((1, 64), np.float32)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        nbits.matmul(codes, scales, None, wide, wide[:, :8], 4, 32)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         nbits.matmul(codes, scales, None, x, out, 3, 32)
     with pytest.raises(ValueError, match="out holds 4 values; the shapes given need 8"):
