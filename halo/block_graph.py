@@ -21,10 +21,10 @@ from .linear import GraphBuilder, GraphSession, KernelProjection
 
 def graph_or_sessions(build, *projections):
     """build(*projections), the block graph, when every projection is one unopened MatMulNBits kernel; else None,
-    after opening the projections' own sessions (they then run as separate calls: fp32, mixed kinds, or a
-    matrix big enough to span several kernels)."""
+    after opening the projections' own kernels (they then run as separate calls: fp32, halo's C kernel, mixed
+    kinds, or a matrix big enough to span several kernels)."""
     if all(isinstance(p, KernelProjection) and len(p.kernels) == 1 and p.kernels[0].session is None
-           for p in projections):
+           and not p.kernels[0].in_c for p in projections):
         return build(*projections)
     for p in projections:
         if isinstance(p, KernelProjection):

@@ -4,9 +4,10 @@ A `Projection` holds one or more matrices that read the same input (q/k/v, gate/
 one output per matrix. Three formats:
 
 - "native" (the default): the model file's own format. Float32/float16/bfloat16 checkpoints run as
-  "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run on onnxruntime's MatMulNBits exactly
-  as stored: 4/8-bit codes, one scale per 32 (Q6_K: 16) weights, plus minimums where the type has
-  them, never expanded to float32.
+  "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run exactly as stored: 4/8-bit codes,
+  one scale per 32 (Q6_K: 16) weights, plus minimums where the type has them, never expanded to
+  float32, computed with float32 activations by halo's C kernel (halo/_nbits.c) where the package was
+  built with a compiler, else by onnxruntime's MatMulNBits with int8 activations in two terms.
 - "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
   load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
@@ -27,11 +28,11 @@ from itertools import groupby
 import numpy as np
 
 from .errors import ConfigError
-from .memory import memory_limit, release_freed_heap, release_pages
+from .memory import memory_limit, own_pages, release_freed_heap, release_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
-NATIVE_ACCURACY_LEVEL = 4  # int8 activations (split in two terms): ~2x faster than level 1 (fp32) here, as accurate
+FLOAT_ACTIVATIONS = 1  # MatMulNBits' accuracy level with float32 activations: what halo._nbits computes, where built
 NATIVE_SPLIT_ACTIVATIONS = True  # False: one int8 pass (the ablation in eval/accuracy_gguf.py --single-pass)
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
@@ -95,7 +96,8 @@ def dequantize_int8(codes: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray
 @dataclass(frozen=True)
 class KernelSpec:
     """How a MatMulNBits kernel stores and computes: `bits`-wide codes in blocks of `block` inputs, one float32
-    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations. With
+    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations, 1 = float32 ones
+    (`FLOAT_ACTIVATIONS`: halo's C kernel computes those where the package has it, `_NBitsKernel.in_c`). With
     split_activations, x = hi + lo: hi is x quantized per block as the kernel quantizes it (so the kernel
     reproduces it exactly) and lo the residual, run as 2T rows of one call (the weights stream once) and
     added: the activations' rounding error falls from 1/254 to ~1/64516 of each block's range."""
@@ -129,9 +131,14 @@ class KernelProjection:
         stacked = _RowStack(matrices)
         self.kernels = [_NBitsKernel(stacked, start, min(n, start + rows_per_kernel), k, spec, fill, threads)
                         for start in range(0, n, rows_per_kernel)]
-        self.nbytes = sum(kernel.nbytes for kernel in self.kernels)
         if open_session:
             self.open()
+
+    @property
+    def nbytes(self) -> int:
+        """The weights' bytes as held: as prepared until opened, then what the C kernel keeps (float16 scales where
+        exact) or what was handed to onnxruntime (which holds its own packed copy)."""
+        return sum(kernel.nbytes for kernel in self.kernels)
 
     def open(self) -> None:
         """Open each kernel's own session (once)."""
@@ -162,8 +169,11 @@ class Int8Projection(KernelProjection):
 
 class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
-    (halo/quant.py), never expanded to float32; int8 activations split in two terms (KernelSpec), which
-    keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass."""
+    (halo/quant.py), never expanded to float32. Computed with float32 activations by halo's C kernel where the
+    package has it (DequantKernel: SmolLM2 decodes at ~2.5x the speed of the MatMulNBits path, and within rounding
+    of the dequantized float32 weights); else by MatMulNBits with int8 activations split in two terms
+    (KernelSpec), which keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass
+    (MatMulNBits' own float32 path is ~2x slower)."""
 
     def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None,
                  open_session: bool = True):
@@ -179,7 +189,7 @@ class CompactProjection(KernelProjection):
                 offsets[:] = rows_offsets
             rows.release()
 
-        level = NATIVE_ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+        level = (FLOAT_ACTIVATIONS if _nbits is not None else 4) if accuracy_level is None else accuracy_level
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
                                                        split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill,
                          open_session)
@@ -201,11 +211,13 @@ class _RowStack:
 
 
 class _NBitsKernel:
-    """One MatMulNBits kernel over rows start..stop of a row stack: its weights, and (once opened) its session.
+    """One MatMulNBits kernel over rows start..stop of a row stack: its weights, and (once opened) what computes it:
+    an onnxruntime session, or with float32 activations where halo's C kernel is built (`in_c`), a DequantKernel.
 
-    The codes, scales (and offsets) are written to an unlinked temporary file and handed to onnxruntime as
-    external initializers: the kernel repacks them into its own layout at session start, after which the
-    file pages are released from this process (they re-read from disk if ever touched again).
+    The codes, scales (and offsets) are written to an unlinked temporary file; onnxruntime takes them as external
+    initializers and repacks them into its own layout at session start (a DequantKernel copies them rows last into
+    pages of its own), after which the file pages are released from this process (they re-read from disk if ever
+    touched again).
     """
 
     def __init__(self, stack: _RowStack, start: int, stop: int, k: int, spec: KernelSpec, fill, threads: int):
@@ -232,11 +244,22 @@ class _NBitsKernel:
         self.nbytes = sum(sizes)
         self.session = None
 
+    @property
+    def in_c(self) -> bool:
+        """Computed by halo's C kernel (float32 activations, and the package has it), not a MatMulNBits session;
+        such a kernel never enters a block graph."""
+        return self.spec.accuracy_level == FLOAT_ACTIVATIONS and _nbits is not None
+
     def open(self) -> None:
         if self.session is None:
-            graph = GraphBuilder()
-            self.add_to(graph, "", "x", "y")
-            self.session = graph.session({"x": ("T", self.k)}, {"y": ("T", self.n)}, self.threads)
+            if self.in_c:
+                kernel = DequantKernel.copy_of(self)
+                self.session, self._call, self.nbytes = kernel, kernel, kernel.nbytes
+            else:
+                graph = GraphBuilder()
+                self.add_to(graph, "", "x", "y")
+                self.session = graph.session({"x": ("T", self.k)}, {"y": ("T", self.n)}, self.threads)
+                self._call = lambda x: self.session.run({"x": x})[0]
             self.release()
 
     def add_to(self, graph: "GraphBuilder", prefix: str, x: str, y: str) -> None:
@@ -251,7 +274,7 @@ class _NBitsKernel:
         release_freed_heap()
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run({"x": x})[0]
+        return self._call(x)
 
 
 try:  # the C kernel for compact groups (built with the package where a C compiler is; numpy computes otherwise)
@@ -260,7 +283,6 @@ except ImportError:  # pragma: no cover - depends on how the package was built
     _nbits = None
 
 COMPACT_KERNEL = "numpy" if _nbits is None else "halo._nbits"  # what computes compact groups (agents report it)
-NATIVE_TOKENS = 4  # above this many tokens per call, numpy's expansion is amortized and BLAS wins (a prefill)
 
 
 def rows_last(a: np.ndarray) -> np.ndarray:
@@ -275,40 +297,50 @@ def rows_first(a: np.ndarray) -> np.ndarray:
 
 class DequantKernel:
     """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
-    [+ offset], per block) computed straight from the codes: what a memory-bounded device computes HALO's re-mapped
-    groups with (halo/remap.py). Holding one costs exactly its compact bytes and making one costs nothing beyond
-    having the arrays; a one-group onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
+    [+ offset], per block) computed straight from the codes: what computes every GGUF projection where the package
+    has halo's C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device
+    (halo/remap.py). Holding one costs exactly its compact bytes and making one costs nothing beyond having the
+    arrays; a one-group onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
 
     The arrays are kept rows last (codes [blocks, bytes, n], scales and offsets [blocks, n]): byte i of every row
     is contiguous, so halo's C kernel (halo/_nbits.c) multiplies it into all rows at once without expanding the
-    codes (a TinyLlama-sized group of 512 x 2048: 0.21 ms, numpy's float32 expansion 0.56 ms, a prepacked
-    MatMulNBits session 0.08-0.13 ms; SmolLM2's: 0.05 vs 0.15 ms). Where the package was built without a C
-    compiler, and for prefills (over `NATIVE_TOKENS` tokens), numpy computes the same sums. Activations stay
-    float32, so results are within rounding of `DenseProjection` on the dequantized weights, not bitwise a
-    session's."""
+    codes (one token through SmolLM2's 576 x 576 Q4_1 matrix: 0.011 ms; a TinyLlama-sized group of 512 x 2048
+    0.04 ms; numpy's float32 expansion ~10x that). Scales and offsets may be float16 (GGUF's own: the file's bytes,
+    not 1.2x them). Where the package was built without a C compiler, numpy computes the same sums (expanding the
+    codes a few thousand rows at a time; slower than the C kernel at any token count: SmolLM2's 128-token prefill
+    0.93 s vs 0.50 s). Activations stay float32, so results are within rounding of
+    `DenseProjection` on the dequantized weights, not bitwise a session's."""
+
+    NUMPY_ROWS = 4096  # rows per numpy step: the expanded codes of a step stay ~10 MB (an LM head whole: ~110 MB)
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec):
-        """Rows-last arrays, the kernel's own (kept as given; Q4_1's offsets become its bias in place: a group read
-        into a buffer allocates nothing more): codes [blocks, bytes, n], scales and offsets [blocks, n]."""
+        """Rows-last arrays, the kernel's own (kept as given): codes [blocks, bytes, n] uint8, scales and offsets
+        [blocks, n], both float32 or both float16."""
         units, n = scales.shape
         if codes.shape != (units, spec.block * spec.bits // 8, n) or units * spec.block < k or spec.bits not in (4, 8):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
-        self.codes, self.scales, self.k, self.n, self.spec = codes, scales, k, n, spec
+        if scales.dtype not in (np.float32, np.float16) or (offsets is not None and offsets.dtype != scales.dtype):
+            raise ValueError(f"scales {scales.dtype} / offsets {None if offsets is None else offsets.dtype}: both "
+                             "float32 or both float16")
+        self.codes, self.scales, self.offsets, self.k, self.n, self.spec = codes, scales, offsets, k, n, spec
         self.zero_point = np.float32(1 << (spec.bits - 1))
-        self.bias = None  # Q4_1's minimums less the zero point's share: [blocks, n]
-        if offsets is not None:
-            self.bias = offsets
-            self.bias -= self.zero_point * scales
-        self.nbytes = sum(a.nbytes for a in (codes, scales, self.bias) if a is not None)
+        self.nbytes = sum(a.nbytes for a in (codes, scales, offsets) if a is not None)
 
     @classmethod
-    def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray) -> "DequantKernel":
+    def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray | None = None) -> "DequantKernel":
         """The arrays of a prepared (unopened) kernel, copied rows last out of its temporary file into a uint8
-        buffer of `kernel.nbytes`."""
+        buffer of `kernel.nbytes`. into=None: pages of its own, with the scales and offsets in float16 where that
+        holds every value exactly (a GGUF's Q4_0 / Q4_1 / Q8_0 scales are float16 in the file)."""
+        arrays = {name: rows_last(a) for name, a in kernel.weights.items()}
+        if into is None:
+            half = {name: arrays[name].astype(np.float16) for name in ("scales", "offsets") if name in arrays}
+            if all(np.array_equal(h.astype(np.float32), arrays[name]) for name, h in half.items()):
+                arrays.update(half)
+            into = own_pages(sum(a.nbytes for a in arrays.values()))
         w, at = {}, 0
-        for name, a in kernel.weights.items():
-            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(rows_last(a).shape)
-            w[name][...] = rows_last(a)
+        for name, a in arrays.items():
+            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
+            w[name][...] = a
             at += a.nbytes
         return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
 
@@ -319,19 +351,31 @@ class DequantKernel:
         if units * spec.block != self.k:  # the last block's padding (int8 of small models): zero inputs
             x = np.pad(x, ((0, 0), (0, units * spec.block - self.k)))
         t = len(x)
-        if native and _nbits is not None and t <= NATIVE_TOKENS:
-            out = np.empty((t, self.n), np.float32)
-            _nbits.matmul(self.codes, self.scales, self.bias, x, out, spec.bits, spec.block)
+        out = np.empty((t, self.n), np.float32)
+        if native and _nbits is not None:
+            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block)
             return out
         blocks = x.reshape(t, units, spec.block).transpose(1, 0, 2)  # [blocks, T, block]
+        x_sums = blocks.sum(axis=2).T  # [T, blocks]
         if spec.bits == 4:  # byte i of a block: input 2i's weight in the low nibble, 2i + 1's in the high one
-            dots = np.matmul(np.ascontiguousarray(blocks[..., 0::2]), (self.codes & 0x0F).astype(np.float32))
-            dots += np.matmul(np.ascontiguousarray(blocks[..., 1::2]), (self.codes >> 4).astype(np.float32))
+            even, odd = np.ascontiguousarray(blocks[..., 0::2]), np.ascontiguousarray(blocks[..., 1::2])
         else:
-            dots = np.matmul(np.ascontiguousarray(blocks), self.codes.astype(np.float32))
-        dots *= self.scales[:, None, :]  # [blocks, T, n]
-        bias = -self.zero_point * self.scales if self.bias is None else self.bias  # [blocks, n]
-        return dots.sum(axis=0) + blocks.sum(axis=2).T @ bias
+            blocks = np.ascontiguousarray(blocks)
+        for start in range(0, self.n, self.NUMPY_ROWS):
+            rows = slice(start, start + self.NUMPY_ROWS)
+            codes = self.codes[..., rows]
+            if spec.bits == 4:
+                dots = np.matmul(even, (codes & 0x0F).astype(np.float32))
+                dots += np.matmul(odd, (codes >> 4).astype(np.float32))
+            else:
+                dots = np.matmul(blocks, codes.astype(np.float32))  # [blocks, T, rows]
+            scales = self.scales[:, rows].astype(np.float32)
+            dots *= scales[:, None, :]
+            bias = -self.zero_point * scales  # [blocks, rows]: what the zero point and the offsets add per x_sum
+            if self.offsets is not None:
+                bias += self.offsets[:, rows]
+            out[:, rows] = dots.sum(axis=0) + x_sums @ bias
+        return out
 
 
 class GraphBuilder:

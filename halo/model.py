@@ -12,6 +12,7 @@ from .config import DEFAULT_CONTEXT
 from .errors import ConfigError
 from .linear import DenseProjection
 from .neuron_groups import GroupLayout
+from .quant import embed
 from .shares import Block, everything
 from .weights import ModelWeights
 from .worker import DeviceWorker
@@ -44,7 +45,7 @@ class Transformer:
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
-        x = np.array(self.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
+        x = embed(self.tok_embeddings, tokens)  # [T, D]
         for i in range(self.config.n_layers):
             x = self.layer(i, x, start)
         self.pos = start + len(tokens)

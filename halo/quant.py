@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ConfigError
-from .memory import release_mapping
+from .memory import release_mapping, release_pages
 
 
 @dataclass(frozen=True)
@@ -262,6 +262,18 @@ def _dequantize(codec: Codec, blocks: np.ndarray) -> np.ndarray:
 
 
 Weight = np.ndarray | QuantizedMatrix
+
+
+def embed(table: Weight, tokens: np.ndarray) -> np.ndarray:
+    """Float32 rows of an embedding table [len(tokens), D]. A compact table is dequantized a row at a time from the
+    file mapping, and the pages that read mapped are handed back at once: the kernel maps whole page-cache folios
+    around each row read, so a generation's lookups would otherwise make the table resident bit by bit (all of it
+    over a long one: 30 MB for SmolLM2, whose tied LM head already holds its own copy)."""
+    if isinstance(table, QuantizedMatrix):
+        rows = table[tokens]
+        release_pages(table.blocks)
+        return rows
+    return np.array(table[tokens], dtype=np.float32)
 
 
 def as_float32(w: Weight) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 
 from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
+from halo.quant import embed
 from halo.shares import Block, Shares, rank_range
 from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, plan_round
 from halo.worker import DeviceWorker
@@ -89,7 +90,7 @@ class DistributedModel:
         self.forward_id += 1
         self.timings.forwards += len(tokens) == 1
         self.worker.begin_forward()
-        x = np.array(self.weights.tok_embeddings[tokens], dtype=np.float32)  # [T, D]
+        x = embed(self.weights.tok_embeddings, tokens)  # [T, D]
         for l in range(self.config.n_layers):
             if self.input_log is not None:
                 self.input_log.record(l, start, x)

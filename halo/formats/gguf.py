@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,35 @@ class TensorInfo:
     type_name: str
     offset: int  # from the start of the file
     nbytes: int
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="replace")  # a vocabulary piece may hold a partial character
+
+
+class StringArray(Sequence):
+    """An array of strings in the header (a vocabulary, its merges), decoded when read: held as Python strings,
+    SmolLM2's 98k of them cost ~10 MB for as long as the model is loaded, though only the tokenizer reads them,
+    once. `GGUFFile.get(key, list)` decodes them all."""
+
+    def __init__(self, buffer, starts: np.ndarray):
+        """starts: where each string's bytes begin, and one more: the next string's start, 8 length bytes later."""
+        self._buffer, self._starts = buffer, starts
+
+    def __len__(self) -> int:
+        return len(self._starts) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # negative indices count from the end; out of range: IndexError
+        return _text(bytes(self._buffer[int(self._starts[i]):int(self._starts[i + 1]) - 8]))
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
 
 
 class GGUFFile:
@@ -102,25 +132,31 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(name, shape, type_name, start, nbytes)
 
     # --- header parsing -------------------------------------------------------------------------
-    def _bytes(self, n: int, what: str) -> bytes:
+    def _skip(self, n: int, what: str) -> int:
+        """Step over n bytes of the header; returns where they start."""
         if self._at + n > self.size:
             raise ModelFormatError(self.path, f"truncated: the header ends inside {what} (byte {self._at} of "
                                    f"{self.size})", "re-download the file")
-        data = bytes(self._buffer[self._at:self._at + n])
         self._at += n
-        return data
+        return self._at - n
+
+    def _bytes(self, n: int, what: str) -> bytes:
+        start = self._skip(n, what)
+        return bytes(self._buffer[start:start + n])
 
     def _scalar(self, fmt: str, what: str):
         size = struct.calcsize("<" + fmt)
         return struct.unpack("<" + fmt, self._bytes(size, what))[0]
 
     def _string(self, what: str) -> str:
-        length = self._scalar("Q", what)
-        raw = self._bytes(length, what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return raw.decode("utf-8", errors="replace")  # a vocabulary piece may hold a partial character
+        return _text(self._bytes(self._scalar("Q", what), what))
+
+    def _string_array(self, count: int, key: str) -> "StringArray":
+        starts = np.empty(count + 1, np.int64)  # string i is bytes starts[i] .. starts[i + 1] - 8 (a length comes between)
+        for i in range(count):
+            starts[i] = self._skip(self._scalar("Q", key), key)
+        starts[count] = self._at + 8
+        return StringArray(self._buffer, starts)
 
     def _value(self, kind: int, key: str, depth: int = 0):
         if depth > MAX_ARRAY_NESTING:
@@ -133,7 +169,7 @@ class GGUFFile:
         if kind == ARRAY:
             item, count = self._scalar("I", key), self._scalar("Q", key)
             if item == STRING:
-                return [self._string(key) for _ in range(count)]
+                return self._string_array(count, key)
             if item in SCALARS:
                 dtype = np.dtype("<" + SCALARS[item])
                 raw = self._bytes(count * dtype.itemsize, key)
@@ -176,6 +212,8 @@ class GGUFFile:
             return float(value)
         if kind is int and isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             return int(value)
+        if kind is list and isinstance(value, StringArray):
+            return list(value)
         if not isinstance(value, kind):
             raise ModelFormatError(self.path, f"metadata {key}={value!r} is not a {kind.__name__}")
         return value
