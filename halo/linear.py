@@ -313,9 +313,10 @@ class DequantKernel:
 
     NUMPY_ROWS = 4096  # rows per numpy step: the expanded codes of a step stay ~10 MB (an LM head whole: ~110 MB)
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec):
+    def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec,
+                 threads: int = 1):
         """Rows-last arrays, the kernel's own (kept as given): codes [blocks, bytes, n] uint8, scales and offsets
-        [blocks, n], both float32 or both float16."""
+        [blocks, n], both float32 or both float16. threads: the C kernel's, splitting the rows (same results)."""
         units, n = scales.shape
         if codes.shape != (units, spec.block * spec.bits // 8, n) or units * spec.block < k or spec.bits not in (4, 8):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
@@ -323,6 +324,7 @@ class DequantKernel:
             raise ValueError(f"scales {scales.dtype} / offsets {None if offsets is None else offsets.dtype}: both "
                              "float32 or both float16")
         self.codes, self.scales, self.offsets, self.k, self.n, self.spec = codes, scales, offsets, k, n, spec
+        self.threads = threads
         self.zero_point = np.float32(1 << (spec.bits - 1))
         self.nbytes = sum(a.nbytes for a in (codes, scales, offsets) if a is not None)
 
@@ -342,7 +344,7 @@ class DequantKernel:
             w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
             w[name][...] = a
             at += a.nbytes
-        return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec)
+        return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec, kernel.threads)
 
     def __call__(self, x: np.ndarray, native: bool = True) -> np.ndarray:
         """x [T, k] -> x @ W.T [T, n] (`native=False`: numpy's sums, whatever was built)."""
@@ -353,7 +355,7 @@ class DequantKernel:
         t = len(x)
         out = np.empty((t, self.n), np.float32)
         if native and _nbits is not None:
-            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block)
+            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block, self.threads)
             return out
         blocks = x.reshape(t, units, spec.block).transpose(1, 0, 2)  # [blocks, T, block]
         x_sums = blocks.sum(axis=2).T  # [T, blocks]

@@ -253,6 +253,14 @@ def test_gguf_metadata_arrays_nested_beyond_the_stack(tmp_path):
         gguf.GGUFFile(gguf_file(tmp_path, [entry]))
 
 
+def test_gguf_string_array_longer_than_the_file(tmp_path):
+    """Found by the campaign's short run in CI: a string array whose count cannot fit in the bytes left made numpy's
+    "array is too big" ValueError escape (the strings' index is allocated before they are read)."""
+    entry = gguf_string("tokenizer.ggml.tokens") + struct.pack("<I", 9) + struct.pack("<IQ", 8, 2**61)
+    with pytest.raises(ModelFormatError, match="claims 2305843009213693952 strings"):
+        gguf.GGUFFile(gguf_file(tmp_path, [entry]))
+
+
 def test_gguf_tensor_dimensions_beyond_64_bits(tmp_path):
     """Dimensions whose product needs more than 64 bits wrapped around in numpy's int64 product: the tensor's size
     read as 0 bytes and the file was taken."""

@@ -329,6 +329,8 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
         nbits.matmul(codes, scales, None, wide, wide[:, :8], 4, 32)
     with pytest.raises(ValueError, match="bits must be 4 or 8"):
         nbits.matmul(codes, scales, None, x, out, 3, 32)
+    with pytest.raises(ValueError, match=r"threads must be 1..1024 \(got 0\)"):
+        nbits.matmul(codes, scales, None, x, out, 4, 32, threads=0)
     with pytest.raises(ValueError, match="out holds 4 values; the shapes given need 8"):
         nbits.matmul(codes, scales, None, x, out[:, :4], 4, 32)
 
@@ -453,9 +455,9 @@ def test_sessions_under_a_memory_limit_give_their_buffers_back_after_each_run(mo
 
 def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_any_shard():
     """GGUF's scales and minimums are float16: the C kernel reads them as stored (same sums as their float32
-    values), and a row's result does not depend on the rows computed with it (tiles, vector lanes, the tail): a
-    shard of rows gives bit for bit what the whole matrix gives for them, so splitting rows over devices keeps the
-    single-device numbers."""
+    values), and a row's result does not depend on the rows computed with it (tiles, vector lanes, the tail,
+    threads): a shard of rows gives bit for bit what the whole matrix gives for them, so splitting rows over
+    devices or threads keeps the single-device numbers."""
     from halo import linear
 
     if linear._nbits is None:
@@ -473,6 +475,10 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
             nbits.matmul(codes, scales, offsets, x, half, bits, block)
             nbits.matmul(codes, scales.astype(np.float32), offsets.astype(np.float32), x, full, bits, block)
             np.testing.assert_array_equal(half, full)
+            for threads in (2, 3):
+                split = np.empty((tokens, n), np.float32)
+                nbits.matmul(codes, scales, offsets, x, split, bits, block, threads=threads)
+                np.testing.assert_array_equal(split, half)
             w = (codes.astype(np.float32) if bits == 8 else
                  np.stack([codes & 15, codes >> 4], axis=2).reshape(blocks, block, n).astype(np.float32))
             w = (w - (1 << (bits - 1))) * scales.astype(np.float32)[:, None, :] + offsets.astype(np.float32)[:, None, :]

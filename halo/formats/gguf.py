@@ -152,6 +152,9 @@ class GGUFFile:
         return _text(self._bytes(self._scalar("Q", what), what))
 
     def _string_array(self, count: int, key: str) -> "StringArray":
+        if count > (self.size - self._at) // 8:  # each string has at least its 8-byte length
+            raise ModelFormatError(self.path, f"truncated: metadata {key} claims {count} strings, more than the "
+                                   f"{self.size - self._at} bytes left can hold", "re-download the file")
         starts = np.empty(count + 1, np.int64)  # string i is bytes starts[i] .. starts[i + 1] - 8 (a length comes between)
         for i in range(count):
             starts[i] = self._skip(self._scalar("Q", key), key)
