@@ -255,11 +255,13 @@ class _NBitsKernel:
             if self.in_c:
                 kernel = DequantKernel.copy_of(self)
                 self.session, self._call, self.nbytes = kernel, kernel, kernel.nbytes
-            else:
-                graph = GraphBuilder()
-                self.add_to(graph, "", "x", "y")
-                self.session = graph.session({"x": ("T", self.k)}, {"y": ("T", self.n)}, self.threads)
-                self._call = lambda x: self.session.run({"x": x})[0]
+                self.weights = self._mapping = None  # the temporary file goes with its last view: nothing reads it
+                release_freed_heap()
+                return
+            graph = GraphBuilder()
+            self.add_to(graph, "", "x", "y")
+            self.session = graph.session({"x": ("T", self.k)}, {"y": ("T", self.n)}, self.threads)
+            self._call = lambda x: self.session.run({"x": x})[0]
             self.release()
 
     def add_to(self, graph: "GraphBuilder", prefix: str, x: str, y: str) -> None:
