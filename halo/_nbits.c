@@ -1,7 +1,7 @@
 /* halo._nbits: x @ W.T for a compact (4- or 8-bit, per-block scaled) weight held in halo's rows-last layout,
- * read straight from the codes. What computes a GGUF model's compact projections wherever the package was built
- * with a C compiler (halo.linear: SmolLM2's 576 x 576 Q4_1 matrix in 0.011 ms here, onnxruntime's MatMulNBits with
- * int8 activations in two terms ~0.04), and HALO's re-mapped groups on a memory-bounded agent
+ * read straight from the codes. What computes a narrow GGUF model's compact projections wherever the package was
+ * built with a C compiler (halo.linear.CompactProjection: SmolLM2's 576 x 576 Q4_1 matrix in 0.011 ms here; wider
+ * models run on onnxruntime's int8 kernels), and HALO's re-mapped groups on a memory-bounded agent
  * (halo.linear.DequantKernel; numpy would expand the codes to float32 first, 8x their bytes through memory).
  * Activations stay float32, so a result is within rounding of the dequantized float32 weights. Plain C the compiler
  * vectorizes (AVX-512 / AVX2 / SSE2 clones on x86-64, NEON on aarch64); the GIL is released while it runs.

@@ -33,6 +33,7 @@ from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
 FLOAT_ACTIVATIONS = 1  # MatMulNBits' accuracy level with float32 activations: what halo._nbits computes, where built
+C_KERNEL_MAX_INPUTS = 2048  # GGUF matrices this wide and wider run on MatMulNBits' int8 kernels (CompactProjection)
 NATIVE_SPLIT_ACTIVATIONS = True  # False: one int8 pass (the ablation in eval/accuracy_gguf.py --single-pass)
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
@@ -169,11 +170,16 @@ class Int8Projection(KernelProjection):
 
 class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
-    (halo/quant.py), never expanded to float32. Computed with float32 activations by halo's C kernel where the
-    package has it (DequantKernel: SmolLM2 decodes at ~2.5x the speed of the MatMulNBits path, and within rounding
-    of the dequantized float32 weights); else by MatMulNBits with int8 activations split in two terms
-    (KernelSpec), which keeps the logits within ~1e-2 of float32 arithmetic at nearly the speed of one int8 pass
-    (MatMulNBits' own float32 path is ~2x slower)."""
+    (halo/quant.py), never expanded to float32. Two kernels, chosen by the input width:
+    - narrow tensors (fewer than C_KERNEL_MAX_INPUTS inputs in the whole tensor, whatever a shard takes of it;
+      SmolLM2's 576 / 1536), where the package has it: halo's C kernel with
+      float32 activations (DequantKernel): within rounding of the dequantized float32 weights, the file's bytes in
+      memory, and faster there than onnxruntime's per-operator cost allows (SmolLM2 decode 12.4 vs 15.0 ms/token on
+      one thread, 10.5 vs 15.9 on two);
+    - wider ones (TinyLlama's 2048 and up), or without the C kernel: MatMulNBits with int8 activations split in two
+      terms (KernelSpec), one onnxruntime graph per block share: its int8 dot products (VNNI) outrun float32
+      arithmetic once the matrices are large (TinyLlama Q4_0 38.5 vs 54.7 ms/token), and the split keeps the
+      logits within ~1e-2 of float32 arithmetic (MatMulNBits' own float32 path is ~2x slower)."""
 
     def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None,
                  open_session: bool = True):
@@ -189,7 +195,10 @@ class CompactProjection(KernelProjection):
                 offsets[:] = rows_offsets
             rows.release()
 
-        level = (FLOAT_ACTIVATIONS if _nbits is not None else 4) if accuracy_level is None else accuracy_level
+        if accuracy_level is None:  # judged by the whole tensor's width, so every shard of a model runs the same kernel
+            width = matrices[0].blocks.shape[1] * codec.block
+            accuracy_level = FLOAT_ACTIVATIONS if _nbits is not None and width < C_KERNEL_MAX_INPUTS else 4
+        level = accuracy_level
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
                                                        split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill,
                          open_session)
