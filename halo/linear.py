@@ -6,8 +6,9 @@ one output per matrix. Three formats:
 - "native" (the default): the model file's own format. Float32/float16/bfloat16 checkpoints run as
   "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run exactly as stored: 4/8-bit codes,
   one scale per 32 (Q6_K: 16) weights, plus minimums where the type has them, never expanded to
-  float32, computed with float32 activations by halo's C kernel (halo/_nbits.c) where the package was
-  built with a compiler, else by onnxruntime's MatMulNBits with int8 activations in two terms.
+  float32. Tensors under C_KERNEL_MAX_INPUTS inputs (SmolLM2's) are computed with float32 activations by
+  halo's C kernel (halo/_nbits.c) where the package was built with a compiler; wider ones (TinyLlama's),
+  and every tensor without the C kernel, by onnxruntime's MatMulNBits with int8 activations in two terms.
 - "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
   load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
@@ -195,10 +196,10 @@ class CompactProjection(KernelProjection):
                 offsets[:] = rows_offsets
             rows.release()
 
-        if accuracy_level is None:  # judged by the whole tensor's width, so every shard of a model runs the same kernel
-            width = matrices[0].blocks.shape[1] * codec.block
-            accuracy_level = FLOAT_ACTIVATIONS if _nbits is not None and width < C_KERNEL_MAX_INPUTS else 4
         level = accuracy_level
+        if level is None:  # judged by the whole tensor's width, so every shard of a model runs the same kernel
+            width = matrices[0].blocks.shape[1] * codec.block
+            level = FLOAT_ACTIVATIONS if _nbits is not None and width < C_KERNEL_MAX_INPUTS else 4
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
                                                        split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill,
                          open_session)
@@ -308,8 +309,8 @@ def rows_first(a: np.ndarray) -> np.ndarray:
 
 class DequantKernel:
     """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
-    [+ offset], per block) computed straight from the codes: what computes every GGUF projection where the package
-    has halo's C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device
+    [+ offset], per block) computed straight from the codes: what computes a narrow GGUF tensor's projections where
+    the package has halo's C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device
     (halo/remap.py). Holding one costs exactly its compact bytes and making one costs nothing beyond having the
     arrays; a one-group onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
 

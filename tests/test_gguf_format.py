@@ -82,9 +82,30 @@ def test_kernel_computes_the_files_blocks_exactly(qtype):
     # accuracy level 1 (fp32 activations): the blocks as stored, to float rounding
     for y, e in zip(CompactProjection([a, b], accuracy_level=1)(x), exact):
         assert np.abs(y - e).max() <= 1e-5 * np.abs(e).max()
-    # the default, int8 activations per block of 32: about 1 % of the output's scale
+    # the default (halo's C kernel on a narrow tensor where built, else int8 activations per block of 32): within
+    # about 1 % of the output's scale
     for y, e in zip(make_projection([a, b], "native")(x), exact):
         assert y.shape == e.shape and np.abs(y - e).max() <= 0.02 * np.abs(e).max()
+
+
+def test_the_kernel_is_chosen_by_the_whole_tensors_width():
+    """Narrow tensors run on halo's C kernel (where built), tensors of C_KERNEL_MAX_INPUTS inputs and more on
+    MatMulNBits' int8 kernels; a shard's column slice of a wide tensor keeps the wide tensor's kernel, so every device
+    of a model computes as the single process does. Either way the file's weights, to the kernel's precision."""
+    from halo import linear
+
+    rng = np.random.default_rng(4)
+    narrow = blocks_of(rng.standard_normal((16, 256)).astype(np.float32), "Q4_0")
+    wide = blocks_of(rng.standard_normal((16, linear.C_KERNEL_MAX_INPUTS)).astype(np.float32), "Q4_0")
+    columns = wide.take_cols(np.arange(256))  # what a shard of W_o / W_down takes
+    built = linear._nbits is not None
+    assert CompactProjection([narrow]).kernels[0].in_c == built
+    assert not CompactProjection([wide]).kernels[0].in_c
+    assert columns.shape[1] < linear.C_KERNEL_MAX_INPUTS and not CompactProjection([columns]).kernels[0].in_c
+    for m in (narrow, wide):
+        x = rng.standard_normal((2, m.shape[1])).astype(np.float32)
+        exact = x @ m.dequantize().T
+        assert np.abs(CompactProjection([m])(x)[0] - exact).max() <= 0.02 * np.abs(exact).max()
 
 
 def test_selections_are_lazy_and_cut_whole_blocks():
