@@ -6,9 +6,8 @@ Text: the held-out last 20 % of ../shared/data/tinystories_valid_dev.txt (cut at
 nearest 80 %, as every halo accuracy run), tokenized whole (no BOS: SmolLM2's tokenizer adds none) and cut
 into consecutive windows of --window tokens. Each window runs through the same model file twice in one
 process: --weights fp32 (the blocks dequantized: the exact reference, equal to transformers' gguf_file=
-load within 1e-4, tests/test_smollm2.py) and --weights native (the file's Q4_1/Q8_0 blocks, computed by
-halo's C kernel with float32 activations where the package has it, else by MatMulNBits with int8 activations in
-two terms). Reports perplexity of each (every token after a window's first), the relative
+load within 1e-4, tests/test_smollm2.py) and --weights native (the file's Q4_1/Q8_0 blocks times int8
+activations in two terms, computed by halo's C kernel where the package has it, else by MatMulNBits). Reports perplexity of each (every token after a window's first), the relative
 difference (goal: within 1 %), greedy next-token agreement, and the max and mean absolute logit
 difference, over all windows and over the first window alone (the 512-token held-out text).
 """
@@ -46,8 +45,9 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=512, help="tokens per window")
     parser.add_argument("--max-windows", type=int, default=0, help="stop after this many windows (0: all)")
     parser.add_argument("--single-pass", action="store_true",
-                        help="ablation: native blocks on MatMulNBits with one int8 pass over the activations (not "
-                             "halo's C kernel, not split in two)")
+                        help="ablation: the activations quantized to int8 in one term, not two")
+    parser.add_argument("--matmulnbits", action="store_true",
+                        help="native blocks on onnxruntime's MatMulNBits even where halo's C kernel is built")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     from tqdm import tqdm
@@ -55,14 +55,13 @@ def main(argv=None) -> int:
     import halo.linear
 
     halo.linear.NATIVE_SPLIT_ACTIVATIONS = not args.single_pass
-    if args.single_pass:
-        halo.linear._nbits = None  # the ablation is of MatMulNBits' int8 activations: keep the C kernel out
-    kernel = ("halo._nbits (halo's C kernel) on the file's own blocks with float32 activations"
-              if halo.linear._nbits is not None else
-              "MatMulNBits on the file's own blocks with int8 activations " +
-              ("in one pass (what --single-pass ablates)" if args.single_pass else
-               "split in two terms (halo/linear.py KernelSpec)"))
-    variant = "4-bit Q4_1 + Q8_0 head" + (", one int8 pass (ablation)" if args.single_pass else "")
+    halo.linear.PREFER_C_KERNEL = not args.matmulnbits
+    kernel = (("halo._nbits (halo's C kernel)" if halo.linear.projection_kernel() == "halo._nbits" else "MatMulNBits")
+              + " on the file's own blocks with int8 activations "
+              + ("in one term (what --single-pass ablates)" if args.single_pass else
+                 "in two terms (halo/linear.py KernelSpec)"))
+    variant = "4-bit Q4_1 + Q8_0 head" + (", one int8 pass (ablation)" if args.single_pass else "") + \
+        (", MatMulNBits" if args.matmulnbits else "")
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights)
     _, held_out = split_text(Path(args.data).read_text(), 0.8)
@@ -113,7 +112,8 @@ def main(argv=None) -> int:
              f"| prefill s per window (machine shared, indicative) | {seconds['fp32'] / len(windows):.1f} | "
              f"{seconds['native'] / len(windows):.1f} |", "",
              f"native = {kernel}; goals: perplexity within 1 %, agreement >= 99 %."]
-    stem = f"accuracy_gguf_{Path(weights.source).stem.replace('.', '_')}" + ("_single_pass" if args.single_pass else "")
+    stem = f"accuracy_gguf_{Path(weights.source).stem.replace('.', '_')}" + ("_single_pass" if args.single_pass else "") + \
+        ("_matmulnbits" if args.matmulnbits else "")
     result["split_activations"] = not args.single_pass
     result["kernel"] = kernel
     write_report(args.out, stem, result, lines)

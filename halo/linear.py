@@ -6,14 +6,13 @@ one output per matrix. Three formats:
 - "native" (the default): the model file's own format. Float32/float16/bfloat16 checkpoints run as
   "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run exactly as stored: 4/8-bit codes,
   one scale per 32 (Q6_K: 16) weights, plus minimums where the type has them, never expanded to
-  float32. Tensors under C_KERNEL_MAX_INPUTS inputs (SmolLM2's) are computed with float32 activations by
-  halo's C kernel (halo/_nbits.c) where the package was built with a compiler; wider ones (TinyLlama's),
-  and every tensor without the C kernel, by onnxruntime's MatMulNBits with int8 activations in two terms.
+  float32. Activations are quantized per block to int8 in two terms (x = hi + lo: within ~1/64516 of each
+  block's range) and multiplied with integer dot products: by halo's C kernel (halo/_nbits.c: AVX-512 VNNI,
+  AVX2 or plain C) where the package was built with a compiler, else by onnxruntime's MatMulNBits.
 - "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
   load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
-  bytes per weight), run by MatMulNBits with int8 activations (accuracy_level 4), which streams the
-  quantized weights at memory speed on x86 (AVX2/AVX-512 VNNI) and Arm (NEON dot-product).
+  bytes per weight), run with int8 activations in one term (accuracy_level 4), by the same kernels.
 
 Matrices that share an input are fused into one kernel call.
 """
@@ -33,8 +32,7 @@ from .memory import memory_limit, own_pages, release_freed_heap, release_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
-FLOAT_ACTIVATIONS = 1  # MatMulNBits' accuracy level with float32 activations: what halo._nbits computes, where built
-C_KERNEL_MAX_INPUTS = 2048  # GGUF matrices this wide and wider run on MatMulNBits' int8 kernels (CompactProjection)
+PREFER_C_KERNEL = True  # False: MatMulNBits sessions even where halo._nbits is built (bench_engine's comparison)
 NATIVE_SPLIT_ACTIVATIONS = True  # False: one int8 pass (the ablation in eval/accuracy_gguf.py --single-pass)
 INT8_BLOCK = 128  # inputs per scale; 128 streams ~10 % faster than 64 in MatMulNBits here
 MIN_INT8_BLOCK = 16  # MatMulNBits' smallest block
@@ -98,8 +96,8 @@ def dequantize_int8(codes: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray
 @dataclass(frozen=True)
 class KernelSpec:
     """How a MatMulNBits kernel stores and computes: `bits`-wide codes in blocks of `block` inputs, one float32
-    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations, 1 = float32 ones
-    (`FLOAT_ACTIVATIONS`: halo's C kernel computes those where the package has it, `_NBitsKernel.in_c`). With
+    scale each (+ an offset per block: Q4_1's minimums); accuracy_level 4 = int8 activations (what halo's C kernel
+    computes, `_NBitsKernel.in_c`), 1 = float32 ones (MatMulNBits only: the tests' reference). With
     split_activations, x = hi + lo: hi is x quantized per block as the kernel quantizes it (so the kernel
     reproduces it exactly) and lo the residual, run as 2T rows of one call (the weights stream once) and
     added: the activations' rounding error falls from 1/254 to ~1/64516 of each block's range."""
@@ -171,16 +169,10 @@ class Int8Projection(KernelProjection):
 
 class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
-    (halo/quant.py), never expanded to float32. Two kernels, chosen by the input width:
-    - narrow tensors (fewer than C_KERNEL_MAX_INPUTS inputs in the whole tensor, whatever a shard takes of it;
-      SmolLM2's 576 / 1536), where the package has it: halo's C kernel with
-      float32 activations (DequantKernel): within rounding of the dequantized float32 weights, the file's bytes in
-      memory, and faster there than onnxruntime's per-operator cost allows (SmolLM2 decode 12.4 vs 15.0 ms/token on
-      one thread, 10.5 vs 15.9 on two);
-    - wider ones (TinyLlama's 2048 and up), or without the C kernel: MatMulNBits with int8 activations split in two
-      terms (KernelSpec), one onnxruntime graph per block share: its int8 dot products (VNNI) outrun float32
-      arithmetic once the matrices are large (TinyLlama Q4_0 38.5 vs 54.7 ms/token), and the split keeps the
-      logits within ~1e-2 of float32 arithmetic (MatMulNBits' own float32 path is ~2x slower)."""
+    (halo/quant.py), never expanded to float32, with int8 activations in two terms (KernelSpec: the logits within
+    ~1e-3 of float32 arithmetic): by halo's C kernel where the package has it (DequantKernel: the file's bytes in
+    memory), else by MatMulNBits sessions (one onnxruntime graph per block share). accuracy_level=1: MatMulNBits
+    with float32 activations (the tests' reference)."""
 
     def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None,
                  open_session: bool = True):
@@ -196,10 +188,7 @@ class CompactProjection(KernelProjection):
                 offsets[:] = rows_offsets
             rows.release()
 
-        level = accuracy_level
-        if level is None:  # judged by the whole tensor's width, so every shard of a model runs the same kernel
-            width = matrices[0].blocks.shape[1] * codec.block
-            level = FLOAT_ACTIVATIONS if _nbits is not None and width < C_KERNEL_MAX_INPUTS else 4
+        level = 4 if accuracy_level is None else accuracy_level
         super().__init__(matrices, threads, KernelSpec(codec.bits, codec.unit, codec.has_offsets, level,
                                                        split_activations=level == 4 and NATIVE_SPLIT_ACTIVATIONS), fill,
                          open_session)
@@ -222,11 +211,11 @@ class _RowStack:
 
 class _NBitsKernel:
     """One MatMulNBits kernel over rows start..stop of a row stack: its weights, and (once opened) what computes it:
-    an onnxruntime session, or with float32 activations where halo's C kernel is built (`in_c`), a DequantKernel.
+    an onnxruntime session, or where halo's C kernel is built (`in_c`), a DequantKernel.
 
     The codes, scales (and offsets) are written to an unlinked temporary file; onnxruntime takes them as external
-    initializers and repacks them into its own layout at session start (a DequantKernel copies them rows last into
-    pages of its own), after which the file pages are released from this process (they re-read from disk if ever
+    initializers and repacks them into its own layout at session start (a DequantKernel copies them into its own
+    layout, `rows_last`, in pages of its own), after which the file pages are released from this process (they re-read from disk if ever
     touched again).
     """
 
@@ -256,9 +245,9 @@ class _NBitsKernel:
 
     @property
     def in_c(self) -> bool:
-        """Computed by halo's C kernel (float32 activations, and the package has it), not a MatMulNBits session;
+        """Computed by halo's C kernel (int8 activations, and the package has it), not a MatMulNBits session;
         such a kernel never enters a block graph."""
-        return self.spec.accuracy_level == FLOAT_ACTIVATIONS and _nbits is not None
+        return self.spec.accuracy_level == 4 and _nbits is not None and PREFER_C_KERNEL
 
     def open(self) -> None:
         if self.session is None:
@@ -297,52 +286,68 @@ except ImportError:  # pragma: no cover - depends on how the package was built
 COMPACT_KERNEL = "numpy" if _nbits is None else "halo._nbits"  # what computes compact groups (agents report it)
 
 
+def projection_kernel() -> str:
+    """What computes compact projections built now (agents report it): halo's C kernel, or onnxruntime."""
+    return "halo._nbits" if _nbits is not None and PREFER_C_KERNEL else "onnxruntime"
+
+
 def rows_last(a: np.ndarray) -> np.ndarray:
-    """A kernel array [rows, blocks, ...] as [blocks, ..., rows] (a view): the layout `DequantKernel` computes in."""
-    return np.moveaxis(a, 0, -1)
+    """A MatMulNBits array as `DequantKernel` holds it (a view): scales and offsets [rows, blocks] as [blocks, rows];
+    codes [rows, blocks, bytes] as [blocks, words, rows, 4] (a 32-bit word: 4 bytes of one row, what one lane of
+    the C kernel's integer dot product takes)."""
+    if a.ndim == 3:
+        rows, blocks, nbytes = a.shape
+        return a.reshape(rows, blocks, nbytes // 4, 4).transpose(1, 2, 0, 3)
+    return a.T
 
 
 def rows_first(a: np.ndarray) -> np.ndarray:
-    """The inverse of `rows_last` (a view): MatMulNBits' layout."""
-    return np.moveaxis(a, -1, 0)
+    """The inverse of `rows_last`: MatMulNBits' layout (scales a view, codes a copy)."""
+    if a.ndim == 4:
+        blocks, words, rows, _ = a.shape
+        return a.transpose(2, 0, 1, 3).reshape(rows, blocks, words * 4)
+    return a.T
 
 
 class DequantKernel:
     """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
-    [+ offset], per block) computed straight from the codes: what computes a narrow GGUF tensor's projections where
-    the package has halo's C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device
-    (halo/remap.py). Holding one costs exactly its compact bytes and making one costs nothing beyond having the
-    arrays; a one-group onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
+    [+ offset], per block) computed straight from the codes: every compact projection where the package has halo's
+    C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device (halo/remap.py). Holding
+    one costs exactly its compact bytes and making one costs nothing beyond having the arrays; a one-group
+    onnxruntime session takes ~10 ms to build and holds 2-3x its weights.
 
-    The arrays are kept rows last (codes [blocks, bytes, n], scales and offsets [blocks, n]): byte i of every row
-    is contiguous, so halo's C kernel (halo/_nbits.c) multiplies it into all rows at once without expanding the
-    codes (one token through SmolLM2's 576 x 576 Q4_1 matrix: 0.011 ms; a TinyLlama-sized group of 512 x 2048
-    0.04 ms; numpy's float32 expansion ~10x that). Scales and offsets may be float16 (GGUF's own: the file's bytes,
-    not 1.2x them). Where the package was built without a C compiler, numpy computes the same sums (expanding the
-    codes a few thousand rows at a time; slower than the C kernel at any token count: SmolLM2's 128-token prefill
-    0.93 s vs 0.50 s). Activations stay float32, so results are within rounding of
-    `DenseProjection` on the dequantized weights, not bitwise a session's."""
+    It computes what its KernelSpec says MatMulNBits computes: activations quantized per block to int8, in two terms
+    with split_activations (x = hi + lo, see KernelSpec), times the weights' codes as exact integer sums (halo's C
+    kernel: AVX-512 VNNI, AVX2 or plain C, the same bits on each; one token through SmolLM2's 576 x 576 Q4_1 matrix
+    in 0.009 ms here, its 49,152-row Q8_0 LM head in 1.0 ms). The arrays are kept rows next to last (`rows_last`:
+    codes [blocks, words, n, 4], scales and offsets [blocks, n]), so a 32-bit lane holds 4 bytes of one row; scales
+    and offsets may be float16 (GGUF's own: the file's bytes, not 1.2x them). Where the package was built without a
+    C compiler, numpy computes the same sums in float32 (expanding the codes a few thousand rows at a time)."""
 
     NUMPY_ROWS = 4096  # rows per numpy step: the expanded codes of a step stay ~10 MB (an LM head whole: ~110 MB)
 
     def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec,
                  threads: int = 1):
-        """Rows-last arrays, the kernel's own (kept as given): codes [blocks, bytes, n] uint8, scales and offsets
-        [blocks, n], both float32 or both float16. threads: the C kernel's, splitting the rows (same results)."""
+        """Arrays as `rows_last` lays them out, the kernel's own (kept as given): codes [blocks, words, n, 4]
+        uint8, scales and offsets [blocks, n], both float32 or both float16. threads: the C kernel's, splitting
+        the rows (same results)."""
         units, n = scales.shape
-        if codes.shape != (units, spec.block * spec.bits // 8, n) or units * spec.block < k or spec.bits not in (4, 8):
+        if codes.shape != (units, spec.block * spec.bits // 32, n, 4) or units * spec.block < k or spec.bits not in (4, 8):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
         if scales.dtype not in (np.float32, np.float16) or (offsets is not None and offsets.dtype != scales.dtype):
             raise ValueError(f"scales {scales.dtype} / offsets {None if offsets is None else offsets.dtype}: both "
                              "float32 or both float16")
+        if spec.accuracy_level != 4:
+            raise ValueError(f"{spec}: halo's kernels compute int8 activations (accuracy_level 4)")
         self.codes, self.scales, self.offsets, self.k, self.n, self.spec = codes, scales, offsets, k, n, spec
         self.threads = threads
+        self.terms = 2 if spec.split_activations else 1
         self.zero_point = np.float32(1 << (spec.bits - 1))
         self.nbytes = sum(a.nbytes for a in (codes, scales, offsets) if a is not None)
 
     @classmethod
     def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray | None = None) -> "DequantKernel":
-        """The arrays of a prepared (unopened) kernel, copied rows last out of its temporary file into a uint8
+        """The arrays of a prepared (unopened) kernel, copied `rows_last` out of its temporary file into a uint8
         buffer of `kernel.nbytes`. into=None: pages of its own, with the scales and offsets in float16 where that
         holds every value exactly (a GGUF's Q4_0 / Q4_1 / Q8_0 scales are float16 in the file)."""
         arrays = {name: rows_last(a) for name, a in kernel.weights.items()}
@@ -367,17 +372,21 @@ class DequantKernel:
         t = len(x)
         out = np.empty((t, self.n), np.float32)
         if native and _nbits is not None:
-            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block, self.threads)
+            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block, self.terms,
+                          self.threads)
             return out
-        blocks = x.reshape(t, units, spec.block).transpose(1, 0, 2)  # [blocks, T, block]
-        x_sums = blocks.sum(axis=2).T  # [T, blocks]
+        blocks = x.reshape(t, units, spec.block)
+        x_sums = blocks.sum(axis=2)  # [T, blocks]: the offsets meet the inputs themselves
+        blocks = quantized_activations(blocks, self.terms).transpose(1, 0, 2)  # [blocks, T, block]
+        # [blocks, words, n, 4] -> [blocks, block * bits / 8 bytes, n]: byte i of a block for every row
+        codes_by_byte = self.codes.transpose(0, 1, 3, 2).reshape(units, -1, self.n)
         if spec.bits == 4:  # byte i of a block: input 2i's weight in the low nibble, 2i + 1's in the high one
             even, odd = np.ascontiguousarray(blocks[..., 0::2]), np.ascontiguousarray(blocks[..., 1::2])
         else:
             blocks = np.ascontiguousarray(blocks)
         for start in range(0, self.n, self.NUMPY_ROWS):
             rows = slice(start, start + self.NUMPY_ROWS)
-            codes = self.codes[..., rows]
+            codes = codes_by_byte[..., rows]
             if spec.bits == 4:
                 dots = np.matmul(even, (codes & 0x0F).astype(np.float32))
                 dots += np.matmul(odd, (codes >> 4).astype(np.float32))
@@ -385,11 +394,23 @@ class DequantKernel:
                 dots = np.matmul(blocks, codes.astype(np.float32))  # [blocks, T, rows]
             scales = self.scales[:, rows].astype(np.float32)
             dots *= scales[:, None, :]
-            bias = -self.zero_point * scales  # [blocks, rows]: what the zero point and the offsets add per x_sum
+            y = dots.sum(axis=0) - (self.zero_point * blocks.sum(axis=2).T) @ scales
             if self.offsets is not None:
-                bias += self.offsets[:, rows]
-            out[:, rows] = dots.sum(axis=0) + x_sums @ bias
+                y += x_sums @ self.offsets[:, rows].astype(np.float32)
+            out[:, rows] = y
         return out
+
+
+def quantized_activations(blocks: np.ndarray, terms: int) -> np.ndarray:
+    """x [..., block] as the kernels see it (float32): per block, q1 = rint(x / d1) with d1 = max|x| / 127, and with
+    two terms the residual quantized the same way: q1 d1 + q2 d2 (see halo/_nbits.c, KernelSpec)."""
+    residual, seen = blocks.astype(np.float32), np.zeros(blocks.shape, np.float32)
+    for _ in range(terms):
+        step = np.maximum(np.abs(residual).max(axis=-1, keepdims=True) / np.float32(127), np.float32(1e-30))
+        part = np.rint(residual / step) * step
+        seen += part
+        residual = residual - part
+    return seen
 
 
 class GraphBuilder:

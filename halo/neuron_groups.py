@@ -150,6 +150,10 @@ class AttentionShard:
         self.heads_of_kv = [[i for i, h in enumerate(self.heads) if local_kv[layout.kv_head(h)] == j]
                             for j in range(len(self.kv_heads))]
         kv_of_head = [local_kv[layout.kv_head(h)] for h in self.heads]
+        # every local KV head read by the same number of consecutive local query heads (a whole model's layout, and
+        # most shares): attention runs as one batched product over the KV heads instead of a loop
+        r = len(self.heads_of_kv[0])
+        self.kv_batched = all(heads == list(range(j * r, (j + 1) * r)) for j, heads in enumerate(self.heads_of_kv))
         self.graph = graph_or_sessions(lambda qkv, out: AttentionGraph(qkv, out, kv_of_head, hd, len(self.kv_heads),
                                                                        threads), self.qkv, self.out)
         # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
@@ -195,6 +199,15 @@ class AttentionShard:
         scale = np.float32(1.0 / math.sqrt(hd))
         # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t; a single token sees all
         mask = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None] if T > 1 else None  # [T, S]
+        if self.kv_batched:  # the same products per KV head as the loop below, in one call each
+            kv, r = len(self.kv_heads), len(self.heads_of_kv[0])
+            qj = q.reshape(T, kv, r, hd).transpose(1, 0, 2, 3).reshape(kv, T * r, hd)
+            scores = np.matmul(qj, self.cache_k[:end].transpose(1, 2, 0)).reshape(kv, T, r, end) * scale
+            if mask is not None:
+                scores = np.where(mask[None, :, None, :], -np.inf, scores)
+            probs = softmax(scores).reshape(kv, T * r, end)
+            out = np.matmul(probs, self.cache_v[:end].transpose(1, 0, 2))  # [kv, T * r, hd]
+            return out.reshape(kv, T, r, hd).transpose(1, 0, 2, 3).reshape(T, -1)
         for j, local_heads in enumerate(self.heads_of_kv):
             r = len(local_heads)
             qj = q[:, local_heads, :].reshape(T * r, hd)

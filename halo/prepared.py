@@ -31,7 +31,8 @@ from .memory import BufferPool, own_pages
 from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from .weights import ModelWeights
 
-VERSION = 3  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c)
+VERSION = 4  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c);
+# 4: codes rows next to last in 4-byte words (halo/_nbits.c's integer dot products)
 ARRAYS = ("codes", "scales", "offsets")
 
 
@@ -166,7 +167,7 @@ class PreparedGroups:
         """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
         projections = []
         for kernel, arrays in self._read(layer, group)[1]:
-            arrays = {name: rows_first(a) for name, a in arrays.items()}  # MatMulNBits' layout (views)
+            arrays = {name: rows_first(a) for name, a in arrays.items()}  # MatMulNBits' layout
             form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
             projections.append(KernelProjection(rows, threads, KernelSpec(*kernel["spec"]), _fill_from_form,
@@ -192,9 +193,9 @@ def _entry_problem(entry, file_bytes: int) -> str | None:
         for kernel in entry["kernels"]:
             bits, block, with_offsets = kernel["spec"][:3]
             n, k, units = int(kernel["n"]), int(kernel["k"]), -(-int(kernel["k"]) // int(block))
-            if bits not in (4, 8) or block <= 0 or n <= 0 or k <= 0:
+            if bits not in (4, 8) or block <= 0 or block * bits % 32 or n <= 0 or k <= 0:
                 return f"kernel spec {kernel['spec']} (n {n}, k {k}) is not a MatMulNBits kernel"
-            want = {"codes": ([units, block * bits // 8, n], "uint8"), "scales": ([units, n], "float32")}
+            want = {"codes": ([units, block * bits // 32, n, 4], "uint8"), "scales": ([units, n], "float32")}
             if with_offsets:
                 want["offsets"] = ([units, n], "float32")
             got = {name: (list(shape), dtype) for name, shape, dtype in kernel["arrays"]}

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .group_cache import GroupCache, minimum_capacity
-from .linear import COMPACT_KERNEL
+from .linear import COMPACT_KERNEL, projection_kernel
 from .memory import groups_headroom, release_freed_heap, resident_bytes
 from .neuron_groups import GroupLayout, MlpGroupBank
 from .sync.framing import ranking_digest
@@ -234,7 +234,7 @@ class Remapper:
                                   "groups": len(self.cache), "resident_budget_bytes": self.resident_budget,
                                   "prepared": next(iter(self.banks.values())).prepared is not None if self.banks else False,
                                   "resident_per_byte": self.resident_per_byte,
-                                  "kernel": COMPACT_KERNEL if self.cache.capacity_bytes is not None else "onnxruntime",
+                                  "kernel": COMPACT_KERNEL if self.cache.capacity_bytes is not None else projection_kernel(),
                                   "shrunk_bytes": self.shrunk,
                                   **self.cache.stats.to_json()}
         return out

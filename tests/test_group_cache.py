@@ -11,7 +11,7 @@ import pytest
 
 from halo.errors import ConfigError
 from halo.group_cache import GroupCache
-from halo.linear import COMPACT_KERNEL
+from halo.linear import COMPACT_KERNEL, projection_kernel
 from halo.neuron_groups import GroupLayout
 from halo.remap import Remapper
 
@@ -118,8 +118,8 @@ def ranked_tokens(layout, layers, tokens, seed):
 def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, overlap):
     """A device whose built groups are capped (two layers' worth of its ranks, a fraction of every candidate) gives
     the same partial sums token after token as a bounded one whose cache holds every candidate (both compute
-    compact groups from their arrays), and those of one holding every group as onnxruntime kernels within the kernels' int8
-    activation rounding; what it had to build again is counted, and it never holds more than its capacity."""
+    compact groups from their arrays), and those of one holding every group as kernels (the same bits where halo's C
+    kernel computes both; within int8 activation rounding of onnxruntime's); what it had to build again is counted, and it never holds more than its capacity."""
     c = stories_weights.config
     layout = GroupLayout.for_model(c)
     ranges = {l: (2, 5) for l in range(c.n_layers)}
@@ -129,7 +129,9 @@ def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, o
     bounded = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=capacity, load_overlap=overlap)
     ample = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=full.cache.held_bytes + group_bytes)
     assert len(full.cache) == len(ample.cache) == c.n_layers * layout.n_mlp_groups and 6 <= len(bounded.cache) <= 7
-    assert full.report()["group_cache"]["kernel"] == "onnxruntime" and bounded.report()["group_cache"]["kernel"] == COMPACT_KERNEL
+    assert full.report()["group_cache"]["kernel"] == projection_kernel()
+    assert bounded.report()["group_cache"]["kernel"] == COMPACT_KERNEL
+    same_kernel = projection_kernel() == COMPACT_KERNEL  # halo's C kernel built: every group is a DequantKernel
     rng = np.random.default_rng(0)
     for rankings in ranked_tokens(layout, ranges, 6, seed=1):
         for remapper in (full, bounded, ample):
@@ -141,7 +143,10 @@ def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, o
                 bounded.loading[l] = bounded.pool.submit(bounded._load, l)
             partial = bounded.mlp_partial(l, x)
             np.testing.assert_array_equal(partial, ample.mlp_partial(l, x))
-            np.testing.assert_allclose(partial, full.mlp_partial(l, x), atol=0.1)  # int8 activations: 1/254 of a block
+            if same_kernel:
+                np.testing.assert_array_equal(partial, full.mlp_partial(l, x))
+            else:  # onnxruntime's kernels: int8 activations rounded their way (1/254 of a block)
+                np.testing.assert_allclose(partial, full.mlp_partial(l, x), atol=0.1)
             assert bounded.cache.held_bytes <= capacity
     stats = bounded.report()["group_cache"]
     assert stats["prefetched" if overlap else "stalls"] > 0 and stats["evicted"] > 0 and stats["built_bytes"] > 0
@@ -160,9 +165,10 @@ def test_a_cache_smaller_than_two_layers_of_ranks_is_refused(stories_weights):
 def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens(stories_weights, tmp_path,
                                                                                   monkeypatch):
     """halo-agent --memory-budget: in HALO mode (halo-tcp: reliable, so the tokens are deterministic) with int8
-    weights, an agent whose budget cannot hold every candidate MLP group as onnxruntime kernels (measured: here
-    they would take tens of times their weights) holds them as compact groups within its budget (its status says
-    so) and gives the tokens of unbounded agents; after `halo-agent prepare` it reads them from the prepared groups,
+    weights, an agent whose budget cannot hold every candidate MLP group as kernels (measured at the start: here a
+    group kernel costs ~10x its weights in process memory, its objects and first call's buffers around 5 KB of
+    weights) holds them as compact groups within its budget (its status says so) and gives the tokens of
+    unbounded agents; after `halo-agent prepare` it reads them from the prepared groups,
     with the same tokens again. (What a cache smaller than the candidates rebuilds and evicts: the test above.)"""
     import subprocess
     import sys
@@ -186,14 +192,16 @@ def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens
             return tokens, memory
 
     free_tokens, free = run(())
-    budget = ("--memory-budget", "17")  # MB of process memory: ~12 MB go to attention and LM head, a group ~0.2 MB
+    budget = ("--memory-budget", "2.5")  # MB for the groups (~0.85 MB of it kept for the rest): 0.22 MB of groups,
+    # ~2.3 MB as kernels
     bounded_tokens, bounded = run(budget)
     assert bounded_tokens == free_tokens
     for unbounded, memory in zip(free, bounded):
         cache = memory["group_cache"]
-        assert unbounded["group_cache"]["capacity_bytes"] is None and unbounded["group_cache"]["kernel"] == "onnxruntime"
+        assert unbounded["group_cache"]["capacity_bytes"] is None
+        assert unbounded["group_cache"]["kernel"] == projection_kernel()
         assert unbounded["group_cache"]["stalls"] == 0  # its default budget (the machine's memory) holds them as kernels
-        assert cache["kernel"] == COMPACT_KERNEL and cache["resident_budget_bytes"] < 17e6 and not cache["prepared"]
+        assert cache["kernel"] == COMPACT_KERNEL and cache["resident_budget_bytes"] < 2.5e6 and not cache["prepared"]
         assert 0 < cache["held_bytes"] <= cache["capacity_bytes"] <= cache["resident_budget_bytes"]
         assert cache["held_bytes"] == unbounded["group_cache"]["held_bytes"]  # the same groups, in their compact bytes
     done = subprocess.run([sys.executable, "-P", "-m", "halo.edge_agent", "prepare", "--weights", "int8"],
@@ -228,7 +236,7 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
     import json
 
     from halo.loader import model_fingerprint
-    from halo.prepared import PreparedGroups, prepare
+    from halo.prepared import VERSION, PreparedGroups, prepare
 
     layout = GroupLayout.for_model(stories_weights.config)
     sha = model_fingerprint(stories_weights.source)
@@ -248,18 +256,43 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
     with pytest.raises(ConfigError, match=r"manifest.json, layer 0 group 3: arrays .* where the kernel needs"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
     (out / "manifest.json").write_text(json.dumps({"version": 99}))
-    with pytest.raises(ConfigError, match=r"prepared for version 99, this session needs 3"):
+    with pytest.raises(ConfigError, match=rf"prepared for version 99, this session needs {VERSION}"):
         PreparedGroups(out, sha, "int8", layout, stories_weights.config.n_layers)
 
 
+def kernel_weights(kernel) -> np.ndarray:
+    """A DequantKernel's weights as float32 [n, k]: its codes, zero point, scales and offsets, by plain numpy."""
+    from halo.linear import rows_first
+
+    spec, codes = kernel.spec, rows_first(kernel.codes)  # [n, blocks, bytes]
+    n, blocks, _ = codes.shape
+    if spec.bits == 4:  # byte i: input 2i in the low nibble, 2i + 1 in the high one
+        codes = np.stack([codes & 15, codes >> 4], axis=3).reshape(n, blocks, spec.block)
+    w = (codes.astype(np.float32) - (1 << (spec.bits - 1))) * kernel.scales.T.astype(np.float32)[..., None]
+    if kernel.offsets is not None:
+        w += kernel.offsets.T.astype(np.float32)[..., None]
+    return w.reshape(n, -1)[:, :kernel.k]
+
+
+def kernel_reference(kernel, x: np.ndarray) -> np.ndarray:
+    """What a kernel computes, in float64 from its definition: its activations quantized per block (one or two int8
+    terms, linear.quantized_activations) times its weights."""
+    from halo.linear import quantized_activations
+
+    block, k = kernel.spec.block, kernel.k
+    padded = np.pad(x, ((0, 0), (0, -k % block)))
+    seen = quantized_activations(padded.reshape(len(x), -1, block), kernel.terms).reshape(len(x), -1)[:, :k]
+    return seen.astype(np.float64) @ kernel_weights(kernel).T.astype(np.float64)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "int8"])
-def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, tmp_path, qtype):
-    """What a memory-bounded device computes a re-mapped group with (the group's compact codes and scales,
-    no onnxruntime session) is float32 arithmetic on exactly the stored weights: the fp32 shard of the dequantized
-    model to rounding, in prefill and decode, and it holds the group's compact bytes, not more."""
+def test_a_compact_group_computes_the_files_weights_with_int8_activations(stories_weights, tmp_path, qtype):
+    """What a memory-bounded device computes a re-mapped group with (the group's compact codes and scales, no
+    onnxruntime session) is its kernels' definition: the stored weights exactly (the file's blocks; int8: its own
+    codes of the float32 weights) times activations quantized per block (two int8 terms for GGUF blocks, one for
+    int8), in prefill and decode, by halo's C kernel and by numpy alike; it holds the group's compact bytes."""
     from gguf_models import tiny_gguf
 
-    from halo.linear import dequantize_int8
     from halo.loader import load_weights
     from halo.neuron_groups import CompactMlpGroup, MlpShard, mlp_group_kernels
 
@@ -269,17 +302,17 @@ def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, 
     rng = np.random.default_rng(2)
     for layer, group in [(0, 0), (1, layout.n_mlp_groups - 1)]:
         compact = CompactMlpGroup.build(weights.layers[layer], layout, group, fmt)
-        if fmt == "int8":  # int8 quantizes the float32 weights: the reference is its own codes, dequantized
-            gate_up, down = (p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt))
-            w_gate_up = dequantize_int8(gate_up.weights["codes"], gate_up.weights["scales"], gate_up.k)
-            w_down = dequantize_int8(down.weights["codes"], down.weights["scales"], down.k)
-            n = w_down.shape[1]
+        assert [k.terms for k in (compact.gate_up, compact.down)] == [1 if fmt == "int8" else 2] * 2
+        if fmt == "native":  # the file's blocks as stored: the dequantized fp32 model's weights exactly
+            fp32 = MlpShard(weights.layers[layer], layout, [group], "fp32")
+            w_gate_up = np.concatenate([kernel_weights(compact.gate_up)])
+            assert np.array_equal(w_gate_up, np.concatenate([m for m in fp32.gate_up.matrices]))
 
-            def reference(x):
-                h = x @ w_gate_up.T
-                return (h[:, :n] / (1 + np.exp(-h[:, :n])) * h[:, n:]) @ w_down.T
-        else:
-            reference = MlpShard(weights.layers[layer], layout, [group], "fp32").forward
+        def reference(x):
+            h = kernel_reference(compact.gate_up, x).astype(np.float32)
+            n = compact.down.k
+            return kernel_reference(compact.down, h[:, :n] / (1 + np.exp(-h[:, :n])) * h[:, n:])
+
         for tokens in (1, 3, 9):
             x = rng.standard_normal((tokens, weights.config.dim)).astype(np.float32)
             want = reference(x)
@@ -289,6 +322,8 @@ def test_a_compact_group_computes_the_files_weights_in_float32(stories_weights, 
                 xk = rng.standard_normal((tokens, kernel.k)).astype(np.float32)
                 want = kernel(xk, native=False)
                 np.testing.assert_allclose(kernel(xk), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+                exact = kernel_reference(kernel, xk)
+                np.testing.assert_allclose(want, exact, rtol=1e-4, atol=1e-4 * float(np.abs(exact).max()))
         kernels = [p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt)]
         assert compact.nbytes == sum(k.nbytes for k in kernels)
 
@@ -306,18 +341,25 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
                                                      "not built: reinstall halo"
         pytest.skip("halo._nbits not built (no C compiler or no Python headers): numpy computes compact groups")
     nbits = linear._nbits
-    codes, scales = np.zeros((2, 16, 8), np.uint8), np.ones((2, 8), np.float32)
+    codes, scales = np.zeros((2, 4, 8, 4), np.uint8), np.ones((2, 8), np.float32)
     x, out = np.ones((1, 64), np.float32), np.empty((1, 8), np.float32)
-    nbits.matmul(codes, scales, None, x, out, 4, 32)
-    np.testing.assert_array_equal(out, np.full((1, 8), -8 * 64, np.float32))  # every weight (0 - 8) x 1
-    with pytest.raises(ValueError, match=r"codes must be \[blocks 2, bytes 16, n 8\] \(rows last\)"):
+    for path in nbits.paths():
+        nbits.matmul(codes, scales, None, x, out, 4, 32, path=path)
+        np.testing.assert_array_equal(out, np.full((1, 8), -8 * 64, np.float32))  # every weight (0 - 8) x 1
+    with pytest.raises(ValueError, match=r"codes must be \[blocks 2, words 4, n 8, 4\] \(rows next to last\)"):
         nbits.matmul(codes[:1], scales, None, x, out, 4, 32)
-    with pytest.raises(ValueError, match=r"codes must be"):  # the right count in the old block-major layout
-        nbits.matmul(np.zeros((2, 8, 16), np.uint8), scales, None, x, out, 4, 32)
-    with pytest.raises(ValueError, match="scales hold 0 blocks"):
+    with pytest.raises(ValueError, match=r"codes must be"):  # the right count in the old rows-last layout
+        nbits.matmul(np.zeros((2, 16, 8), np.uint8), scales, None, x, out, 4, 32)
+    with pytest.raises(ValueError, match="scales hold no blocks"):
         nbits.matmul(codes[:0], scales[:0], None, x, out, 4, 32)
-    with pytest.raises(ValueError, match="scales hold 2 blocks of 6148914691236517206 inputs"):  # no overflow
+    with pytest.raises(ValueError, match="the block a multiple of 4 up to 4096"):  # no overflow
         nbits.matmul(codes, scales, None, x, out, 8, 6148914691236517206)
+    with pytest.raises(ValueError, match="the block a multiple of 8"):  # 4-bit: whole 4-byte words per block
+        nbits.matmul(codes, scales, None, x, out, 4, 36)
+    with pytest.raises(ValueError, match=r"terms must be 1 or 2 \(got 3\)"):
+        nbits.matmul(codes, scales, None, x, out, 4, 32, terms=3)
+    with pytest.raises(ValueError, match="path avx1024: this CPU runs scalar"):
+        nbits.matmul(codes, scales, None, x, out, 4, 32, path="avx1024")
     with pytest.raises(ValueError, match=r"scales holds values of type 'd'; it must be float32 \('f'\) or float16"):
         nbits.matmul(codes, scales.astype(np.float64), None, x, out, 4, 32)
     with pytest.raises(ValueError, match=r"offsets holds values of type 'f'; it must be uint8|offsets holds values"):
@@ -466,7 +508,7 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
     rng = np.random.default_rng(7)
     for bits, n in [(4, 1203), (8, 517)]:  # more rows than a tile, not a multiple of any vector width
         blocks, block = 5, 32
-        codes = rng.integers(0, 256, (blocks, block * bits // 8, n), dtype=np.uint8)
+        codes = rng.integers(0, 256, (blocks, block * bits // 32, n, 4), dtype=np.uint8)
         scales = (rng.random((blocks, n)) * 0.02).astype(np.float16)
         offsets = (rng.standard_normal((blocks, n)) * 0.01).astype(np.float16)
         for tokens in (1, 3):
@@ -475,17 +517,21 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
             nbits.matmul(codes, scales, offsets, x, half, bits, block)
             nbits.matmul(codes, scales.astype(np.float32), offsets.astype(np.float32), x, full, bits, block)
             np.testing.assert_array_equal(half, full)
-            for threads in (2, 3):
+            for threads, path in [(2, None), (3, None)] + [(1, p) for p in nbits.paths()]:  # every vector width
                 split = np.empty((tokens, n), np.float32)
-                nbits.matmul(codes, scales, offsets, x, split, bits, block, threads=threads)
+                nbits.matmul(codes, scales, offsets, x, split, bits, block, threads=threads, path=path)
                 np.testing.assert_array_equal(split, half)
-            w = (codes.astype(np.float32) if bits == 8 else
-                 np.stack([codes & 15, codes >> 4], axis=2).reshape(blocks, block, n).astype(np.float32))
+            by_byte = codes.transpose(0, 1, 3, 2).reshape(blocks, block * bits // 8, n)
+            w = (by_byte.astype(np.float32) if bits == 8 else
+                 np.stack([by_byte & 15, by_byte >> 4], axis=2).reshape(blocks, block, n).astype(np.float32))
             w = (w - (1 << (bits - 1))) * scales.astype(np.float32)[:, None, :] + offsets.astype(np.float32)[:, None, :]
-            want = x.astype(np.float64) @ w.reshape(blocks * block, n).astype(np.float64)
-            np.testing.assert_allclose(half, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+            seen = linear.quantized_activations(x.reshape(tokens, blocks, block), 2).reshape(tokens, -1)
+            want = seen.astype(np.float64) @ w.reshape(blocks * block, n).astype(np.float64)
+            np.testing.assert_allclose(half, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+            exact = x.astype(np.float64) @ w.reshape(blocks * block, n).astype(np.float64)  # two terms: ~1e-4 of it
+            np.testing.assert_allclose(half, exact, rtol=1e-3, atol=1e-3 * float(np.abs(exact).max()))
             for rows in (np.arange(7, 19), np.arange(n - 300, n), rng.choice(n, 40, replace=False)):
                 part = np.empty((tokens, len(rows)), np.float32)
-                nbits.matmul(np.ascontiguousarray(codes[..., rows]), np.ascontiguousarray(scales[:, rows]),
+                nbits.matmul(np.ascontiguousarray(codes[:, :, rows]), np.ascontiguousarray(scales[:, rows]),
                              np.ascontiguousarray(offsets[:, rows]), x, part, bits, block)
                 np.testing.assert_array_equal(part, half[:, rows])

@@ -114,6 +114,25 @@ def test_kv_heads_follow_the_query_heads(stories_weights):
     assert shard.cache_k.shape == (MAX_SEQ, 2, 8)  # [positions, local KV heads, head_dim]
 
 
+@pytest.mark.parametrize("heads", [range(8), [2, 3, 6, 7], [1, 4, 5]])
+def test_attention_over_kv_heads_at_once_is_the_loop_over_them(weights, heads):
+    """Shares whose KV heads are each read by the same run of query heads (a whole layer, whole KV groups) attend in
+    one batched product per step; the result is the per-KV-head loop's (which irregular shares run), bit for bit,
+    in a prefill (causal mask) and in decode steps."""
+    c = weights.config
+    layout = GroupLayout.for_model(c)
+    if max(heads) >= layout.n_attention_groups:
+        pytest.skip("fewer heads in this model")
+    rotary, rng = Rotary(c, MAX_SEQ), np.random.default_rng(5)
+    batched, looped = (AttentionShard(weights.layers[0], layout, heads, MAX_SEQ) for _ in range(2))
+    regular = all(len(batched.heads_of_kv[0]) == len(h) for h in batched.heads_of_kv)
+    assert batched.kv_batched == regular  # [1, 4, 5] on 2 query heads per KV head: KV 0 read by one, KV 2 by two
+    looped.kv_batched = False
+    for start, tokens in [(0, 5), (5, 1), (6, 1), (7, 3)]:
+        x = rng.standard_normal((tokens, c.dim)).astype(np.float32)
+        np.testing.assert_array_equal(batched.forward(x, start, rotary), looped.forward(x, start, rotary))
+
+
 @pytest.mark.parametrize("groups", [[], [0, 0], [99]])
 def test_invalid_group_sets_are_refused(stories_weights, groups):
     layout = GroupLayout.for_model(stories_weights.config)
@@ -143,9 +162,13 @@ def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
     assert (bank.nbytes if fmt == "fp32" else bank.cache.held_bytes) > 0
 
 
-def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights):
-    """Compact formats run a block's share as one onnxruntime graph (halo/block_graph.py); it computes what
-    the same kernels give called one at a time around numpy attention and SwiGLU, KV cache included."""
+def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights, monkeypatch):
+    """Compact formats on MatMulNBits (where halo's C kernel is not built) run a block's share as one onnxruntime
+    graph (halo/block_graph.py); it computes what the same kernels give called one at a time around numpy attention
+    and SwiGLU, KV cache included."""
+    import halo.linear
+
+    monkeypatch.setattr(halo.linear, "PREFER_C_KERNEL", False)
     c = weights.config
     layout = GroupLayout.for_model(c)
     layer, rotary = weights.layers[1], Rotary(c, MAX_SEQ)
