@@ -242,11 +242,15 @@ AVX512 static Py_ssize_t rows_avx512(const Job *job, Py_ssize_t r0, Py_ssize_t r
     (job->is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(values) + (at))))     \
                   : _mm256_loadu_ps((const float *)(values) + (at)))
 
-__attribute__((target("avx2,fma,f16c")))
-static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
-                            Py_ssize_t tile_start)
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* Rows r0 .. r1 of block b, eight at a time; WORDS, BITS and TERMS constants as in chunk_avx512. */
+static inline __attribute__((always_inline)) AVX2 Py_ssize_t chunks_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1,
+                                                                         Py_ssize_t b, float *y, Py_ssize_t m,
+                                                                         Py_ssize_t tile_start, const int WORDS,
+                                                                         const int BITS, const int TERMS)
 {
-    const Py_ssize_t n = job->n, words = job->words;
+    const Py_ssize_t n = job->n, words = WORDS ? WORDS : job->words;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     Py_ssize_t r = r0;
     for (; r + 8 <= r1; r += 8) {
@@ -255,11 +259,11 @@ static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssi
         for (Py_ssize_t t = 0; t < job->tokens; t++) {
             const int32_t *q = quads_of(job, t, b);
             __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-            for (int term = 0; term < job->terms; term++, q += job->quads)
+            for (int term = 0; term < TERMS; term++, q += job->quads)
                 for (Py_ssize_t w = 0; w < words; w++) {
                     const __m256i c = _mm256_loadu_si256((const __m256i *)(job->codes + ((b * words + w) * n + r) * 4));
                     __m256i pairs;
-                    if (job->bits == 8) {
+                    if (BITS == 8) {
                         const __m256i signed_codes = _mm256_xor_si256(c, flip);
                         pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(signed_codes),
                                                      _mm256_sign_epi8(_mm256_set1_epi32(q[w]), signed_codes));
@@ -273,7 +277,7 @@ static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssi
                 }
             const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;
             const float *steps = job->steps + (t * job->blocks + b) * 2;
-            const int early = job->bits == 8;  /* 8-bit sums already hold the zero point */
+            const int early = BITS == 8;  /* 8-bit sums already hold the zero point */
             float *yt = y + t * m + (r - tile_start);
             __m256 s = _mm256_mul_ps(_mm256_set1_ps(steps[0]), _mm256_cvtepi32_ps(
                 early ? dot[0] : _mm256_sub_epi32(dot[0], _mm256_set1_epi32(z[0]))));
@@ -286,6 +290,19 @@ static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssi
         }
     }
     return r;
+}
+#define CHUNKS_AVX2(WORDS, BITS, TERMS) chunks_avx2(job, r0, r1, b, y, m, tile_start, WORDS, BITS, TERMS)
+
+AVX2 static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
+                                 Py_ssize_t tile_start)
+{
+    const int bits = job->bits, terms = job->terms, words = (int)job->words;
+    if (bits == 4 && words == 4 && terms == 2) return CHUNKS_AVX2(4, 4, 2);
+    if (bits == 4 && words == 4) return CHUNKS_AVX2(4, 4, 1);
+    if (bits == 8 && words == 8 && terms == 2) return CHUNKS_AVX2(8, 8, 2);
+    if (bits == 8 && words == 8) return CHUNKS_AVX2(8, 8, 1);
+    if (bits == 4) return terms == 2 ? CHUNKS_AVX2(0, 4, 2) : CHUNKS_AVX2(0, 4, 1);
+    return terms == 2 ? CHUNKS_AVX2(0, 8, 2) : CHUNKS_AVX2(0, 8, 1);
 }
 #endif
 

@@ -7,8 +7,9 @@ one output per matrix. Three formats:
   "fp32"; GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (halo/quant.py) run exactly as stored: 4/8-bit codes,
   one scale per 32 (Q6_K: 16) weights, plus minimums where the type has them, never expanded to
   float32. Activations are quantized per block to int8 in two terms (x = hi + lo: within ~1/64516 of each
-  block's range) and multiplied with integer dot products: by halo's C kernel (halo/_nbits.c: AVX-512 VNNI,
-  AVX2 or plain C) where the package was built with a compiler, else by onnxruntime's MatMulNBits.
+  block's range) and multiplied with integer dot products: by halo's C kernel (halo/_nbits.c: AVX-512 VNNI or
+  AVX2) where the package was built with a compiler and the CPU has one of those, else by onnxruntime's
+  MatMulNBits (`projection_kernel`).
 - "fp32": float32 arrays (memory maps stay memory maps: zero-copy; compact weights dequantized at
   load: the exact reference), numpy BLAS.
 - "int8": per-block symmetric int8 weights (128 inputs per block, one float32 scale each: 1.03
@@ -247,7 +248,7 @@ class _NBitsKernel:
     def in_c(self) -> bool:
         """Computed by halo's C kernel (int8 activations, and the package has it), not a MatMulNBits session;
         such a kernel never enters a block graph."""
-        return self.spec.accuracy_level == 4 and _nbits is not None and PREFER_C_KERNEL
+        return self.spec.accuracy_level == 4 and projection_kernel() == "halo._nbits"
 
     def open(self) -> None:
         if self.session is None:
@@ -284,11 +285,15 @@ except ImportError:  # pragma: no cover - depends on how the package was built
     _nbits = None
 
 COMPACT_KERNEL = "numpy" if _nbits is None else "halo._nbits"  # what computes compact groups (agents report it)
+# Whether the C kernel has a vector path on this CPU (AVX2 or AVX-512 VNNI). Without one (aarch64 today) its plain C
+# sums run ~1 GB/s of codes, and MatMulNBits' NEON / SSE kernels compute the projections instead; compact groups
+# of a memory-bounded device stay on the C kernel either way (no session per group).
+C_KERNEL_VECTORIZED = _nbits is not None and _nbits.paths()[-1] != "scalar"
 
 
 def projection_kernel() -> str:
     """What computes compact projections built now (agents report it): halo's C kernel, or onnxruntime."""
-    return "halo._nbits" if _nbits is not None and PREFER_C_KERNEL else "onnxruntime"
+    return "halo._nbits" if C_KERNEL_VECTORIZED and PREFER_C_KERNEL else "onnxruntime"
 
 
 def rows_last(a: np.ndarray) -> np.ndarray:
