@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import select
 import socket
 import struct
-import threading
 import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
@@ -288,11 +286,6 @@ class UdpEndpoint:
         self._early: list[tuple[wire.Header, bytes, tuple]] = []  # datagrams of epochs not gathered yet
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
-        # True: whole vectors are handed to a thread of their own that makes the sendto calls (the master: on a
-        # bridged or lossy link each datagram's path costs the sender tens of microseconds of kernel time, which
-        # then overlaps the master's own share of the round instead of coming before it); NACK answers stay inline
-        self.background_sends = False
-        self._outbox: queue.SimpleQueue | None = None
         self.peers: dict[int, tuple] = {}  # peer id -> its address, from the control plane (never from datagrams)
 
     def _grow_buffer(self, wanted: int) -> int:
@@ -323,9 +316,6 @@ class UdpEndpoint:
         return dict(sorted(out.items()))
 
     def close(self) -> None:
-        if self._outbox is not None:
-            self._outbox.put(None)
-            self._sender.join(timeout=1.0)  # what it was sending goes out first (or the closed socket ends it)
         self.sock.close()
 
     # ---- sending -------------------------------------------------------------------------------------
@@ -353,31 +343,14 @@ class UdpEndpoint:
         datagrams = [self.pack(wire.DATA, dtype, epoch, i, count, p) for i, p in enumerate(payloads)]
         if parity_group:
             datagrams += self._parity(dtype, epoch, payloads, parity_group)
-        if self.background_sends:
-            if self._outbox is None:
-                self._outbox = queue.SimpleQueue()
-                self._sender = threading.Thread(target=self._send_queued, name="halo-udp-send", daemon=True)
-                self._sender.start()
-            self._outbox.put((datagrams, list(recipients.values())))
-        else:
-            for address in recipients.values():
-                for d in datagrams:
-                    self._sendto(d, address)
-        for peer in recipients:
+        for peer, address in recipients.items():
+            for d in datagrams:
+                self._sendto(d, address)
             self.stats[peer].sent_bytes += sum(map(len, datagrams))
         self.sent[epoch] = Sent(dtype, payloads, dict(recipients))
         while len(self.sent) > SENT_VECTORS_KEPT:
             self.sent.popitem(last=False)
         return len(datagrams)
-
-    def _send_queued(self) -> None:
-        """The sender thread (background_sends): vectors in the order they were handed over, each recipient in
-        turn; None ends it."""
-        while (item := self._outbox.get()) is not None:
-            datagrams, addresses = item
-            for address in addresses:
-                for d in datagrams:
-                    self._sendto(d, address)
 
     def lossy(self, peers) -> bool:
         """Whether any of these peers' links has lost more than PARITY_LOSS_THRESHOLD of its chunks: parity
