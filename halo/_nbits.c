@@ -1,7 +1,7 @@
 /* halo._nbits: x @ W.T for a compact (4- or 8-bit, per-block scaled) weight, read straight from its codes with
  * integer dot products. What computes GGUF compact projections and int8 ones wherever the package was built with a
- * C compiler (halo.linear.KernelProjection), and HALO's re-mapped groups on a memory-bounded agent
- * (halo.linear.DequantKernel).
+ * C compiler and the CPU has AVX2 or AVX-512 VNNI (halo.linear.KernelProjection), and HALO's re-mapped groups on a
+ * memory-bounded agent (halo.linear.DequantKernel).
  *
  * Activations: per block of the weight's, x is quantized as MatMulNBits does at accuracy level 4, to int8 codes
  * q1 = rint(x / d1) with d1 = max|x| / 127, and (terms = 2) the residual r = x - q1 d1 to q2 = rint(r / d2), d2 =
@@ -99,8 +99,9 @@ static inline float value_at(const void *values, int is_half, Py_ssize_t i)
     return is_half ? HALF_TO_FLOAT(((const half *)values)[i]) : ((const float *)values)[i];
 }
 
-/* Rows r0 .. r1 of a tile (the rows a vector does not fill, and CPUs without AVX2), up to 64 at a time: plain C
- * whose loops over rows the compiler vectorizes (NEON's de-interleaving loads on aarch64). */
+/* Rows r0 .. r1 of a tile (the rows a vector does not fill, and CPUs without AVX2), up to 64 at a time, in plain C
+ * (~1 GB/s of codes on x86-64 here: without a vector path the projections go to MatMulNBits,
+ * halo.linear.C_KERNEL_VECTORIZED; a memory-bounded device's compact groups still come here). */
 #define SCALAR_ROWS 64
 static void rows_scalar(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
                         Py_ssize_t tile_start)

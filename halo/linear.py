@@ -170,8 +170,8 @@ class Int8Projection(KernelProjection):
 
 class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
-    (halo/quant.py), never expanded to float32, with int8 activations in two terms (KernelSpec: the logits within
-    ~1e-3 of float32 arithmetic): by halo's C kernel where the package has it (DequantKernel: the file's bytes in
+    (halo/quant.py), never expanded to float32, with int8 activations in two terms (KernelSpec; SmolLM2's logits
+    stay within 0.016 of the dequantized float32 model's over 19k tokens, eval/results/accuracy_gguf_*): by halo's C kernel where the package has it (DequantKernel: the file's bytes in
     memory), else by MatMulNBits sessions (one onnxruntime graph per block share). accuracy_level=1: MatMulNBits
     with float32 activations (the tests' reference)."""
 
@@ -216,8 +216,8 @@ class _NBitsKernel:
 
     The codes, scales (and offsets) are written to an unlinked temporary file; onnxruntime takes them as external
     initializers and repacks them into its own layout at session start (a DequantKernel copies them into its own
-    layout, `rows_last`, in pages of its own), after which the file pages are released from this process (they re-read from disk if ever
-    touched again).
+    layout, `rows_last`, in pages of its own), after which the file pages are released from this process (they
+    re-read from disk if ever touched again).
     """
 
     def __init__(self, stack: _RowStack, start: int, stop: int, k: int, spec: KernelSpec, fill, threads: int):
