@@ -183,28 +183,47 @@ def speed(args) -> None:
         generate_key(key)
         for n in [int(a) for a in args.agents.split(",")]:
             with with_testbed(n) as bed:
-                single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights)
-                rows.append({"agents": n, "plr": 0.0, "sync": "single process", **summarize(single)})
-                print(json.dumps(rows[-1]), flush=True)
-                cluster = Cluster(bed, model, key, n)
+                cluster = None
                 try:
-                    for plr in [float(p) for p in args.plr.split(",")]:
-                        bed.set_loss(plr)
-                        for sync in args.modes.split(","):
-                            result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {},
-                                                args.time_limit, args.weights)
-                            rows.append({"agents": n, "plr": plr, "sync": sync, **summarize(result),
-                                         "dropped_frames": bed.drop_counters()})
-                            print(json.dumps(rows[-1]), flush=True)
-                            partial.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps its rows
+                    for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
+                        bed.set_loss(0.0)
+                        single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit,
+                                            args.weights)
+                        rows.append({"agents": n, "plr": 0.0, "sync": "single process", "run": run,
+                                     **summarize(single)})
+                        print(json.dumps(rows[-1]), flush=True)
+                        cluster = cluster or Cluster(bed, model, key, n)
+                        for plr in [float(p) for p in args.plr.split(",")]:
+                            bed.set_loss(plr)
+                            for sync in args.modes.split(","):
+                                result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {},
+                                                    args.time_limit, args.weights)
+                                rows.append({"agents": n, "plr": plr, "sync": sync, "run": run, **summarize(result),
+                                             "dropped_frames": bed.drop_counters()})
+                                print(json.dumps(rows[-1]), flush=True)
+                                partial.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps its rows
                 finally:
-                    cluster.close()
-    lines = render_speed(rows, args)
+                    if cluster is not None:
+                        cluster.close()
+    medians = median_runs(rows)
+    lines = render_speed(medians, args)
     write_report(args.out, args.name, {"command": command_line("halo.eval.bench_halo_speed", args.argv),
                                         "layers": args.layers, "weights": args.weights, "model": str(model),
-                                        "rows": rows}, lines)
-    plot_speed(rows, Path(args.out) / f"{args.name}.png")
+                                        "runs": args.runs, "rows": medians, "every_run": rows}, lines)
+    plot_speed(medians, Path(args.out) / f"{args.name}.png")
     partial.unlink(missing_ok=True)
+
+
+def median_runs(rows: list[dict]) -> list[dict]:
+    """Per (agents, PLR, mode): the run with the median time, with every run's time beside it."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["agents"], r["plr"], r["sync"]), []).append(r)
+    out = []
+    for runs in groups.values():
+        ordered = sorted(runs, key=lambda r: r["ms_mean"])
+        out.append({**ordered[(len(ordered) - 1) // 2], "ms_mean_runs": [round(r["ms_mean"], 1) for r in runs]})
+    return out
 
 
 def render_speed(rows: list[dict], args) -> list[str]:
@@ -215,7 +234,9 @@ def render_speed(rows: list[dict], args) -> list[str]:
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
              f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
-             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace.", ""]
+             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace."
+             + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
+                "parentheses), and the ratios compare median runs." if args.runs > 1 else ""), ""]
     for n in sorted({r["agents"] for r in rows}):
         base = by.get((n, 0.0, "single process"))
         lines += [f"## master + {n} agents (single process: {base['ms_mean']:.1f} ms/token)" if base else
@@ -224,7 +245,7 @@ def render_speed(rows: list[dict], args) -> list[str]:
                   "exact = exact at 0 % | exact = single tokens | halo dropped (loss / late) | overhead per round p50 ms (exact) |",
                   "|---|" + "---|" * (len(modes) + 5)]
         for plr in sorted({r["plr"] for r in rows if r["agents"] == n and r["sync"] != "single process"}):
-            cells = [f"{by[(n, plr, m)]['ms_mean']:.1f}" if (n, plr, m) in by else "-" for m in modes]
+            cells = [cell(by.get((n, plr, m))) for m in modes]
             exact, tcp, halo = by.get((n, plr, "exact")), by.get((n, plr, "tcp")), by.get((n, plr, "halo"))
             drops = f"{halo['dropped_for_loss']} / {halo['dropped_late']}" if halo else "-"
             overhead = (exact or {}).get("round_overhead_ms") or {}
@@ -243,6 +264,14 @@ def render_speed(rows: list[dict], args) -> list[str]:
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
         lines.append("")
     return lines
+
+
+def cell(row: dict | None) -> str:
+    """A table cell: the median run's ms/token, and every run's when there were several."""
+    if row is None:
+        return "-"
+    runs = row.get("ms_mean_runs", [])
+    return f"{row['ms_mean']:.1f}" + (f" ({', '.join(f'{t:.1f}' for t in runs)})" if len(runs) > 1 else "")
 
 
 def agreement(a: dict | None, b: dict | None) -> str:
@@ -411,7 +440,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--weights", default="int8", help="weight format of every device (default int8)")
     parser.add_argument("--name", default="halo_speed", help="results file name under --out")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="ablation: runs of every setting")
+    parser.add_argument("--runs", type=int, default=1, help="speed: run every configuration this many times, "
+                        "interleaved (the machine drifts between runs); the table shows the median run and each one")
     parser.add_argument("--time-limit", type=float, default=120.0)
     parser.add_argument("--out", default="eval/results")
     # the master process (internal)
