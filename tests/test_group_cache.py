@@ -305,8 +305,7 @@ def test_a_compact_group_computes_the_files_weights_with_int8_activations(storie
         assert [k.terms for k in (compact.gate_up, compact.down)] == [1 if fmt == "int8" else 2] * 2
         if fmt == "native":  # the file's blocks as stored: the dequantized fp32 model's weights exactly
             fp32 = MlpShard(weights.layers[layer], layout, [group], "fp32")
-            w_gate_up = np.concatenate([kernel_weights(compact.gate_up)])
-            assert np.array_equal(w_gate_up, np.concatenate([m for m in fp32.gate_up.matrices]))
+            assert np.array_equal(kernel_weights(compact.gate_up), np.concatenate(fp32.gate_up.matrices))
 
         def reference(x):
             h = kernel_reference(compact.gate_up, x).astype(np.float32)
