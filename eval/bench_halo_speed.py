@@ -196,8 +196,8 @@ def speed(args) -> None:
                         for plr in [float(p) for p in args.plr.split(",")]:
                             bed.set_loss(plr)
                             for sync in args.modes.split(","):
-                                result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, {},
-                                                    args.time_limit, args.weights)
+                                result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens,
+                                                    json.loads(args.settings), args.time_limit, args.weights)
                                 rows.append({"agents": n, "plr": plr, "sync": sync, "run": run, **summarize(result),
                                              "dropped_frames": bed.drop_counters()})
                                 print(json.dumps(rows[-1]), flush=True)
@@ -450,7 +450,8 @@ def main(argv=None) -> int:
     parser.add_argument("--key")
     parser.add_argument("--endpoints")
     parser.add_argument("--sync", default="exact")
-    parser.add_argument("--settings", default="{}")
+    parser.add_argument("--settings", default="{}", help="SyncSettings fields as JSON for every cluster run of speed "
+                        "and master, e.g. '{\"parity_group\": 8}'")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":
