@@ -7,9 +7,10 @@ nearest 80 %, as every halo accuracy run), tokenized whole (no BOS: SmolLM2's to
 into consecutive windows of --window tokens. Each window runs through the same model file twice in one
 process: --weights fp32 (the blocks dequantized: the exact reference, equal to transformers' gguf_file=
 load within 1e-4, tests/test_smollm2.py) and --weights native (the file's Q4_1/Q8_0 blocks times int8
-activations in two terms, computed by halo's C kernel where the package has it, else by MatMulNBits). Reports perplexity of each (every token after a window's first), the relative
-difference (goal: within 1 %), greedy next-token agreement, and the max and mean absolute logit
-difference, over all windows and over the first window alone (the 512-token held-out text).
+activations in two terms, computed by halo's C kernel where the package has it, else by MatMulNBits).
+Reports perplexity of each (every token after a window's first), the relative difference (goal: within 1 %),
+greedy next-token agreement, and the max and mean absolute logit difference, over all windows and over the
+first window alone (the 512-token held-out text).
 """
 
 from __future__ import annotations
@@ -112,8 +113,8 @@ def main(argv=None) -> int:
              f"| prefill s per window (machine shared, indicative) | {seconds['fp32'] / len(windows):.1f} | "
              f"{seconds['native'] / len(windows):.1f} |", "",
              f"native = {kernel}; goals: perplexity within 1 %, agreement >= 99 %."]
-    stem = f"accuracy_gguf_{Path(weights.source).stem.replace('.', '_')}" + ("_single_pass" if args.single_pass else "") + \
-        ("_matmulnbits" if args.matmulnbits else "")
+    stem = (f"accuracy_gguf_{Path(weights.source).stem.replace('.', '_')}"
+            + ("_single_pass" if args.single_pass else "") + ("_matmulnbits" if args.matmulnbits else ""))
     result["split_activations"] = not args.single_pass
     result["kernel"] = kernel
     write_report(args.out, stem, result, lines)

@@ -113,7 +113,8 @@ def run_worker(directory: str, fmt: str, n_tokens: int, context: int, threads: i
             "ms_per_token_mean": 1e3 * float(np.mean(times)), "weight_bytes": weight_bytes,
             "file_tensor_bytes": weights.nbytes(), "streamed_bytes_per_token": streamed,
             # what a token must read of the file: every tensor but an untied embedding table (a lookup of one row)
-            "token_read_bytes": weights.nbytes() - (0 if weights.config.tied_embeddings else weights.tok_embeddings.nbytes),
+            "token_read_bytes": weights.nbytes() - (0 if weights.config.tied_embeddings
+                                                    else weights.tok_embeddings.nbytes),
             "kv_cache_bytes": model.kv_cache_nbytes(),
             "resident_growth_bytes": current_rss_bytes() - baseline, "peak_rss_bytes": peak_rss_bytes()}
 
@@ -153,7 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps to time")
     parser.add_argument("--context", type=int, default=2048, help="KV-cache length allocated")
     parser.add_argument("--formats", help="weight formats (default: fp32,int8; with --model or --random-gguf: "
-                        "native,fp32); native-onnxruntime / int8-onnxruntime: on MatMulNBits where halo's C kernel is built")
+                        "native,fp32); native-onnxruntime / int8-onnxruntime: on MatMulNBits where halo's C kernel "
+                        "is built")
     parser.add_argument("--threads", default="1", help="comma-separated thread counts (default 1; e.g. 1,2)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp anchor even if installed")
     parser.add_argument("--repeats", type=int, default=1, help="run every configuration this many times, interleaved "

@@ -216,24 +216,36 @@ static inline __attribute__((always_inline)) AVX512 void chunk_avx512(const Job 
     }
 }
 
-#define CHUNKS_AVX512(WORDS, BITS, TERMS)                                                                      \
-    for (; r + 16 <= r1; r += 16)                                                                             \
-        chunk_avx512(job, r, b, y, m, tile_start, WORDS, BITS, TERMS)
+/* Rows r0 .. r1 of block b, sixteen at a time, for one block shape; returns the first row left to a narrower path. */
+static inline __attribute__((always_inline)) AVX512 Py_ssize_t chunks_avx512(const Job *job, Py_ssize_t r0,
+                                                                             Py_ssize_t r1, Py_ssize_t b, float *y,
+                                                                             Py_ssize_t m, Py_ssize_t tile_start,
+                                                                             const int WORDS, const int BITS,
+                                                                             const int TERMS)
+{
+    Py_ssize_t r = r0;
+    for (; r + 16 <= r1; r += 16)
+        chunk_avx512(job, r, b, y, m, tile_start, WORDS, BITS, TERMS);
+    return r;
+}
+
+/* Calls CHUNKS(WORDS, BITS, TERMS) with the job's block shape as constants (GGUF's blocks of 32: 4 words of 4-bit
+ * codes, 8 of 8-bit) or WORDS = 0 (any width), and returns what it returns. */
+#define BY_SHAPE(CHUNKS)                                                                                        \
+    do {                                                                                                        \
+        const int bits = job->bits, two = job->terms == 2, words = (int)job->words;                             \
+        if (bits == 4 && words == 4) return two ? CHUNKS(4, 4, 2) : CHUNKS(4, 4, 1);                            \
+        if (bits == 8 && words == 8) return two ? CHUNKS(8, 8, 2) : CHUNKS(8, 8, 1);                            \
+        if (bits == 4) return two ? CHUNKS(0, 4, 2) : CHUNKS(0, 4, 1);                                          \
+        return two ? CHUNKS(0, 8, 2) : CHUNKS(0, 8, 1);                                                         \
+    } while (0)
+
+#define CHUNKS_AVX512(WORDS, BITS, TERMS) chunks_avx512(job, r0, r1, b, y, m, tile_start, WORDS, BITS, TERMS)
 
 AVX512 static Py_ssize_t rows_avx512(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y,
                                      Py_ssize_t m, Py_ssize_t tile_start)
 {
-    Py_ssize_t r = r0;
-    const int bits = job->bits, terms = job->terms, words = (int)job->words;
-    if (bits == 4 && words == 4 && terms == 2) CHUNKS_AVX512(4, 4, 2);
-    else if (bits == 4 && words == 4) CHUNKS_AVX512(4, 4, 1);
-    else if (bits == 8 && words == 8 && terms == 2) CHUNKS_AVX512(8, 8, 2);
-    else if (bits == 8 && words == 8) CHUNKS_AVX512(8, 8, 1);
-    else if (bits == 4 && terms == 2) CHUNKS_AVX512(0, 4, 2);
-    else if (bits == 4) CHUNKS_AVX512(0, 4, 1);
-    else if (terms == 2) CHUNKS_AVX512(0, 8, 2);
-    else CHUNKS_AVX512(0, 8, 1);
-    return r;
+    BY_SHAPE(CHUNKS_AVX512);
 }
 
 /* AVX2 has no u8 x s8 -> s32 instruction: pmaddubsw (pairs into int16) then pmaddwd by ones. 4-bit pairs stay
@@ -297,13 +309,7 @@ static inline __attribute__((always_inline)) AVX2 Py_ssize_t chunks_avx2(const J
 AVX2 static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
                                  Py_ssize_t tile_start)
 {
-    const int bits = job->bits, terms = job->terms, words = (int)job->words;
-    if (bits == 4 && words == 4 && terms == 2) return CHUNKS_AVX2(4, 4, 2);
-    if (bits == 4 && words == 4) return CHUNKS_AVX2(4, 4, 1);
-    if (bits == 8 && words == 8 && terms == 2) return CHUNKS_AVX2(8, 8, 2);
-    if (bits == 8 && words == 8) return CHUNKS_AVX2(8, 8, 1);
-    if (bits == 4) return terms == 2 ? CHUNKS_AVX2(0, 4, 2) : CHUNKS_AVX2(0, 4, 1);
-    return terms == 2 ? CHUNKS_AVX2(0, 8, 2) : CHUNKS_AVX2(0, 8, 1);
+    BY_SHAPE(CHUNKS_AVX2);
 }
 #endif
 

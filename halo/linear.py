@@ -171,9 +171,10 @@ class Int8Projection(KernelProjection):
 class CompactProjection(KernelProjection):
     """GGUF block matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run on their own blocks: the file's codes and scales, exactly
     (halo/quant.py), never expanded to float32, with int8 activations in two terms (KernelSpec; SmolLM2's logits
-    stay within 0.016 of the dequantized float32 model's over 19k tokens, eval/results/accuracy_gguf_*): by halo's C kernel where the package has it (DequantKernel: the file's bytes in
-    memory), else by MatMulNBits sessions (one onnxruntime graph per block share). accuracy_level=1: MatMulNBits
-    with float32 activations (the tests' reference)."""
+    stay within 0.016 of the dequantized float32 model's over 19k tokens, eval/results/accuracy_gguf_*): by halo's
+    C kernel where the package has it and the CPU a vector path (DequantKernel: the file's bytes in memory), else
+    by MatMulNBits sessions (one onnxruntime graph per block share). accuracy_level=1: MatMulNBits with float32
+    activations (the tests' reference)."""
 
     def __init__(self, matrices: list[QuantizedMatrix], threads: int = 1, accuracy_level: int | None = None,
                  open_session: bool = True):
@@ -337,7 +338,8 @@ class DequantKernel:
         uint8, scales and offsets [blocks, n], both float32 or both float16. threads: the C kernel's, splitting
         the rows (same results)."""
         units, n = scales.shape
-        if codes.shape != (units, spec.block * spec.bits // 32, n, 4) or units * spec.block < k or spec.bits not in (4, 8):
+        if (codes.shape != (units, spec.block * spec.bits // 32, n, 4) or units * spec.block < k
+                or spec.bits not in (4, 8)):
             raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
         if scales.dtype not in (np.float32, np.float16) or (offsets is not None and offsets.dtype != scales.dtype):
             raise ValueError(f"scales {scales.dtype} / offsets {None if offsets is None else offsets.dtype}: both "

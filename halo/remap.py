@@ -234,7 +234,8 @@ class Remapper:
                                   "groups": len(self.cache), "resident_budget_bytes": self.resident_budget,
                                   "prepared": next(iter(self.banks.values())).prepared is not None if self.banks else False,
                                   "resident_per_byte": self.resident_per_byte,
-                                  "kernel": COMPACT_KERNEL if self.cache.capacity_bytes is not None else projection_kernel(),
+                                  "kernel": (COMPACT_KERNEL if self.cache.capacity_bytes is not None
+                                             else projection_kernel()),
                                   "shrunk_bytes": self.shrunk,
                                   **self.cache.stats.to_json()}
         return out

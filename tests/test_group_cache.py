@@ -119,7 +119,8 @@ def test_a_bounded_device_computes_what_an_unbounded_one_does(stories_weights, o
     """A device whose built groups are capped (two layers' worth of its ranks, a fraction of every candidate) gives
     the same partial sums token after token as a bounded one whose cache holds every candidate (both compute
     compact groups from their arrays), and those of one holding every group as kernels (the same bits where halo's C
-    kernel computes both; within int8 activation rounding of onnxruntime's); what it had to build again is counted, and it never holds more than its capacity."""
+    kernel computes both; within int8 activation rounding of onnxruntime's); what it had to build again is counted,
+    and it never holds more than its capacity."""
     c = stories_weights.config
     layout = GroupLayout.for_model(c)
     ranges = {l: (2, 5) for l in range(c.n_layers)}
