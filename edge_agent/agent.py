@@ -28,6 +28,7 @@ from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
 from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport
+from halo.transport import wire
 from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
 from halo.worker import DeviceWorker
 
@@ -320,6 +321,9 @@ class Agent(ControlServer):
         """Why a master's hello or profile request cannot be served (None: it can)."""
         if f.get("protocol") != PROTOCOL_VERSION:
             return f"protocol {f.get('protocol')} but this agent speaks {PROTOCOL_VERSION}: upgrade halo"
+        if "udp_session" in f and f.get("udp_wire", 2) != wire.VERSION:  # masters before version 3 did not say
+            return (f"UDP wire version {f.get('udp_wire', 2)} but this agent speaks {wire.VERSION}: run the same halo "
+                    "version on the master and every agent")
         if f.get("model_sha256") != self.model_sha256:
             return (f"model mismatch: the master runs sha256 {str(f.get('model_sha256'))[:12]}..., this agent "
                     f"holds {self.model_sha256[:12]}... ({self.weights.source})")

@@ -161,7 +161,13 @@ def summarize(result: dict) -> dict:
                    dropped_for_loss=loss.get("dropped_for_loss"), dropped_late=loss.get("dropped_late"),
                    groups_dropped=loss["groups_dropped"], groups_offered_lossy=loss["groups_offered_lossy"],
                    round_overhead_ms=breakdown.get("round_overhead_ms"), per_token_ms=breakdown.get("per_token_ms"))
+    if result.get("udp"):  # the master's view of each agent's link: how its losses were recovered
+        out["udp"] = [{k: u.get(k) for k in UDP_COUNTERS} for u in result["udp"] if u]
     return out
+
+
+UDP_COUNTERS = ("chunks_expected", "chunks_recovered_parity", "chunks_recovered_nack", "chunks_missing", "nacks_sent",
+                "nacks_answered", "resends", "observed_plr")
 
 
 def with_testbed(n: int):
@@ -175,6 +181,7 @@ def speed(args) -> None:
     from halo.transport.reliable import generate_key
 
     model = Path(args.model) if args.model else checkpoint(args.layers)
+    modes = {m: mode_settings(m, args) for m in args.modes.split(",")}  # a bad variant stops here, not mid-run
     rows = []
     partial = Path(args.out) / f"{args.name}.partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
@@ -195,9 +202,9 @@ def speed(args) -> None:
                         cluster = cluster or Cluster(bed, model, key, n)
                         for plr in [float(p) for p in args.plr.split(",")]:
                             bed.set_loss(plr)
-                            for sync in args.modes.split(","):
-                                result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens,
-                                                    json.loads(args.settings), args.time_limit, args.weights)
+                            for sync, (mode, settings) in modes.items():
+                                result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens,
+                                                    settings, args.time_limit, args.weights)
                                 rows.append({"agents": n, "plr": plr, "sync": sync, "run": run, **summarize(result),
                                              "dropped_frames": bed.drop_counters()})
                                 print(json.dumps(rows[-1]), flush=True)
@@ -212,6 +219,19 @@ def speed(args) -> None:
                                         "runs": args.runs, "rows": medians, "every_run": rows}, lines)
     plot_speed(medians, Path(args.out) / f"{args.name}.png")
     partial.unlink(missing_ok=True)
+
+
+def mode_settings(mode: str, args) -> tuple[str, dict]:
+    """A --modes entry, 'exact' or 'exact@NAME' (NAME a --variants key), as its sync mode and SyncSettings fields."""
+    sync, _, variant = mode.partition("@")
+    settings = json.loads(args.settings)
+    if variant:
+        variants = json.loads(args.variants)
+        if variant not in variants:
+            raise SystemExit(f"--modes names the variant {variant!r}, which --variants does not define "
+                             f"({', '.join(variants) or 'none'})")
+        settings = {**settings, **variants[variant]}
+    return sync, settings
 
 
 def median_runs(rows: list[dict]) -> list[dict]:
@@ -262,8 +282,27 @@ def render_speed(rows: list[dict], args) -> list[str]:
             lines.append("At 0 % loss vs single process: " + ", ".join(
                 f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
-        lines.append("")
+        lines += [""] + recovery_table([r for r in rows if r["agents"] == n and r.get("udp") and r["plr"] > 0], modes)
     return lines
+
+
+def recovery_table(rows: list[dict], modes: list[str]) -> list[str]:
+    """How the UDP modes got their lost datagrams back (the master's counters, whole run: prompt and warm-up too)."""
+    if not rows:
+        return []
+    lines = ["Recovery of lost datagrams over each whole run (the master's counters, prompt and warm-up included): "
+             "chunks rebuilt from parity, NACKs the master sent for partials / agents sent for inputs, and all NACKs "
+             "per forward pass.", "", "| PLR | mode | rebuilt from parity | NACKs master / agents | NACKs per forward pass |",
+             "|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["plr"], modes.index(r["sync"]) if r["sync"] in modes else 0)):
+        udp = r["udp"]
+        parity = sum(u.get("chunks_recovered_parity") or 0 for u in udp)
+        master_nacks = sum(u.get("nacks_sent") or 0 for u in udp)
+        agent_nacks = sum(u.get("nacks_answered") or 0 for u in udp)
+        forwards = len(r["generated"]) + 1  # the prompt's pass, then one per generated token
+        lines.append(f"| {100 * r['plr']:g} % | {r['sync']} | {parity} | {master_nacks} / {agent_nacks} | "
+                     f"{(master_nacks + agent_nacks) / forwards:.2f} |")
+    return lines + [""]
 
 
 def cell(row: dict | None) -> str:
@@ -452,6 +491,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sync", default="exact")
     parser.add_argument("--settings", default="{}", help="SyncSettings fields as JSON for every cluster run of speed "
                         "and master, e.g. '{\"parity_group\": 8}'")
+    parser.add_argument("--variants", default="{}", help="speed: named SyncSettings overrides that --modes entries "
+                        "pick as MODE@NAME, to compare settings side by side in one run, e.g. --modes "
+                        "exact,exact@xor --variants '{\"xor\": {\"parity_group\": 4, \"parity_chunks\": 1}}'")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":

@@ -8,7 +8,7 @@ sends a D-float32 hidden state to every agent, each agent replies with a D-float
 master has them all (or gives up at the deadline). Modes:
 - tcp: both directions over TCP (Linux defaults, cubic, TCP_NODELAY);
 - lossy: broadcast over the fast reliable path, partial sums over UDP with a 10 ms deadline, zero-filled;
-- fast: both directions over the fast reliable path (XOR parity per 6 chunks + NACK).
+- fast: both directions over the fast reliable path (P + Q parity per 6 chunks + NACK).
 Reports p50/p99 round time and the fraction of partial-sum data delivered. Needs root (skips otherwise).
 """
 
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
              f"Command: `{command}`. Loss: nftables `numgen random` drops on every agent link, both directions "
              "(bridge forward hook, silent to the sender). A round = master sends D float32 to each agent, each "
              "agent answers D float32. lossy: partial sums dropped after a 10 ms deadline (zero-filled); "
-             "fast: XOR parity per 6 chunks + NACK. p50 / p99 in ms; delivered = fraction of partial-sum data "
+             "fast: P + Q parity per 6 chunks + NACK. p50 / p99 in ms; delivered = fraction of partial-sum data "
              "that arrived; exact = rounds with nothing missing.", "",
              "| agents | D | PLR | tcp p50 / p99 | lossy p50 / p99 (delivered, exact) | fast p50 / p99 (delivered) |",
              "|---|---|---|---|---|---|"]

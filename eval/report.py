@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
     """The command that reproduces a run, as it goes into the results."""
-    return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+    return " ".join([f"python -m {module}", *map(shlex.quote, argv if argv is not None else sys.argv[1:])])
 
 
 def write_report(out: str | Path, stem: str, data: dict, lines: list[str]) -> None:

@@ -21,7 +21,7 @@ What a lost datagram costs follows the runtime's policy table (halo/sync/modes.p
 
 | path | a vector needs recovery when | it then costs |
 |---|---|---|
-| UDP, recovered (exact; critical partials; halo's others) | a parity group lost >= 2 of its datagrams | a NACK: the 0.5 ms gap timer + a round trip |
+| UDP, recovered (exact; critical partials; halo's others) | a parity group lost more of its datagrams than it has parity chunks | a NACK: the 0.5 ms gap timer + a round trip |
 | the same | every datagram of it was lost | the chase: 0.6 x the deadline + a round trip |
 | UDP, not recovered (lossy's other partials) | any datagram lost | waiting out the deadline (the partial is dropped) |
 | TCP (tcp; halo-tcp's inputs and critical partials) | any segment lost | TCP's retransmission timeout (Linux: >= 200 ms) |
@@ -109,15 +109,15 @@ def datagrams(n_values: int) -> int:
     return max(1, math.ceil(n_values / VALUES_PER_DATAGRAM))
 
 
-def p_needs_nack(p: float, chunks: int, parity_group: int) -> float:
-    """Probability that parity cannot complete a vector by itself (some group lost two or more of its
-    data + parity datagrams), given at least one datagram arrives."""
+def p_needs_nack(p: float, chunks: int, parity_group: int, parity_chunks: int = 2) -> float:
+    """Probability that parity cannot complete a vector by itself (some group lost more of its data + parity
+    datagrams than it has parity chunks), given at least one datagram arrives."""
     if parity_group <= 0:
         return 1 - (1 - p) ** chunks
     ok = 1.0
     for start in range(0, chunks, parity_group):
-        g = min(parity_group, chunks - start) + 1
-        ok *= (1 - p) ** g + g * p * (1 - p) ** (g - 1)
+        g = min(parity_group, chunks - start) + parity_chunks
+        ok *= sum(math.comb(g, k) * p ** k * (1 - p) ** (g - k) for k in range(parity_chunks + 1))
     return 1 - ok
 
 
@@ -133,7 +133,7 @@ class Link:
         return self.latency_s + datagrams(n_values) * MAX_DATAGRAM * 8 / self.bandwidth_bps
 
     def lost_vector(self, n_values: int, transport: Transport, recovered: bool, parity_group: int,
-                    deadline_s: float, base_s: float) -> Outcome:
+                    deadline_s: float, base_s: float, parity_chunks: int = 2) -> Outcome:
         """The extra delay one vector may suffer on this link."""
         # a NACK goes back, the missing datagrams (about two) come again
         p, round_trip = self.plr, 2 * self.latency_s + 2 * MAX_DATAGRAM * 8 / self.bandwidth_bps
@@ -143,11 +143,11 @@ class Link:
             segments = max(1, math.ceil(n_values * SYNC_BYTES_PER_VALUE / TCP_SEGMENT_BYTES))
             return Outcome.maybe(1 - (1 - p) ** segments, TCP_MIN_RTO_S)
         chunks = datagrams(n_values)
-        total = chunks + (math.ceil(chunks / parity_group) if parity_group > 0 and recovered else 0)
+        total = chunks + (parity_chunks * math.ceil(chunks / parity_group) if parity_group > 0 and recovered else 0)
         gone = p ** total  # nothing of it arrives: nobody can NACK, the master chases
         if not recovered:
             return Outcome.maybe(1 - (1 - p) ** chunks, max(deadline_s - base_s, 0.0))
-        nack = p_needs_nack(p, chunks, parity_group) - gone
+        nack = p_needs_nack(p, chunks, parity_group, parity_chunks) - gone
         return Outcome((0.0, NACK_GAP_S + round_trip, CHASE_FRACTION * deadline_s + round_trip),
                        (1 - nack - gone, nack, gone))
 
@@ -200,8 +200,9 @@ class RoundModel:
             critical = self._critical(kind, layer, j)
             out_transport = self.policy.critical if critical else self.policy.other
             recovered = critical or self.policy.recover_other
-            x = link.lost_vector(n_in, self.policy.input, True, self.sync.parity_group, deadline, base).plus(
-                link.lost_vector(n_out, out_transport, recovered, self.sync.parity_group, deadline, base))
+            parity = self.sync.parity_group, self.sync.parity_chunks
+            x = link.lost_vector(n_in, self.policy.input, True, parity[0], deadline, base, parity[1]).plus(
+                link.lost_vector(n_out, out_transport, recovered, parity[0], deadline, base, parity[1]))
             outcomes.append((base, x))
         return float(work.max()), clean, expected_max(own, outcomes) + receive
 

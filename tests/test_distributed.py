@@ -103,8 +103,9 @@ def ask(sock, frames, timeout_ms=3000):
 
 def hello_fields(weights, **overrides):
     from halo.loader import model_fingerprint
+    from halo.transport.reliable import PROTOCOL_VERSION
 
-    fields = {"protocol": 1, "model_sha256": model_fingerprint(weights.source), "context": 64, "mlp_group_size": 22,
+    fields = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source), "context": 64, "mlp_group_size": 22,
               "vocab_group_size": 256, "attention": [[0]] * 5, "mlp": [[0]] * 5, "lm_head": [0], "master": "test",
               "sync": {"mode": "tcp"}}
     fields.update(overrides)

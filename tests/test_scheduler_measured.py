@@ -3,6 +3,7 @@ memory refusal with the numbers, the cost model's arithmetic, and the kernel ben
 
 import itertools
 import json
+import math
 
 import numpy as np
 import pytest
@@ -125,11 +126,15 @@ def test_expected_max_is_exact():
     assert expected_max(1.5, arrivals) == pytest.approx(brute, rel=1e-12)
 
 
-def test_parity_repairs_single_losses():
+def test_parity_repairs_as_many_losses_per_group_as_it_has_parity_chunks():
     assert p_needs_nack(0.0, 6, 4) == 0.0
-    assert p_needs_nack(0.05, 1, 4) == pytest.approx(0.05 ** 2)  # the lone chunk and its parity copy both lost
+    assert p_needs_nack(0.05, 1, 4, 1) == pytest.approx(0.05 ** 2)  # the lone chunk and its parity copy both lost
+    assert p_needs_nack(0.05, 1, 4, 2) == pytest.approx(0.05 ** 3)  # ... and its Q
     assert p_needs_nack(0.05, 6, 0) == pytest.approx(1 - 0.95 ** 6)  # no parity: any loss needs a NACK
-    assert p_needs_nack(0.05, 6, 4) < p_needs_nack(0.05, 6, 0)
+    # 6 chunks + P + Q: three of the 8 datagrams lost
+    assert p_needs_nack(0.05, 6, 8, 2) == pytest.approx(1 - sum(math.comb(8, k) * 0.05 ** k * 0.95 ** (8 - k)
+                                                               for k in range(3)))
+    assert p_needs_nack(0.05, 6, 8, 2) < p_needs_nack(0.05, 6, 4, 1) < p_needs_nack(0.05, 6, 0)
 
 
 def test_kernel_fit_recovers_overheads_and_speed():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from halo.sync import POLICIES, Epoch, FramingError, Point, Status, Transport, plan_round
-from halo.sync.framing import (attention_inputs_between, frame_broadcast, frame_partial, is_reply, read_broadcast,
-                               read_partial, reply_epoch)
+from halo.sync.framing import (MAX_LAYERS, attention_inputs_between, frame_broadcast, frame_partial, is_reply,
+                               read_broadcast, read_partial, reply_epoch)
 
 HOLDERS, LISTENERS, CRITICAL = {1, 2, 3}, {4}, {1}
 
@@ -86,6 +86,8 @@ def test_the_kv_inputs_an_agent_missed_come_in_order_and_only_for_its_layers():
     assert attention_inputs_between(newest, newest, {0, 2}) == []
     # the newest input itself is not "missed": it is handled next
     assert attention_inputs_between(after, Epoch(4, 2, Point.ATTENTION).encode(), {2}) == [expected[0].encode()]
+    with pytest.raises(ValueError, match="outside"):
+        attention_inputs_between(after, newest, {MAX_LAYERS})
 
 
 def test_broadcast_and_partial_framing_round_trip_and_refuse_nonsense():

@@ -163,6 +163,63 @@ def test_parity_alone_repairs_a_single_loss_without_a_nack(cluster):
     np.testing.assert_array_equal(result.values[a.node_id], data)
 
 
+@pytest.mark.parametrize("parity_chunks", [1, 2])
+def test_p_and_q_repair_two_losses_of_a_group_without_a_nack(cluster, parity_chunks):
+    master, agents = cluster
+    a = agents[0]
+    lost = {1, 4}  # two data chunks of the one group of 12
+    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[8] in lost and d[3] == wire.DATA else sock.sendto(d, addr)
+    data = np.arange(4096, dtype=np.float32)
+    sent = a.send_vector({0: master.address}, 4, data, wire.FLOAT32, parity_group=12, parity_chunks=parity_chunks)
+    assert sent == 12 + parity_chunks
+    result = master.gather(4, {a.node_id: 4096}, policy=GatherPolicy(deadline_s=0.05))
+    assert result.complete == (parity_chunks == 2)  # P alone rebuilds one chunk of a group, P + Q two
+    assert master.stats[a.node_id].chunks_recovered_parity == (2 if parity_chunks == 2 else 0)
+    assert master.stats[a.node_id].nacks_sent == 0
+    if parity_chunks == 2:
+        np.testing.assert_array_equal(result.values[a.node_id], data)
+
+
+def test_a_hole_at_the_data_tail_waits_for_the_parity_of_a_peer_that_sends_it():
+    """The last data chunk arriving with a hole NACKs at once, unless the peer sends parity: its P and Q come
+    right behind and usually rebuild the hole (NACKing first was answered for nothing)."""
+    from halo.transport.udp import Inbound
+
+    sender = UdpEndpoint(KEY, SESSION, 1)
+    sent = []
+    sender.send_hook = lambda sock, datagram, address: sent.append(datagram)
+    try:
+        sender.send_vector({0: ("127.0.0.1", 9)}, 4, np.arange(2000, dtype=np.float32), wire.FLOAT32, parity_group=8)
+    finally:
+        sender.close()
+    codec = wire.Codec(KEY)
+    datagrams = [codec.unpack(d, SESSION) for d in sent]  # 6 data chunks, then P and Q
+    assert [h.kind for h, _ in datagrams] == [wire.DATA] * 6 + [wire.PARITY, wire.PARITY_Q]
+    for expects_parity, nack_at in ((False, 0.0), (True, 0.002)):
+        state = Inbound(1, 2000, wire.FLOAT32, 1.0, 1.0, True, float("inf"), parity_expected=expects_parity)
+        stats = udp_stats()
+        for header, payload in datagrams[:6]:
+            if header.index != 2:
+                state.accept(header, bytes(payload), stats, late=False)
+                state.arm_nack(header, bytes(payload), 0.0, gap_s=0.002)
+        assert state.next_nack == nack_at  # the data tail: NACK now, or after the gap when parity is due
+        header, payload = datagrams[6]  # P rebuilds the hole
+        state.accept(header, bytes(payload), stats, late=False)
+        assert state.complete and stats.chunks_recovered_parity == 1
+    state = Inbound(1, 2000, wire.FLOAT32, 1.0, 1.0, True, float("inf"), parity_expected=True)
+    for header, payload in datagrams:
+        if header.index not in (1, 2, 3) or header.kind != wire.DATA:  # three holes: more than P and Q rebuild
+            state.accept(header, bytes(payload), udp_stats(), late=False)
+            state.arm_nack(header, bytes(payload), 1.0, gap_s=0.002)
+    assert not state.complete and state.next_nack == 1.0  # Q, the last datagram, came: NACK now
+
+
+def udp_stats():
+    from halo.transport.udp import PeerStats
+
+    return PeerStats()
+
+
 def test_probe_measures_injected_loss_and_rtt(cluster):
     from halo.transport.probe import probe
 

@@ -1,15 +1,15 @@
 """UDP synchronization: send a vector as chunks, gather vectors from peers until complete or a deadline.
 
 One `UdpEndpoint` per process. `send_vector` cuts a float vector into chunks (wire.py), packs them
-once whatever the number of recipients, optionally adds XOR parity chunks (one per `parity_group`
-data chunks, once the link has shown loss) and keeps the chunks of recent epochs so that it can
+once whatever the number of recipients, optionally adds parity chunks (P, or P and Q: erasure.py; per
+`parity_group` data chunks, once the link has shown loss) and keeps the chunks of recent epochs so that it can
 answer NACKs. `gather` waits for the vectors of one epoch from a set of peers, one `Inbound` state per
 peer, as a `GatherPolicy` says:
 
 - without NACKs: it returns when everything is in or the deadline passes; missing chunks are
   zero-filled and reported in the per-peer masks;
-- with NACKs (the fast reliable path): single losses per parity group are repaired from parity at
-  once, and the sender is asked for what is still missing (a NACK listing chunk indices) after a
+- with NACKs (the fast reliable path): losses a parity group's P and Q can rebuild (two per group)
+  are repaired at once, and the sender is asked for what is still missing (a NACK listing chunk indices) after a
   short gap timer, retrying every `nack_retry_s`, until complete or the deadline. Critical peers get
   the hard deadline; a peer that has shown no loss (silent, or arriving in order) gets the looser
   `late_deadline_s`: a partial is dropped for being late only well past the usual turnaround.
@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import wire
+from . import erasure, wire
 
 RECV_BUFFER_BYTES = 4 << 20
-PARITY_PREFIX = struct.Struct("<H")  # data chunks covered by a parity chunk
+PARITY_PREFIX = struct.Struct("<BB")  # data chunks covered by a parity chunk, parity chunks of its group
 SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
 PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
@@ -118,18 +118,20 @@ class Inbound:
     Payloads are kept as they came and decoded once, when the gather ends (`vector`)."""
 
     __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
-                 "nacked", "lossy", "chased", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin")
+                 "nacked", "lossy", "chased", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin",
+                 "parity_expected")
 
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
-                 silent_at: float):
+                 silent_at: float, parity_expected: bool = False):
         self.peer, self.dtype, self.nack, self.n_values = peer, dtype, nack, n_values
+        self.parity_expected = parity_expected  # the peer's recent vectors came with parity: wait for it at the tail
         self.end, self.loss_end = end, loss_end  # until when we wait: without / with evidence of loss
         self.per = wire.values_per_chunk(dtype)
         self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
         self.got = bytearray(self.count or 0)
         self.received = 0
         self.payloads: dict[int, bytes] = {}
-        self.parities: dict[int, tuple[int, bytes]] = {}  # first chunk of a group -> (group size, XOR)
+        self.parities: dict[int, list] = {}  # first chunk of a group -> [group size, P or None, Q or None]
         self.heard = self.nacked = self.lossy = self.chased = False
         self.completed_at: float | None = None
         self.next_nack = float("inf")  # armed by the first chunk: never NACK blindly
@@ -162,12 +164,14 @@ class Inbound:
             stats.rejected["late"] += 1  # past its deadline a peer's data only says it is alive
             return
         index = header.index
-        if header.kind == wire.PARITY:
-            size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) >= PARITY_PREFIX.size else 0
-            if not 0 < size <= self.count:
+        if header.kind in wire.PARITIES:
+            size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) > PARITY_PREFIX.size else 0
+            group = self.parities.get(index) or [size, None, None]
+            if not 0 < size <= self.count - index or group[0] != size:
                 stats.rejected["malformed"] += 1
                 return
-            self.parities[index] = (size, payload[PARITY_PREFIX.size:])
+            group[1 if header.kind == wire.PARITY else 2] = payload[PARITY_PREFIX.size:]
+            self.parities[index] = group
         elif self.got[index]:
             stats.rejected["duplicate"] += 1
             return
@@ -201,37 +205,40 @@ class Inbound:
         self.payloads[index] = payload
 
     def _repair_with_parity(self) -> int:
-        """Parity groups with exactly one chunk missing and their parity present: XOR it back."""
+        """Parity groups missing no more chunks than their parity at hand can rebuild (erasure.py): rebuilt."""
         repaired = 0
-        for start, (size, parity) in list(self.parities.items()):
-            members = range(start, min(self.count, start + size))
-            missing = [i for i in members if not self.got[i]]
-            if len(missing) != 1:
-                if not missing:
-                    del self.parities[start]
+        for start, (size, p, q) in list(self.parities.items()):
+            present = {i - start: self.payloads[i] for i in range(start, start + size) if self.got[i]}
+            if len(present) == size:
+                del self.parities[start]
                 continue
-            xor = np.frombuffer(parity, dtype=np.uint8).copy()
-            for j in members:
-                if j != missing[0]:
-                    p = np.frombuffer(self.payloads[j], dtype=np.uint8)
-                    if len(p) > len(xor):
-                        break
-                    xor[:len(p)] ^= p
-            else:
-                length = self._payload_bytes(missing[0])
-                if length <= len(xor):
-                    self._store(missing[0], xor[:length].tobytes())
-                    self.lossy = True
-                    repaired += 1
-                    del self.parities[start]
+            rebuilt = erasure.rebuild(present, size, p, q)
+            if rebuilt is None:
+                continue
+            for position, chunk in rebuilt.items():
+                length = self._payload_bytes(start + position)
+                if length > len(chunk):
+                    break  # a parity shorter than the chunk it should cover: a forgery; wait for a NACK
+                self._store(start + position, chunk[:length])
+                repaired += 1
+            self.lossy = True
+            del self.parities[start]
         return repaired
 
-    def arm_nack(self, header: wire.Header, now: float, gap_s: float) -> None:
-        """The burst's tail came with holes: NACK now; else after a short gap without news."""
+    def arm_nack(self, header: wire.Header, payload: bytes, now: float, gap_s: float) -> None:
+        """The burst's tail came with holes: NACK now; else after a short gap without news. The tail is the
+        last data chunk, or, from a peer that sends parity, the last group's last parity chunk: the parity
+        right behind the data usually rebuilds the holes (a NACK before it came was answered for nothing)."""
         if self.complete or not self.nack or self.count is None:  # None: nothing valid came yet (e.g. another dtype)
             return
-        last = header.index >= self.count - 1 if header.kind == wire.DATA else True
-        self.next_nack = now if last else min(self.next_nack, now + gap_s)
+        self.next_nack = now if self.is_tail(header, payload) else min(self.next_nack, now + gap_s)
+
+    def is_tail(self, header: wire.Header, payload: bytes) -> bool:
+        """Whether this is the last datagram the sender sends of the vector (data, then P and Q per group)."""
+        if header.kind == wire.DATA:
+            return header.index >= self.count - 1 and not self.parity_expected
+        size, chunks = PARITY_PREFIX.unpack_from(payload) if len(payload) > PARITY_PREFIX.size else (0, 1)
+        return header.index + size >= self.count and (header.kind == wire.PARITY_Q or chunks == 1)
 
     def missing(self) -> np.ndarray:
         return np.flatnonzero(np.frombuffer(bytes(self.got), dtype=np.uint8) == 0).astype("<u2")
@@ -287,6 +294,7 @@ class UdpEndpoint:
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
         self.peers: dict[int, tuple] = {}  # peer id -> its address, from the control plane (never from datagrams)
+        self.parity_from: set[int] = set()  # peers whose last vector came with parity (wait for it at the tail)
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
@@ -306,6 +314,7 @@ class UdpEndpoint:
         self.windows.clear()
         self._early.clear()
         self.stats.clear()
+        self.parity_from.clear()
 
     def rejections(self) -> dict[str, int]:
         """Every datagram refused, by reason, whoever sent it (-1: nothing authenticated, e.g. bad tags)."""
@@ -334,15 +343,16 @@ class UdpEndpoint:
         return self.codec.pack(kind, dtype, self.node_id, self.session, epoch, self.counter, index, count, payload)
 
     def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
-                    parity_group: int = 0) -> int:
-        """Send values as chunks to every recipient (peer id -> address), packed once, with one XOR parity chunk
-        per `parity_group` data chunks (0: none); remember them for NACKs. Returns datagrams per recipient."""
+                    parity_group: int = 0, parity_chunks: int = 2) -> int:
+        """Send values as chunks to every recipient (peer id -> address), packed once, with `parity_chunks`
+        parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none); remember
+        them for NACKs. Returns datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         payloads = wire.chunk_payloads(values, dtype)
         count = len(payloads)
         datagrams = [self.pack(wire.DATA, dtype, epoch, i, count, p) for i, p in enumerate(payloads)]
         if parity_group:
-            datagrams += self._parity(dtype, epoch, payloads, parity_group)
+            datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
         for peer, address in recipients.items():
             for d in datagrams:
                 self._sendto(d, address)
@@ -357,16 +367,17 @@ class UdpEndpoint:
         then pays for itself (at 0 % loss it is a quarter more datagrams for nothing)."""
         return any(self.stats[p].observed_plr > PARITY_LOSS_THRESHOLD for p in peers)
 
-    def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int) -> list[bytes]:
-        """One XOR chunk per `group` data chunks: index = the group's first chunk, payload = size + XOR."""
+    def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int, chunks: int) -> list[bytes]:
+        """P (and Q) per `group` data chunks: index = the group's first chunk, payload = prefix + parity."""
+        if not 0 < group <= erasure.MAX_GROUP or chunks not in (1, 2):
+            raise ValueError(f"parity groups of 1..{erasure.MAX_GROUP} chunks with 1 or 2 parity chunks, not "
+                             f"{group} and {chunks}")
         out = []
         for start in range(0, len(payloads), group):
             members = payloads[start:start + group]
-            xor = np.zeros(max(len(p) for p in members), dtype=np.uint8)
-            for p in members:
-                xor[:len(p)] ^= np.frombuffer(p, dtype=np.uint8)
-            out.append(self.pack(wire.PARITY, dtype, epoch, start, len(payloads),
-                                 PARITY_PREFIX.pack(len(members)) + xor.tobytes()))
+            prefix = PARITY_PREFIX.pack(len(members), chunks)
+            for kind, parity in zip(wire.PARITIES[:chunks], erasure.parities(members)):
+                out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
         return out
 
     def _send_again(self, epoch: int, peer: int, indices) -> bool:
@@ -504,7 +515,7 @@ class UdpEndpoint:
             critical = p in policy.critical
             inbound[p] = Inbound(p, n, dtype, hard if critical else max(late_end, loss_end),
                                  hard if critical else loss_end, policy.nack is True or p in (policy.nack or ()),
-                                 silent_at)
+                                 silent_at, p in self.parity_from)
         return inbound
 
     def _take(self, epoch: int, header: wire.Header, payload: bytes, address, inbound: dict[int, Inbound],
@@ -515,6 +526,8 @@ class UdpEndpoint:
             return False
         if self._answer_probe(header, payload, address):
             return False
+        if header.kind in wire.PARITIES:
+            self.parity_from.add(header.sender)
         if header.epoch < epoch:
             self.stats[header.sender].rejected["stale"] += 1
             if on_stale is not None:
@@ -533,7 +546,7 @@ class UdpEndpoint:
             if state.completed_at is None:
                 state.completed_at = now
         else:
-            state.arm_nack(header, now, policy.gap_s)
+            state.arm_nack(header, payload, now, policy.gap_s)
         return False
 
     def _keep_early(self, header: wire.Header, payload: bytes, address) -> None:

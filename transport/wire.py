@@ -2,9 +2,10 @@
 
     offset  size  field
     0       2     magic b"HL"
-    2       1     version (2)
-    3       1     kind: 0 data, 1 parity (XOR of a chunk group), 2 NACK (payload: missing indices),
-                  3 probe (index 0 request, 1 echo; for loss/latency/bandwidth probes)
+    2       1     version (3)
+    3       1     kind: 0 data, 1 parity P (XOR of a chunk group), 2 NACK (payload: missing indices),
+                  3 probe (index 0 request, 1 echo; for loss/latency/bandwidth probes),
+                  4 parity Q (Reed-Solomon over GF(2^8), erasure.py: with P, any two lost chunks of the group)
     4       1     dtype: 0 float32, 1 float16, 2 int8 blocks (64 values + float32 scale each)
     5       1     sender id (0 = master)
     6       4     session id
@@ -17,8 +18,8 @@
     32+n    16    tag: keyed BLAKE2b over header and payload (the cluster key)
 
 A datagram never exceeds 1472 bytes (a 1500-byte MTU less IPv4 and UDP headers), so a chunk carries at
-most 1424 payload bytes; data chunks use 1422 (a parity chunk prefixes its XOR with the 2-byte size of
-its group): 355 float32, 711 float16 or 20 int8 blocks (1280 values). `Codec.unpack` rejects
+most 1424 payload bytes; data chunks use 1422 (a parity chunk prefixes its bytes with its group's size and
+how many parity chunks the group has, one byte each): 355 float32, 711 float16 or 20 int8 blocks (1280 values). `Codec.unpack` rejects
 anything malformed, oversized, from another version or session, or with a wrong tag, by raising
 `WireError` with a reason the receiver counts; it never raises anything else. The tag covers the
 counter, so a captured datagram sent again is recognised (`ReplayWindow`) and changes nothing.
@@ -34,14 +35,15 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = b"HL"
-VERSION = 2
+VERSION = 3  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group
 HEADER = struct.Struct("<2sBBBBIQQHHH")
 TAG_BYTES = 16
 MAX_DATAGRAM = 1472
 MAX_PAYLOAD = MAX_DATAGRAM - HEADER.size - TAG_BYTES  # 1424
-DATA_PAYLOAD = MAX_PAYLOAD - 2  # data chunks leave room for a parity chunk's 2-byte group size
+DATA_PAYLOAD = MAX_PAYLOAD - 2  # data chunks leave room for a parity chunk's 2-byte prefix
 
-DATA, PARITY, NACK, PROBE = 0, 1, 2, 3
+DATA, PARITY, NACK, PROBE, PARITY_Q = 0, 1, 2, 3, 4
+PARITIES = (PARITY, PARITY_Q)
 FLOAT32, FLOAT16, INT8 = 0, 1, 2
 INT8_BLOCK = 64
 INT8_BLOCK_BYTES = INT8_BLOCK + 4
@@ -110,7 +112,7 @@ class Codec:
             raise WireError("bad_tag")
         if session is not None and sess != session:
             raise WireError("other_session")
-        if kind > PROBE or dtype > INT8 or count == 0 or index >= count:
+        if kind > PARITY_Q or dtype > INT8 or count == 0 or index >= count:
             raise WireError("malformed")
         return Header(kind, dtype, sender, sess, epoch, counter, index, count, length), view[HEADER.size:end]
 

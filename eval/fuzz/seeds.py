@@ -94,7 +94,7 @@ def wire_seeds() -> dict[str, bytes]:
             DATAGRAM_LENGTH.pack(len(d)) + d for d in datagrams)
 
     try:
-        f32 = vector(5, 800, wire.FLOAT32, parity_group=2)  # 3 data chunks, 2 parity chunks (f16: 2 whole chunks, as senders of unknown sizes pad)
+        f32 = vector(5, 800, wire.FLOAT32, parity_group=2)  # 3 data chunks, then P and Q of 2 groups (f16: 2 whole chunks, as senders of unknown sizes pad)
         f16, int8 = vector(5, 2 * 711, wire.FLOAT16), vector(5, 300, wire.INT8)
         old, new = vector(4, 10, wire.FLOAT32), vector(6, 10, wire.FLOAT32)
         nack = peer.pack(wire.NACK, wire.FLOAT32, 5, 0, 1, np.array([0, 2, 9], "<u2").tobytes())

@@ -148,6 +148,7 @@ class Session:
             session.close()
 
     def _open_udp(self, key, settings: MasterSettings) -> dict:
+        from halo.transport import wire
         from halo.transport.udp import UdpEndpoint
 
         udp_session = int.from_bytes(os.urandom(4), "little") or 1
@@ -156,7 +157,7 @@ class Session:
             from halo.transport.loss import LossInjector
 
             self.udp.send_hook = LossInjector(seed=settings.sync.seed, drop=settings.sync.inject_plr)
-        return {"udp_session": udp_session, "udp_port": self.udp.address[1]}
+        return {"udp_session": udp_session, "udp_port": self.udp.address[1], "udp_wire": wire.VERSION}
 
     def _connect(self, node_id: int, endpoint: str, share: Shares, key, insecure: bool, timeout_s: float,
                  layout: GroupLayout) -> RemoteAgent:

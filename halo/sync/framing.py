@@ -83,7 +83,12 @@ def attention_inputs_between(after: int, newest: int, layers) -> list[int]:
     an agent's KV caches need that it has not handled (forward passes are numbered consecutively, so
     every one of them was sent)."""
     first, last = max(1, after >> FORWARD_SHIFT), newest >> FORWARD_SHIFT
-    epochs = [Epoch(f, l, Point.ATTENTION).encode() for f in range(first, last + 1) for l in sorted(layers)]
+    ordered = sorted(layers)
+    if ordered and not 0 <= ordered[0] <= ordered[-1] < MAX_LAYERS:
+        raise ValueError(f"layers {ordered[0]}..{ordered[-1]} outside 0..{MAX_LAYERS - 1}")
+    # Epoch(f, l, ATTENTION).encode(), without an object per layer and round (an agent asks every round)
+    epochs = ((f << FORWARD_SHIFT) | (l << LAYER_SHIFT) | int(Point.ATTENTION) for f in range(first, last + 1)
+              for l in ordered)
     return [e for e in epochs if after < e < newest]
 
 

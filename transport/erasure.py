@@ -1,0 +1,80 @@
+"""Two parity chunks per group of data chunks: any two lost chunks of the group are rebuilt at the receiver.
+
+RAID-6's P + Q over GF(2^8): P is the XOR of the group's chunks, Q = sum over i of g^i * chunk_i (g = 2,
+the field of polynomial x^8 + x^4 + x^3 + x^2 + 1). One lost chunk comes back from P (or from Q when P
+is lost too), two from both. Chunks of different lengths count as zero-padded to the longest. Why: at
+5 % loss a group of 6 data + 1 XOR chunk lacks two or more of its 7 datagrams 4 % of the time, and each
+such vector waits a NACK round trip; with P + Q a group of 6 + 2 needs three losses (0.6 %).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_GROUP = 255  # g^i must differ for every chunk of a group
+
+_EXP = np.zeros(512, dtype=np.int64)
+_LOG = np.zeros(256, dtype=np.int64)
+_value = 1
+for _i in range(255):
+    _EXP[_i], _LOG[_value] = _value, _i
+    _value <<= 1
+    if _value & 0x100:
+        _value ^= 0x11D
+_EXP[255:510] = _EXP[:255]
+# MUL[a] is the table of a * b for every byte b (row 0: all zero)
+MUL = np.zeros((256, 256), dtype=np.uint8)
+MUL[1:, 1:] = _EXP[_LOG[1:, None] + _LOG[None, 1:]]
+_MUL_FLAT = MUL.ravel()
+
+
+def _inverse(a: int) -> int:
+    return int(_EXP[255 - _LOG[a]])
+
+
+def _times(coefficients: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Row i of rows [k, width] times coefficients[i] (one table lookup for all of them)."""
+    return np.take(_MUL_FLAT, (coefficients.astype(np.uint16)[:, None] << 8) | rows)
+
+
+def _rows(chunks, width: int) -> np.ndarray:
+    """Chunks as the rows of a [k, width] byte matrix, zero-padded."""
+    return np.frombuffer(b"".join(bytes(c).ljust(width, b"\0") for c in chunks), dtype=np.uint8).reshape(-1, width)
+
+
+def parities(chunks: list[bytes]) -> tuple[bytes, bytes]:
+    """P and Q of a group (as long as its longest chunk)."""
+    if not 0 < len(chunks) <= MAX_GROUP:
+        raise ValueError(f"a parity group holds 1 to {MAX_GROUP} chunks, not {len(chunks)}")
+    rows = _rows(chunks, max(len(c) for c in chunks))
+    p = np.bitwise_xor.reduce(rows, axis=0)
+    q = np.bitwise_xor.reduce(_times(_EXP[:len(chunks)], rows), axis=0)
+    return p.tobytes(), q.tobytes()
+
+
+def rebuild(present: dict[int, bytes], size: int, p: bytes | None, q: bytes | None) -> dict[int, bytes] | None:
+    """The missing chunks of a group of `size` (position -> bytes, as wide as the parity: the caller cuts each
+    to its length), or None when the parity at hand cannot: more missing than parity chunks, or two missing
+    without both. `present`: position -> chunk for the chunks that arrived."""
+    missing = [i for i in range(size) if i not in present]
+    if not missing:
+        return {}
+    if len(missing) > (p is not None) + (q is not None):
+        return None
+    width = len(p if p is not None else q)
+    if any(len(c) > width for c in present.values()) or (p is not None and q is not None and len(p) != len(q)):
+        return None  # a chunk longer than its parity, or P and Q of different widths: not this group's
+    positions = np.array(sorted(present), dtype=np.int64)
+    rows = _rows([present[i] for i in positions], width)
+    # what the missing chunks add up to: P' = P ^ (the others), Q' = Q ^ (g^i * the others)
+    p_rest = None if p is None else np.frombuffer(p, dtype=np.uint8) ^ np.bitwise_xor.reduce(rows, axis=0)
+    if len(missing) == 1 and p_rest is not None:
+        return {missing[0]: p_rest.tobytes()}
+    q_rest = np.frombuffer(q, dtype=np.uint8) ^ np.bitwise_xor.reduce(_times(_EXP[positions], rows), axis=0)
+    if len(missing) == 1:
+        x = missing[0]
+        return {x: MUL[_inverse(int(_EXP[x]))][q_rest].tobytes()}  # Q' = g^x * D_x
+    x, y = missing  # P' = D_x ^ D_y, Q' = g^x D_x ^ g^y D_y  =>  D_x = (Q' ^ g^y P') / (g^x ^ g^y)
+    gx, gy = int(_EXP[x]), int(_EXP[y])
+    d_x = MUL[_inverse(gx ^ gy)][q_rest ^ MUL[gy][p_rest]]
+    return {x: d_x.tobytes(), y: (p_rest ^ d_x).tobytes()}
