@@ -180,6 +180,26 @@ def test_p_and_q_repair_two_losses_of_a_group_without_a_nack(cluster, parity_chu
         np.testing.assert_array_equal(result.values[a.node_id], data)
 
 
+def test_a_sender_learns_its_outbound_loss_from_the_nacks_and_turns_parity_on(cluster):
+    """An agent whose inputs come over TCP (halo-tcp) receives nothing from the master over UDP: the NACKs for
+    its partials are the only sign that its link loses packets, and they switch its parity on."""
+    master, agents = cluster
+    lossy, clean = agents[0], agents[1]
+    lossy.send_hook = LossInjector(seed=3, drop=0.1)
+    for round_ in range(10):
+        epoch = epoch_of(round_, 0, 0)
+        for a in (lossy, clean):
+            a.send_vector({0: master.address}, epoch, np.ones(4096, np.float32), wire.FLOAT32)
+        threads = serve_in_background([lossy, clean], 0.2)
+        result = master.gather(epoch, {lossy.node_id: 4096, clean.node_id: 4096},
+                               policy=GatherPolicy(deadline_s=0.2, nack=True))
+        for t in threads:
+            t.join()
+        assert result.complete
+    assert lossy.stats[0].observed_plr == 0.0 and lossy.stats[0].chunks_sent_again > 0
+    assert lossy.lossy([0]) and not clean.lossy([0])
+
+
 def test_a_hole_at_the_data_tail_waits_for_the_parity_of_a_peer_that_sends_it():
     """The last data chunk arriving with a hole NACKs at once, unless the peer sends parity: its P and Q come
     right behind and usually rebuild the hole (NACKing first was answered for nothing)."""

@@ -59,6 +59,9 @@ class PeerStats:
     nacks_sent: int = 0
     nacks_answered: int = 0
     resends: int = 0  # whole vectors sent again on request
+    chunks_sent: int = 0  # datagrams of vectors we sent the peer (parity included)
+    chunks_sent_again: int = 0  # of those, sent again because the peer NACKed them (whole-vector resends: not
+    # counted, a chase follows silence, which a slow peer shows as well as a lossy link)
     rejected: dict = field(default_factory=lambda: defaultdict(int))  # reason -> count
     sync_ms: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent gather times involving the peer
 
@@ -67,6 +70,11 @@ class PeerStats:
         """Chunks that did not arrive on their first transmission, over chunks expected."""
         lost = self.chunks_missing + self.chunks_recovered_parity + self.chunks_recovered_nack
         return lost / self.chunks_expected if self.chunks_expected else 0.0
+
+    @property
+    def outbound_plr(self) -> float:
+        """Chunks the peer asked for again, over chunks sent it: loss on our way to it, as it sees it."""
+        return self.chunks_sent_again / self.chunks_sent if self.chunks_sent else 0.0
 
     def to_json(self) -> dict:
         out = {k: v for k, v in vars(self).items() if k not in ("rejected", "sync_ms")}
@@ -357,15 +365,18 @@ class UdpEndpoint:
             for d in datagrams:
                 self._sendto(d, address)
             self.stats[peer].sent_bytes += sum(map(len, datagrams))
+            self.stats[peer].chunks_sent += len(datagrams)
         self.sent[epoch] = Sent(dtype, payloads, dict(recipients))
         while len(self.sent) > SENT_VECTORS_KEPT:
             self.sent.popitem(last=False)
         return len(datagrams)
 
     def lossy(self, peers) -> bool:
-        """Whether any of these peers' links has lost more than PARITY_LOSS_THRESHOLD of its chunks: parity
-        then pays for itself (at 0 % loss it is a quarter more datagrams for nothing)."""
-        return any(self.stats[p].observed_plr > PARITY_LOSS_THRESHOLD for p in peers)
+        """Whether any of these peers' links has lost more than PARITY_LOSS_THRESHOLD of its chunks, either way
+        (what it sent us; what we sent it, by its NACKs: a peer that only receives from us over UDP shows its
+        losses no other way): parity then pays for itself (at 0 % loss it is a quarter more datagrams for
+        nothing)."""
+        return any(max(self.stats[p].observed_plr, self.stats[p].outbound_plr) > PARITY_LOSS_THRESHOLD for p in peers)
 
     def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int, chunks: int) -> list[bytes]:
         """P (and Q) per `group` data chunks: index = the group's first chunk, payload = prefix + parity."""
@@ -380,23 +391,25 @@ class UdpEndpoint:
                 out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
         return out
 
-    def _send_again(self, epoch: int, peer: int, indices) -> bool:
-        """Chunks of a vector we sent to `peer`, again, with fresh counters, to where it first went."""
+    def _send_again(self, epoch: int, peer: int, indices) -> int | None:
+        """Chunks of a vector we sent to `peer`, again, with fresh counters, to where it first went: how many
+        (None: that vector is no longer kept, or never went to `peer`)."""
         entry = self.sent.get(epoch)
         if entry is None or peer not in entry.recipients:
-            return False
-        count = len(entry.payloads)
+            return None
+        count, sent = len(entry.payloads), 0
         for i in indices:
             if 0 <= i < count:
                 self._sendto(self.pack(wire.DATA, entry.dtype, epoch, int(i), count, entry.payloads[i]),
                              entry.recipients[peer])
-        return True
+                sent += 1
+        return sent
 
     def resend(self, epoch: int, peer: int) -> bool:
         """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
         missed); False when that vector is no longer kept."""
         entry = self.sent.get(epoch)
-        sent = entry is not None and self._send_again(epoch, peer, range(len(entry.payloads)))
+        sent = entry is not None and self._send_again(epoch, peer, range(len(entry.payloads))) is not None
         self.stats[peer].resends += sent
         return sent
 
@@ -440,10 +453,13 @@ class UdpEndpoint:
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
         """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
-        if len(payload) % 2 or not self._send_again(header.epoch, header.sender, np.frombuffer(payload, dtype="<u2")):
+        sent = None if len(payload) % 2 else self._send_again(header.epoch, header.sender,
+                                                               np.frombuffer(payload, dtype="<u2"))
+        if sent is None:
             self.stats[header.sender].rejected["nack_unknown"] += 1
             return
         self.stats[header.sender].nacks_answered += 1
+        self.stats[header.sender].chunks_sent_again += sent  # holes it saw: our way to it loses packets
 
     def _answer_probe(self, header: wire.Header, payload: bytes, address) -> bool:
         """Echo probe requests; returns True when the datagram was a probe (handled)."""
