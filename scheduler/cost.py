@@ -21,7 +21,7 @@ What a lost datagram costs follows the runtime's policy table (halo/sync/modes.p
 
 | path | a vector needs recovery when | it then costs |
 |---|---|---|
-| UDP, recovered (exact; critical partials; halo's others) | a parity group lost more of its datagrams than it has parity chunks | a NACK: the 0.5 ms gap timer + a round trip |
+| UDP, recovered (exact; critical partials; halo's others) | a parity group lost more of its datagrams than it has parity chunks | a NACK: the gap timer (GatherPolicy.gap_s) + a round trip |
 | the same | every datagram of it was lost | the chase: 0.6 x the deadline + a round trip |
 | UDP, not recovered (lossy's other partials) | any datagram lost | waiting out the deadline (the partial is dropped) |
 | TCP (tcp; halo-tcp's inputs and critical partials) | any segment lost | TCP's retransmission timeout (Linux: >= 200 ms) |

@@ -14,10 +14,9 @@ turns a mode and a block into a `RoundPlan`: plain data that tests read without 
 | halo | UDP until complete | + any holding a predicted-top group | UDP, recovered while the deadline allows, then zero-filled | MLP re-mapped per token |
 | halo-tcp | TCP | TCP | as halo | as halo |
 
-"UDP until complete" is the fast reliable path of transport/udp.py: parity (P + Q: two losses per group
-rebuilt at the receiver) and NACKs, so a lost
-packet costs about a millisecond instead of TCP's 200 ms minimum retransmission timeout; exact and tcp
-give the same tokens as one device. Agents
+"UDP until complete" is the fast reliable path of transport/udp.py: parity (P + Q: any two losses of a
+group rebuilt at the receiver) and NACKs, so a lost packet costs at most a round trip instead of TCP's
+200 ms minimum retransmission timeout; exact and tcp give the same tokens as one device. Agents
 that hold no groups of a block but need its input (they predict the next layer from it) are
 *listeners*: they acknowledge the input with an empty partial, which is critical.
 """
