@@ -41,6 +41,7 @@ from halo.errors import ConfigError
 from halo.sync.deadline import CHASE_FRACTION
 from halo.sync.framing import PREFIX
 from halo.sync.modes import POLICIES, SYNC_MODES, ModePolicy, SyncSettings, Transport
+from halo.transport.erasure import parity_chunks_for
 from halo.transport.udp import GatherPolicy
 from halo.transport.wire import DATA_PAYLOAD, MAX_DATAGRAM
 
@@ -116,9 +117,18 @@ def p_needs_nack(p: float, chunks: int, parity_group: int, parity_chunks: int = 
         return 1 - (1 - p) ** chunks
     ok = 1.0
     for start in range(0, chunks, parity_group):
-        g = min(parity_group, chunks - start) + parity_chunks
-        ok *= sum(math.comb(g, k) * p ** k * (1 - p) ** (g - k) for k in range(parity_chunks + 1))
+        data = min(parity_group, chunks - start)
+        parity = parity_chunks_for(data, parity_chunks)
+        ok *= sum(math.comb(data + parity, k) * p ** k * (1 - p) ** (data + parity - k) for k in range(parity + 1))
     return 1 - ok
+
+
+def parity_datagrams(chunks: int, parity_group: int, parity_chunks: int) -> int:
+    """Parity datagrams a vector of `chunks` data chunks goes out with (udp.py's groups)."""
+    if parity_group <= 0:
+        return 0
+    return sum(parity_chunks_for(min(parity_group, chunks - start), parity_chunks)
+               for start in range(0, chunks, parity_group))
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,7 @@ class Link:
             segments = max(1, math.ceil(n_values * SYNC_BYTES_PER_VALUE / TCP_SEGMENT_BYTES))
             return Outcome.maybe(1 - (1 - p) ** segments, TCP_MIN_RTO_S)
         chunks = datagrams(n_values)
-        total = chunks + (parity_chunks * math.ceil(chunks / parity_group) if parity_group > 0 and recovered else 0)
+        total = chunks + (parity_datagrams(chunks, parity_group, parity_chunks) if recovered else 0)
         gone = p ** total  # nothing of it arrives: nobody can NACK, the master chases
         if not recovered:
             return Outcome.maybe(1 - (1 - p) ** chunks, max(deadline_s - base_s, 0.0))

@@ -180,6 +180,18 @@ def test_p_and_q_repair_two_losses_of_a_group_without_a_nack(cluster, parity_chu
         np.testing.assert_array_equal(result.values[a.node_id], data)
 
 
+def test_small_groups_get_p_alone(cluster):
+    """A SmolLM2 vector (580 floats, 2 chunks) with Q would be 4 datagrams instead of 3 for a rare benefit."""
+    master, agents = cluster
+    a = agents[0]
+    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[8] == 1 and d[3] == wire.DATA else sock.sendto(d, addr)
+    data = np.arange(580, dtype=np.float32)
+    assert a.send_vector({0: master.address}, 6, data, wire.FLOAT32, parity_group=8, parity_chunks=2) == 3
+    result = master.gather(6, {a.node_id: 580}, policy=GatherPolicy(deadline_s=0.05))
+    assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 1
+    np.testing.assert_array_equal(result.values[a.node_id], data)
+
+
 def test_a_sender_learns_its_outbound_loss_from_the_nacks_and_turns_parity_on(cluster):
     """An agent whose inputs come over TCP (halo-tcp) receives nothing from the master over UDP: the NACKs for
     its partials are the only sign that its link loses packets, and they switch its parity on."""

@@ -386,8 +386,9 @@ class UdpEndpoint:
         out = []
         for start in range(0, len(payloads), group):
             members = payloads[start:start + group]
-            prefix = PARITY_PREFIX.pack(len(members), chunks)
-            for kind, parity in zip(wire.PARITIES[:chunks], erasure.parities(members)):
+            here = erasure.parity_chunks_for(len(members), chunks)
+            prefix = PARITY_PREFIX.pack(len(members), here)
+            for kind, parity in zip(wire.PARITIES[:here], erasure.parities(members)):
                 out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
         return out
 
