@@ -51,14 +51,15 @@ def _rows(chunks, width: int) -> np.ndarray:
     return np.frombuffer(b"".join(bytes(c).ljust(width, b"\0") for c in chunks), dtype=np.uint8).reshape(-1, width)
 
 
-def parities(chunks: list[bytes]) -> tuple[bytes, bytes]:
-    """P and Q of a group (as long as its longest chunk)."""
+def parities(chunks: list[bytes], count: int = 2) -> tuple[bytes, ...]:
+    """P, and Q when count is 2, of a group (as long as its longest chunk)."""
     if not 0 < len(chunks) <= MAX_GROUP:
         raise ValueError(f"a parity group holds 1 to {MAX_GROUP} chunks, not {len(chunks)}")
     rows = _rows(chunks, max(len(c) for c in chunks))
-    p = np.bitwise_xor.reduce(rows, axis=0)
-    q = np.bitwise_xor.reduce(_times(_EXP[:len(chunks)], rows), axis=0)
-    return p.tobytes(), q.tobytes()
+    p = np.bitwise_xor.reduce(rows, axis=0).tobytes()
+    if count == 1:
+        return (p,)
+    return p, np.bitwise_xor.reduce(_times(_EXP[:len(chunks)], rows), axis=0).tobytes()
 
 
 def rebuild(present: dict[int, bytes], size: int, p: bytes | None, q: bytes | None) -> dict[int, bytes] | None:

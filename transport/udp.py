@@ -388,7 +388,7 @@ class UdpEndpoint:
             members = payloads[start:start + group]
             here = erasure.parity_chunks_for(len(members), chunks)
             prefix = PARITY_PREFIX.pack(len(members), here)
-            for kind, parity in zip(wire.PARITIES[:here], erasure.parities(members)):
+            for kind, parity in zip(wire.PARITIES, erasure.parities(members, here)):
                 out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
         return out
 
