@@ -132,7 +132,7 @@ class Inbound:
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
                  silent_at: float, parity_expected: bool = False):
         self.peer, self.dtype, self.nack, self.n_values = peer, dtype, nack, n_values
-        self.parity_expected = parity_expected  # the peer's recent vectors came with parity: wait for it at the tail
+        self.parity_expected = parity_expected  # the peer has sent parity this session: wait for it at the tail
         self.end, self.loss_end = end, loss_end  # until when we wait: without / with evidence of loss
         self.per = wire.values_per_chunk(dtype)
         self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
@@ -302,7 +302,7 @@ class UdpEndpoint:
         self.probe_replies: list[tuple[int, float, int]] = []  # (sequence, arrival time, bytes)
         self.send_hook = None  # tests and the loss injector may wrap sendto
         self.peers: dict[int, tuple] = {}  # peer id -> its address, from the control plane (never from datagrams)
-        self.parity_from: set[int] = set()  # peers whose last vector came with parity (wait for it at the tail)
+        self.parity_from: set[int] = set()  # peers that have sent parity this session (wait for it at the tail)
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
