@@ -41,7 +41,7 @@ from halo.errors import ConfigError
 from halo.sync.deadline import CHASE_FRACTION
 from halo.sync.framing import PREFIX
 from halo.sync.modes import POLICIES, SYNC_MODES, ModePolicy, SyncSettings, Transport
-from halo.transport.erasure import parity_chunks_for
+from halo.transport.erasure import groups
 from halo.transport.udp import GatherPolicy
 from halo.transport.wire import DATA_PAYLOAD, MAX_DATAGRAM
 
@@ -116,19 +116,14 @@ def p_needs_nack(p: float, chunks: int, parity_group: int, parity_chunks: int = 
     if parity_group <= 0:
         return 1 - (1 - p) ** chunks
     ok = 1.0
-    for start in range(0, chunks, parity_group):
-        data = min(parity_group, chunks - start)
-        parity = parity_chunks_for(data, parity_chunks)
+    for _, data, parity in groups(chunks, parity_group, parity_chunks):
         ok *= sum(math.comb(data + parity, k) * p ** k * (1 - p) ** (data + parity - k) for k in range(parity + 1))
     return 1 - ok
 
 
 def parity_datagrams(chunks: int, parity_group: int, parity_chunks: int) -> int:
     """Parity datagrams a vector of `chunks` data chunks goes out with (udp.py's groups)."""
-    if parity_group <= 0:
-        return 0
-    return sum(parity_chunks_for(min(parity_group, chunks - start), parity_chunks)
-               for start in range(0, chunks, parity_group))
+    return sum(parity for _, _, parity in groups(chunks, max(parity_group, 0), parity_chunks))
 
 
 @dataclass(frozen=True)

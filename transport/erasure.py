@@ -37,6 +37,17 @@ def parity_chunks_for(data_chunks: int, wanted: int) -> int:
     return wanted if data_chunks >= Q_FROM else min(wanted, 1)
 
 
+def groups(chunks: int, group: int, wanted: int) -> list[tuple[int, int, int]]:
+    """How a vector of `chunks` data chunks is protected: (first chunk, data chunks, parity chunks) per group of
+    `group` (0: none), `wanted` (1 or 2) parity chunks asked for. The sender's groups and the cost model's."""
+    if group == 0:
+        return []
+    if not 0 < group <= MAX_GROUP or wanted not in (1, 2):
+        raise ValueError(f"parity groups of 1..{MAX_GROUP} chunks with 1 or 2 parity chunks, not {group} and {wanted}")
+    return [(start, min(group, chunks - start), parity_chunks_for(min(group, chunks - start), wanted))
+            for start in range(0, chunks, group)]
+
+
 def _inverse(a: int) -> int:
     return int(_EXP[255 - _LOG[a]])
 

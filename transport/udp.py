@@ -380,14 +380,10 @@ class UdpEndpoint:
 
     def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int, chunks: int) -> list[bytes]:
         """P (and Q) per `group` data chunks: index = the group's first chunk, payload = prefix + parity."""
-        if not 0 < group <= erasure.MAX_GROUP or chunks not in (1, 2):
-            raise ValueError(f"parity groups of 1..{erasure.MAX_GROUP} chunks with 1 or 2 parity chunks, not "
-                             f"{group} and {chunks}")
         out = []
-        for start in range(0, len(payloads), group):
-            members = payloads[start:start + group]
-            here = erasure.parity_chunks_for(len(members), chunks)
-            prefix = PARITY_PREFIX.pack(len(members), here)
+        for start, size, here in erasure.groups(len(payloads), group, chunks):
+            members = payloads[start:start + size]
+            prefix = PARITY_PREFIX.pack(size, here)
             for kind, parity in zip(wire.PARITIES, erasure.parities(members, here)):
                 out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
         return out
