@@ -535,3 +535,32 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
                 nbits.matmul(np.ascontiguousarray(codes[:, :, rows]), np.ascontiguousarray(scales[:, rows]),
                              np.ascontiguousarray(offsets[:, rows]), x, part, bits, block)
                 np.testing.assert_array_equal(part, half[:, rows])
+
+
+def test_only_a_device_that_can_lack_groups_loads_them_ahead(stories_weights):
+    """Where every candidate group was built at the start and stays (unbounded), a prediction starts no load on the
+    background thread (it found nothing to load, and took the GIL from the computation waiting for partial sums);
+    a bounded cache, and fp32 weights (their pages advised in), still load the next layer ahead."""
+    c = stories_weights.config
+    layout = GroupLayout.for_model(c)
+    ranges = {l: (0, 3) for l in range(c.n_layers)}
+
+    class Ranker:  # predictors that rank the groups in reverse order
+        sessions = {l: None for l in range(1, c.n_layers)}
+
+        def rank(self, layer, hidden):
+            n = len(hidden)
+            return (np.tile(np.arange(c.n_heads), (n, 1)), np.tile(np.arange(layout.n_mlp_groups)[::-1], (n, 1)))
+
+    x = np.random.default_rng(0).standard_normal((1, c.dim)).astype(np.float32)
+    unbounded = Remapper(stories_weights, layout, ranges, Ranker(), fmt="int8")
+    group_bytes = unbounded.cache.held_bytes // len(unbounded.cache)
+    bounded = Remapper(stories_weights, layout, ranges, Ranker(), fmt="int8", cache_bytes=8 * group_bytes)
+    fp32 = Remapper(stories_weights, layout, ranges, Ranker(), fmt="fp32")
+    for remapper, loads in ((unbounded, False), (bounded, True), (fp32, True)):
+        remapper.begin()
+        remapper.predict(1, x)
+        assert remapper.loads == loads and (1 in remapper.loading) == loads
+        partial = remapper.mlp_partial(1, x)  # computes the predicted groups either way
+        assert partial.shape == (1, c.dim) and np.abs(partial).sum() > 0
+        remapper.close()

@@ -16,10 +16,15 @@ KEY = bytes(range(32))
 SESSION = 7
 
 
-@pytest.fixture
-def cluster():
-    master = UdpEndpoint(KEY, SESSION, 0)
-    agents = [UdpEndpoint(KEY, SESSION, i) for i in range(1, 5)]
+@pytest.fixture(params=["c", "python"])
+def cluster(request):
+    """A master and 4 agents on loopback; every test runs with the datagrams handled in C (transport/_datagrams.c)
+    and in Python (the reference)."""
+    fast = request.param == "c"
+    if fast and wire._datagrams is None:
+        pytest.skip("halo.transport._datagrams is not built (no C compiler at install): the Python path only")
+    master = UdpEndpoint(KEY, SESSION, 0, fast=fast)
+    agents = [UdpEndpoint(KEY, SESSION, i, fast=fast) for i in range(1, 5)]
     for a in agents:  # where peers are comes from the control plane: here, from the test
         master.peers[a.node_id] = a.address
         a.peers[0] = master.address
@@ -124,6 +129,94 @@ def test_forged_malformed_and_duplicate_packets_are_counted_never_raised(cluster
         per = wire.values_per_chunk(wire.FLOAT32)
         for i in np.flatnonzero(result.masks[p]):
             np.testing.assert_array_equal(result.values[p][i * per:(i + 1) * per], v[i * per:(i + 1) * per])
+
+
+needs_c = pytest.mark.skipif(wire._datagrams is None, reason="halo.transport._datagrams is not built (no C compiler "
+                             "at install): nothing to compare with the Python path")
+
+
+@needs_c
+def test_the_c_tag_is_keyed_blake2b_at_every_block_boundary():
+    import hashlib
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 127, 128, 129, 255, 256, 257, 1456, *rng.integers(1, 3000, 20)):
+        key, data = rng.bytes(32), rng.bytes(int(n))
+        assert wire._datagrams.tag(wire._datagrams.keyed(key), data) == hashlib.blake2b(
+            data, key=key, digest_size=16).digest()
+
+
+@needs_c
+def test_c_packing_gives_the_python_reference_bytes_and_refuses_what_it_refuses():
+    fast, reference = wire.Codec(KEY), wire.Codec(KEY, fast=False)
+    assert fast.state is not None and reference.state is None
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        fields = (int(rng.integers(5)), int(rng.integers(3)), int(rng.integers(256)), int(rng.integers(2**32)),
+                  int(rng.integers(2**63)) * 2 + 1, int(rng.integers(2**63)), int(rng.integers(50)), 50)
+        payload = rng.bytes(int(rng.integers(0, wire.MAX_PAYLOAD + 1)))
+        assert fast.pack(*fields, payload) == reference.pack(*fields, payload)
+    payloads = [rng.bytes(1422) for _ in range(6)]
+    assert fast.pack_chunks(0, 0, 3, 7, 99, 1000, payloads) == reference.pack_chunks(0, 0, 3, 7, 99, 1000, payloads)
+    for bad in ((0, 0, 256, 7, 1, 1, 0, 1, b""), (0, 0, 1, 2**32, 1, 1, 0, 1, b""), (0, 0, 1, 7, -1, 1, 0, 1, b""),
+                (0, 0, 1, 7, 1, 1, 0, 1, b"x" * (wire.MAX_PAYLOAD + 1)), (0, 0, 1, 7, 1, 1, 2**16, 1, b"")):
+        with pytest.raises(ValueError):
+            fast.pack(*bad)
+        with pytest.raises((ValueError, OverflowError, __import__("struct").error)):
+            reference.pack(*bad)
+
+
+@needs_c
+def test_c_receiving_refuses_forged_datagrams_for_the_reasons_the_python_checks_give():
+    """Every kind of bad datagram, and good ones, through recvmmsg + the C checks and through Codec.unpack."""
+    reference = wire.Codec(KEY, fast=False)
+    good = reference.pack(wire.DATA, wire.FLOAT32, 1, SESSION, 3, 10, 0, 6, b"\1" * 8)
+    forged = [b"", good[:10], good[:-1], good + b"x", b"XX" + good[2:], good[:2] + b"\2" + good[3:],
+              wire.Codec(bytes(32), fast=False).pack(wire.DATA, wire.FLOAT32, 1, SESSION, 3, 11, 0, 6, b""),
+              reference.pack(wire.DATA, wire.FLOAT32, 1, SESSION + 1, 3, 12, 0, 6, b""),
+              reference.pack(9, wire.FLOAT32, 1, SESSION, 3, 13, 0, 6, b""),
+              reference.pack(wire.DATA, 7, 1, SESSION, 3, 14, 0, 6, b""),
+              reference.pack(wire.DATA, wire.FLOAT32, 1, SESSION, 3, 15, 6, 6, b""), os.urandom(1473), good]
+    rng = np.random.default_rng(5)
+    forged += [rng.bytes(int(n)) for n in rng.integers(0, 1500, 30)]
+    for _ in range(30):  # one bit flipped somewhere
+        flipped = bytearray(good)
+        flipped[int(rng.integers(len(good)))] ^= 1 << int(rng.integers(8))
+        forged.append(bytes(flipped))
+    expected = []
+    for d in forged:
+        try:
+            header, payload = reference.unpack(d, SESSION)
+            expected.append((tuple(header), bytes(payload)))
+        except wire.WireError as e:
+            expected.append(e.reason)
+    receiver, sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    try:
+        got = []
+        for d in forged:
+            sender.sendto(d, receiver.getsockname())
+            items = wire._datagrams.receive(receiver.fileno(), wire.Codec(KEY).state, SESSION, 1.0, wire.Header)
+            assert len(items) == 1
+            item = items[0]
+            got.append(item if isinstance(item, str) else (tuple(item[0]), item[1]))
+            assert isinstance(item, str) or (type(item[0]) is wire.Header and item[3] == len(d))
+        assert wire._datagrams.receive(receiver.fileno(), wire.Codec(KEY).state, SESSION, 0.0, wire.Header) == []
+    finally:
+        receiver.close()
+        sender.close()
+    assert got == expected
+    assert {"oversized", "truncated", "bad_magic", "bad_version", "bad_length", "bad_tag", "other_session",
+            "malformed"} <= set(expected)
+
+
+def test_an_address_the_c_path_cannot_parse_is_sent_by_the_python_path(cluster):
+    master, agents = cluster
+    data = vectors(2048, seed=6, peers=(1,))
+    agents[0].send_vector({0: ("localhost", master.address[1])}, 1, data[1])  # a name, not a numeric address
+    result = master.gather(1, {1: 2048}, policy=GatherPolicy(deadline_s=1.0))
+    assert result.complete
+    np.testing.assert_array_equal(result.values[1], data[1])
 
 
 def serve_in_background(endpoints, seconds):

@@ -29,9 +29,9 @@ def test_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     out = subprocess.run([str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, cwd=tmp_path,
                          env=env, check=True, timeout=120)
     assert str(tmp_path / "venv") in out.stdout  # the installed copy, not the source tree
-    if shutil.which("cc"):  # the wheel carries the compact-group C kernel where it could be built
-        subprocess.run([str(bin_dir / "python"), "-c", "from halo import _nbits"], cwd=tmp_path, env=env, check=True,
-                       timeout=60)
+    if shutil.which("cc"):  # the wheel carries the compact-group C kernel and the C datagram path where they build
+        subprocess.run([str(bin_dir / "python"), "-c", "from halo import _nbits; from halo.transport import _datagrams"],
+                       cwd=tmp_path, env=env, check=True, timeout=60)
     out = subprocess.run([str(bin_dir / "halo-master"), "generate", "--prompt", "Once upon a time",
                           "--max-new-tokens", "8", "--json"], capture_output=True, text=True, cwd=tmp_path, env=env,
                          check=True, timeout=120)

@@ -127,7 +127,7 @@ class Inbound:
 
     __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
                  "nacked", "lossy", "chased", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin",
-                 "parity_expected")
+                 "parity_expected", "whole_bytes")
 
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
                  silent_at: float, parity_expected: bool = False):
@@ -135,6 +135,7 @@ class Inbound:
         self.parity_expected = parity_expected  # the peer has sent parity this session: wait for it at the tail
         self.end, self.loss_end = end, loss_end  # until when we wait: without / with evidence of loss
         self.per = wire.values_per_chunk(dtype)
+        self.whole_bytes = wire.payload_bytes(self.per, dtype)  # a whole chunk's payload
         self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
         self.got = bytearray(self.count or 0)
         self.received = 0
@@ -160,51 +161,56 @@ class Inbound:
 
     def accept(self, header: wire.Header, payload: bytes, stats: PeerStats, late: bool) -> None:
         """Take one valid datagram of this epoch from this peer; problems are counted, never raised."""
-        if self.count is None and header.dtype == self.dtype:
-            self.count = header.count  # the size is what the sender's chunks say (whole chunks)
-            self.n_values = header.count * self.per
-            self.got = bytearray(header.count)
-        if header.dtype != self.dtype or header.count != self.count:
+        kind, dtype, _, _, _, counter, index, count, _ = header
+        if self.count is None and dtype == self.dtype:
+            self.count = count  # the size is what the sender's chunks say (whole chunks)
+            self.n_values = count * self.per
+            self.got = bytearray(count)
+        if dtype != self.dtype or count != self.count:
             stats.rejected["malformed"] += 1
             return
         self.heard = True
         if late:
             stats.rejected["late"] += 1  # past its deadline a peer's data only says it is alive
             return
-        index = header.index
-        if header.kind in wire.PARITIES:
-            size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) > PARITY_PREFIX.size else 0
-            group = self.parities.get(index) or [size, None, None]
-            if not 0 < size <= self.count - index or group[0] != size:
-                stats.rejected["malformed"] += 1
+        if kind == wire.DATA:
+            if self.got[index]:
+                stats.rejected["duplicate"] += 1
                 return
-            group[1 if header.kind == wire.PARITY else 2] = payload[PARITY_PREFIX.size:]
-            self.parities[index] = group
-        elif self.got[index]:
-            stats.rejected["duplicate"] += 1
-            return
-        elif len(payload) != self._payload_bytes(index):
-            stats.rejected["bad_length"] += 1
-            return
-        else:
+            if len(payload) != self._payload_bytes(index):
+                stats.rejected["bad_length"] += 1
+                return
             if self.received < index and not self.nacked:
                 self.lossy = True  # a hole before this chunk: chunks arrive in order unless lost
             self._store(index, payload)
             stats.chunks_received += 1
-            stats.chunks_recovered_nack += self._sent_again(header)
+            if self._sent_again(counter - index):
+                stats.chunks_recovered_nack += 1
+        elif kind in wire.PARITIES:
+            size = PARITY_PREFIX.unpack_from(payload)[0] if len(payload) > PARITY_PREFIX.size else 0
+            group = self.parities.get(index) or [size, None, None]
+            if not 0 < size <= count - index or group[0] != size:
+                stats.rejected["malformed"] += 1
+                return
+            group[1 if kind == wire.PARITY else 2] = payload[PARITY_PREFIX.size:]
+            self.parities[index] = group
+        else:  # NACKs and probes are answered by the endpoint, never taken as a vector's chunks
+            stats.rejected["malformed"] += 1
+            return
         if self.parities:
             stats.chunks_recovered_parity += self._repair_with_parity()
 
-    def _sent_again(self, header: wire.Header) -> bool:
-        """Whether this data chunk is a re-sent copy rather than its first transmission. Only these count as
-        recovered by NACK: an original that arrives after a NACK was late, not lost (counting it made a
-        descheduled sender look like a lossy link)."""
-        origin = header.counter - header.index
+    def _sent_again(self, origin: int) -> bool:
+        """Whether a data chunk whose counter - index is `origin` is a re-sent copy rather than its first
+        transmission. Only these count as recovered by NACK: an original that arrives after a NACK was late, not
+        lost (counting it made a descheduled sender look like a lossy link)."""
         if self.origin is None or origin < self.origin:
             self.origin = origin
         return origin > self.origin
 
     def _payload_bytes(self, index: int) -> int:
+        if index < self.count - 1:  # a whole chunk (all but the last)
+            return self.whole_bytes
         return wire.payload_bytes(min(self.per, self.n_values - index * self.per), self.dtype)
 
     def _store(self, index: int, payload: bytes) -> None:
@@ -281,8 +287,8 @@ class Sent:
 
 class UdpEndpoint:
     def __init__(self, key: bytes, session: int, node_id: int, bind: tuple[str, int] = ("127.0.0.1", 0),
-                 recv_buffer: int = RECV_BUFFER_BYTES):
-        self.codec = wire.Codec(key)
+                 recv_buffer: int = RECV_BUFFER_BYTES, fast: bool = True):
+        self.codec = wire.Codec(key, fast)  # fast: datagrams packed, sent, read and checked in C where it is built
         self.session, self.node_id = session, node_id
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
@@ -345,6 +351,15 @@ class UdpEndpoint:
         except (BlockingIOError, InterruptedError, PermissionError, OSError):
             pass  # a full buffer or a local drop is a lost packet; the protocol copes
 
+    def _send_all(self, datagrams: list[bytes], addresses: list[tuple]) -> None:
+        """Every datagram to every address: one sendmmsg() in C where it can, else one sendto() apiece."""
+        if (self.codec.state is not None and self.send_hook is None
+                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses)):
+            return
+        for address in addresses:
+            for d in datagrams:
+                self._sendto(d, address)
+
     def pack(self, kind: int, dtype: int, epoch: int, index: int, count: int, payload: bytes) -> bytes:
         """One datagram of ours, with the next counter."""
         self.counter += 1
@@ -357,14 +372,14 @@ class UdpEndpoint:
         them for NACKs. Returns datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         payloads = wire.chunk_payloads(values, dtype)
-        count = len(payloads)
-        datagrams = [self.pack(wire.DATA, dtype, epoch, i, count, p) for i, p in enumerate(payloads)]
+        datagrams = self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1, payloads)
+        self.counter += len(payloads)
         if parity_group:
             datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
-        for peer, address in recipients.items():
-            for d in datagrams:
-                self._sendto(d, address)
-            self.stats[peer].sent_bytes += sum(map(len, datagrams))
+        self._send_all(datagrams, list(recipients.values()))
+        size = sum(map(len, datagrams))
+        for peer in recipients:
+            self.stats[peer].sent_bytes += size
             self.stats[peer].chunks_sent += len(datagrams)
         self.sent[epoch] = Sent(dtype, payloads, dict(recipients))
         while len(self.sent) > SENT_VECTORS_KEPT:
@@ -423,6 +438,9 @@ class UdpEndpoint:
 
     def _receive(self, timeout_s: float):
         """Yield (header, payload, address) of valid, fresh datagrams that arrive within timeout_s."""
+        if self.codec.state is not None:
+            yield from self._receive_fast(timeout_s)
+            return
         if not self._readable(timeout_s):
             return
         while True:
@@ -433,6 +451,23 @@ class UdpEndpoint:
             admitted = self.admit(self._view[:n])
             if admitted is not None:
                 yield admitted[0], admitted[1], address
+
+    def _receive_fast(self, timeout_s: float):
+        """_receive with the datagrams read (recvmmsg) and checked (Codec.unpack's checks) in C, a batch at a time."""
+        wait, more = max(timeout_s, 0.0), True
+        while more:
+            batch = wire._datagrams.receive(self.sock.fileno(), self.codec.state, self.session, wait, wire.Header)
+            wait, more = 0.0, len(batch) == wire._datagrams.RECV_BATCH  # fewer: the queue was empty
+            for item in batch:
+                if item.__class__ is str:
+                    self.stats[-1].rejected[item] += 1
+                    continue
+                header, payload, address, size = item
+                if not self.windows[header.sender].accept(header.counter):
+                    self.stats[header.sender].rejected["replayed"] += 1
+                    continue
+                self.stats[header.sender].received_bytes += size
+                yield header, payload, address
 
     def admit(self, datagram: bytes | memoryview) -> tuple[wire.Header, bytes] | None:
         """One received datagram checked (tag, session, format, counter): (header, payload) when valid and
@@ -534,28 +569,30 @@ class UdpEndpoint:
     def _take(self, epoch: int, header: wire.Header, payload: bytes, address, inbound: dict[int, Inbound],
               on_time: bool, on_stale, policy: GatherPolicy) -> bool:
         """Route one datagram during a gather; True when an expected peer has moved on to a newer epoch."""
-        if header.kind == wire.NACK:
+        kind, sender, h_epoch = header.kind, header.sender, header.epoch
+        if kind == wire.NACK:
             self._answer_nack(header, payload)
             return False
-        if self._answer_probe(header, payload, address):
+        if kind == wire.PROBE:
+            self._answer_probe(header, payload, address)
             return False
-        if header.kind in wire.PARITIES:
-            self.parity_from.add(header.sender)
-        if header.epoch < epoch:
-            self.stats[header.sender].rejected["stale"] += 1
-            if on_stale is not None:
-                on_stale(header, address)
-            return False
-        if header.epoch > epoch:  # a later synchronization: keep it for that gather
-            self._keep_early(header, payload, address)
-            return policy.stop_on_newer and header.sender in inbound
-        state = inbound.get(header.sender)
+        if kind != wire.DATA:
+            self.parity_from.add(sender)
+        if h_epoch != epoch:
+            if h_epoch < epoch:
+                self.stats[sender].rejected["stale"] += 1
+                if on_stale is not None:
+                    on_stale(header, address)
+                return False
+            self._keep_early(header, payload, address)  # a later synchronization: keep it for that gather
+            return policy.stop_on_newer and sender in inbound
+        state = inbound.get(sender)
         if state is None:
-            self.stats[header.sender].rejected["unexpected"] += 1
+            self.stats[sender].rejected["unexpected"] += 1
             return False
         now = time.perf_counter()
-        state.accept(header, payload, self.stats[header.sender], late=not on_time and now > state.until())
-        if state.complete:
+        state.accept(header, payload, self.stats[sender], late=not on_time and now > state.until())
+        if state.count is not None and state.received == state.count:  # complete
             if state.completed_at is None:
                 state.completed_at = now
         else:

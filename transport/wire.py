@@ -34,6 +34,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+try:  # the same packing and checks in C (transport/_datagrams.c), where the package was built with a compiler
+    from . import _datagrams
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _datagrams = None
+
 MAGIC = b"HL"
 VERSION = 3  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group
 HEADER = struct.Struct("<2sBBBBIQQHHH")
@@ -75,13 +80,17 @@ class Header(NamedTuple):
 class Codec:
     """Packs and checks datagrams with one cluster key (the keyed hash state is prepared once)."""
 
-    def __init__(self, key: bytes):
+    def __init__(self, key: bytes, fast: bool = True):
         if len(key) != KEY_BYTES:
             raise ValueError(f"the cluster key must be {KEY_BYTES} bytes")
         self._mac = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
+        # the C path's keyed BLAKE2b state (None: pack in Python; fast=False: the reference, for tests)
+        self.state = _datagrams.keyed(key) if fast and _datagrams is not None else None
 
     def pack(self, kind: int, dtype: int, sender: int, session: int, epoch: int, counter: int, index: int, count: int,
              payload: bytes) -> bytes:
+        if self.state is not None:
+            return _datagrams.pack(self.state, kind, dtype, sender, session, epoch, counter, index, count, payload)
         if len(payload) > MAX_PAYLOAD:
             raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
         header = HEADER.pack(MAGIC, VERSION, kind, dtype, sender, session, epoch, counter, index, count, len(payload))
@@ -89,6 +98,15 @@ class Codec:
         mac.update(header)
         mac.update(payload)
         return b"".join((header, payload, mac.digest()))
+
+    def pack_chunks(self, kind: int, dtype: int, sender: int, session: int, epoch: int, first_counter: int,
+                    payloads: list[bytes]) -> list[bytes]:
+        """A vector's chunks (chunk i: index i of len(payloads), counter first_counter + i), in one call."""
+        count = len(payloads)
+        if self.state is not None:
+            return _datagrams.pack_many(self.state, kind, dtype, sender, session, epoch, first_counter, count, payloads)
+        return [self.pack(kind, dtype, sender, session, epoch, first_counter + i, i, count, p)
+                for i, p in enumerate(payloads)]
 
     def unpack(self, datagram: bytes | memoryview, session: int | None = None) -> tuple[Header, memoryview]:
         """Validate and split a datagram; raises WireError(reason) for anything that must be discarded."""

@@ -96,10 +96,11 @@ def split_datagrams(data: bytes) -> list[bytes]:
     return out
 
 
-@target("wire", "UDP datagrams (wire v2) into an endpoint: Codec.unpack, replay window (counter), NACK/probe "
-        "answers, then a gather's Inbound states (chunks, parity repair, vectors)",
-        dictionary=(b"HL\x02", b"HL\x02\x00\x00", b"HL\x02\x01\x00", b"HL\x02\x02\x02", b"HL\x02\x03\x00",
-                    b"\x07\x00\x00\x00", b"\xff\xff\xff\xff\xff\xff\xff\xff"), max_len=8192)
+@target("wire", "UDP datagrams (wire v3) into an endpoint: Codec.unpack (and the C checks of transport/_datagrams.c, "
+        "which must agree), replay window (counter), NACK/probe answers, then a gather's Inbound states (chunks, "
+        "parity repair, vectors)",
+        dictionary=(b"HL\x03", b"HL\x03\x00\x00", b"HL\x03\x01\x00", b"HL\x03\x02\x02", b"HL\x03\x03\x00",
+                    b"HL\x03\x04\x00", b"\x07\x00\x00\x00", b"\xff\xff\xff\xff\xff\xff\xff\xff"), max_len=8192)
 def _wire():
     import numpy as np
 
@@ -136,6 +137,7 @@ def _wire():
         for datagram in split_datagrams(data[4:]):
             datagram = retag(datagram) if flags & 1 else datagram
             before, fresh = rejected(), None
+            _same_in_c(endpoint, datagram)
             if _authentic(endpoint, datagram):
                 header = wire.HEADER.unpack_from(datagram)
                 fresh = _fresh(accepted, header[4], header[7])
@@ -164,6 +166,22 @@ def _authentic(endpoint, datagram: bytes) -> bool:
     except wire.WireError:
         return False
     return True
+
+
+def _same_in_c(endpoint, datagram: bytes) -> None:
+    """The C path (transport/_datagrams.c, where built) refuses a datagram for Codec.unpack's reason, or gives its
+    header and payload."""
+    from halo.transport import wire
+
+    if endpoint.codec.state is None:
+        return
+    try:
+        header, payload = endpoint.codec.unpack(datagram, endpoint.session)
+        expected = (header, bytes(payload))
+    except wire.WireError as e:
+        expected = e.reason
+    got = wire._datagrams.unpack(endpoint.codec.state, datagram, endpoint.session, wire.Header)
+    assert got == expected, f"C says {got!r}, Python {expected!r}"
 
 
 def _fresh(accepted: dict[int, set[int]], sender: int, counter: int) -> bool:
