@@ -1,5 +1,5 @@
-/* halo.transport._datagrams: the per-datagram work of the UDP transport in C (optional; transport/wire.py and
- * transport/udp.py do the same in Python where this is not built).
+/* halo.transport._datagrams: the per-datagram work of the UDP transport in C (optional; transport/wire.py, udp.py and
+ * erasure.py do the same in Python where this is not built).
  *
  * Why: a round of the fast reliable path moves ~6 datagrams per peer each way, and in Python each one cost ~7 us of
  * packing, tagging, checking and a system call apiece: on a 2-core box with 4 processes that was a third of a
@@ -256,6 +256,70 @@ static PyObject *py_pack_many(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ---- parity (erasure.py's P and Q) ---------------------------------------------------------------------------- */
+/* Every byte of a word times g = 2 in GF(2^8) with x^8 + x^4 + x^3 + x^2 + 1 (0x11d): shift, and fold the carries. */
+static inline uint64_t times2(uint64_t v) {
+    const uint64_t high = v & 0x8080808080808080ULL;
+    return ((v & 0x7f7f7f7f7f7f7f7fULL) << 1) ^ ((high >> 7) * 0x1d);
+}
+
+/* parities(chunks, count) -> (P,) or (P, Q): P = XOR of the chunks, Q = sum of g^i chunk_i (Horner's rule from the
+ * last chunk), each as long as the longest chunk, shorter ones zero-padded: erasure.parities' bytes. */
+static PyObject *py_parities(PyObject *self, PyObject *args) {
+    PyObject *chunks;
+    int count;
+    if (!PyArg_ParseTuple(args, "Oi", &chunks, &count)) return NULL;
+    if (count != 1 && count != 2) return PyErr_Format(PyExc_ValueError, "1 or 2 parity chunks, not %d", count);
+    PyObject *seq = PySequence_Fast(chunks, "chunks must be a sequence of bytes");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    if (k < 1 || k > 255) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "a parity group holds 1 to 255 chunks, not %zd", k);
+    }
+    Py_ssize_t width = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *c = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyBytes_Check(c)) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_TypeError, "chunk %zd is not bytes", i);
+        }
+        if (PyBytes_GET_SIZE(c) > width) width = PyBytes_GET_SIZE(c);
+    }
+    const Py_ssize_t words = (width + 7) / 8;
+    uint64_t *acc = PyMem_Calloc((size_t)(2 * words + 1), sizeof(uint64_t)), *word = acc + 2 * words;
+    PyObject *out = NULL;
+    if (acc == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    uint64_t *p = acc, *q = acc + words;
+    for (Py_ssize_t i = k - 1; i >= 0; i--) { /* Horner: q = q g ^ chunk_i, from the last chunk to the first */
+        PyObject *c = PySequence_Fast_GET_ITEM(seq, i);
+        const uint8_t *bytes = (const uint8_t *)PyBytes_AS_STRING(c);
+        const Py_ssize_t n = PyBytes_GET_SIZE(c);
+        for (Py_ssize_t w = 0; w < words; w++) {
+            const Py_ssize_t at = 8 * w, left = n - at;
+            if (left >= 8) {
+                memcpy(word, bytes + at, 8);
+            } else {
+                *word = 0;
+                if (left > 0) memcpy(word, bytes + at, (size_t)left);
+            }
+            p[w] ^= *word;
+            if (count == 2) q[w] = times2(q[w]) ^ *word;
+        }
+    }
+    PyObject *pb = PyBytes_FromStringAndSize((const char *)p, width);
+    PyObject *qb = pb != NULL && count == 2 ? PyBytes_FromStringAndSize((const char *)q, width) : NULL;
+    if (pb != NULL && (count == 1 || qb != NULL)) out = count == 1 ? PyTuple_Pack(1, pb) : PyTuple_Pack(2, pb, qb);
+    Py_XDECREF(pb);
+    Py_XDECREF(qb);
+    PyMem_Free(acc);
+    Py_DECREF(seq);
+    return out;
+}
+
 /* ---- sending ---------------------------------------------------------------------------------------------- */
 static int parse_address(PyObject *address, struct sockaddr_in *out) {
     if (!PyTuple_Check(address) || PyTuple_GET_SIZE(address) != 2) return 0;
@@ -504,6 +568,8 @@ static PyMethodDef methods[] = {
     {"pack_many", py_pack_many, METH_VARARGS,
      "pack_many(state, kind, dtype, sender, session, epoch, first_counter, count, payloads) -> datagrams (chunk i: "
      "index i, counter first_counter + i)"},
+    {"parities", py_parities, METH_VARARGS,
+     "parities(chunks, count) -> (P,) or (P, Q): erasure.parities' bytes (shorter chunks zero-padded)"},
     {"sendmany", py_sendmany, METH_VARARGS,
      "sendmany(fd, datagrams, addresses) -> bool: every datagram to every address (sendmmsg); False: an address is "
      "not numeric IPv4, nothing sent"},
