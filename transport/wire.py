@@ -23,6 +23,10 @@ how many parity chunks the group has, one byte each): 355 float32, 711 float16 o
 anything malformed, oversized, from another version or session, or with a wrong tag, by raising
 `WireError` with a reason the receiver counts; it never raises anything else. The tag covers the
 counter, so a captured datagram sent again is recognised (`ReplayWindow`) and changes nothing.
+
+Where the package was built with a C compiler, `transport/_datagrams.c` packs and tags (`Codec.pack`,
+`Codec.pack_chunks`) and reads and checks (udp.py's receive path) the same bytes in C; `Codec.unpack` here, and
+`Codec(key, fast=False)` for packing, are the Python reference the tests and the fuzzer hold the C path to.
 """
 
 from __future__ import annotations
