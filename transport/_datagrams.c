@@ -494,6 +494,8 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "header_type must be a tuple subclass (wire.Header)");
         return NULL;
     }
+    if (timeout_s != timeout_s) timeout_s = 0; /* NaN: no wait */
+    if (timeout_s > 3600) timeout_s = 3600;   /* (an infinite wait would not fit a timespec) */
     if (timeout_s > 0) {
         struct pollfd pfd = {fd, POLLIN, 0};
         struct timespec ts = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
