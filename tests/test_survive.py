@@ -72,6 +72,10 @@ def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stori
             total = recovery.kept_groups + recovery.moved_groups
             assert recovery.moved_groups <= 0.3 * total, recovery.to_json()
         assert model.in_plan() == recovery.members and victim in model.survival_report()["absent"]
+        # the per-token breakdown counts the tokens before the re-plan too (not the replay)
+        assert model.timings.forwards >= len(result.token_ids) - 1
+        rounds = model.sync_report()["breakdown"]["rounds_per_token"]  # (+ what a pass cut short had done)
+        assert 2 * stories_weights.config.n_layers + 1 <= rounds < 2 * stories_weights.config.n_layers + 1.1
 
 
 def test_a_stopped_agent_is_left_out_then_taken_back_when_it_answers_again(stories_weights, known_answer):

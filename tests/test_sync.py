@@ -62,8 +62,19 @@ def test_without_loss_every_mode_is_exact(stories_weights, cluster, mode):
     try:
         np.testing.assert_allclose(model.forward(PROMPT, all_logits=True), expected, atol=1e-4)
         assert greedy(model, 24) == greedy(ref, 24)
-        loss = model.sync_report()["loss"]
+        report = model.sync_report()
+        loss = report["loss"]
         assert loss["chunks_missing"] == 0 and loss["partials"] > 0
+        # where a token's time went (--json, halo-master status): every decode round counted, parts that add up
+        breakdown, n_layers = report["breakdown"], stories_weights.config.n_layers
+        per = breakdown["per_token_ms"]
+        assert breakdown["rounds_per_token"] == 2 * n_layers + 1  # attention + MLP per layer, the LM head
+        assert min(per.values()) >= 0 and per["rounds"] >= max(per["own_compute"], per["slowest_agent_compute"])
+        assert per["rounds"] >= per["send"] + per["own_compute"] + per["sync_wait"] + per["merge"] - 1e-6
+        assert sorted(breakdown["agent_compute_per_token_ms"]) == ["1", "2"]
+        assert all(ms > 0 for ms in breakdown["agent_compute_per_token_ms"].values())
+        overhead = breakdown["round_overhead_ms"]
+        assert 0 <= overhead["p50"] <= overhead["p90"] <= overhead["p99"]
     finally:
         model.close()
 

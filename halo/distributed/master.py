@@ -62,6 +62,7 @@ class DistributedModel:
         self.pos = self.step = self.forward_id = 0
         self.ledger = LossLedger()
         self.timings = Timings()
+        self.decoding = False  # whether the forward pass running is one decode step (its rounds are timed)
         self.deadline = AdaptiveDeadline(self.sync)
         self.agents: dict[int, RemoteAgent] = self.session.agents
         self.rounds = RoundContext(self.agents, self.session.udp, self.sync, self.deadline, self.ledger,
@@ -88,7 +89,7 @@ class DistributedModel:
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         self.forward_id += 1
-        self.timings.forwards += len(tokens) == 1
+        self.decoding = len(tokens) == 1  # its rounds are timed (a prompt's LM-head round also has one position)
         self.worker.begin_forward()
         x = embed(self.weights.tok_embeddings, tokens)  # [T, D]
         for l in range(self.config.n_layers):
@@ -99,6 +100,7 @@ class DistributedModel:
         logits = self._block(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
         self.pos = start + len(tokens)
         self.step += 1
+        self.timings.forwards += self.decoding  # counted once done: a pass an agent failure cut short is tried again
         self.estimates.observe(len(tokens))  # scheduler hook (estimates.py)
         return logits if all_logits else logits[0]
 
@@ -123,7 +125,7 @@ class DistributedModel:
         if not self.sync.pred_overlap:
             self.worker.predict_next(block, x)
         t6 = time.perf_counter()
-        if len(x) == 1:
+        if self.decoding:
             self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
                                           1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
                                 round_.agent_compute)

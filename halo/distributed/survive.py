@@ -208,6 +208,7 @@ class SurvivingModel:
         self._close_model(replanning=True)
         self._plan_endpoints = list(endpoints)
         sticky, inputs = bool(shares), self.input_log.window(len(prefix)) if self.input_log and prefix else None
+        timings = getattr(self.model, "timings", None)  # where the generation's tokens went so far
         try:
             self.model = self.build(plan, endpoints, shares=shares[0] if sticky else None,
                                     reuse=getattr(self.model, "worker", None))
@@ -220,6 +221,8 @@ class SurvivingModel:
                 self.model.refill(inputs)  # what the history left in the KV caches, without running it again
             elif prefix:
                 self.model.forward(prefix, 0)
+            if timings is not None:  # the breakdown (--json, status) covers every token, not those since the re-plan
+                self.model.timings = timings
         except AgentError as e:
             return str(e)
         finally:
