@@ -192,8 +192,8 @@ class Remapper:
     def loads(self) -> bool:
         """Whether loading a layer's groups ahead does anything: not where every candidate group was built at the
         start and stays (an unbounded cache). There the load thread only cost the computation: it woke for nothing
-        and took the GIL while the main thread waited for the partial sums (4 ms of a TinyLlama token's
-        prediction time on a busy 2-core machine, 5.5 -> 1.7 ms)."""
+        and took the GIL while the main thread waited for the partial sums (a TinyLlama-shaped token's prediction
+        time on the 2-core test bed: 7.1 -> 2.3 ms, eval/results/halo_speed_c_datagrams.md)."""
         return self.cache is None or self.cache.capacity_bytes is not None
 
     def digest(self, layer: int) -> int:

@@ -2,6 +2,7 @@
 
 import os
 import socket
+import struct
 import threading
 import time
 
@@ -162,7 +163,7 @@ def test_c_packing_gives_the_python_reference_bytes_and_refuses_what_it_refuses(
                 (0, 0, 1, 7, 1, 1, 0, 1, b"x" * (wire.MAX_PAYLOAD + 1)), (0, 0, 1, 7, 1, 1, 2**16, 1, b"")):
         with pytest.raises(ValueError):
             fast.pack(*bad)
-        with pytest.raises((ValueError, OverflowError, __import__("struct").error)):
+        with pytest.raises((ValueError, OverflowError, struct.error)):
             reference.pack(*bad)
 
 
