@@ -463,11 +463,8 @@ class UdpEndpoint:
                     self.stats[-1].rejected[item] += 1
                     continue
                 header, payload, address, size = item
-                if not self.windows[header.sender].accept(header.counter):
-                    self.stats[header.sender].rejected["replayed"] += 1
-                    continue
-                self.stats[header.sender].received_bytes += size
-                yield header, payload, address
+                if self._fresh(header, size):
+                    yield header, payload, address
 
     def admit(self, datagram: bytes | memoryview) -> tuple[wire.Header, bytes] | None:
         """One received datagram checked (tag, session, format, counter): (header, payload) when valid and
@@ -477,11 +474,16 @@ class UdpEndpoint:
         except wire.WireError as e:
             self.stats[-1].rejected[e.reason] += 1
             return None
+        return (header, bytes(payload)) if self._fresh(header, len(datagram)) else None
+
+    def _fresh(self, header: wire.Header, size: int) -> bool:
+        """A checked datagram's counter against its sender's replay window: False (counted) for a copy of one
+        already taken; else its bytes are counted as received."""
         if not self.windows[header.sender].accept(header.counter):
-            self.stats[header.sender].rejected["replayed"] += 1  # a copy of a datagram already taken
-            return None
-        self.stats[header.sender].received_bytes += len(datagram)
-        return header, bytes(payload)
+            self.stats[header.sender].rejected["replayed"] += 1
+            return False
+        self.stats[header.sender].received_bytes += size
+        return True
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
         """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
