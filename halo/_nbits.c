@@ -10,13 +10,16 @@
  * turned to float32 by the same operations in the same order on every path, so one row gets the same bits
  * whatever the CPU's vector width, its tile, its thread or the rows around it (a row shard = the whole matrix).
  *
- * Layout (MatMulNBits' arrays with the rows moved next to last, in 4-byte words): codes [blocks, words, n, 4]
- * (words = block x bits / 32; 4-bit: byte j of a block holds input 2j's weight in its low nibble, 2j + 1's in its
- * high one), scales and offsets [blocks, n], x [T, blocks x block], out [T, n]; weight = (code - 2^(bits-1)) x
- * scale + offset (Q4_1's minimums; no offsets: none), so with z = 2^(bits-1) and s = sum(x over block b):
+ * Layout: one array, packed [tiles, blocks, unit] uint8, in the order the kernel reads it, so a matrix is one
+ * sequential stream (with the codes in separate [blocks, words, n, 4] arrays a token read at ~24 GB/s from memory here;
+ * packed, ~35). A tile is 16 rows; a unit is one block of a tile: its codes, words x 64 bytes (word w: 4 bytes of
+ * each of the 16 rows, 4-bit: byte j of a block holds input 2j's weight in its low nibble, 2j + 1's in its high
+ * one), then the 16 rows' scales, then their offsets (where the type has them), float32 or float16. The last tile's
+ * rows past n are zeros. weight = (code - 2^(bits-1)) x scale + offset, so with z = 2^(bits-1) and
+ * s = sum(x over block b):
  *     out[t, r] = sum_b scales[b, r] (d1 (codes . q1 - z sum q1) + d2 (codes . q2 - z sum q2)) + offsets[b, r] s
  * A 32-bit lane holds 4 bytes of one row: one VNNI instruction multiplies 16 rows x 4 bytes by 4 broadcast
- * activation codes. The GIL is released while it runs; OpenMP splits the rows over `threads`. */
+ * activation codes. The GIL is released while it runs; OpenMP splits the tiles over `threads`. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -28,12 +31,9 @@
 #define HALO_X86 1
 #endif
 
-/* Rows per tile on wide matrices: a tile's partial sums (tokens x TILE floats) stay in cache while every block of
- * its rows goes by; up to WHOLE_ROWS rows are one tile, so the codes stream in file order. PREFETCH: code rows
- * (of n x 4 bytes) ahead asked of the memory while this one is computed. */
-#define TILE 2048
-#define WHOLE_ROWS 4096
-#define PREFETCH_WORDS 8
+/* Rows per tile (one AVX-512 vector of int32 sums); units ahead of the one being computed asked of the memory. */
+#define TILE_ROWS 16
+#define PREFETCH_UNITS 32
 
 /* Scales and minimums come as float32 or as float16 (what GGUF stores: half the bytes, exactly the file's values). */
 #if defined(__FLT16_MANT_DIG__)
@@ -60,6 +60,17 @@ static inline float half_bits_to_float(uint16_t h)
 #define HALF_TO_FLOAT(h) half_bits_to_float(h)
 #endif
 
+/* The element-wise loops (activation quantization, norms, attention) built for several x86 levels, picked at load:
+ * the same operations, in the same order, wider (division, rint and max are exact at any width). */
+#if defined(HALO_X86) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef CLONES
+#define CLONES
+#endif
+
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 static const char *PATH_NAMES[] = {"scalar", "avx2", "avx512_vnni"};
 
@@ -67,16 +78,23 @@ static const char *PATH_NAMES[] = {"scalar", "avx2", "avx512_vnni"};
  * word (4-bit: word w's low nibbles meet inputs 8w, 8w+2, 8w+4, 8w+6, its high ones 8w+1, +3, +5, +7: two quads;
  * 8-bit: inputs 4w .. 4w+3), term 1's then term 2's; `steps` d1, d2; `zero_sums` z x sum(q) per term; `x_sums`. */
 typedef struct {
-    const uint8_t *codes;
-    const void *scales, *offsets;  /* float32 or float16 (is_half); offsets NULL: none */
-    int is_half, bits, terms;
-    Py_ssize_t tokens, blocks, n, block, words, quads;
+    const uint8_t *packed;   /* [tiles, blocks, unit] */
+    int is_half, has_offsets, bits, terms;
+    Py_ssize_t tokens, blocks, n, block, words, quads, unit;
     const int32_t *x_quads;  /* [tokens, blocks, terms, quads] */
     const float *steps;      /* [tokens, blocks, 2] */
     const int32_t *zero_sums;/* [tokens, blocks, 2] */
     const float *x_sums;     /* [tokens, blocks] */
     float *out;
 } Job;
+
+/* Block b of tile i: codes at 0, the 16 scales at CODE_BYTES, the offsets 16 values after them. */
+static inline const uint8_t *unit_of(const Job *job, Py_ssize_t i, Py_ssize_t b)
+{
+    return job->packed + (i * job->blocks + b) * job->unit;
+}
+#define CODE_BYTES(job) ((job)->words * 64)
+#define SCALE_BYTES(job) ((job)->is_half ? 2 : 4)
 
 static inline const int32_t *quads_of(const Job *job, Py_ssize_t t, Py_ssize_t b)
 {
@@ -99,84 +117,91 @@ static inline float value_at(const void *values, int is_half, Py_ssize_t i)
     return is_half ? HALF_TO_FLOAT(((const half *)values)[i]) : ((const float *)values)[i];
 }
 
-/* Rows r0 .. r1 of a tile (the rows a vector does not fill, and CPUs without AVX2), up to 64 at a time, in plain C
- * (~1 GB/s of codes on x86-64 here: without a vector path the projections go to MatMulNBits,
- * halo.linear.C_KERNEL_VECTORIZED; a memory-bounded device's compact groups still come here). */
-#define SCALAR_ROWS 64
-static void rows_scalar(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
-                        Py_ssize_t tile_start)
+/* Block b of tile i for every token in plain C (CPUs without AVX2: ~1 GB/s of codes on x86-64 here; without a
+ * vector path the projections go to MatMulNBits, halo.linear.C_KERNEL_VECTORIZED; a memory-bounded device's compact
+ * groups still come here). y: [tokens, 16] sums of the tile's rows. */
+static void unit_scalar(const Job *job, Py_ssize_t i, Py_ssize_t b, float *y)
 {
-    const Py_ssize_t n = job->n, words = job->words;
-    int32_t dot[2][SCALAR_ROWS];
-    for (Py_ssize_t start = r0; start < r1; start += SCALAR_ROWS) {
-        const Py_ssize_t rows = r1 - start < SCALAR_ROWS ? r1 - start : SCALAR_ROWS;
-        for (Py_ssize_t t = 0; t < job->tokens; t++) {
-            const int32_t *q = quads_of(job, t, b);
-            memset(dot, 0, sizeof dot);
-            for (int term = 0; term < job->terms; term++, q += job->quads)
-                for (Py_ssize_t w = 0; w < words; w++) {
-                    const uint8_t *restrict c = job->codes + ((b * words + w) * n + start) * 4;
-                    int32_t *restrict d = dot[term];
-                    if (job->bits == 8) {
-                        const int8_t *x = (const int8_t *)(q + w);
-                        const int32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
-                        for (Py_ssize_t r = 0; r < rows; r++)
-                            d[r] += c[4 * r] * x0 + c[4 * r + 1] * x1 + c[4 * r + 2] * x2 + c[4 * r + 3] * x3;
-                    } else {
-                        const int8_t *lo = (const int8_t *)(q + 2 * w), *hi = (const int8_t *)(q + 2 * w + 1);
-                        const int32_t l0 = lo[0], l1 = lo[1], l2 = lo[2], l3 = lo[3];
-                        const int32_t h0 = hi[0], h1 = hi[1], h2 = hi[2], h3 = hi[3];
-                        for (Py_ssize_t r = 0; r < rows; r++)
-                            d[r] += (c[4 * r] & 15) * l0 + (c[4 * r + 1] & 15) * l1 + (c[4 * r + 2] & 15) * l2
-                                    + (c[4 * r + 3] & 15) * l3 + (c[4 * r] >> 4) * h0 + (c[4 * r + 1] >> 4) * h1
-                                    + (c[4 * r + 2] >> 4) * h2 + (c[4 * r + 3] >> 4) * h3;
-                    }
+    const uint8_t *u = unit_of(job, i, b);
+    const void *scales = u + CODE_BYTES(job), *offsets = u + CODE_BYTES(job) + TILE_ROWS * SCALE_BYTES(job);
+    int32_t dot[2][TILE_ROWS];
+    for (Py_ssize_t t = 0; t < job->tokens; t++) {
+        const int32_t *q = quads_of(job, t, b);
+        memset(dot, 0, sizeof dot);
+        for (int term = 0; term < job->terms; term++, q += job->quads)
+            for (Py_ssize_t w = 0; w < job->words; w++) {
+                const uint8_t *restrict c = u + w * 64;
+                int32_t *restrict d = dot[term];
+                if (job->bits == 8) {
+                    const int8_t *x = (const int8_t *)(q + w);
+                    const int32_t x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+                    for (int r = 0; r < TILE_ROWS; r++)
+                        d[r] += c[4 * r] * x0 + c[4 * r + 1] * x1 + c[4 * r + 2] * x2 + c[4 * r + 3] * x3;
+                } else {
+                    const int8_t *lo = (const int8_t *)(q + 2 * w), *hi = (const int8_t *)(q + 2 * w + 1);
+                    const int32_t l0 = lo[0], l1 = lo[1], l2 = lo[2], l3 = lo[3];
+                    const int32_t h0 = hi[0], h1 = hi[1], h2 = hi[2], h3 = hi[3];
+                    for (int r = 0; r < TILE_ROWS; r++)
+                        d[r] += (c[4 * r] & 15) * l0 + (c[4 * r + 1] & 15) * l1 + (c[4 * r + 2] & 15) * l2
+                                + (c[4 * r + 3] & 15) * l3 + (c[4 * r] >> 4) * h0 + (c[4 * r + 1] >> 4) * h1
+                                + (c[4 * r + 2] >> 4) * h2 + (c[4 * r + 3] >> 4) * h3;
                 }
-            const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;
-            const float *steps = job->steps + (t * job->blocks + b) * 2, x_sum = job->x_sums[t * job->blocks + b];
-            float *yt = y + t * m + (start - tile_start);
-            for (Py_ssize_t r = 0; r < rows; r++) {
-                const float scale = value_at(job->scales, job->is_half, b * n + start + r);
-                const float offset = job->offsets ? value_at(job->offsets, job->is_half, b * n + start + r) : 0.f;
-                yt[r] = block_term(yt[r], scale, offset, job->offsets != NULL, dot[0][r] - z[0], dot[1][r] - z[1],
-                                   steps, x_sum);
             }
+        const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;
+        const float *steps = job->steps + (t * job->blocks + b) * 2, x_sum = job->x_sums[t * job->blocks + b];
+        float *yt = y + t * TILE_ROWS;
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const float scale = value_at(scales, job->is_half, r);
+            const float offset = job->has_offsets ? value_at(offsets, job->is_half, r) : 0.f;
+            yt[r] = block_term(yt[r], scale, offset, job->has_offsets, dot[0][r] - z[0], dot[1][r] - z[1], steps,
+                               x_sum);
         }
     }
 }
 
+static void tile_scalar(const Job *job, Py_ssize_t i, float *y)
+{
+    for (Py_ssize_t b = 0; b < job->blocks; b++)
+        unit_scalar(job, i, b, y);
+}
+
 #ifdef HALO_X86
-/* 16 rows' scales (or minimums) of block b from row r as float32. */
-#define LOAD16(values, at)                                                                                      \
-    (job->is_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(values) + (at))))  \
-                  : _mm512_loadu_ps((const float *)(values) + (at)))
+/* The lines of the unit PREFETCH_UNITS ahead of u (past the array's end: a hint, never a fault). */
+#define PREFETCH_AHEAD(u)                                                                                       \
+    for (Py_ssize_t at = 0; at < job->unit; at += 64)                                                           \
+        _mm_prefetch((const char *)(u) + PREFETCH_UNITS * job->unit + at, _MM_HINT_T0)
+
+/* 16 scales (or minimums) from `at` as float32. */
+#define LOAD16(at)                                                                                              \
+    (job->is_half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at))) : _mm512_loadu_ps((const float *)(at)))
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
-/* Sixteen rows of block b for every token. WORDS, BITS and TERMS are constants where it matters (GGUF's blocks of
- * 32: 4 words of 4-bit codes, 8 of 8-bit), so the loops unroll and the codes stay in registers across tokens;
- * WORDS = 0: any width, the codes read from cache per token. Four independent sums per term (integers: their
- * order cannot change the result) let the multiply-adds overlap. */
-static inline __attribute__((always_inline)) AVX512 void chunk_avx512(const Job *job, Py_ssize_t r, Py_ssize_t b,
-                                                                      float *y, Py_ssize_t m, Py_ssize_t tile_start,
-                                                                      const int WORDS, const int BITS, const int TERMS)
+/* Block b of tile i (16 rows) for every token. WORDS, BITS and TERMS are constants where it matters (GGUF's blocks
+ * of 32: 4 words of 4-bit codes, 8 of 8-bit), so the loops unroll and the codes stay in registers across tokens;
+ * WORDS = 0: any width, the codes read from cache per token. Four independent sums per term (integers: their order
+ * cannot change the result) let the multiply-adds overlap. */
+static inline __attribute__((always_inline)) AVX512 void unit_avx512(const Job *job, Py_ssize_t i, Py_ssize_t b,
+                                                                     float *y, const int WORDS, const int BITS,
+                                                                     const int TERMS)
 {
-    const Py_ssize_t n = job->n, words = WORDS ? WORDS : job->words, row_words = n * 4;
+    const Py_ssize_t words = WORDS ? WORDS : job->words;
     const __m512i low = _mm512_set1_epi8(15);
-    const uint8_t *codes = job->codes + (b * words * n + r) * 4;
+    const uint8_t *codes = unit_of(job, i, b);
+    PREFETCH_AHEAD(codes);
     __m512i lo[8], hi[8];
     if (WORDS) {
         for (int w = 0; w < WORDS; w++) {
-            _mm_prefetch((const char *)(codes + (w + PREFETCH_WORDS) * row_words), _MM_HINT_T0);
-            lo[w] = _mm512_loadu_si512(codes + w * row_words);
+            lo[w] = _mm512_loadu_si512(codes + w * 64);
             if (BITS == 4) {
                 hi[w] = _mm512_and_si512(_mm512_srli_epi16(lo[w], 4), low);
                 lo[w] = _mm512_and_si512(lo[w], low);
             }
         }
     }
-    const __m512 scale = LOAD16(job->scales, b * n + r);
-    const __m512 offset = job->offsets ? LOAD16(job->offsets, b * n + r) : _mm512_setzero_ps();
+    const uint8_t *values = codes + words * 64;
+    const __m512 scale = LOAD16(values);
+    const __m512 offset = job->has_offsets ? LOAD16(values + TILE_ROWS * SCALE_BYTES(job)) : _mm512_setzero_ps();
     for (Py_ssize_t t = 0; t < job->tokens; t++) {
         const int32_t *q = quads_of(job, t, b);
         __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
@@ -188,7 +213,7 @@ static inline __attribute__((always_inline)) AVX512 void chunk_avx512(const Job 
                 if (WORDS)
                     cl = lo[w], ch = BITS == 4 ? hi[w] : ch;
                 else {
-                    cl = _mm512_loadu_si512(codes + w * row_words);
+                    cl = _mm512_loadu_si512(codes + w * 64);
                     if (BITS == 4)
                         ch = _mm512_and_si512(_mm512_srli_epi16(cl, 4), low), cl = _mm512_and_si512(cl, low);
                 }
@@ -204,77 +229,69 @@ static inline __attribute__((always_inline)) AVX512 void chunk_avx512(const Job 
         }
         const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;
         const float *steps = job->steps + (t * job->blocks + b) * 2;
-        float *yt = y + t * m + (r - tile_start);
+        float *yt = y + t * TILE_ROWS;
         __m512 s = _mm512_mul_ps(_mm512_set1_ps(steps[0]),
                                  _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[0], _mm512_set1_epi32(z[0]))));
         s = _mm512_fmadd_ps(_mm512_set1_ps(steps[1]),
                             _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[1], _mm512_set1_epi32(z[1]))), s);
         __m512 acc = _mm512_add_ps(_mm512_loadu_ps(yt), _mm512_mul_ps(scale, s));
-        if (job->offsets)
+        if (job->has_offsets)
             acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(job->x_sums[t * job->blocks + b]), acc);
         _mm512_storeu_ps(yt, acc);
     }
 }
 
-/* Rows r0 .. r1 of block b, sixteen at a time, for one block shape; returns the first row left to a narrower path. */
-static inline __attribute__((always_inline)) AVX512 Py_ssize_t chunks_avx512(const Job *job, Py_ssize_t r0,
-                                                                             Py_ssize_t r1, Py_ssize_t b, float *y,
-                                                                             Py_ssize_t m, Py_ssize_t tile_start,
-                                                                             const int WORDS, const int BITS,
-                                                                             const int TERMS)
+static inline __attribute__((always_inline)) AVX512 void blocks_avx512(const Job *job, Py_ssize_t i, float *y,
+                                                                       const int WORDS, const int BITS, const int TERMS)
 {
-    Py_ssize_t r = r0;
-    for (; r + 16 <= r1; r += 16)
-        chunk_avx512(job, r, b, y, m, tile_start, WORDS, BITS, TERMS);
-    return r;
+    for (Py_ssize_t b = 0; b < job->blocks; b++)
+        unit_avx512(job, i, b, y, WORDS, BITS, TERMS);
 }
 
-/* Calls CHUNKS(WORDS, BITS, TERMS) with the job's block shape as constants (GGUF's blocks of 32: 4 words of 4-bit
- * codes, 8 of 8-bit) or WORDS = 0 (any width), and returns what it returns. */
-#define BY_SHAPE(CHUNKS)                                                                                        \
+/* Calls BLOCKS(WORDS, BITS, TERMS) with the job's block shape as constants (GGUF's blocks of 32: 4 words of 4-bit
+ * codes, 8 of 8-bit) or WORDS = 0 (any width). */
+#define BY_SHAPE(BLOCKS)                                                                                        \
     do {                                                                                                        \
         const int bits = job->bits, two = job->terms == 2, words = (int)job->words;                             \
-        if (bits == 4 && words == 4) return two ? CHUNKS(4, 4, 2) : CHUNKS(4, 4, 1);                            \
-        if (bits == 8 && words == 8) return two ? CHUNKS(8, 8, 2) : CHUNKS(8, 8, 1);                            \
-        if (bits == 4) return two ? CHUNKS(0, 4, 2) : CHUNKS(0, 4, 1);                                          \
-        return two ? CHUNKS(0, 8, 2) : CHUNKS(0, 8, 1);                                                         \
+        if (bits == 4 && words == 4) two ? BLOCKS(4, 4, 2) : BLOCKS(4, 4, 1);                                   \
+        else if (bits == 8 && words == 8) two ? BLOCKS(8, 8, 2) : BLOCKS(8, 8, 1);                              \
+        else if (bits == 4) two ? BLOCKS(0, 4, 2) : BLOCKS(0, 4, 1);                                            \
+        else two ? BLOCKS(0, 8, 2) : BLOCKS(0, 8, 1);                                                           \
     } while (0)
 
-#define CHUNKS_AVX512(WORDS, BITS, TERMS) chunks_avx512(job, r0, r1, b, y, m, tile_start, WORDS, BITS, TERMS)
+#define BLOCKS_AVX512(WORDS, BITS, TERMS) blocks_avx512(job, i, y, WORDS, BITS, TERMS)
 
-AVX512 static Py_ssize_t rows_avx512(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y,
-                                     Py_ssize_t m, Py_ssize_t tile_start)
+AVX512 static void tile_avx512(const Job *job, Py_ssize_t i, float *y)
 {
-    BY_SHAPE(CHUNKS_AVX512);
+    BY_SHAPE(BLOCKS_AVX512);
 }
 
 /* AVX2 has no u8 x s8 -> s32 instruction: pmaddubsw (pairs into int16) then pmaddwd by ones. 4-bit pairs stay
  * within 2 x 15 x 127; 8-bit codes are taken as code - 128 (signed) against sign-adjusted activations (pairs
  * within 2 x 128 x 127), which is the zero point applied early: the same integer sums. */
-#define LOAD8(values, at)                                                                                       \
-    (job->is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(values) + (at))))     \
-                  : _mm256_loadu_ps((const float *)(values) + (at)))
+#define LOAD8(at)                                                                                               \
+    (job->is_half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at))) : _mm256_loadu_ps((const float *)(at)))
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* Rows r0 .. r1 of block b, eight at a time; WORDS, BITS and TERMS constants as in chunk_avx512. */
-static inline __attribute__((always_inline)) AVX2 Py_ssize_t chunks_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1,
-                                                                         Py_ssize_t b, float *y, Py_ssize_t m,
-                                                                         Py_ssize_t tile_start, const int WORDS,
-                                                                         const int BITS, const int TERMS)
+/* Block b of tile i, its two halves of eight rows; WORDS, BITS and TERMS constants as in unit_avx512. */
+static inline __attribute__((always_inline)) AVX2 void unit_avx2(const Job *job, Py_ssize_t i, Py_ssize_t b, float *y,
+                                                                 const int WORDS, const int BITS, const int TERMS)
 {
-    const Py_ssize_t n = job->n, words = WORDS ? WORDS : job->words;
+    const Py_ssize_t words = WORDS ? WORDS : job->words;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    Py_ssize_t r = r0;
-    for (; r + 8 <= r1; r += 8) {
-        const __m256 scale = LOAD8(job->scales, b * n + r);
-        const __m256 offset = job->offsets ? LOAD8(job->offsets, b * n + r) : _mm256_setzero_ps();
+    const uint8_t *unit = unit_of(job, i, b), *values = unit + words * 64;
+    PREFETCH_AHEAD(unit);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *codes = unit + 32 * half, *at = values + 8 * half * SCALE_BYTES(job);
+        const __m256 scale = LOAD8(at);
+        const __m256 offset = job->has_offsets ? LOAD8(at + TILE_ROWS * SCALE_BYTES(job)) : _mm256_setzero_ps();
         for (Py_ssize_t t = 0; t < job->tokens; t++) {
             const int32_t *q = quads_of(job, t, b);
             __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int term = 0; term < TERMS; term++, q += job->quads)
                 for (Py_ssize_t w = 0; w < words; w++) {
-                    const __m256i c = _mm256_loadu_si256((const __m256i *)(job->codes + ((b * words + w) * n + r) * 4));
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + w * 64));
                     __m256i pairs;
                     if (BITS == 8) {
                         const __m256i signed_codes = _mm256_xor_si256(c, flip);
@@ -291,44 +308,49 @@ static inline __attribute__((always_inline)) AVX2 Py_ssize_t chunks_avx2(const J
             const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;
             const float *steps = job->steps + (t * job->blocks + b) * 2;
             const int early = BITS == 8;  /* 8-bit sums already hold the zero point */
-            float *yt = y + t * m + (r - tile_start);
+            float *yt = y + t * TILE_ROWS + 8 * half;
             __m256 s = _mm256_mul_ps(_mm256_set1_ps(steps[0]), _mm256_cvtepi32_ps(
                 early ? dot[0] : _mm256_sub_epi32(dot[0], _mm256_set1_epi32(z[0]))));
             s = _mm256_fmadd_ps(_mm256_set1_ps(steps[1]), _mm256_cvtepi32_ps(
                 early ? dot[1] : _mm256_sub_epi32(dot[1], _mm256_set1_epi32(z[1]))), s);
             __m256 acc = _mm256_add_ps(_mm256_loadu_ps(yt), _mm256_mul_ps(scale, s));
-            if (job->offsets)
+            if (job->has_offsets)
                 acc = _mm256_fmadd_ps(offset, _mm256_set1_ps(job->x_sums[t * job->blocks + b]), acc);
             _mm256_storeu_ps(yt, acc);
         }
     }
-    return r;
 }
-#define CHUNKS_AVX2(WORDS, BITS, TERMS) chunks_avx2(job, r0, r1, b, y, m, tile_start, WORDS, BITS, TERMS)
 
-AVX2 static Py_ssize_t rows_avx2(const Job *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t b, float *y, Py_ssize_t m,
-                                 Py_ssize_t tile_start)
+static inline __attribute__((always_inline)) AVX2 void blocks_avx2(const Job *job, Py_ssize_t i, float *y,
+                                                                   const int WORDS, const int BITS, const int TERMS)
 {
-    BY_SHAPE(CHUNKS_AVX2);
+    for (Py_ssize_t b = 0; b < job->blocks; b++)
+        unit_avx2(job, i, b, y, WORDS, BITS, TERMS);
+}
+#define BLOCKS_AVX2(WORDS, BITS, TERMS) blocks_avx2(job, i, y, WORDS, BITS, TERMS)
+
+AVX2 static void tile_avx2(const Job *job, Py_ssize_t i, float *y)
+{
+    BY_SHAPE(BLOCKS_AVX2);
 }
 #endif
 
-/* Rows r0 .. r0 + m of the output on `path`; y: tokens x m floats of scratch. */
-static void tile_rows(const Job *job, int path, Py_ssize_t r0, Py_ssize_t m, float *y)
+/* Tile i's rows of the output on `path`, block after block (a tile at a time: tiles computed side by side, two
+ * streams or more, read from memory at a quarter of the speed here). y: tokens x 16 floats of scratch. */
+static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
 {
-    memset(y, 0, (size_t)(job->tokens * m) * sizeof(float));
-    for (Py_ssize_t b = 0; b < job->blocks; b++) {
-        Py_ssize_t r = r0;
+    memset(y, 0, (size_t)(job->tokens * TILE_ROWS) * sizeof(float));
 #ifdef HALO_X86
-        if (path == PATH_AVX512)
-            r = rows_avx512(job, r, r0 + m, b, y, m, r0);
-        if (path >= PATH_AVX2)
-            r = rows_avx2(job, r, r0 + m, b, y, m, r0);
+    if (path == PATH_AVX512)
+        tile_avx512(job, i, y);
+    else if (path == PATH_AVX2)
+        tile_avx2(job, i, y);
+    else
 #endif
-        rows_scalar(job, r, r0 + m, b, y, m, r0);
-    }
+        tile_scalar(job, i, y);
+    const Py_ssize_t r0 = i * TILE_ROWS, rows = job->n - r0 < TILE_ROWS ? job->n - r0 : TILE_ROWS;
     for (Py_ssize_t t = 0; t < job->tokens; t++)
-        memcpy(job->out + t * job->n + r0, y + t * m, (size_t)m * sizeof(float));
+        memcpy(job->out + t * job->n + r0, y + t * TILE_ROWS, (size_t)rows * sizeof(float));
 }
 
 static int best_path(void)
@@ -345,7 +367,7 @@ static int best_path(void)
 }
 
 /* x's blocks as activation codes (see the top of this file): the quads, steps, zero-point sums and float sums. */
-static void quantize_activations(Job *job, const float *x, int32_t *x_quads, float *steps, int32_t *zero_sums,
+CLONES static void quantize_activations(Job *job, const float *x, int32_t *x_quads, float *steps, int32_t *zero_sums,
                                  float *x_sums)
 {
     const Py_ssize_t block = job->block, blocks = job->blocks;
@@ -364,9 +386,11 @@ static void quantize_activations(Job *job, const float *x, int32_t *x_quads, flo
             const int finite = isfinite(sum);  /* a NaN or infinity in the block: its outputs are NaN, not codes */
             for (int term = 0; term < job->terms; term++) {
                 float amax = 0.f;
-                for (Py_ssize_t i = 0; i < block; i++)
-                    amax = fmaxf(amax, fabsf(residual[i]));
-                const float step = finite ? fmaxf(amax / 127.f, 1e-30f) : NAN;
+                for (Py_ssize_t i = 0; i < block; i++) {  /* (a compare, not fmaxf: NaN never gets here as a code) */
+                    const float v = fabsf(residual[i]);
+                    amax = v > amax ? v : amax;
+                }
+                const float step = finite ? (amax / 127.f > 1e-30f ? amax / 127.f : 1e-30f) : NAN;
                 int32_t code_sum = 0;
                 for (Py_ssize_t i = 0; i < block; i++) {
                     const float code = finite ? rintf(residual[i] / step) : 0.f;
@@ -386,17 +410,12 @@ static void quantize_activations(Job *job, const float *x, int32_t *x_quads, flo
         }
 }
 
-/* The tiles of rows on `threads` threads (OpenMP, where the build has it): with more than one, no tile is wider
- * than a thread's share of the rows, in whole cache lines of codes. Returns -1 when out of memory. */
+/* The tiles on `threads` threads (OpenMP, where the build has it; each thread a contiguous run of tiles).
+ * Returns -1 when out of memory. */
 static int matmul(Job *job, const float *x, int threads, int path)
 {
-    const Py_ssize_t n = job->n, tokens = job->tokens, blocks = job->blocks;
-    Py_ssize_t tile = n <= WHOLE_ROWS ? n : TILE;
-    if (threads > 1) {
-        const Py_ssize_t share = ((n + threads - 1) / threads + 15) / 16 * 16;
-        tile = share < tile ? share : tile;
-    }
-    const Py_ssize_t tiles = (n + tile - 1) / tile, per_block = tokens * blocks;
+    const Py_ssize_t tokens = job->tokens, blocks = job->blocks, tiles = (job->n + TILE_ROWS - 1) / TILE_ROWS;
+    const Py_ssize_t per_block = tokens * blocks;
     const size_t quad_bytes = (size_t)(per_block * job->terms * job->quads) * sizeof(int32_t);
     char *prepared = PyMem_RawMalloc(quad_bytes + (size_t)per_block * (2 * sizeof(float) + 2 * sizeof(int32_t)
                                                                        + sizeof(float)));
@@ -408,12 +427,13 @@ static int matmul(Job *job, const float *x, int threads, int path)
     float *x_sums = (float *)(zero_sums + 2 * per_block);
     quantize_activations(job, x, x_quads, steps, zero_sums, x_sums);
     job->x_quads = x_quads, job->steps = steps, job->zero_sums = zero_sums, job->x_sums = x_sums;
+    const size_t scratch_bytes = (size_t)(tokens * TILE_ROWS) * sizeof(float);
     int failed = 0;
 #ifdef _OPENMP
     if (threads > 1 && tiles > 1) {
 #pragma omp parallel num_threads(threads)
         {
-            float *scratch = malloc((size_t)(tokens * tile) * sizeof(float));
+            float *scratch = malloc(scratch_bytes);
             if (!scratch) {
 #pragma omp atomic write
                 failed = 1;
@@ -421,18 +441,18 @@ static int matmul(Job *job, const float *x, int threads, int path)
 #pragma omp for schedule(static)
             for (Py_ssize_t i = 0; i < tiles; i++)
                 if (scratch)
-                    tile_rows(job, path, i * tile, n - i * tile < tile ? n - i * tile : tile, scratch);
+                    tile_rows(job, path, i, scratch);
             free(scratch);
         }
         PyMem_RawFree(prepared);
         return failed ? -1 : 0;
     }
 #endif
-    float *scratch = PyMem_RawMalloc((size_t)(tokens * tile) * sizeof(float));
+    float *scratch = PyMem_RawMalloc(scratch_bytes);
     if (!scratch)
         failed = 1;
     for (Py_ssize_t i = 0; i < tiles && !failed; i++)
-        tile_rows(job, path, i * tile, n - i * tile < tile ? n - i * tile : tile, scratch);
+        tile_rows(job, path, i, scratch);
     PyMem_RawFree(scratch), PyMem_RawFree(prepared);
     return failed ? -1 : 0;
 }
@@ -445,6 +465,10 @@ static int contiguous(PyObject *obj, Py_buffer *view, const char *name, Py_ssize
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
     const char *found = view->format ? view->format : "B";
+    const uint16_t one = 1;
+    const char native = *(const char *)&one ? '<' : '>';
+    if (found[0] == '@' || found[0] == '=' || found[0] == native)  /* this machine's byte order: the same values */
+        found++;
     const Py_ssize_t itemsize = found[0] == 'f' ? 4 : found[0] == 'e' ? 2 : 1;
     if (strlen(found) != 1 || !strchr(format, found[0]) || view->itemsize != itemsize) {
         PyErr_Format(PyExc_ValueError, "%s holds values of type '%s'; it must be %s", name, found,
@@ -470,31 +494,98 @@ static int path_named(const char *name)
     return -1;
 }
 
-static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
+/* A compact weight's packed array, checked against its shape (the buffer held until weight_close). */
+typedef struct {
+    Py_buffer packed;
+    Job job;  /* the weight's fields filled; tokens, activations and out per call */
+} Weight;
+
+static void weight_close(Weight *w)
 {
-    (void)self;
-    static char *names[] = {"codes", "scales", "offsets", "x", "out", "bits", "block", "terms", "threads", "path",
-                            NULL};
-    PyObject *codes_obj, *scales_obj, *offsets_obj, *x_obj, *out_obj;
-    int bits, terms = 2, threads = 1;
-    const char *path_name = NULL;
-    Py_ssize_t block;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOin|iiz", names, &codes_obj, &scales_obj, &offsets_obj, &x_obj,
-                                     &out_obj, &bits, &block, &terms, &threads, &path_name))
-        return NULL;
+    PyBuffer_Release(&w->packed);
+}
+
+/* packed [ceil(n / 16), blocks, unit] uint8 (see the top of this file); 0, or -1 with a ValueError that says what
+ * does not fit. */
+static int weight_open(Weight *w, PyObject *packed_obj, Py_ssize_t n, int bits, Py_ssize_t block, int is_half,
+                       int has_offsets, int terms)
+{
+    memset(w, 0, sizeof *w);
     if ((bits != 4 && bits != 8) || block <= 0 || block % (bits == 4 ? 8 : 4) || block > 4096) {
         PyErr_Format(PyExc_ValueError, "bits must be 4 or 8 and the block a multiple of %d up to 4096 (got %d, %zd)",
                      bits == 4 ? 8 : 4, bits, block);
-        return NULL;
+        return -1;
     }
     if (terms != 1 && terms != 2) {
         PyErr_Format(PyExc_ValueError, "terms must be 1 or 2 (got %d)", terms);
-        return NULL;
+        return -1;
     }
+    if (n <= 0 || n > ((Py_ssize_t)1 << 40)) {
+        PyErr_Format(PyExc_ValueError, "n must be a positive number of rows (got %zd)", n);
+        return -1;
+    }
+    if (contiguous(packed_obj, &w->packed, "packed", -1, "B", 0) < 0)
+        return -1;
+    const Py_ssize_t words = block * bits / 32, tiles = (n + TILE_ROWS - 1) / TILE_ROWS;
+    const Py_ssize_t unit = words * 64 + TILE_ROWS * (is_half ? 2 : 4) * (has_offsets ? 2 : 1);
+    /* shapes compared, never multiplied: the products of a real buffer's dimensions cannot overflow */
+    if (w->packed.ndim != 3 || w->packed.shape[0] != tiles || w->packed.shape[1] < 1 || w->packed.shape[2] != unit) {
+        PyErr_Format(PyExc_ValueError, "packed must be [tiles %zd, blocks >= 1, unit %zd] (16-row tiles of %zd rows; "
+                     "halo.linear.pack)", tiles, unit, n);
+        PyBuffer_Release(&w->packed);
+        return -1;
+    }
+    Job job = {w->packed.buf, is_half != 0, has_offsets != 0, bits, terms, 0, w->packed.shape[1], n, block, words,
+               bits == 4 ? 2 * words : words, unit, NULL, NULL, NULL, NULL, NULL};
+    w->job = job;
+    return 0;
+}
+
+/* A weight handed over as the tuple (packed, n, bits, block, half, offsets, terms): halo.linear.DequantKernel.c_weight. */
+static int weight_from(Weight *w, PyObject *tuple, const char *name)
+{
+    PyObject *packed;
+    int bits, terms, is_half, has_offsets;
+    Py_ssize_t n, block;
+    if (!PyTuple_Check(tuple)
+        || !PyArg_ParseTuple(tuple, "Oninppi", &packed, &n, &bits, &block, &is_half, &has_offsets, &terms)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s must be a (packed, n, bits, block, half, offsets, terms) tuple "
+                     "(halo.linear.DequantKernel.c_weight)", name);
+        return -1;
+    }
+    return weight_open(w, packed, n, bits, block, is_half, has_offsets, terms);
+}
+
+/* out [tokens, n] = x [tokens, blocks x block] @ W.T; -1 when out of memory. Runs without the GIL. */
+static int project(const Weight *w, const float *x, Py_ssize_t tokens, float *out, int threads, int path)
+{
+    Job job = w->job;
+    job.tokens = tokens, job.out = out;
+    return matmul(&job, x, threads, path);
+}
+
+static int checked_threads(int threads)
+{
     if (threads < 1 || threads > 1024) {
         PyErr_Format(PyExc_ValueError, "threads must be 1..1024 (got %d)", threads);
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *names[] = {"weight", "x", "out", "threads", "path", NULL};
+    PyObject *weight_obj, *x_obj, *out_obj;
+    int threads = 1;
+    const char *path_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|iz", names, &weight_obj, &x_obj, &out_obj, &threads,
+                                     &path_name))
+        return NULL;
+    if (checked_threads(threads) < 0)
+        return NULL;
     const int best = best_path();
     int path = best;
     if (path_name) {
@@ -505,46 +596,17 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
             return NULL;
         }
     }
-    Py_buffer codes, scales, offsets = {0}, x, out;
-    if (contiguous(scales_obj, &scales, "scales", -1, "fe", 0) < 0)
+    Weight w;
+    if (weight_from(&w, weight_obj, "weight") < 0)
         return NULL;
-    if (scales.ndim != 2) {
-        PyBuffer_Release(&scales);
-        PyErr_SetString(PyExc_ValueError, "scales must be a [blocks, n] float32 or float16 array");
-        return NULL;
-    }
-    const int is_half = scales.format[0] == 'e';
-    const Py_ssize_t blocks = scales.shape[0], n = scales.shape[1], words = block * bits / 32;
-    if (blocks == 0) {
-        PyBuffer_Release(&scales);
-        PyErr_SetString(PyExc_ValueError, "scales hold no blocks: nothing to compute with");
-        return NULL;
-    }
-    /* shapes compared, never multiplied: the products of a real buffer's dimensions cannot overflow */
-    if (contiguous(codes_obj, &codes, "codes", -1, "B", 0) < 0) {
-        PyBuffer_Release(&scales);
-        return NULL;
-    }
-    if (codes.ndim != 4 || codes.shape[0] != blocks || codes.shape[1] != words || codes.shape[2] != n
-        || codes.shape[3] != 4) {
-        PyErr_Format(PyExc_ValueError, "codes must be [blocks %zd, words %zd, n %zd, 4] (rows next to last)", blocks,
-                     words, n);
-        PyBuffer_Release(&scales), PyBuffer_Release(&codes);
-        return NULL;
-    }
-    int have_offsets = offsets_obj != Py_None;
-    if (have_offsets && contiguous(offsets_obj, &offsets, "offsets", scales.len / scales.itemsize,
-                                   is_half ? "e" : "f", 0) < 0) {
-        PyBuffer_Release(&scales), PyBuffer_Release(&codes);
-        return NULL;
-    }
+    const Py_ssize_t k = w.job.blocks * w.job.block, n = w.job.n;
+    Py_buffer x, out;
     if (contiguous(x_obj, &x, "x", -1, "f", 0) < 0) {
-        PyBuffer_Release(&scales), PyBuffer_Release(&codes);
-        if (have_offsets) PyBuffer_Release(&offsets);
+        weight_close(&w);
         return NULL;
     }
-    if (x.ndim != 2 || x.shape[1] != blocks * block) {
-        PyErr_Format(PyExc_ValueError, "x must be [tokens, %zd] float32 inputs", blocks * block);
+    if (x.ndim != 2 || x.shape[1] != k) {
+        PyErr_Format(PyExc_ValueError, "x must be [tokens, %zd] float32 inputs", k);
         goto fail_x;
     }
     const Py_ssize_t tokens = x.shape[0];
@@ -556,11 +618,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
         goto fail_x;
     }
     int failed = 0;
-    if (tokens > 0 && n > 0) {
+    if (tokens > 0) {
         Py_BEGIN_ALLOW_THREADS
-        Job job = {codes.buf, scales.buf, have_offsets ? offsets.buf : NULL, is_half, bits, terms,
-                   tokens, blocks, n, block, words, bits == 4 ? 2 * words : words, NULL, NULL, NULL, NULL, out.buf};
-        failed = matmul(&job, x.buf, threads, path);
+        failed = project(&w, x.buf, tokens, out.buf, threads, path);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&out);
@@ -568,13 +628,235 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_NoMemory();
         goto fail_x;
     }
-    PyBuffer_Release(&x), PyBuffer_Release(&scales), PyBuffer_Release(&codes);
-    if (have_offsets) PyBuffer_Release(&offsets);
+    PyBuffer_Release(&x), weight_close(&w);
     Py_RETURN_NONE;
 fail_x:
-    PyBuffer_Release(&x), PyBuffer_Release(&scales), PyBuffer_Release(&codes);
-    if (have_offsets) PyBuffer_Release(&offsets);
+    PyBuffer_Release(&x), weight_close(&w);
     return NULL;
+}
+
+/* ---- Decode steps: one token through a whole block's share in one call ----
+ * A decode step of a small model is mostly fixed costs around the kernel: SmolLM2's 576-wide layer spent ~110 us a
+ * token in numpy and Python (norm, rotary, attention, the projections' wrappers) next to ~150 us in the kernel. These
+ * run a block's share for one token (T = 1) here, start to end, without the GIL: the same quantities as
+ * halo.neuron_groups' numpy path (RMSNorm, rotate-half, softmax attention over the cache, SwiGLU), float32 throughout,
+ * summed in a fixed order (so one head's output is the same whichever shard holds it; the bits may differ from numpy's
+ * BLAS sums in the last place). */
+
+/* sum a[i] b[i], in 16 lanes then added in order. */
+static inline float dot(const float *a, const float *b, Py_ssize_t n)
+{
+    float lanes[16] = {0};
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++)
+            lanes[l] += a[i + l] * b[i + l];
+    float sum = 0.f;
+    for (int l = 0; l < 16; l++)
+        sum += lanes[l];
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+/* h = x * (1 / sqrt(mean(x^2) + eps)) * weight, as halo.ops.rmsnorm orders it (the sum of squares in 16 lanes). */
+CLONES static void rms_norm(const float *x, const float *weight, Py_ssize_t d, float eps, float *h)
+{
+    const float scale = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (Py_ssize_t i = 0; i < d; i++)
+        h[i] = x[i] * scale * weight[i];
+}
+
+/* Rotate-half of `heads` vectors of hd at one position (halo.ops.Rotary.apply: x1 cos - x2 sin, x2 cos + x1 sin). */
+static void rotate(float *v, Py_ssize_t heads, Py_ssize_t hd, const float *cos, const float *sin)
+{
+    const Py_ssize_t half = hd / 2;
+    for (Py_ssize_t h = 0; h < heads; h++, v += hd)
+        for (Py_ssize_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[half + i];
+            v[i] = a * cos[i] - b * sin[i];
+            v[half + i] = b * cos[i] + a * sin[i];
+        }
+}
+
+/* Query head q [hd] (rotated) over positions 0..len-1 of its KV head's cache rows (stride floats apart) -> out [hd];
+ * scores [len] scratch. Softmax as halo.ops.softmax: minus the max, exp, divided by the sum. */
+CLONES static void attend_head(const float *q, const float *keys, const float *values, Py_ssize_t len, Py_ssize_t stride,
+                        Py_ssize_t hd, float scale, float *scores, float *out)
+{
+    float top = -INFINITY;
+    for (Py_ssize_t s = 0; s < len; s++) {
+        scores[s] = dot(q, keys + s * stride, hd) * scale;
+        top = scores[s] > top ? scores[s] : top;  /* NaN scores: NaN outputs either way (exp(NaN - top)) */
+    }
+    float total = 0.f;
+    for (Py_ssize_t s = 0; s < len; s++)
+        total += scores[s] = expf(scores[s] - top);
+    memset(out, 0, (size_t)hd * sizeof(float));
+    for (Py_ssize_t s = 0; s < len; s++) {
+        const float p = scores[s] / total, *v = values + s * stride;
+        for (Py_ssize_t i = 0; i < hd; i++)
+            out[i] += p * v[i];
+    }
+}
+
+/* A 1-D float32 buffer of `items` (writable or not) or a 2/3-D one whose shape the caller checks. */
+static int floats(PyObject *obj, Py_buffer *view, const char *name, Py_ssize_t items, int writable)
+{
+    return contiguous(obj, view, name, items, "f", writable);
+}
+
+/* Both weights of a step (the first released again if the second is refused); 0 or -1. */
+static int weight_pair(Weight *a, PyObject *a_obj, const char *a_name, Weight *b, PyObject *b_obj, const char *b_name)
+{
+    if (weight_from(a, a_obj, a_name) < 0)
+        return -1;
+    if (weight_from(b, b_obj, b_name) < 0) {
+        weight_close(a);
+        return -1;
+    }
+    return 0;
+}
+
+/* A step's end: its views and weights released; None, or NULL with the error set (MemoryError when `failed`). */
+static PyObject *step_done(int failed, Py_buffer *views, int held, Weight *a, Weight *b)
+{
+    if (failed == 1)
+        PyErr_NoMemory();
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    weight_close(a), weight_close(b);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *names[] = {"x", "norm", "eps", "qkv", "out", "cos", "sin", "cache_k", "cache_v", "pos", "heads",
+                            "y", "threads", NULL};
+    PyObject *x_obj, *norm_obj, *qkv_obj, *out_obj, *cos_obj, *sin_obj, *k_obj, *v_obj, *y_obj;
+    float eps;
+    Py_ssize_t pos, heads;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnnO|i", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
+                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads, &y_obj, &threads))
+        return NULL;
+    Weight qkv, wo;
+    if (checked_threads(threads) < 0 || weight_pair(&qkv, qkv_obj, "qkv", &wo, out_obj, "out") < 0)
+        return NULL;
+    Py_buffer views[7];
+    int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
+    const Py_ssize_t d = qkv.job.blocks * qkv.job.block;
+    if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
+        || (++held, floats(cos_obj, &views[held], "cos", -1, 0) < 0) || (++held, floats(sin_obj, &views[held], "sin", -1, 0) < 0)
+        || (++held, floats(k_obj, &views[held], "cache_k", -1, 1) < 0)
+        || (++held, floats(v_obj, &views[held], "cache_v", -1, 1) < 0)
+        || (++held, floats(y_obj, &views[held], "y", wo.job.n, 1) < 0))
+        return step_done(failed, views, held, &qkv, &wo);
+    held++;
+    const Py_buffer *cos = &views[2], *sin = &views[3], *ck = &views[4], *cv = &views[5];
+    const Py_ssize_t kv = ck->ndim == 3 ? ck->shape[1] : 0, hd = ck->ndim == 3 ? ck->shape[2] : 0;
+    if (ck->ndim != 3 || cv->ndim != 3 || memcmp(ck->shape, cv->shape, 3 * sizeof(Py_ssize_t)) || kv == 0 || hd % 2
+        || heads <= 0 || heads % kv || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
+        || memcmp(cos->shape, sin->shape, 2 * sizeof(Py_ssize_t))) {
+        PyErr_SetString(PyExc_ValueError, "attention_step: caches must be [positions, kv heads, head dim] (both alike), "
+                        "heads a multiple of the KV heads, cos/sin [positions, head dim / 2]");
+        return step_done(failed, views, held, &qkv, &wo);
+    }
+    if (qkv.job.n != (heads + 2 * kv) * hd || wo.job.blocks * wo.job.block != heads * hd) {
+        PyErr_Format(PyExc_ValueError, "attention_step: qkv has %zd rows and out %zd inputs; %zd heads and %zd KV heads of "
+                     "%zd need %zd and %zd", qkv.job.n, wo.job.blocks * wo.job.block, heads, kv, hd,
+                     (heads + 2 * kv) * hd, heads * hd);
+        return step_done(failed, views, held, &qkv, &wo);
+    }
+    if (pos < 0 || pos >= ck->shape[0] || pos >= cos->shape[0]) {
+        PyErr_Format(PyExc_ValueError, "position %zd is beyond the context length %zd", pos,
+                     ck->shape[0] < cos->shape[0] ? ck->shape[0] : cos->shape[0]);
+        return step_done(failed, views, held, &qkv, &wo);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int path = best_path();
+    const Py_ssize_t group = heads / kv, width = (heads + 2 * kv) * hd;
+    float *scratch = malloc((size_t)(d + width + heads * hd + pos + 1) * sizeof(float));
+    if (!scratch)
+        failed = 1;
+    else {
+        float *h = scratch, *q = h + d, *attended = q + width, *scores = attended + heads * hd;
+        float *cache_k = ck->buf, *cache_v = cv->buf;
+        rms_norm(views[0].buf, views[1].buf, d, eps, h);
+        failed = project(&qkv, h, 1, q, threads, path);
+        if (!failed) {
+            float *k = q + heads * hd, *v = k + kv * hd;
+            const float *c = (const float *)cos->buf + pos * (hd / 2), *s = (const float *)sin->buf + pos * (hd / 2);
+            rotate(q, heads, hd, c, s);
+            rotate(k, kv, hd, c, s);
+            memcpy(cache_k + pos * kv * hd, k, (size_t)(kv * hd) * sizeof(float));
+            memcpy(cache_v + pos * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
+            const float scale = 1.0f / sqrtf((float)hd);
+            for (Py_ssize_t i = 0; i < heads; i++) {
+                const Py_ssize_t j = i / group;
+                attend_head(q + i * hd, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores,
+                            attended + i * hd);
+            }
+            failed = project(&wo, attended, 1, views[6].buf, threads, path);
+        }
+        free(scratch);
+    }
+    Py_END_ALLOW_THREADS
+    return step_done(failed ? 1 : 0, views, held, &qkv, &wo);
+}
+
+/* SwiGLU: act = silu(gate) x up, silu(g) = g / (1 + exp(-g)) (halo.ops.silu); gate_up: the gate's n, then up's. */
+CLONES static void swiglu(const float *gate_up, Py_ssize_t n, float *act)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        act[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[n + i];
+}
+
+static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *names[] = {"x", "norm", "eps", "gate_up", "down", "y", "threads", NULL};
+    PyObject *x_obj, *norm_obj, *gate_up_obj, *down_obj, *y_obj;
+    float eps;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOO|i", names, &x_obj, &norm_obj, &eps, &gate_up_obj, &down_obj,
+                                     &y_obj, &threads))
+        return NULL;
+    Weight gate_up, down;
+    if (checked_threads(threads) < 0 || weight_pair(&gate_up, gate_up_obj, "gate_up", &down, down_obj, "down") < 0)
+        return NULL;
+    Py_buffer views[3];
+    int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
+    const Py_ssize_t d = gate_up.job.blocks * gate_up.job.block, neurons = gate_up.job.n / 2;
+    if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
+        || (++held, floats(y_obj, &views[held], "y", down.job.n, 1) < 0))
+        return step_done(failed, views, held, &gate_up, &down);
+    held++;
+    if (gate_up.job.n % 2 || down.job.blocks * down.job.block != neurons) {
+        PyErr_Format(PyExc_ValueError, "mlp_step: gate_up has %zd rows (gate's, then up's) and down %zd inputs: they must "
+                     "be 2N and N", gate_up.job.n, down.job.blocks * down.job.block);
+        return step_done(failed, views, held, &gate_up, &down);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const int path = best_path();
+    float *scratch = malloc((size_t)(d + 3 * neurons) * sizeof(float));
+    if (!scratch)
+        failed = 1;
+    else {
+        float *h = scratch, *gu = h + d, *act = gu + 2 * neurons;
+        rms_norm(views[0].buf, views[1].buf, d, eps, h);
+        failed = project(&gate_up, h, 1, gu, threads, path);
+        if (!failed) {
+            swiglu(gu, neurons, act);
+            failed = project(&down, act, 1, views[2].buf, threads, path);
+        }
+        free(scratch);
+    }
+    Py_END_ALLOW_THREADS
+    return step_done(failed ? 1 : 0, views, held, &gate_up, &down);
 }
 
 static PyObject *py_paths(PyObject *self, PyObject *unused)
@@ -589,10 +871,20 @@ static PyObject *py_paths(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS,
-     "matmul(codes, scales, offsets, x, out, bits, block, terms=2, threads=1, path=None): out[T, n] = x[T, k] @ W.T "
-     "for W held as codes [blocks, block*bits/32, n, 4] (uint8), scales and offsets [blocks, n] (both float32 or "
-     "both float16; offsets None: none): weight = (code - 2^(bits-1)) x scale + offset; x quantized per block to "
-     "`terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' (default: the best this CPU runs; same results)."},
+     "matmul(weight, x, out, threads=1, path=None): out[T, n] = x[T, k] @ W.T for a compact weight given as "
+     "(packed, n, bits, block, half, offsets, terms): packed [ceil(n / 16), blocks, unit] uint8 (halo.linear.pack: "
+     "16-row tiles, each block's codes then scales then offsets, float16 if half), weight = (code - 2^(bits-1)) x "
+     "scale + offset; x quantized per block to `terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' "
+     "(default: the best this CPU runs; same results)."},
+    {"attention_step", (PyCFunction)(void (*)(void))py_attention_step, METH_VARARGS | METH_KEYWORDS,
+     "attention_step(x, norm, eps, qkv, out, cos, sin, cache_k, cache_v, pos, heads, y, threads=1): one token's "
+     "attention share: y[1, D] = W_o (attention of the rotated queries over cache positions 0..pos) for x [1, D] "
+     "RMS-normed by `norm`; qkv: the query heads' rows then the KV heads' key rows then value rows; query head i reads "
+     "KV head i / (heads / KV); the token's rotated keys and its values are written at cache position pos. qkv and "
+     "out: weights as matmul takes them."},
+    {"mlp_step", (PyCFunction)(void (*)(void))py_mlp_step, METH_VARARGS | METH_KEYWORDS,
+     "mlp_step(x, norm, eps, gate_up, down, y, threads=1): one token's MLP share: y[1, D] = W_down (silu(gate) x up) "
+     "of x [1, D] RMS-normed by `norm`; gate_up: the gate rows then the up rows."},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, slowest first."},
     {NULL, NULL, 0, NULL},
 };

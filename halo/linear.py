@@ -216,8 +216,8 @@ class _NBitsKernel:
     an onnxruntime session, or where halo's C kernel is built (`in_c`), a DequantKernel.
 
     The codes, scales (and offsets) are written to an unlinked temporary file; onnxruntime takes them as external
-    initializers and repacks them into its own layout at session start (a DequantKernel copies them into its own
-    layout, `rows_last`, in pages of its own), after which the file pages are released from this process (they
+    initializers and repacks them into its own layout at session start (a DequantKernel packs them into its own
+    layout, `pack`, in pages of its own), after which the file pages are released from this process (they
     re-read from disk if ever touched again).
     """
 
@@ -297,26 +297,57 @@ def projection_kernel() -> str:
     return "halo._nbits" if C_KERNEL_VECTORIZED and PREFER_C_KERNEL else "onnxruntime"
 
 
-def rows_last(a: np.ndarray) -> np.ndarray:
-    """A MatMulNBits array as `DequantKernel` holds it (a view): scales and offsets [rows, blocks] as [blocks, rows];
-    codes [rows, blocks, bytes] as [blocks, words, rows, 4] (a 32-bit word: 4 bytes of one row, what one lane of
-    the C kernel's integer dot product takes)."""
-    if a.ndim == 3:
-        rows, blocks, nbytes = a.shape
-        return a.reshape(rows, blocks, nbytes // 4, 4).transpose(1, 2, 0, 3)
-    return a.T
+TILE_ROWS = 16  # rows per tile of the C kernel's layout (halo/_nbits.c)
 
 
-def rows_first(a: np.ndarray) -> np.ndarray:
-    """The inverse of `rows_last`: MatMulNBits' layout (scales a view, codes a copy)."""
-    if a.ndim == 4:
-        blocks, words, rows, _ = a.shape
-        return a.transpose(2, 0, 1, 3).reshape(rows, blocks, words * 4)
-    return a.T
+def packed_shape(n: int, blocks: int, block_bytes: int, scale_bytes: int, offsets: bool) -> tuple[int, int, int]:
+    """[tiles, blocks, unit] of `pack`'s array: a unit is one block of a 16-row tile (its codes, then its scales, then
+    its offsets)."""
+    return -(-n // TILE_ROWS), blocks, block_bytes * TILE_ROWS + TILE_ROWS * scale_bytes * (2 if offsets else 1)
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, into: np.ndarray | None = None) -> np.ndarray:
+    """MatMulNBits arrays (codes [n, blocks, block bytes] uint8; scales and offsets [n, blocks], float32 or float16)
+    in the C kernel's order of reading, one array (halo/_nbits.c): [tiles, blocks, unit] uint8, a unit = one block of
+    16 rows: their codes in 4-byte words (word w: bytes 4w..4w+3 of each row, row after row), then their 16 scales,
+    then their 16 offsets. A matrix is then one sequential stream (a token through SmolLM2 read its codes at ~24 GB/s
+    in separate arrays, ~35 packed). Rows past n in the last tile are zeros. into: a uint8 buffer of that size."""
+    n, blocks, block_bytes = codes.shape
+    shape = packed_shape(n, blocks, block_bytes, scales.itemsize, offsets is not None)
+    tiles, rows = shape[0], shape[0] * TILE_ROWS
+    out = np.zeros(shape, np.uint8) if into is None else into.reshape(shape)
+    padded = np.zeros((rows, blocks, block_bytes), np.uint8)
+    padded[:n] = codes
+    words = block_bytes // 4
+    out[:, :, :block_bytes * TILE_ROWS] = (padded.reshape(tiles, TILE_ROWS, blocks, words, 4).transpose(0, 2, 3, 1, 4)
+                                           .reshape(tiles, blocks, -1))
+    at = block_bytes * TILE_ROWS
+    for values in (scales, offsets):
+        if values is not None:
+            column = np.zeros((rows, blocks), scales.dtype)
+            column[:n] = values
+            tile = np.ascontiguousarray(column.reshape(tiles, TILE_ROWS, blocks).transpose(0, 2, 1))
+            out[:, :, at:at + TILE_ROWS * scales.itemsize] = tile.view(np.uint8)
+            at += TILE_ROWS * scales.itemsize
+    return out
+
+
+def unpack(packed: np.ndarray, n: int, block_bytes: int, dtype, offsets: bool):
+    """`pack`'s inverse: (codes [n, blocks, block bytes], scales [n, blocks], offsets or None), copies."""
+    tiles, blocks, _ = packed.shape
+    dtype = np.dtype(dtype)
+    codes = (packed[:, :, :block_bytes * TILE_ROWS].reshape(tiles, blocks, block_bytes // 4, TILE_ROWS, 4)
+             .transpose(0, 3, 1, 2, 4).reshape(tiles * TILE_ROWS, blocks, block_bytes)[:n])
+    values, at = [], block_bytes * TILE_ROWS
+    for _ in range(2 if offsets else 1):
+        tile = np.ascontiguousarray(packed[:, :, at:at + TILE_ROWS * dtype.itemsize]).view(dtype)  # [tiles, blocks, 16]
+        values.append(tile.transpose(0, 2, 1).reshape(tiles * TILE_ROWS, blocks)[:n])
+        at += TILE_ROWS * dtype.itemsize
+    return codes, values[0], values[1] if offsets else None
 
 
 class DequantKernel:
-    """A kernel's arrays (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
+    """A kernel's weights (codes, scales and offsets in MatMulNBits terms: weight = (code - 2^(bits-1)) x scale
     [+ offset], per block) computed straight from the codes: every compact projection where the package has halo's
     C kernel (`_NBitsKernel.in_c`), and HALO's re-mapped groups on a memory-bounded device (halo/remap.py). Holding
     one costs exactly its compact bytes and making one costs nothing beyond having the arrays; a one-group
@@ -324,86 +355,99 @@ class DequantKernel:
 
     It computes what its KernelSpec says MatMulNBits computes: activations quantized per block to int8, in two terms
     with split_activations (x = hi + lo, see KernelSpec), times the weights' codes as exact integer sums (halo's C
-    kernel: AVX-512 VNNI, AVX2 or plain C, the same bits on each; one token through SmolLM2's 576 x 576 Q4_1 matrix
-    in 0.009 ms here, its 49,152-row Q8_0 LM head in 1.0 ms). The arrays are kept rows next to last (`rows_last`:
-    codes [blocks, words, n, 4], scales and offsets [blocks, n]), so a 32-bit lane holds 4 bytes of one row; scales
-    and offsets may be float16 (GGUF's own: the file's bytes, not 1.2x them). Where the package was built without a
-    C compiler, numpy computes the same sums in float32 (expanding the codes a few thousand rows at a time)."""
+    kernel: AVX-512 VNNI, AVX2 or plain C, the same bits on each). The weights are one array in the order the kernel
+    reads them (`pack`: 16-row tiles, each block's codes, scales and offsets together); scales and offsets may be
+    float16 (GGUF's own: the file's bytes, not 1.2x them). Where the package was built without a C compiler, numpy
+    computes the same sums in float32 (expanding the codes a few thousand rows at a time)."""
 
     NUMPY_ROWS = 4096  # rows per numpy step: the expanded codes of a step stay ~10 MB (an LM head whole: ~110 MB)
 
-    def __init__(self, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, k: int, spec: KernelSpec,
-                 threads: int = 1):
-        """Arrays as `rows_last` lays them out, the kernel's own (kept as given): codes [blocks, words, n, 4]
-        uint8, scales and offsets [blocks, n], both float32 or both float16. threads: the C kernel's, splitting
-        the rows (same results)."""
-        units, n = scales.shape
-        if (codes.shape != (units, spec.block * spec.bits // 32, n, 4) or units * spec.block < k
-                or spec.bits not in (4, 8)):
-            raise ValueError(f"kernel arrays {codes.shape} / {scales.shape} do not hold {n} x {k} weights of {spec}")
-        if scales.dtype not in (np.float32, np.float16) or (offsets is not None and offsets.dtype != scales.dtype):
-            raise ValueError(f"scales {scales.dtype} / offsets {None if offsets is None else offsets.dtype}: both "
-                             "float32 or both float16")
+    def __init__(self, packed: np.ndarray, n: int, k: int, spec: KernelSpec, scale_dtype=np.float32, threads: int = 1):
+        """packed: `pack`'s array of n x k weights (kept as given, e.g. a read buffer's view); scale_dtype: its scales'
+        and offsets' (float32 or float16). threads: the C kernel's, splitting the rows (same results)."""
+        scale_dtype = np.dtype(scale_dtype)
+        if spec.bits not in (4, 8) or scale_dtype not in (np.float32, np.float16):
+            raise ValueError(f"{spec} with {scale_dtype} scales: the kernel takes 4/8-bit codes, float32/16 scales")
+        units = -(-k // spec.block)
+        self.block_bytes = spec.block * spec.bits // 8
+        want = packed_shape(n, units, self.block_bytes, scale_dtype.itemsize, spec.with_offsets)
+        if packed.dtype != np.uint8 or packed.shape != want:
+            raise ValueError(f"packed kernel array {packed.dtype} {packed.shape} does not hold {n} x {k} weights of "
+                             f"{spec} with {scale_dtype} scales ({want} uint8)")
         if spec.accuracy_level != 4:
             raise ValueError(f"{spec}: halo's kernels compute int8 activations (accuracy_level 4)")
-        self.codes, self.scales, self.offsets, self.k, self.n, self.spec = codes, scales, offsets, k, n, spec
+        self.packed, self.n, self.k, self.spec, self.scale_dtype = packed, n, k, spec, scale_dtype
         self.threads = threads
         self.terms = 2 if spec.split_activations else 1
-        self.zero_point = np.float32(1 << (spec.bits - 1))
-        self.nbytes = sum(a.nbytes for a in (codes, scales, offsets) if a is not None)
+        self.nbytes = packed.nbytes
+        # what halo/_nbits.c takes (matmul, and the decode steps' projections)
+        self.c_weight = (packed, n, spec.bits, spec.block, scale_dtype == np.float16, spec.with_offsets, self.terms)
+        self.padded = units * spec.block != k  # the last block's padding (int8 of small models): zero inputs
+
+    def arrays(self):
+        """(codes [n, blocks, block bytes], scales [n, blocks], offsets or None): MatMulNBits' layout, copies."""
+        return unpack(self.packed, self.n, self.block_bytes, self.scale_dtype, self.spec.with_offsets)
+
+    @staticmethod
+    def scale_dtype_for(kernel: "_NBitsKernel") -> np.dtype:
+        """float16 where it holds every scale and offset exactly (a GGUF's Q4_0 / Q8_0 scales are float16 in the file,
+        and Q4_1's MatMulNBits offsets, minimum + 8 x scale, mostly are: all but 2 of SmolLM2's 121 kernels), else
+        float32."""
+        values = [kernel.weights[name] for name in ("scales", "offsets") if name in kernel.weights]
+        exact = all(np.array_equal(v.astype(np.float16).astype(np.float32), v) for v in values)
+        return np.dtype(np.float16 if exact else np.float32)
+
+    @staticmethod
+    def nbytes_for(kernel: "_NBitsKernel", scale_dtype) -> int:
+        """The bytes `copy_of(kernel)` takes with these scales."""
+        codes = kernel.weights["codes"]
+        return math.prod(packed_shape(kernel.n, codes.shape[1], codes.shape[2], np.dtype(scale_dtype).itemsize,
+                                      "offsets" in kernel.weights))
 
     @classmethod
-    def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray | None = None) -> "DequantKernel":
-        """The arrays of a prepared (unopened) kernel, copied `rows_last` out of its temporary file into a uint8
-        buffer of `kernel.nbytes`. into=None: pages of its own, with the scales and offsets in float16 where that
-        holds every value exactly (a GGUF's Q4_0 / Q4_1 / Q8_0 scales are float16 in the file)."""
-        arrays = {name: rows_last(a) for name, a in kernel.weights.items()}
-        if into is None:
-            half = {name: arrays[name].astype(np.float16) for name in ("scales", "offsets") if name in arrays}
-            if all(np.array_equal(h.astype(np.float32), arrays[name]) for name, h in half.items()):
-                arrays.update(half)
-            into = own_pages(sum(a.nbytes for a in arrays.values()))
-        w, at = {}, 0
-        for name, a in arrays.items():
-            w[name] = into[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
-            w[name][...] = a
-            at += a.nbytes
-        return cls(w["codes"], w["scales"], w.get("offsets"), kernel.k, kernel.spec, kernel.threads)
+    def copy_of(cls, kernel: "_NBitsKernel", into: np.ndarray | None = None, scale_dtype=None) -> "DequantKernel":
+        """The weights of a prepared (unopened) kernel, packed out of its temporary file into `into` (a uint8 buffer
+        of `nbytes_for(kernel, scale_dtype)`) or pages of its own; scale_dtype None: `scale_dtype_for(kernel)`."""
+        dtype = np.dtype(scale_dtype or cls.scale_dtype_for(kernel))
+        w = kernel.weights
+        arrays = [w["codes"], w["scales"].astype(dtype), w["offsets"].astype(dtype) if "offsets" in w else None]
+        buffer = own_pages(cls.nbytes_for(kernel, dtype)) if into is None else into
+        return cls(pack(*arrays, into=buffer), kernel.n, kernel.k, kernel.spec, dtype, kernel.threads)
 
     def __call__(self, x: np.ndarray, native: bool = True) -> np.ndarray:
         """x [T, k] -> x @ W.T [T, n] (`native=False`: numpy's sums, whatever was built)."""
-        spec, units = self.spec, self.scales.shape[0]
+        spec, units = self.spec, -(-self.k // self.spec.block)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if units * spec.block != self.k:  # the last block's padding (int8 of small models): zero inputs
+        if self.padded:
             x = np.pad(x, ((0, 0), (0, units * spec.block - self.k)))
         t = len(x)
         out = np.empty((t, self.n), np.float32)
         if native and _nbits is not None:
-            _nbits.matmul(self.codes, self.scales, self.offsets, x, out, spec.bits, spec.block, self.terms,
-                          self.threads)
+            _nbits.matmul(self.c_weight, x, out, self.threads)
             return out
+        codes, scales, offsets = self.arrays()
+        zero_point = np.float32(1 << (spec.bits - 1))
         blocks = x.reshape(t, units, spec.block)
         x_sums = blocks.sum(axis=2)  # [T, blocks]: the offsets meet the inputs themselves
         blocks = quantized_activations(blocks, self.terms).transpose(1, 0, 2)  # [blocks, T, block]
-        # [blocks, words, n, 4] -> [blocks, block * bits / 8 bytes, n]: byte i of a block for every row
-        codes_by_byte = self.codes.transpose(0, 1, 3, 2).reshape(units, -1, self.n)
+        codes_by_byte = codes.transpose(1, 2, 0)  # [blocks, block bytes, n]: byte i of a block for every row
         if spec.bits == 4:  # byte i of a block: input 2i's weight in the low nibble, 2i + 1's in the high one
             even, odd = np.ascontiguousarray(blocks[..., 0::2]), np.ascontiguousarray(blocks[..., 1::2])
         else:
             blocks = np.ascontiguousarray(blocks)
         for start in range(0, self.n, self.NUMPY_ROWS):
             rows = slice(start, start + self.NUMPY_ROWS)
-            codes = codes_by_byte[..., rows]
+            chunk = codes_by_byte[..., rows]
             if spec.bits == 4:
-                dots = np.matmul(even, (codes & 0x0F).astype(np.float32))
-                dots += np.matmul(odd, (codes >> 4).astype(np.float32))
+                dots = np.matmul(even, (chunk & 0x0F).astype(np.float32))
+                dots += np.matmul(odd, (chunk >> 4).astype(np.float32))
             else:
-                dots = np.matmul(blocks, codes.astype(np.float32))  # [blocks, T, rows]
-            scales = self.scales[:, rows].astype(np.float32)
-            dots *= scales[:, None, :]
-            y = dots.sum(axis=0) - (self.zero_point * blocks.sum(axis=2).T) @ scales
-            if self.offsets is not None:
-                y += x_sums @ self.offsets[:, rows].astype(np.float32)
+                dots = np.matmul(blocks, chunk.astype(np.float32))  # [blocks, T, rows]
+            row_scales = scales[rows].T.astype(np.float32)  # [blocks, rows]
+            dots *= row_scales[:, None, :]
+            y = dots.sum(axis=0) - (zero_point * blocks.sum(axis=2).T) @ row_scales
+            if offsets is not None:
+                y += x_sums @ offsets[rows].T.astype(np.float32)
             out[:, rows] = y
         return out
 

@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
-from .linear import DenseProjection, DequantKernel, KernelProjection, int8_block_for, make_projection
+from .linear import DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for, make_projection
 from .memory import BufferPool, load_pages, own_pages
 from .ops import Rotary, silu, softmax
 from .quant import QuantizedMatrix, Weight, as_float32
@@ -156,6 +156,8 @@ class AttentionShard:
         self.kv_batched = all(heads == list(range(j * r, (j + 1) * r)) for j, heads in enumerate(self.heads_of_kv))
         self.graph = graph_or_sessions(lambda qkv, out: AttentionGraph(qkv, out, kv_of_head, hd, len(self.kv_heads),
                                                                        threads), self.qkv, self.out)
+        self.threads = threads
+        self._step = c_weights(self.qkv, self.out) if self.graph is None and self.kv_batched else None
         # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
         self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
         self.cache_v = np.zeros(self.cache_k.shape, np.float32)
@@ -167,6 +169,20 @@ class AttentionShard:
         if self.graph is not None:
             return self._run_graph(x, start_pos, rotary)
         return self.out(self._attend(x, start_pos, rotary))[0]
+
+    @property
+    def fused(self) -> bool:
+        """Whether a token runs through `step` (halo's C kernel holds both projections)."""
+        return self._step is not None
+
+    def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary) -> np.ndarray:
+        """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
+        cache written at start_pos, attention, W_o) -> partial output [1, D]; as `forward` of the normed x."""
+        qkv, out = self._step
+        y = np.empty((1, out[1]), np.float32)
+        _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, start_pos,
+                              len(self.heads), y, self.threads)
+        return y
 
     def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
         """Each head's contribution to the block output, [T, H, D] (for relaxed merging)."""
@@ -251,6 +267,18 @@ class AttentionShard:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
 
+def c_weights(*projections) -> list[tuple] | None:
+    """The C decode steps' weights of these projections (`DequantKernel.c_weight`), or None unless each is one kernel
+    that halo's C kernel computes without padding its inputs."""
+    weights = []
+    for p in projections:
+        kernel = p.kernels[0].session if isinstance(p, KernelProjection) and len(p.kernels) == 1 else None
+        if not isinstance(kernel, DequantKernel) or kernel.padded or _nbits is None:
+            return None
+        weights.append(kernel.c_weight)
+    return weights
+
+
 def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]) -> np.ndarray:
     """Per-group contributions W_out[:, g] @ act[g] -> [T, G, D]; their sum over G is the partial output.
 
@@ -305,9 +333,11 @@ class CompactMlpGroup:
         """From the model file (gathered and restated in kernel terms, as a session's kernels would be), into one
         buffer (from `buffers`, back to it when the group is garbage)."""
         kernels = [p.kernels[0] for p in mlp_group_kernels(layer, layout, group, fmt)]
-        sizes = [k.nbytes for k in kernels]
+        dtypes = [DequantKernel.scale_dtype_for(k) for k in kernels]
+        sizes = [DequantKernel.nbytes_for(k, dtype) for k, dtype in zip(kernels, dtypes)]
         buffer = own_pages(sum(sizes)) if buffers is None else buffers.take(sum(sizes))
-        made = cls(DequantKernel.copy_of(kernels[0], buffer[:sizes[0]]), DequantKernel.copy_of(kernels[1], buffer[sizes[0]:]))
+        made = cls(DequantKernel.copy_of(kernels[0], buffer[:sizes[0]], dtypes[0]),
+                   DequantKernel.copy_of(kernels[1], buffer[sizes[0]:sum(sizes)], dtypes[1]))
         if buffers is not None:
             buffers.return_with(made, buffer)
         return made
@@ -337,6 +367,8 @@ class MlpShard:
         self.groups, self.gate_up, self.down = groups, gate_up, down
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
         self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
+        self.threads = threads
+        self._step = c_weights(self.gate_up, self.down) if self.graph is None else None
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -349,6 +381,19 @@ class MlpShard:
             return self.graph(np.ascontiguousarray(x, dtype=np.float32))
         gate, up = self.gate_up(x)
         return self.down(silu(gate) * up)[0]
+
+    @property
+    def fused(self) -> bool:
+        """Whether a token runs through `step` (halo's C kernel holds both projections)."""
+        return self._step is not None
+
+    def step(self, x: np.ndarray, norm: np.ndarray, eps: float, *unused) -> np.ndarray:
+        """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,
+        W_down) -> partial output [1, D]; as `forward` of the normed x."""
+        gate_up, down = self._step
+        y = np.empty((1, down[1]), np.float32)
+        _nbits.mlp_step(x, norm, eps, gate_up, down, y, self.threads)
+        return y
 
     def forward_groups(self, x: np.ndarray) -> np.ndarray:
         """Each group's contribution to the block output, [T, G, D] (for relaxed merging)."""

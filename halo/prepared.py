@@ -26,14 +26,14 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ConfigError
-from .linear import DequantKernel, KernelProjection, KernelSpec, rows_first, rows_last
+from .linear import DequantKernel, KernelProjection, KernelSpec, packed_shape
 from .memory import BufferPool, own_pages
 from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from .weights import ModelWeights
 
-VERSION = 4  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c);
-# 4: codes rows next to last in 4-byte words (halo/_nbits.c's integer dot products)
-ARRAYS = ("codes", "scales", "offsets")
+VERSION = 5  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c);
+# 4: codes rows next to last in 4-byte words (halo/_nbits.c's integer dot products); 5: one packed array per kernel
+# in 16-row tiles, scales float16 where exact (linear.pack)
 
 
 def prepared_dir(sha256: str, fmt: str, group_size: int) -> Path:
@@ -81,16 +81,16 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
                 entry = {"offset": at, "kernels": []}
                 for projection in mlp_group_kernels(weights.layers[layer], layout, g, fmt):
                     kernel = projection.kernels[0]
-                    arrays = [(name, rows_last(kernel.weights[name])) for name in ARRAYS if name in kernel.weights]
+                    packed = DequantKernel.copy_of(kernel)
                     spec = kernel.spec
                     entry["kernels"].append({"k": kernel.k, "n": kernel.n, "outputs": [[s.start, s.stop] for s in
                                                                                       projection.outputs],
                                              "spec": [spec.bits, spec.block, spec.with_offsets, spec.accuracy_level,
                                                       spec.split_activations],
-                                             "arrays": [[name, list(a.shape), str(a.dtype)] for name, a in arrays]})
-                    for _, a in arrays:
-                        f.write(np.ascontiguousarray(a).tobytes())
-                        at += a.nbytes
+                                             "scale_dtype": str(packed.scale_dtype),
+                                             "arrays": [["packed", list(packed.packed.shape), "uint8"]]})
+                    f.write(packed.packed.tobytes())
+                    at += packed.nbytes
                     kernel.release()
                 entry["bytes"] = at - entry["offset"]
                 groups.append(entry)
@@ -167,19 +167,23 @@ class PreparedGroups:
         """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
         projections = []
         for kernel, arrays in self._read(layer, group)[1]:
-            arrays = {name: rows_first(a) for name, a in arrays.items()}  # MatMulNBits' layout
-            form = KernelForm(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"])
+            spec = KernelSpec(*kernel["spec"])
+            codes, scales, offsets = self._kernel(kernel, arrays).arrays()  # MatMulNBits' layout
+            form = KernelForm(codes, scales, offsets, kernel["k"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
             projections.append(KernelProjection(rows, threads, KernelSpec(*kernel["spec"]), _fill_from_form,
                                                 open_session=False))
         return MlpShard.from_projections(self.layout, [group], *projections, threads=threads)
 
+    @staticmethod
+    def _kernel(kernel: dict, arrays: dict) -> DequantKernel:
+        return DequantKernel(arrays["packed"], kernel["n"], kernel["k"], KernelSpec(*kernel["spec"]), kernel["scale_dtype"])
+
     def compact_group(self, layer: int, group: int, buffers: BufferPool | None = None) -> CompactMlpGroup:
         """The group as its compact arrays, the read buffer itself (what a memory-bounded device holds): a buffer
         from `buffers` (back to it when the group is garbage), or pages of its own."""
         data, kernels = self._read(layer, group, buffers)
-        made = CompactMlpGroup(*(DequantKernel(arrays["codes"], arrays["scales"], arrays.get("offsets"), kernel["k"],
-                                               KernelSpec(*kernel["spec"])) for kernel, arrays in kernels))
+        made = CompactMlpGroup(*(self._kernel(kernel, arrays) for kernel, arrays in kernels))
         if buffers is not None:
             buffers.return_with(made, data)
         return made
@@ -195,9 +199,10 @@ def _entry_problem(entry, file_bytes: int) -> str | None:
             n, k, units = int(kernel["n"]), int(kernel["k"]), -(-int(kernel["k"]) // int(block))
             if bits not in (4, 8) or block <= 0 or block * bits % 32 or n <= 0 or k <= 0:
                 return f"kernel spec {kernel['spec']} (n {n}, k {k}) is not a MatMulNBits kernel"
-            want = {"codes": ([units, block * bits // 32, n, 4], "uint8"), "scales": ([units, n], "float32")}
-            if with_offsets:
-                want["offsets"] = ([units, n], "float32")
+            if kernel["scale_dtype"] not in ("float16", "float32"):
+                return f"scale_dtype {kernel['scale_dtype']!r} is not float16 or float32"
+            shape = packed_shape(n, units, block * bits // 8, np.dtype(kernel["scale_dtype"]).itemsize, with_offsets)
+            want = {"packed": (list(shape), "uint8")}
             got = {name: (list(shape), dtype) for name, shape, dtype in kernel["arrays"]}
             if got != want:
                 return f"arrays {got} where the kernel needs {want}"

@@ -130,14 +130,20 @@ class DeviceWorker:
         """This device's partial output of a block for the residual stream x [T, D] at positions start..:
         [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head)."""
         t, cpu = time.perf_counter(), time.thread_time()
-        norm = self.final_norm if block.kind == "lm_head" else self.norms[block.kind][block.layer]
-        h = rmsnorm(x, norm, self.config.norm_eps)
-        if block.kind == "attention":
-            out = self.attention[block.layer].forward(h, start, self.rotary)
-        elif block.kind == "mlp":
-            out = self.remapper.mlp_partial(block.layer, h) if self.remapper else self.mlp[block.layer].forward(h)
+        kind = block.kind
+        norm = self.final_norm if kind == "lm_head" else self.norms[kind][block.layer]
+        shard = (self.attention[block.layer] if kind == "attention" else None if kind == "lm_head" or self.remapper
+                 else self.mlp[block.layer])
+        if len(x) == 1 and shard is not None and shard.fused:  # a decode step: the whole block in one C call
+            out = shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, start, self.rotary)
         else:
-            out = self.lm_head.forward(h)
+            h = rmsnorm(x, norm, self.config.norm_eps)
+            if shard is not None:
+                out = shard.forward(h, start, self.rotary) if kind == "attention" else shard.forward(h)
+            elif kind == "mlp":
+                out = self.remapper.mlp_partial(block.layer, h)
+            else:
+                out = self.lm_head.forward(h)
         self.last_compute_ms = 1e3 * (time.perf_counter() - t)
         self.compute_ms += self.last_compute_ms
         self.cpu_ms += 1e3 * (time.thread_time() - cpu)
@@ -207,6 +213,8 @@ class PiecedShard:
     """Several shards of one block computed as one (a share kept across a sticky re-plan: the shards it had,
     plus one for the groups it gained). Attention and MLP partial outputs add up; the LM head's logits are
     placed in the order of the share's groups (`layout` given), which is the order the master reads them in."""
+
+    fused = False  # no one-call decode step: each piece runs its own `forward`
 
     def __init__(self, pieces: list, layout: GroupLayout | None = None, groups: list[int] | None = None):
         self.pieces = pieces

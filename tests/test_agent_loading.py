@@ -71,7 +71,9 @@ def test_a_slow_loading_agent_is_waited_for_while_it_reports_progress(slow_agent
         assert np.argmax(model.forward(PROMPT)) == np.argmax(reference.forward(PROMPT))
     finally:
         model.close()
-    assert seen and seen[0]["master"] and 0 <= seen[0]["percent"] < 100 and seen[0]["blocks"] == 11
+    assert {s["blocks"] for s in seen} <= {0, 11}  # 0: polled before the share's blocks were counted (still reading)
+    counted = [s for s in seen if s["blocks"]]
+    assert counted and counted[0]["master"] and 0 <= counted[0]["percent"] < 100
     assert [s["blocks_done"] for s in seen] == sorted(s["blocks_done"] for s in seen)  # it only goes forward
     assert ask_status([agent.endpoint], None, insecure=True)[agent.endpoint]["loading"] is None
 

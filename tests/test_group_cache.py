@@ -263,15 +263,13 @@ def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stori
 
 def kernel_weights(kernel) -> np.ndarray:
     """A DequantKernel's weights as float32 [n, k]: its codes, zero point, scales and offsets, by plain numpy."""
-    from halo.linear import rows_first
-
-    spec, codes = kernel.spec, rows_first(kernel.codes)  # [n, blocks, bytes]
+    spec, (codes, scales, offsets) = kernel.spec, kernel.arrays()  # [n, blocks, bytes], [n, blocks]
     n, blocks, _ = codes.shape
     if spec.bits == 4:  # byte i: input 2i in the low nibble, 2i + 1 in the high one
         codes = np.stack([codes & 15, codes >> 4], axis=3).reshape(n, blocks, spec.block)
-    w = (codes.astype(np.float32) - (1 << (spec.bits - 1))) * kernel.scales.T.astype(np.float32)[..., None]
-    if kernel.offsets is not None:
-        w += kernel.offsets.T.astype(np.float32)[..., None]
+    w = (codes.astype(np.float32) - (1 << (spec.bits - 1))) * scales.astype(np.float32)[..., None]
+    if offsets is not None:
+        w += offsets.astype(np.float32)[..., None]
     return w.reshape(n, -1)[:, :kernel.k]
 
 
@@ -295,6 +293,7 @@ def test_a_compact_group_computes_the_files_weights_with_int8_activations(storie
     from gguf_models import tiny_gguf
 
     from halo.loader import load_weights
+    from halo.linear import DequantKernel
     from halo.neuron_groups import CompactMlpGroup, MlpShard, mlp_group_kernels
 
     weights = stories_weights if qtype == "int8" else load_weights(tiny_gguf(tmp_path / "model.gguf", qtype, seed=5))
@@ -325,7 +324,14 @@ def test_a_compact_group_computes_the_files_weights_with_int8_activations(storie
                 exact = kernel_reference(kernel, xk)
                 np.testing.assert_allclose(want, exact, rtol=1e-4, atol=1e-4 * float(np.abs(exact).max()))
         kernels = [p.kernels[0] for p in mlp_group_kernels(weights.layers[layer], layout, group, fmt)]
-        assert compact.nbytes == sum(k.nbytes for k in kernels)
+        # its compact bytes: codes, scales and offsets (float16 where exact: Q4_0 / Q8_0's are), rows in 16-row tiles
+        scale_bytes = [DequantKernel.scale_dtype_for(k).itemsize for k in kernels]
+        assert [k.scale_dtype.itemsize for k in (compact.gate_up, compact.down)] == scale_bytes
+        if qtype in ("Q4_0", "Q8_0"):
+            assert scale_bytes == [2, 2]  # the file's float16 scales, as stored
+        assert compact.nbytes == sum(-(-k.n // 16) * 16 * k.weights["codes"].shape[1]
+                                     * (k.weights["codes"].shape[2] + size * (len(k.weights) - 1))
+                                     for k, size in zip(kernels, scale_bytes))
 
 
 def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
@@ -341,40 +347,40 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
                                                      "not built: reinstall halo"
         pytest.skip("halo._nbits not built (no C compiler or no Python headers): numpy computes compact groups")
     nbits = linear._nbits
-    codes, scales = np.zeros((2, 4, 8, 4), np.uint8), np.ones((2, 8), np.float32)
+    packed = linear.pack(np.zeros((8, 2, 16), np.uint8), np.ones((8, 2), np.float32), None)  # 8 rows x 64 inputs
+    assert packed.shape == (1, 2, 16 * 16 + 16 * 4)  # one tile of 16 rows: per block its codes, then 16 scales
+    weight = (packed, 8, 4, 32, False, False, 2)  # (packed, n, bits, block, half, offsets, terms)
     x, out = np.ones((1, 64), np.float32), np.empty((1, 8), np.float32)
     for path in nbits.paths():
-        nbits.matmul(codes, scales, None, x, out, 4, 32, path=path)
+        nbits.matmul(weight, x, out, path=path)
         np.testing.assert_array_equal(out, np.full((1, 8), -8 * 64, np.float32))  # every weight (0 - 8) x 1
-    with pytest.raises(ValueError, match=r"codes must be \[blocks 2, words 4, n 8, 4\] \(rows next to last\)"):
-        nbits.matmul(codes[:1], scales, None, x, out, 4, 32)
-    with pytest.raises(ValueError, match=r"codes must be"):  # the right count in the old rows-last layout
-        nbits.matmul(np.zeros((2, 16, 8), np.uint8), scales, None, x, out, 4, 32)
-    with pytest.raises(ValueError, match="scales hold no blocks"):
-        nbits.matmul(codes[:0], scales[:0], None, x, out, 4, 32)
-    with pytest.raises(ValueError, match="the block a multiple of 4 up to 4096"):  # no overflow
-        nbits.matmul(codes, scales, None, x, out, 8, 6148914691236517206)
-    with pytest.raises(ValueError, match="the block a multiple of 8"):  # 4-bit: whole 4-byte words per block
-        nbits.matmul(codes, scales, None, x, out, 4, 36)
-    with pytest.raises(ValueError, match=r"terms must be 1 or 2 \(got 3\)"):
-        nbits.matmul(codes, scales, None, x, out, 4, 32, terms=3)
-    with pytest.raises(ValueError, match="path avx1024: this CPU runs scalar"):
-        nbits.matmul(codes, scales, None, x, out, 4, 32, path="avx1024")
-    with pytest.raises(ValueError, match=r"scales holds values of type 'd'; it must be float32 \('f'\) or float16"):
-        nbits.matmul(codes, scales.astype(np.float64), None, x, out, 4, 32)
-    with pytest.raises(ValueError, match=r"offsets holds values of type 'f'; it must be uint8|offsets holds values"):
-        nbits.matmul(codes, scales.astype(np.float16), scales, x, out, 4, 32)  # one dtype for both
-    with pytest.raises(ValueError, match=r"x must be \[tokens, 64\] float32 inputs"):
-        nbits.matmul(codes, scales, None, np.ones((1, 63), np.float32), out, 4, 32)
+
+    def refused(error, match, weight=weight, x=x, out=out, **kw):
+        with pytest.raises(error, match=match):
+            nbits.matmul(weight, x, out, **kw)
+
+    unit = r"\[tiles 1, blocks >= 1, unit 320\]"
+    refused(ValueError, rf"packed must be {unit} \(16-row tiles of 8 rows", (np.zeros((1, 2, 300), np.uint8), *weight[1:]))
+    refused(ValueError, r"packed must be \[tiles 2, blocks >= 1", (packed, 20, *weight[2:]))  # 20 rows need 2 tiles
+    refused(ValueError, rf"packed must be {unit}", (packed[:, :0], *weight[1:]))  # no blocks
+    refused(ValueError, r"packed must be \[tiles 1, blocks >= 1, unit 384\]", (*weight[:5], True, 2))  # offsets
+    refused(ValueError, r"packed must be \[tiles 1, blocks >= 1, unit 288\]", (*weight[:4], True, False, 2))  # half
+    refused(ValueError, r"packed holds values of type 'd'; it must be uint8", (packed.astype(np.float64), *weight[1:]))
+    refused(TypeError, r"weight must be a \(packed, n, bits, block, half, offsets, terms\) tuple", weight[:6])
+    refused(TypeError, "weight must be a", list(weight))
+    refused(ValueError, "n must be a positive number of rows", (packed, 0, *weight[2:]))
+    refused(ValueError, "the block a multiple of 4 up to 4096", (packed, 8, 8, 6148914691236517206, False, False, 2))
+    refused(ValueError, "the block a multiple of 8", (packed, 8, 4, 36, False, False, 2))  # 4-bit: whole words
+    refused(ValueError, "bits must be 4 or 8", (packed, 8, 3, 32, False, False, 2))
+    refused(ValueError, r"terms must be 1 or 2 \(got 3\)", (*weight[:6], 3))
+    refused(ValueError, "path avx1024: this CPU runs scalar", path="avx1024")
+    refused(ValueError, r"x must be \[tokens, 64\] float32 inputs", x=np.ones((1, 63), np.float32))
+    refused(ValueError, r"x holds values of type 'd'", x=np.ones((1, 64)))
     wide = np.ones((1, 64), np.float32)
-    with pytest.raises(ValueError, match="out overlaps x"):
-        nbits.matmul(codes, scales, None, wide, wide[:, :8], 4, 32)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
-        nbits.matmul(codes, scales, None, x, out, 3, 32)
-    with pytest.raises(ValueError, match=r"threads must be 1..1024 \(got 0\)"):
-        nbits.matmul(codes, scales, None, x, out, 4, 32, threads=0)
-    with pytest.raises(ValueError, match="out holds 4 values; the shapes given need 8"):
-        nbits.matmul(codes, scales, None, x, out[:, :4], 4, 32)
+    refused(ValueError, "out overlaps x", x=wide, out=wide[:, :8])
+    refused(ValueError, r"threads must be 1..1024 \(got 0\)", threads=0)
+    refused(ValueError, "out holds 4 values; the shapes given need 8", out=out[:, :4])
+    nbits.matmul(weight, x.astype(">f4").astype("<f4"), out)  # an explicit byte order that is this machine's: taken
 
 
 def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(stories_weights, monkeypatch):
@@ -505,35 +511,40 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
     if linear._nbits is None:
         pytest.skip("halo._nbits not built (no C compiler or no Python headers)")
     nbits = linear._nbits
+
+    def weight(codes, scales, offsets):  # MatMulNBits' arrays as the kernel takes them (linear.pack)
+        n, blocks, block_bytes = codes.shape
+        return (linear.pack(codes, scales, offsets), n, block_bytes * 8 // block, block, scales.dtype == np.float16,
+                True, 2)
+
     rng = np.random.default_rng(7)
     for bits, n in [(4, 1203), (8, 517)]:  # more rows than a tile, not a multiple of any vector width
         blocks, block = 5, 32
-        codes = rng.integers(0, 256, (blocks, block * bits // 32, n, 4), dtype=np.uint8)
-        scales = (rng.random((blocks, n)) * 0.02).astype(np.float16)
-        offsets = (rng.standard_normal((blocks, n)) * 0.01).astype(np.float16)
+        codes = rng.integers(0, 256, (n, blocks, block * bits // 8), dtype=np.uint8)
+        scales = (rng.random((n, blocks)) * 0.02).astype(np.float16)
+        offsets = (rng.standard_normal((n, blocks)) * 0.01).astype(np.float16)
+        halves, floats = weight(codes, scales, offsets), weight(codes, scales.astype(np.float32), offsets.astype(np.float32))
         for tokens in (1, 3):
             x = rng.standard_normal((tokens, blocks * block)).astype(np.float32)
             half, full = np.empty((tokens, n), np.float32), np.empty((tokens, n), np.float32)
-            nbits.matmul(codes, scales, offsets, x, half, bits, block)
-            nbits.matmul(codes, scales.astype(np.float32), offsets.astype(np.float32), x, full, bits, block)
+            nbits.matmul(halves, x, half)
+            nbits.matmul(floats, x, full)
             np.testing.assert_array_equal(half, full)
             for threads, path in [(2, None), (3, None)] + [(1, p) for p in nbits.paths()]:  # every vector width
                 split = np.empty((tokens, n), np.float32)
-                nbits.matmul(codes, scales, offsets, x, split, bits, block, threads=threads, path=path)
+                nbits.matmul(halves, x, split, threads=threads, path=path)
                 np.testing.assert_array_equal(split, half)
-            by_byte = codes.transpose(0, 1, 3, 2).reshape(blocks, block * bits // 8, n)
-            w = (by_byte.astype(np.float32) if bits == 8 else
-                 np.stack([by_byte & 15, by_byte >> 4], axis=2).reshape(blocks, block, n).astype(np.float32))
-            w = (w - (1 << (bits - 1))) * scales.astype(np.float32)[:, None, :] + offsets.astype(np.float32)[:, None, :]
+            w = (codes.astype(np.float32) if bits == 8 else
+                 np.stack([codes & 15, codes >> 4], axis=3).reshape(n, blocks, block).astype(np.float32))
+            w = (w - (1 << (bits - 1))) * scales.astype(np.float32)[..., None] + offsets.astype(np.float32)[..., None]
             seen = linear.quantized_activations(x.reshape(tokens, blocks, block), 2).reshape(tokens, -1)
-            want = seen.astype(np.float64) @ w.reshape(blocks * block, n).astype(np.float64)
+            want = seen.astype(np.float64) @ w.reshape(n, blocks * block).T.astype(np.float64)
             np.testing.assert_allclose(half, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-            exact = x.astype(np.float64) @ w.reshape(blocks * block, n).astype(np.float64)  # two terms: ~1e-4 of it
+            exact = x.astype(np.float64) @ w.reshape(n, blocks * block).T.astype(np.float64)  # two terms: ~1e-4 of it
             np.testing.assert_allclose(half, exact, rtol=1e-3, atol=1e-3 * float(np.abs(exact).max()))
             for rows in (np.arange(7, 19), np.arange(n - 300, n), rng.choice(n, 40, replace=False)):
                 part = np.empty((tokens, len(rows)), np.float32)
-                nbits.matmul(np.ascontiguousarray(codes[:, :, rows]), np.ascontiguousarray(scales[:, rows]),
-                             np.ascontiguousarray(offsets[:, rows]), x, part, bits, block)
+                nbits.matmul(weight(codes[rows], scales[rows], offsets[rows]), x, part)
                 np.testing.assert_array_equal(part, half[:, rows])
 
 
