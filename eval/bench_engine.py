@@ -44,15 +44,20 @@ from halo.distributed.local import module_command
 FORMATS = ("fp32", "int8")
 
 
-def stream_copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """STREAM 'copy' on one core: (bytes read + bytes written) / time, best of repeats."""
+def stream_copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5, threads: int = 1) -> float:
+    """STREAM 'copy' on `threads` cores (each copying its share; numpy copies without the GIL): (bytes read + bytes
+    written) / time, best of repeats."""
+    from concurrent.futures import ThreadPoolExecutor
+
     a = np.ones(n_bytes // 8)
     b = np.zeros_like(a)
+    shares = [slice(s[0], s[-1] + 1) for s in np.array_split(np.arange(len(a)), threads)]
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(b, a)
-        best = min(best, time.perf_counter() - t)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(lambda share: np.copyto(b[share], a[share]), shares))
+            best = min(best, time.perf_counter() - t)
     return 2 * a.nbytes / best
 
 
@@ -205,6 +210,7 @@ def main(argv=None) -> int:
         else:
             print("llama.cpp anchor: not measured (llama-cpp-python is not installed)", flush=True)
     copy_samples = [stream_copy_bandwidth()]
+    cores_samples = {t: [stream_copy_bandwidth(threads=t)] for t in thread_counts if t > 1}  # N threads: N cores' copy
     repeats: dict[tuple, list[dict]] = {run: [] for run in runs}
     anchor_note = None  # why llama.cpp was not measured, if it refused the file
     for _ in range(max(1, args.repeats)):  # interleaved: every configuration sees the same drift
@@ -224,6 +230,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{fmt} x{threads} failed:\n{out.stderr[-2000:]}")
             repeats[(fmt, threads)].append(json.loads(out.stdout.strip().splitlines()[-1]))
             copy_samples.append(stream_copy_bandwidth())
+            if threads in cores_samples:
+                cores_samples[threads].append(stream_copy_bandwidth(threads=threads))
             print(f"{fmt} x{threads}: {repeats[(fmt, threads)][-1]['ms_per_token_median']:.1f} ms/token", flush=True)
     rows = []
     for samples in repeats.values():
@@ -233,6 +241,7 @@ def main(argv=None) -> int:
     # the machine's bandwidth drifts (shared VM): take the best copy seen, which makes fractions conservative
     copy_bw = max(copy_samples)
     print(f"STREAM copy, one core: {', '.join(f'{c / 1e9:.2f}' for c in copy_samples)} GB/s; using the best", flush=True)
+    cores_bw = {1: copy_bw, **{t: max(samples) for t, samples in cores_samples.items()}}
     for row in rows:
         if "weight_bytes" in row:
             row["effective_gb_s"] = row["streamed_bytes_per_token"] / (row["ms_per_token_median"] / 1e3) / 1e9
@@ -246,12 +255,16 @@ def main(argv=None) -> int:
         for row in rows:
             row["file_roofline_ms"] = roofline_ms
             row["file_roofline_fraction"] = roofline_ms / row["ms_per_token_median"]
+            # against the copy bandwidth of as many cores as the row's threads (2 cores here copy ~1.3x one)
+            row["file_roofline_fraction_its_cores"] = read_bytes / cores_bw[row["threads"]] / (
+                row["ms_per_token_median"] / 1e3)
             row["resident_over_file_bytes"] = row["resident_growth_bytes"] / file_bytes
             if row["threads"] in anchor:
                 row["over_llama_cpp"] = row["ms_per_token_median"] / anchor[row["threads"]]
     result = {"benchmark": "single-process decode", "model": description, "config": dataclasses.asdict(config),
               "context": args.context, "decode_tokens": args.tokens, "stream_copy_gb_s": copy_bw / 1e9,
               "stream_copy_samples_gb_s": [c / 1e9 for c in copy_samples],
+              "stream_copy_gb_s_by_cores": {t: bw / 1e9 for t, bw in cores_bw.items()},
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
               "command": command_line("halo.eval.bench_engine", argv), "results": rows}
     if anchor_note:
@@ -295,7 +308,9 @@ def gguf_table(result, rows, copy_bw, file_bytes, read_bytes) -> list[str]:
     lines = [f"# Single-process decode: {result['model']}", "",
              f"Command: `{result['command']}`. Decode: median of {result['decode_tokens']} greedy steps after an "
              f"8-token prefill, context {result['context']}. STREAM copy on one core, best of "
-             f"{len(result['stream_copy_samples_gb_s'])} samples taken between the runs: **{copy_bw / 1e9:.2f} GB/s**."]
+             f"{len(result['stream_copy_samples_gb_s'])} samples taken between the runs: **{copy_bw / 1e9:.2f} GB/s**"
+             + "".join(f"; on {t} cores: {bw:.2f} GB/s" for t, bw in result["stream_copy_gb_s_by_cores"].items() if t > 1)
+             + "."]
     if file_bytes:
         reads = ("all of them once (the tied LM head reads the embedding matrix)" if read_bytes == file_bytes else
                  f"{read_bytes / mb:.1f} MB of them once (all but the embedding table, a row lookup)")
@@ -304,22 +319,24 @@ def gguf_table(result, rows, copy_bw, file_bytes, read_bytes) -> list[str]:
     if "llama_cpp" in result:
         lines.append(result["llama_cpp"] + ".")
     lines += ["", "| engine / weights | threads | ms/token (median) | each run | x llama.cpp | roofline fraction | "
-              "kernel weight bytes | resident growth | resident / file bytes | peak RSS | load s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "of its cores' | kernel weight bytes | resident growth | resident / file bytes | peak RSS | load s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         each = ", ".join(f"{ms:.1f}" for ms in r.get("ms_per_token_repeats", [r["ms_per_token_median"]]))
         over = f"{r['over_llama_cpp']:.2f}" if "over_llama_cpp" in r else "–"
         roof = f"{100 * r['file_roofline_fraction']:.0f} %" if "file_roofline_fraction" in r else "–"
+        cores = f"{100 * r['file_roofline_fraction_its_cores']:.0f} %" if "file_roofline_fraction" in r else "–"
         kernel = f"{r['weight_bytes'] / mb:.1f} MB" if "weight_bytes" in r else "–"
         ratio = f"{r['resident_over_file_bytes']:.2f}" if "resident_over_file_bytes" in r else "–"
         lines.append(f"| {'halo ' + r['format'] if r['format'] != 'llama.cpp' else 'llama.cpp'} | {r['threads']} | "
-                     f"{r['ms_per_token_median']:.1f} | {each} | {over} | {roof} | {kernel} | "
+                     f"{r['ms_per_token_median']:.1f} | {each} | {over} | {roof} | {cores} | {kernel} | "
                      f"{r['resident_growth_bytes'] / mb:.1f} MB | {ratio} | {r['peak_rss_bytes'] / mb:.0f} MB | "
                      f"{r['load_s']:.1f} |")
     lines += ["", "With --repeats, every configuration ran that many times interleaved (each run: its median over the "
               "decode steps); the row is the run with the median time, x llama.cpp compares those. "
               "Roofline fraction = (the bytes a token reads / one-core copy bandwidth) / measured time (for 2 threads "
-              "still against one core's bandwidth). Kernel weight bytes: what halo hands its kernels (native: "
+              "still against one core's bandwidth); of its cores': against the copy bandwidth of as many cores as "
+              "threads. Kernel weight bytes: what halo hands its kernels (native: "
               "4/8-bit codes + their scales (+ Q4_1 offsets; float16 where the file's are, in halo's C kernel), "
               "plus the embedding blocks for lookups (read from the file mapping, a row at a time); fp32: "
               "dequantized float32). Resident growth: RSS after load and decode (freed heap handed back) minus "

@@ -29,7 +29,7 @@ from itertools import groupby
 import numpy as np
 
 from .errors import ConfigError
-from .memory import memory_limit, own_pages, release_freed_heap, release_pages
+from .memory import memory_limit, release_freed_heap, release_pages, weight_pages
 from .quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
@@ -314,21 +314,24 @@ def pack(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, into
     in separate arrays, ~35 packed). Rows past n in the last tile are zeros. into: a uint8 buffer of that size."""
     n, blocks, block_bytes = codes.shape
     shape = packed_shape(n, blocks, block_bytes, scales.itemsize, offsets is not None)
-    tiles, rows = shape[0], shape[0] * TILE_ROWS
-    out = np.zeros(shape, np.uint8) if into is None else into.reshape(shape)
-    padded = np.zeros((rows, blocks, block_bytes), np.uint8)
-    padded[:n] = codes
-    words = block_bytes // 4
-    out[:, :, :block_bytes * TILE_ROWS] = (padded.reshape(tiles, TILE_ROWS, blocks, words, 4).transpose(0, 2, 3, 1, 4)
-                                           .reshape(tiles, blocks, -1))
-    at = block_bytes * TILE_ROWS
-    for values in (scales, offsets):
-        if values is not None:
-            column = np.zeros((rows, blocks), scales.dtype)
-            column[:n] = values
-            tile = np.ascontiguousarray(column.reshape(tiles, TILE_ROWS, blocks).transpose(0, 2, 1))
-            out[:, :, at:at + TILE_ROWS * scales.itemsize] = tile.view(np.uint8)
-            at += TILE_ROWS * scales.itemsize
+    tiles, whole = shape[0], n // TILE_ROWS  # whole tiles, then (n % 16 rows) a last one padded with zeros
+    out = np.empty(shape, np.uint8) if into is None else into.reshape(shape)
+    # strided copies into views of `out` (no temporary the size of the matrix: an LM head is ~30 MB)
+    code_bytes = block_bytes * TILE_ROWS
+    by_tile = out[:, :, :code_bytes].reshape(tiles, blocks, block_bytes // 4, TILE_ROWS, 4)
+    by_tile[:whole] = codes[:whole * TILE_ROWS].reshape(whole, TILE_ROWS, blocks, block_bytes // 4, 4).transpose(0, 2, 3, 1, 4)
+    columns = [scales] + ([offsets] if offsets is not None else [])
+    at = code_bytes
+    for values in columns:
+        part = out[:, :, at:at + TILE_ROWS * scales.itemsize].view(scales.dtype)  # [tiles, blocks, 16]
+        part[:whole] = values[:whole * TILE_ROWS].reshape(whole, TILE_ROWS, blocks).transpose(0, 2, 1)
+        at += TILE_ROWS * scales.itemsize
+    if whole < tiles:
+        last = slice(whole * TILE_ROWS, n)
+        tail = pack(np.pad(codes[last], ((0, TILE_ROWS - (n - whole * TILE_ROWS)), (0, 0), (0, 0))),
+                    *(np.pad(v[last], ((0, TILE_ROWS - (n - whole * TILE_ROWS)), (0, 0))) if v is not None else None
+                      for v in (scales, offsets)))
+        out[whole:] = tail
     return out
 
 
@@ -411,7 +414,7 @@ class DequantKernel:
         dtype = np.dtype(scale_dtype or cls.scale_dtype_for(kernel))
         w = kernel.weights
         arrays = [w["codes"], w["scales"].astype(dtype), w["offsets"].astype(dtype) if "offsets" in w else None]
-        buffer = own_pages(cls.nbytes_for(kernel, dtype)) if into is None else into
+        buffer = weight_pages(cls.nbytes_for(kernel, dtype)) if into is None else into
         return cls(pack(*arrays, into=buffer), kernel.n, kernel.k, kernel.spec, dtype, kernel.threads)
 
     def __call__(self, x: np.ndarray, native: bool = True) -> np.ndarray:

@@ -83,6 +83,61 @@ def own_pages(nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, max(1, nbytes), flags=flags), dtype=np.uint8)[:nbytes]
 
 
+HUGE_PAGE = 2 << 20
+ARENA_CHUNK = 8 << 20
+
+
+class _WeightArena:
+    """Consecutive kernels' weights in consecutive memory, in transparent huge pages where the kernel has them (Linux,
+    THP `madvise` or `always`): a decode step reads a device's matrices one after the other, and in 4 KB pages each
+    small matrix (SmolLM2's are 0.2-1.1 MB) starts cold (a TLB miss per page, a hardware prefetcher that stops at
+    every page boundary). Read that way a SmolLM2 token's 121 kernels took ~20 % less time here (3.66 -> 2.98 ms).
+    Chunks of ARENA_CHUNK, 2 MB aligned, bump-allocated 64-byte aligned slices; a chunk is unmapped when the last
+    array viewing it goes (a kernel dropped while others in its chunk live keeps its bytes: a re-plan's old shards
+    leave at most their chunks' space). Untouched pages of a chunk are never resident; a touched huge page is resident
+    whole, so the first chunk stays in 4 KB pages (a device holding a few MB of weights under a memory budget of a few
+    MB counts every page) and the huge pages start once a process holds more (each chunk's last one then may hold up
+    to 2 MB that no kernel uses)."""
+
+    def __init__(self):
+        self._chunk: np.ndarray | None = None
+        self._used = 0
+        self._chunks = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _mapping(nbytes: int, huge: bool = True) -> np.ndarray:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                mapping.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass  # no THP on this kernel: 4 KB pages, same contents
+        whole = np.frombuffer(mapping, dtype=np.uint8)
+        start = -whole.ctypes.data % HUGE_PAGE
+        return whole[start:start + nbytes]
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if nbytes > ARENA_CHUNK // 4:  # a large matrix (an LM head): huge pages of its own
+            return self._mapping(nbytes)
+        with self._lock:
+            if self._chunk is None or self._used + nbytes > len(self._chunk):
+                self._chunk, self._used = self._mapping(ARENA_CHUNK, huge=self._chunks > 0), 0
+                self._chunks += 1
+            buffer = self._chunk[self._used:self._used + nbytes]
+            self._used += -(-nbytes // 64) * 64
+            return buffer
+
+
+_ARENA = _WeightArena()
+
+
+def weight_pages(nbytes: int) -> np.ndarray:
+    """A uint8 buffer for a kernel's weights that the caller fills at once and keeps (`_WeightArena`): contents
+    undefined until written."""
+    return _ARENA.take(nbytes)
+
+
 class BufferPool:
     """Buffers reused for the groups a bounded cache reads and evicts (halo/group_cache.py): a group's buffers go back
     to the pool when the group is garbage (evicted and no longer computed), and the next group read of that size
