@@ -84,7 +84,7 @@ def own_pages(nbytes: int) -> np.ndarray:
 
 
 HUGE_PAGE = 2 << 20
-ARENA_CHUNK = 8 << 20
+FIRST_CHUNK, ARENA_CHUNK = 8 << 20, 32 << 20
 
 
 class _WeightArena:
@@ -92,7 +92,7 @@ class _WeightArena:
     THP `madvise` or `always`): a decode step reads a device's matrices one after the other, and in 4 KB pages each
     small matrix (SmolLM2's are 0.2-1.1 MB) starts cold (a TLB miss per page, a hardware prefetcher that stops at
     every page boundary). Read that way a SmolLM2 token's 121 kernels took ~20 % less time here (3.66 -> 2.98 ms).
-    Chunks of ARENA_CHUNK, 2 MB aligned, bump-allocated 64-byte aligned slices; a chunk is unmapped when the last
+    Chunks of FIRST_CHUNK then ARENA_CHUNK, 2 MB aligned, bump-allocated 64-byte aligned slices; a chunk is unmapped when the last
     array viewing it goes (a kernel dropped while others in its chunk live keeps its bytes: a re-plan's old shards
     leave at most their chunks' space). Untouched pages of a chunk are never resident; a touched huge page is resident
     whole, so the first chunk stays in 4 KB pages (a device holding a few MB of weights under a memory budget of a few
@@ -118,11 +118,12 @@ class _WeightArena:
         return whole[start:start + nbytes]
 
     def take(self, nbytes: int) -> np.ndarray:
-        if nbytes > ARENA_CHUNK // 4:  # a large matrix (an LM head): huge pages of its own
+        if nbytes > FIRST_CHUNK // 4:  # a large matrix (an LM head): huge pages of its own
             return self._mapping(nbytes)
         with self._lock:
             if self._chunk is None or self._used + nbytes > len(self._chunk):
-                self._chunk, self._used = self._mapping(ARENA_CHUNK, huge=self._chunks > 0), 0
+                first = self._chunks == 0
+                self._chunk, self._used = self._mapping(FIRST_CHUNK if first else ARENA_CHUNK, huge=not first), 0
                 self._chunks += 1
             buffer = self._chunk[self._used:self._used + nbytes]
             self._used += -(-nbytes // 64) * 64
