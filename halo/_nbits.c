@@ -469,11 +469,11 @@ static int contiguous(PyObject *obj, Py_buffer *view, const char *name, Py_ssize
     const char native = *(const char *)&one ? '<' : '>';
     if (found[0] == '@' || found[0] == '=' || found[0] == native)  /* this machine's byte order: the same values */
         found++;
-    const Py_ssize_t itemsize = found[0] == 'f' ? 4 : found[0] == 'e' ? 2 : 1;
+    const Py_ssize_t itemsize = found[0] == 'f' || found[0] == 'i' ? 4 : found[0] == 'e' ? 2 : 1;
     if (strlen(found) != 1 || !strchr(format, found[0]) || view->itemsize != itemsize) {
         PyErr_Format(PyExc_ValueError, "%s holds values of type '%s'; it must be %s", name, found,
                      !strcmp(format, "fe") ? "float32 ('f') or float16 ('e')"
-                     : format[0] == 'f' ? "float32 ('f')" : "uint8 ('B')");
+                     : format[0] == 'f' ? "float32 ('f')" : format[0] == 'i' ? "int32 ('i')" : "uint8 ('B')");
         PyBuffer_Release(view);
         return -1;
     }
@@ -734,35 +734,41 @@ static PyObject *step_done(int failed, Py_buffer *views, int held, Weight *a, We
 static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *names[] = {"x", "norm", "eps", "qkv", "out", "cos", "sin", "cache_k", "cache_v", "pos", "heads",
+    static char *names[] = {"x", "norm", "eps", "qkv", "out", "cos", "sin", "cache_k", "cache_v", "pos", "kv_of_head",
                             "y", "threads", NULL};
-    PyObject *x_obj, *norm_obj, *qkv_obj, *out_obj, *cos_obj, *sin_obj, *k_obj, *v_obj, *y_obj;
+    PyObject *x_obj, *norm_obj, *qkv_obj, *out_obj, *cos_obj, *sin_obj, *k_obj, *v_obj, *heads_obj, *y_obj;
     float eps;
-    Py_ssize_t pos, heads;
+    Py_ssize_t pos;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnnO|i", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
-                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads, &y_obj, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnOO|i", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
+                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads_obj, &y_obj, &threads))
         return NULL;
     Weight qkv, wo;
     if (checked_threads(threads) < 0 || weight_pair(&qkv, qkv_obj, "qkv", &wo, out_obj, "out") < 0)
         return NULL;
-    Py_buffer views[7];
+    Py_buffer views[8];
     int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
     const Py_ssize_t d = qkv.job.blocks * qkv.job.block;
     if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
         || (++held, floats(cos_obj, &views[held], "cos", -1, 0) < 0) || (++held, floats(sin_obj, &views[held], "sin", -1, 0) < 0)
         || (++held, floats(k_obj, &views[held], "cache_k", -1, 1) < 0)
         || (++held, floats(v_obj, &views[held], "cache_v", -1, 1) < 0)
-        || (++held, floats(y_obj, &views[held], "y", wo.job.n, 1) < 0))
+        || (++held, floats(y_obj, &views[held], "y", wo.job.n, 1) < 0)
+        || (++held, contiguous(heads_obj, &views[held], "kv_of_head", -1, "i", 0) < 0))
         return step_done(failed, views, held, &qkv, &wo);
     held++;
     const Py_buffer *cos = &views[2], *sin = &views[3], *ck = &views[4], *cv = &views[5];
     const Py_ssize_t kv = ck->ndim == 3 ? ck->shape[1] : 0, hd = ck->ndim == 3 ? ck->shape[2] : 0;
+    const int32_t *kv_of_head = views[7].buf;
+    const Py_ssize_t heads = views[7].len / 4;
+    int heads_fit = heads > 0;
+    for (Py_ssize_t i = 0; i < heads; i++)
+        heads_fit &= kv_of_head[i] >= 0 && kv_of_head[i] < kv;
     if (ck->ndim != 3 || cv->ndim != 3 || memcmp(ck->shape, cv->shape, 3 * sizeof(Py_ssize_t)) || kv == 0 || hd % 2
-        || heads <= 0 || heads % kv || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
+        || !heads_fit || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
         || memcmp(cos->shape, sin->shape, 2 * sizeof(Py_ssize_t))) {
         PyErr_SetString(PyExc_ValueError, "attention_step: caches must be [positions, kv heads, head dim] (both alike), "
-                        "heads a multiple of the KV heads, cos/sin [positions, head dim / 2]");
+                        "kv_of_head a KV head (0 .. kv heads - 1) for each query head, cos/sin [positions, head dim / 2]");
         return step_done(failed, views, held, &qkv, &wo);
     }
     if (qkv.job.n != (heads + 2 * kv) * hd || wo.job.blocks * wo.job.block != heads * hd) {
@@ -778,7 +784,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     }
     Py_BEGIN_ALLOW_THREADS
     const int path = best_path();
-    const Py_ssize_t group = heads / kv, width = (heads + 2 * kv) * hd;
+    const Py_ssize_t width = (heads + 2 * kv) * hd;
     float *scratch = malloc((size_t)(d + width + heads * hd + pos + 1) * sizeof(float));
     if (!scratch)
         failed = 1;
@@ -796,7 +802,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
             memcpy(cache_v + pos * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
             const float scale = 1.0f / sqrtf((float)hd);
             for (Py_ssize_t i = 0; i < heads; i++) {
-                const Py_ssize_t j = i / group;
+                const Py_ssize_t j = kv_of_head[i];
                 attend_head(q + i * hd, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores,
                             attended + i * hd);
             }
@@ -877,10 +883,10 @@ static PyMethodDef methods[] = {
      "scale + offset; x quantized per block to `terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' "
      "(default: the best this CPU runs; same results)."},
     {"attention_step", (PyCFunction)(void (*)(void))py_attention_step, METH_VARARGS | METH_KEYWORDS,
-     "attention_step(x, norm, eps, qkv, out, cos, sin, cache_k, cache_v, pos, heads, y, threads=1): one token's "
+     "attention_step(x, norm, eps, qkv, out, cos, sin, cache_k, cache_v, pos, kv_of_head, y, threads=1): one token's "
      "attention share: y[1, D] = W_o (attention of the rotated queries over cache positions 0..pos) for x [1, D] "
      "RMS-normed by `norm`; qkv: the query heads' rows then the KV heads' key rows then value rows; query head i reads "
-     "KV head i / (heads / KV); the token's rotated keys and its values are written at cache position pos. qkv and "
+     "KV head kv_of_head[i] (int32); the token's rotated keys and its values are written at cache position pos. qkv and "
      "out: weights as matmul takes them."},
     {"mlp_step", (PyCFunction)(void (*)(void))py_mlp_step, METH_VARARGS | METH_KEYWORDS,
      "mlp_step(x, norm, eps, gate_up, down, y, threads=1): one token's MLP share: y[1, D] = W_down (silu(gate) x up) "

@@ -157,7 +157,8 @@ class AttentionShard:
         self.graph = graph_or_sessions(lambda qkv, out: AttentionGraph(qkv, out, kv_of_head, hd, len(self.kv_heads),
                                                                        threads), self.qkv, self.out)
         self.threads = threads
-        self._step = c_weights(self.qkv, self.out) if self.graph is None and self.kv_batched else None
+        self.kv_of_head = np.array(kv_of_head, np.int32)  # the decode step's: local KV head of each local query head
+        self._step = c_weights(self.qkv, self.out) if self.graph is None else None
         # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
         self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
         self.cache_v = np.zeros(self.cache_k.shape, np.float32)
@@ -181,7 +182,7 @@ class AttentionShard:
         qkv, out = self._step
         y = np.empty((1, out[1]), np.float32)
         _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, start_pos,
-                              len(self.heads), y, self.threads)
+                              self.kv_of_head, y, self.threads)
         return y
 
     def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:

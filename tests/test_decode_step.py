@@ -31,7 +31,7 @@ def relative_error(a, b) -> float:
 
 
 @needs_c
-@pytest.mark.parametrize("heads", [[0, 1, 2, 3], [0, 1], [2, 3], [1, 2], [3]])
+@pytest.mark.parametrize("heads", [[0, 1, 2, 3], [0, 1], [2, 3], [1, 2], [3], [0, 2, 3], [1, 3]])
 def test_an_attention_step_is_the_blocks_numpy_path(weights, heads):
     c = weights.config
     layout, rotary, layer = GroupLayout.for_model(c), Rotary(c, CONTEXT), weights.layers[1]
@@ -124,16 +124,18 @@ def test_a_step_refuses_what_does_not_fit(weights):
 
     def step(**changed):
         args = dict(x=x, norm=norm, eps=1e-5, qkv=qkv, out=out, cos=rotary.cos, sin=rotary.sin, cache_k=shard.cache_k,
-                    cache_v=shard.cache_v, pos=3, heads=4, y=y)
+                    cache_v=shard.cache_v, pos=3, kv_of_head=shard.kv_of_head, y=y)
         nbits.attention_step(**{**args, **changed})
 
     step()
     with pytest.raises(ValueError, match=f"position {CONTEXT} is beyond the context length {CONTEXT}"):
         step(pos=CONTEXT)
-    with pytest.raises(ValueError, match="heads a multiple of the KV heads"):
-        step(heads=3)
+    with pytest.raises(ValueError, match=r"kv_of_head a KV head \(0 .. kv heads - 1\) for each query head"):
+        step(kv_of_head=np.array([0, 0, 1, 2], np.int32))
     with pytest.raises(ValueError, match=r"qkv has 256 rows and out 128 inputs; 2 heads and 2 KV heads of 32 need 192 and 64"):
-        step(heads=2)
+        step(kv_of_head=np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match=r"kv_of_head holds values of type 'l'; it must be int32"):
+        step(kv_of_head=np.array([0, 0, 1, 1], np.int64))
     with pytest.raises(ValueError, match="caches must be"):
         step(cache_v=shard.cache_v[:, :1].copy())
     with pytest.raises(ValueError, match="y holds 64 values; the shapes given need 128"):
