@@ -61,11 +61,10 @@ static inline float half_bits_to_float(uint16_t h)
 #endif
 
 /* The element-wise loops (activation quantization, norms, attention) built for several x86 levels, picked at load:
- * the same operations, in the same order, wider (division, rint and max are exact at any width). */
-#if defined(HALO_X86) && defined(__has_attribute)
-#if __has_attribute(target_clones)
+ * the same operations, in the same order, wider (division, rint and max are exact at any width). GCC 11 names the
+ * levels; other compilers build the plain loops. */
+#if defined(HALO_X86) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#endif
 #endif
 #ifndef CLONES
 #define CLONES
@@ -336,10 +335,16 @@ AVX2 static void tile_avx2(const Job *job, Py_ssize_t i, float *y)
 #endif
 
 /* Tile i's rows of the output on `path`, block after block (a tile at a time: tiles computed side by side, two
- * streams or more, read from memory at a quarter of the speed here). y: tokens x 16 floats of scratch. */
+ * streams or more, read from memory at a quarter of the speed here). y: tokens x 16 floats of scratch (one token and
+ * a whole tile: summed in `out` itself). */
 static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
 {
-    memset(y, 0, (size_t)(job->tokens * TILE_ROWS) * sizeof(float));
+    const Py_ssize_t r0 = i * TILE_ROWS, rows = job->n - r0 < TILE_ROWS ? job->n - r0 : TILE_ROWS;
+    const int direct = job->tokens == 1 && rows == TILE_ROWS;  /* a decode step's whole tile: sums in place */
+    if (direct)
+        y = job->out + r0;
+    for (Py_ssize_t at = 0; at < job->tokens * TILE_ROWS; at++)
+        y[at] = 0.f;
 #ifdef HALO_X86
     if (path == PATH_AVX512)
         tile_avx512(job, i, y);
@@ -348,9 +353,9 @@ static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
     else
 #endif
         tile_scalar(job, i, y);
-    const Py_ssize_t r0 = i * TILE_ROWS, rows = job->n - r0 < TILE_ROWS ? job->n - r0 : TILE_ROWS;
-    for (Py_ssize_t t = 0; t < job->tokens; t++)
-        memcpy(job->out + t * job->n + r0, y + t * TILE_ROWS, (size_t)rows * sizeof(float));
+    for (Py_ssize_t t = 0; t < job->tokens && !direct; t++)
+        for (Py_ssize_t r = 0; r < rows; r++)
+            job->out[t * job->n + r0 + r] = y[t * TILE_ROWS + r];
 }
 
 static int best_path(void)
@@ -541,7 +546,8 @@ static int weight_open(Weight *w, PyObject *packed_obj, Py_ssize_t n, int bits, 
     return 0;
 }
 
-/* A weight handed over as the tuple (packed, n, bits, block, half, offsets, terms): halo.linear.DequantKernel.c_weight. */
+/* A weight handed over as the tuple (packed, n, bits, block, half, offsets, terms):
+ * halo.linear.DequantKernel.c_weight. */
 static int weight_from(Weight *w, PyObject *tuple, const char *name)
 {
     PyObject *packed;
@@ -681,8 +687,8 @@ static void rotate(float *v, Py_ssize_t heads, Py_ssize_t hd, const float *cos, 
 
 /* Query head q [hd] (rotated) over positions 0..len-1 of its KV head's cache rows (stride floats apart) -> out [hd];
  * scores [len] scratch. Softmax as halo.ops.softmax: minus the max, exp, divided by the sum. */
-CLONES static void attend_head(const float *q, const float *keys, const float *values, Py_ssize_t len, Py_ssize_t stride,
-                        Py_ssize_t hd, float scale, float *scores, float *out)
+CLONES static void attend_head(const float *q, const float *keys, const float *values, Py_ssize_t len,
+                               Py_ssize_t stride, Py_ssize_t hd, float scale, float *scores, float *out)
 {
     float top = -INFINITY;
     for (Py_ssize_t s = 0; s < len; s++) {
@@ -750,7 +756,8 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
     const Py_ssize_t d = qkv.job.blocks * qkv.job.block;
     if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
-        || (++held, floats(cos_obj, &views[held], "cos", -1, 0) < 0) || (++held, floats(sin_obj, &views[held], "sin", -1, 0) < 0)
+        || (++held, floats(cos_obj, &views[held], "cos", -1, 0) < 0)
+        || (++held, floats(sin_obj, &views[held], "sin", -1, 0) < 0)
         || (++held, floats(k_obj, &views[held], "cache_k", -1, 1) < 0)
         || (++held, floats(v_obj, &views[held], "cache_v", -1, 1) < 0)
         || (++held, floats(y_obj, &views[held], "y", wo.job.n, 1) < 0)
@@ -767,8 +774,9 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     if (ck->ndim != 3 || cv->ndim != 3 || memcmp(ck->shape, cv->shape, 3 * sizeof(Py_ssize_t)) || kv == 0 || hd % 2
         || !heads_fit || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
         || memcmp(cos->shape, sin->shape, 2 * sizeof(Py_ssize_t))) {
-        PyErr_SetString(PyExc_ValueError, "attention_step: caches must be [positions, kv heads, head dim] (both alike), "
-                        "kv_of_head a KV head (0 .. kv heads - 1) for each query head, cos/sin [positions, head dim / 2]");
+        PyErr_SetString(PyExc_ValueError,
+                        "attention_step: caches must be [positions, kv heads, head dim] (both alike), kv_of_head a KV "
+                        "head (0 .. kv heads - 1) for each query head, cos/sin [positions, head dim / 2]");
         return step_done(failed, views, held, &qkv, &wo);
     }
     if (qkv.job.n != (heads + 2 * kv) * hd || wo.job.blocks * wo.job.block != heads * hd) {
@@ -814,11 +822,36 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     return step_done(failed ? 1 : 0, views, held, &qkv, &wo);
 }
 
+/* e^x in float operations a loop vectorizes (expf is a call per value): Cephes' expf, x = n ln2 + r with
+ * |r| <= ln2 / 2, a degree-6 polynomial of r, times 2^n put in the exponent bits; within 2 ulp of expf over
+ * [-87, 88] (clamped there: 2^-126 .. ~2^127), NaN stays NaN. */
+static inline float exp_vectorizable(float x)
+{
+    const float magic = 12582912.0f;  /* 1.5 x 2^23: t = x log2(e) + magic holds round(x log2(e)) in its low bits */
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const float t = x * 1.44269504088896341f + magic, n = t - magic;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    bits = (bits - 0x4B400000 + 127) * (1 << 23);  /* 2^n */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
 /* SwiGLU: act = silu(gate) x up, silu(g) = g / (1 + exp(-g)) (halo.ops.silu); gate_up: the gate's n, then up's. */
 CLONES static void swiglu(const float *gate_up, Py_ssize_t n, float *act)
 {
     for (Py_ssize_t i = 0; i < n; i++)
-        act[i] = gate_up[i] / (1.0f + expf(-gate_up[i])) * gate_up[n + i];
+        act[i] = gate_up[i] / (1.0f + exp_vectorizable(-gate_up[i])) * gate_up[n + i];
 }
 
 static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)

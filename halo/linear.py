@@ -306,12 +306,13 @@ def packed_shape(n: int, blocks: int, block_bytes: int, scale_bytes: int, offset
     return -(-n // TILE_ROWS), blocks, block_bytes * TILE_ROWS + TILE_ROWS * scale_bytes * (2 if offsets else 1)
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, into: np.ndarray | None = None) -> np.ndarray:
+def pack(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None,
+         into: np.ndarray | None = None) -> np.ndarray:
     """MatMulNBits arrays (codes [n, blocks, block bytes] uint8; scales and offsets [n, blocks], float32 or float16)
     in the C kernel's order of reading, one array (halo/_nbits.c): [tiles, blocks, unit] uint8, a unit = one block of
     16 rows: their codes in 4-byte words (word w: bytes 4w..4w+3 of each row, row after row), then their 16 scales,
     then their 16 offsets. A matrix is then one sequential stream (a token through SmolLM2 read its codes at ~24 GB/s
-    in separate arrays, ~35 packed). Rows past n in the last tile are zeros. into: a uint8 buffer of that size."""
+    in separate arrays, ~33 packed). Rows past n in the last tile are zeros. into: a uint8 buffer of that size."""
     n, blocks, block_bytes = codes.shape
     shape = packed_shape(n, blocks, block_bytes, scales.itemsize, offsets is not None)
     tiles, whole = shape[0], n // TILE_ROWS  # whole tiles, then (n % 16 rows) a last one padded with zeros
@@ -319,7 +320,8 @@ def pack(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, into
     # strided copies into views of `out` (no temporary the size of the matrix: an LM head is ~30 MB)
     code_bytes = block_bytes * TILE_ROWS
     by_tile = out[:, :, :code_bytes].reshape(tiles, blocks, block_bytes // 4, TILE_ROWS, 4)
-    by_tile[:whole] = codes[:whole * TILE_ROWS].reshape(whole, TILE_ROWS, blocks, block_bytes // 4, 4).transpose(0, 2, 3, 1, 4)
+    by_tile[:whole] = (codes[:whole * TILE_ROWS].reshape(whole, TILE_ROWS, blocks, block_bytes // 4, 4)
+                       .transpose(0, 2, 3, 1, 4))
     columns = [scales] + ([offsets] if offsets is not None else [])
     at = code_bytes
     for values in columns:
