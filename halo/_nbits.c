@@ -12,7 +12,7 @@
  *
  * Layout: one array, packed [tiles, blocks, unit] uint8, in the order the kernel reads it, so a matrix is one
  * sequential stream (with the codes in separate [blocks, words, n, 4] arrays a token read at ~24 GB/s from memory here;
- * packed, ~35). A tile is 16 rows; a unit is one block of a tile: its codes, words x 64 bytes (word w: 4 bytes of
+ * packed, ~33). A tile is 16 rows; a unit is one block of a tile: its codes, words x 64 bytes (word w: 4 bytes of
  * each of the 16 rows, 4-bit: byte j of a block holds input 2j's weight in its low nibble, 2j + 1's in its high
  * one), then the 16 rows' scales, then their offsets (where the type has them), float32 or float16. The last tile's
  * rows past n are zeros. weight = (code - 2^(bits-1)) x scale + offset, so with z = 2^(bits-1) and
