@@ -854,48 +854,117 @@ CLONES static void swiglu(const float *gate_up, Py_ssize_t n, float *act)
         act[i] = gate_up[i] / (1.0f + exp_vectorizable(-gate_up[i])) * gate_up[n + i];
 }
 
+/* The weights of one MLP share: MLP groups as (gate_up, down) pairs, checked against each other and the input width
+ * d; -1 with an error set (and nothing held) otherwise. */
+static int mlp_groups_open(PyObject *groups_obj, Py_ssize_t d, Py_ssize_t d_out, Weight **weights, Py_ssize_t *count,
+                           Py_ssize_t *widest)
+{
+    PyObject *groups = PySequence_Fast(groups_obj, "groups must be a list of (gate_up, down) weight pairs");
+    if (!groups)
+        return -1;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(groups);
+    Weight *w = n > 0 && n <= 65536 ? PyMem_Calloc((size_t)(2 * n), sizeof(Weight)) : NULL;
+    if (!w) {
+        Py_DECREF(groups);
+        if (n > 0 && n <= 65536)
+            PyErr_NoMemory();
+        else
+            PyErr_Format(PyExc_ValueError, "mlp_step: %zd groups; it takes 1 to 65536", n);
+        return -1;
+    }
+    Py_ssize_t opened = 0, most = 0;
+    for (; opened < n; opened++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(groups, opened), *gate_up, *down;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "mlp_step: group %zd is not a (gate_up, down) pair", opened);
+            break;
+        }
+        gate_up = PyTuple_GET_ITEM(pair, 0), down = PyTuple_GET_ITEM(pair, 1);
+        if (weight_pair(&w[2 * opened], gate_up, "gate_up", &w[2 * opened + 1], down, "down") < 0)
+            break;
+        const Job *gu = &w[2 * opened].job, *dn = &w[2 * opened + 1].job;
+        if (gu->n % 2 || dn->blocks * dn->block != gu->n / 2 || gu->blocks * gu->block != d || dn->n != d_out) {
+            PyErr_Format(PyExc_ValueError, "mlp_step: group %zd's gate_up has %zd rows (gate's, then up's) of %zd inputs "
+                         "and down %zd rows of %zd inputs: they must be 2N rows of %zd and %zd rows of N", opened, gu->n,
+                         gu->blocks * gu->block, dn->n, dn->blocks * dn->block, d, d_out);
+            weight_close(&w[2 * opened]), weight_close(&w[2 * opened + 1]);
+            break;
+        }
+        most = gu->n / 2 > most ? gu->n / 2 : most;
+    }
+    Py_DECREF(groups);
+    if (opened < n) {
+        while (opened-- > 0)
+            weight_close(&w[2 * opened]), weight_close(&w[2 * opened + 1]);
+        PyMem_Free(w);
+        return -1;
+    }
+    *weights = w, *count = n, *widest = most;
+    return 0;
+}
+
 static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *names[] = {"x", "norm", "eps", "gate_up", "down", "y", "threads", NULL};
-    PyObject *x_obj, *norm_obj, *gate_up_obj, *down_obj, *y_obj;
+    static char *names[] = {"x", "norm", "eps", "groups", "y", "threads", NULL};
+    PyObject *x_obj, *norm_obj, *groups_obj, *y_obj;
     float eps;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOO|i", names, &x_obj, &norm_obj, &eps, &gate_up_obj, &down_obj,
-                                     &y_obj, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOO|i", names, &x_obj, &norm_obj, &eps, &groups_obj, &y_obj,
+                                     &threads))
         return NULL;
-    Weight gate_up, down;
-    if (checked_threads(threads) < 0 || weight_pair(&gate_up, gate_up_obj, "gate_up", &down, down_obj, "down") < 0)
+    if (checked_threads(threads) < 0)
         return NULL;
     Py_buffer views[3];
-    int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
-    const Py_ssize_t d = gate_up.job.blocks * gate_up.job.block, neurons = gate_up.job.n / 2;
-    if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
-        || (++held, floats(y_obj, &views[held], "y", down.job.n, 1) < 0))
-        return step_done(failed, views, held, &gate_up, &down);
-    held++;
-    if (gate_up.job.n % 2 || down.job.blocks * down.job.block != neurons) {
-        PyErr_Format(PyExc_ValueError, "mlp_step: gate_up has %zd rows (gate's, then up's) and down %zd inputs: they must "
-                     "be 2N and N", gate_up.job.n, down.job.blocks * down.job.block);
-        return step_done(failed, views, held, &gate_up, &down);
+    int held = 0, failed = 0;
+    const int normed = norm_obj != Py_None;
+    if (floats(x_obj, &views[held], "x", -1, 0) < 0 || (++held, floats(y_obj, &views[held], "y", -1, 1) < 0)
+        || (++held, normed && floats(norm_obj, &views[held], "norm", views[0].len / 4, 0) < 0)) {
+        for (int i = 0; i < held; i++)
+            PyBuffer_Release(&views[i]);
+        return NULL;
+    }
+    held += normed;
+    const Py_ssize_t d = views[0].len / 4, d_out = views[1].len / 4;
+    Weight *w;
+    Py_ssize_t count, widest;
+    if (mlp_groups_open(groups_obj, d, d_out, &w, &count, &widest) < 0) {
+        for (int i = 0; i < held; i++)
+            PyBuffer_Release(&views[i]);
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     const int path = best_path();
-    float *scratch = malloc((size_t)(d + 3 * neurons) * sizeof(float));
+    float *scratch = malloc((size_t)(d + 3 * widest + d_out) * sizeof(float));
     if (!scratch)
         failed = 1;
     else {
-        float *h = scratch, *gu = h + d, *act = gu + 2 * neurons;
-        rms_norm(views[0].buf, views[1].buf, d, eps, h);
-        failed = project(&gate_up, h, 1, gu, threads, path);
-        if (!failed) {
+        float *h = scratch, *gu = h + d, *act = gu + 2 * widest, *part = act + widest, *y = views[1].buf;
+        if (normed)
+            rms_norm(views[0].buf, views[2].buf, d, eps, h);
+        else
+            memcpy(h, views[0].buf, (size_t)d * sizeof(float));
+        for (Py_ssize_t i = 0; i < d_out; i++)
+            y[i] = 0.f;
+        for (Py_ssize_t g = 0; g < count && !failed; g++) {  /* each group's output added in order, as numpy adds */
+            const Py_ssize_t neurons = w[2 * g].job.n / 2;
+            failed = project(&w[2 * g], h, 1, gu, threads, path) < 0;
             swiglu(gu, neurons, act);
-            failed = project(&down, act, 1, views[2].buf, threads, path);
+            failed = failed || project(&w[2 * g + 1], act, 1, part, threads, path) < 0;
+            for (Py_ssize_t i = 0; i < d_out && !failed; i++)
+                y[i] += part[i];
         }
         free(scratch);
     }
     Py_END_ALLOW_THREADS
-    return step_done(failed ? 1 : 0, views, held, &gate_up, &down);
+    for (Py_ssize_t g = 0; g < 2 * count; g++)
+        weight_close(&w[g]);
+    PyMem_Free(w);
+    for (int i = 0; i < held; i++)
+        PyBuffer_Release(&views[i]);
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_paths(PyObject *self, PyObject *unused)
@@ -922,8 +991,9 @@ static PyMethodDef methods[] = {
      "KV head kv_of_head[i] (int32); the token's rotated keys and its values are written at cache position pos. qkv and "
      "out: weights as matmul takes them."},
     {"mlp_step", (PyCFunction)(void (*)(void))py_mlp_step, METH_VARARGS | METH_KEYWORDS,
-     "mlp_step(x, norm, eps, gate_up, down, y, threads=1): one token's MLP share: y[1, D] = W_down (silu(gate) x up) "
-     "of x [1, D] RMS-normed by `norm`; gate_up: the gate rows then the up rows."},
+     "mlp_step(x, norm, eps, groups, y, threads=1): one token's MLP share: y[1, D] = the sum over `groups` (a list of "
+     "(gate_up, down) weight pairs, added in order) of W_down (silu(gate) x up) of x [1, D], RMS-normed by `norm` "
+     "(None: x is normed already); gate_up: the gate rows then the up rows."},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, slowest first."},
     {NULL, NULL, 0, NULL},
 };

@@ -370,6 +370,7 @@ class MlpShard:
         self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
         self.threads = threads
         self._step = c_weights(self.gate_up, self.down) if self.graph is None else None
+        self.step_group = tuple(self._step) if self._step else None  # (gate_up, down): mlp_step's
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -391,9 +392,8 @@ class MlpShard:
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, *unused) -> np.ndarray:
         """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,
         W_down) -> partial output [1, D]; as `forward` of the normed x."""
-        gate_up, down = self._step
-        y = np.empty((1, down[1]), np.float32)
-        _nbits.mlp_step(x, norm, eps, gate_up, down, y, self.threads)
+        y = np.empty((1, self.step_group[1][1]), np.float32)
+        _nbits.mlp_step(x, norm, eps, [self.step_group], y, self.threads)
         return y
 
     def forward_groups(self, x: np.ndarray) -> np.ndarray:
@@ -458,6 +458,11 @@ class MlpGroupBank:
         which tokens each group serves (None: all)."""
         out = np.zeros((len(x), self.dim), dtype=np.float32)
         shards = None if self.cache is None else [self.shard(int(g)) for g in groups]  # held until computed
+        if (len(x) == 1 and shards and (keep is None or keep.all())
+                and all(getattr(s, "step_group", None) for s in shards)):  # a decode step: every group in one C call
+            _nbits.mlp_step(np.ascontiguousarray(x, np.float32), None, 0.0, [s.step_group for s in shards], out,
+                            self.threads)
+            return out
         for j, g in enumerate(groups):
             tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
             xs = x[tokens]

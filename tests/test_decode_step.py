@@ -68,6 +68,25 @@ def test_an_mlp_step_is_the_blocks_numpy_path(weights, groups):
 
 
 @needs_c
+def test_halos_groups_of_a_token_run_in_one_step(weights):
+    """HALO mode's re-mapped groups of a decode step (MlpGroupBank.forward, one token, sessions-free C kernels): one
+    mlp_step over the list of groups, what the groups' numpy path sums."""
+    from halo.neuron_groups import MlpGroupBank
+
+    c = weights.config
+    layout = GroupLayout.for_model(c)
+    bank = MlpGroupBank(weights.layers[1], layout, "native")
+    x = np.random.default_rng(3).standard_normal((1, c.dim)).astype(np.float32)
+    for groups in ([0], [5, 2, 7], list(range(layout.n_mlp_groups))):
+        want = sum(bank.shard(g).forward(x) for g in groups)  # each group's numpy path, added in order
+        got = bank.forward(x, groups)
+        assert relative_error(got, want) < 1e-4, (groups, relative_error(got, want))
+    two = np.concatenate([x, x])  # two tokens, or a token some groups skip: the per-group path
+    assert relative_error(bank.forward(two, [1, 3])[1:], bank.forward(x, [1, 3])) < 1e-4
+    assert not bank.forward(x, [1, 3], keep=np.array([[False, False]])).any()
+
+
+@needs_c
 def test_shares_of_steps_add_up_and_a_model_decodes_through_them(weights):
     """The heads' steps of a partition add up to the whole block's step (a head's output does not depend on the shard
     holding it); a model decoding a token at a time (steps) gives the logits its prefill gives (numpy path)."""
@@ -146,6 +165,13 @@ def test_a_step_refuses_what_does_not_fit(weights):
         step(qkv=qkv[:3])
     mlp = MlpShard(layer, layout, range(layout.n_mlp_groups), "native")
     gate_up, down = mlp._step
-    nbits.mlp_step(x, norm, 1e-5, gate_up, down, y)
-    with pytest.raises(ValueError, match=r"mlp_step: gate_up has 128 rows \(gate's, then up's\) and down 256 inputs"):
-        nbits.mlp_step(x, norm, 1e-5, out, down, y)  # W_o (128 x 128) is no gate/up for W_down's 256 neurons
+    nbits.mlp_step(x, norm, 1e-5, [(gate_up, down)], y)
+    with pytest.raises(ValueError, match=r"mlp_step: group 1's gate_up has 128 rows \(gate's, then up's\) of 128 "
+                                         r"inputs and down 128 rows of 256 inputs"):
+        nbits.mlp_step(x, norm, 1e-5, [(gate_up, down), (out, down)], y)  # W_o (128 x 128) is no gate/up for W_down
+    with pytest.raises(TypeError, match="mlp_step: group 0 is not a"):
+        nbits.mlp_step(x, norm, 1e-5, [gate_up], y)
+    with pytest.raises(ValueError, match="mlp_step: 0 groups"):
+        nbits.mlp_step(x, None, 0.0, [], y)
+    with pytest.raises(ValueError, match="norm holds 64 values; the shapes given need 128"):
+        nbits.mlp_step(x, norm[:64].copy(), 1e-5, [(gate_up, down)], y)
