@@ -104,7 +104,6 @@ class _WeightArena:
     def __init__(self):
         self._chunk: np.ndarray | None = None
         self._used = 0
-        self._chunks = 0
         self._lock = threading.Lock()
 
     @staticmethod
@@ -124,9 +123,8 @@ class _WeightArena:
             return self._mapping(nbytes)
         with self._lock:
             if self._chunk is None or self._used + nbytes > len(self._chunk):
-                first = self._chunks == 0
+                first = self._chunk is None  # the process's first weights: 4 KB pages (see above)
                 self._chunk, self._used = self._mapping(FIRST_CHUNK if first else ARENA_CHUNK, huge=not first), 0
-                self._chunks += 1
             buffer = self._chunk[self._used:self._used + nbytes]
             self._used += -(-nbytes // 64) * 64
             return buffer

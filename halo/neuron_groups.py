@@ -158,7 +158,7 @@ class AttentionShard:
                                                                        threads), self.qkv, self.out)
         self.threads = threads
         self.kv_of_head = np.array(kv_of_head, np.int32)  # the decode step's: local KV head of each local query head
-        self._step = c_weights(self.qkv, self.out) if self.graph is None else None
+        self.step_weights = c_weights(self.qkv, self.out) if self.graph is None else None  # (qkv, out) for `step`
         # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
         self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
         self.cache_v = np.zeros(self.cache_k.shape, np.float32)
@@ -174,12 +174,12 @@ class AttentionShard:
     @property
     def fused(self) -> bool:
         """Whether a token runs through `step` (halo's C kernel holds both projections)."""
-        return self._step is not None
+        return self.step_weights is not None
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary) -> np.ndarray:
         """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
         cache written at start_pos, attention, W_o) -> partial output [1, D]; as `forward` of the normed x."""
-        qkv, out = self._step
+        qkv, out = self.step_weights
         y = np.empty((1, out[1]), np.float32)
         _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, start_pos,
                               self.kv_of_head, y, self.threads)
@@ -268,7 +268,7 @@ class AttentionShard:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
 
-def c_weights(*projections) -> list[tuple] | None:
+def c_weights(*projections) -> tuple | None:
     """The C decode steps' weights of these projections (`DequantKernel.c_weight`), or None unless each is one kernel
     that halo's C kernel computes without padding its inputs."""
     weights = []
@@ -277,7 +277,7 @@ def c_weights(*projections) -> list[tuple] | None:
         if not isinstance(kernel, DequantKernel) or kernel.padded or _nbits is None:
             return None
         weights.append(kernel.c_weight)
-    return weights
+    return tuple(weights)
 
 
 def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]) -> np.ndarray:
@@ -369,8 +369,7 @@ class MlpShard:
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
         self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
         self.threads = threads
-        self._step = c_weights(self.gate_up, self.down) if self.graph is None else None
-        self.step_group = tuple(self._step) if self._step else None  # (gate_up, down): mlp_step's
+        self.step_weights = c_weights(self.gate_up, self.down) if self.graph is None else None  # (gate_up, down)
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -387,13 +386,13 @@ class MlpShard:
     @property
     def fused(self) -> bool:
         """Whether a token runs through `step` (halo's C kernel holds both projections)."""
-        return self._step is not None
+        return self.step_weights is not None
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, *unused) -> np.ndarray:
         """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,
         W_down) -> partial output [1, D]; as `forward` of the normed x."""
-        y = np.empty((1, self.step_group[1][1]), np.float32)
-        _nbits.mlp_step(x, norm, eps, [self.step_group], y, self.threads)
+        y = np.empty((1, self.step_weights[1][1]), np.float32)
+        _nbits.mlp_step(x, norm, eps, [self.step_weights], y, self.threads)
         return y
 
     def forward_groups(self, x: np.ndarray) -> np.ndarray:
@@ -459,8 +458,8 @@ class MlpGroupBank:
         out = np.zeros((len(x), self.dim), dtype=np.float32)
         shards = None if self.cache is None else [self.shard(int(g)) for g in groups]  # held until computed
         if (len(x) == 1 and shards and (keep is None or keep.all())
-                and all(getattr(s, "step_group", None) for s in shards)):  # a decode step: every group in one C call
-            _nbits.mlp_step(np.ascontiguousarray(x, np.float32), None, 0.0, [s.step_group for s in shards], out,
+                and all(getattr(s, "step_weights", None) for s in shards)):  # a decode step: every group, one C call
+            _nbits.mlp_step(np.ascontiguousarray(x, np.float32), None, 0.0, [s.step_weights for s in shards], out,
                             self.threads)
             return out
         for j, g in enumerate(groups):

@@ -138,7 +138,7 @@ def test_a_step_refuses_what_does_not_fit(weights):
     c = weights.config
     layout, rotary, layer = GroupLayout.for_model(c), Rotary(c, CONTEXT), weights.layers[0]
     shard = AttentionShard(layer, layout, range(4), CONTEXT, "native")
-    (qkv, out), nbits = shard._step, linear._nbits
+    (qkv, out), nbits = shard.step_weights, linear._nbits
     x, norm, y = np.ones((1, c.dim), np.float32), np.ones(c.dim, np.float32), np.empty((1, c.dim), np.float32)
 
     def step(**changed):
@@ -164,7 +164,7 @@ def test_a_step_refuses_what_does_not_fit(weights):
     with pytest.raises(TypeError, match=r"qkv must be a \(packed, n, bits, block, half, offsets, terms\) tuple"):
         step(qkv=qkv[:3])
     mlp = MlpShard(layer, layout, range(layout.n_mlp_groups), "native")
-    gate_up, down = mlp._step
+    gate_up, down = mlp.step_weights
     nbits.mlp_step(x, norm, 1e-5, [(gate_up, down)], y)
     with pytest.raises(ValueError, match=r"mlp_step: group 1's gate_up has 128 rows \(gate's, then up's\) of 128 "
                                          r"inputs and down 128 rows of 256 inputs"):
