@@ -36,6 +36,7 @@ import numpy as np
 
 from .report import command_line, write_report
 from halo.distributed.local import module_command
+from halo.shares import EVEN_PLANS
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
 MODES = ("tcp", "exact", "lossy", "halo", "halo-tcp")
@@ -74,8 +75,8 @@ def master(args) -> None:
         print("RESULT " + json.dumps(out), flush=True)
         return
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
-    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), context=256, timeout_s=60.0,
-                          hello_timeout_s=600.0, sync=sync, fmt=fmt)
+    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), plan=args.plan, context=256,
+                          timeout_s=60.0, hello_timeout_s=600.0, sync=sync, fmt=fmt)
     endpoints = args.endpoints.split(",")
 
     def agents_memory() -> list:  # budgets, group caches, storage reads
@@ -138,11 +139,11 @@ class Cluster:
 
 
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
-               time_limit: float, weights: str = "native") -> dict:
+               time_limit: float, weights: str = "native", plan: str = "even") -> dict:
     """sync "single": the single-process model, in the master's namespace (same machine, same weights)."""
     argv = [*module_command("halo.eval.bench_halo_speed"), "master", "--model", str(model), "--key", str(key),
             "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
-            "--settings", json.dumps(settings), "--time-limit", str(time_limit)]
+            "--settings", json.dumps(settings), "--time-limit", str(time_limit), "--plan", plan]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = p.communicate(timeout=time_limit + 180)
     for line in out.splitlines():
@@ -202,9 +203,9 @@ def speed(args) -> None:
                         cluster = cluster or Cluster(bed, model, key, n)
                         for plr in [float(p) for p in args.plr.split(",")]:
                             bed.set_loss(plr)
-                            for sync, (mode, settings) in modes.items():
+                            for sync, (mode, settings, plan) in modes.items():
                                 result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens,
-                                                    settings, args.time_limit, args.weights)
+                                                    settings, args.time_limit, args.weights, plan)
                                 rows.append({"agents": n, "plr": plr, "sync": sync, "run": run, **summarize(result),
                                              "dropped_frames": bed.drop_counters()})
                                 print(json.dumps(rows[-1]), flush=True)
@@ -221,8 +222,9 @@ def speed(args) -> None:
     partial.unlink(missing_ok=True)
 
 
-def mode_settings(mode: str, args) -> tuple[str, dict]:
-    """A --modes entry, 'exact' or 'exact@NAME' (NAME a --variants key), as its sync mode and SyncSettings fields."""
+def mode_settings(mode: str, args) -> tuple[str, dict, str]:
+    """A --modes entry, 'exact' or 'exact@NAME' (NAME a --variants key), as its sync mode, SyncSettings fields and
+    plan (a variant's "plan" key, else --plan)."""
     sync, _, variant = mode.partition("@")
     settings = json.loads(args.settings)
     if variant:
@@ -231,7 +233,10 @@ def mode_settings(mode: str, args) -> tuple[str, dict]:
             raise SystemExit(f"--modes names the variant {variant!r}, which --variants does not define "
                              f"({', '.join(variants) or 'none'})")
         settings = {**settings, **variants[variant]}
-    return sync, settings
+    plan = settings.pop("plan", args.plan)
+    if plan not in EVEN_PLANS:
+        raise SystemExit(f"plan {plan!r}: the bench runs even plans ({', '.join(EVEN_PLANS)})")
+    return sync, settings, plan
 
 
 def median_runs(rows: list[dict]) -> list[dict]:
@@ -246,6 +251,11 @@ def median_runs(rows: list[dict]) -> list[dict]:
     return out
 
 
+PLAN_TEXT = {"even": "Plan `even`: every block (attention heads, MLP and LM-head groups) in equal shares.",
+             "even-mlp": "Plan `even-mlp`: every attention head on the master, the MLP and LM head in equal shares "
+                         "(a token syncs once a layer)."}
+
+
 def render_speed(rows: list[dict], args) -> list[str]:
     by = {(r["agents"], r["plr"], r["sync"]): r for r in rows}
     modes = args.modes.split(",")
@@ -254,8 +264,8 @@ def render_speed(rows: list[dict], args) -> list[str]:
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
              f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
-             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace."
-             + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
+             f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace. "
+             + PLAN_TEXT[args.plan] + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
                 "parentheses), and the ratios compare median runs." if args.runs > 1 else ""), ""]
     for n in sorted({r["agents"] for r in rows}):
         base = by.get((n, 0.0, "single process"))
@@ -493,7 +503,11 @@ def main(argv=None) -> int:
                         "and master, e.g. '{\"parity_group\": 8}'")
     parser.add_argument("--variants", default="{}", help="speed: named SyncSettings overrides that --modes entries "
                         "pick as MODE@NAME, to compare settings side by side in one run, e.g. --modes "
-                        "exact,exact@xor --variants '{\"xor\": {\"parity_group\": 4, \"parity_chunks\": 1}}'")
+                        "exact,exact@xor --variants '{\"xor\": {\"parity_group\": 4, \"parity_chunks\": 1}}'; "
+                        "a \"plan\" key picks that variant's plan")
+    parser.add_argument("--plan", default="even", choices=tuple(EVEN_PLANS), help="how the cluster runs share the "
+                        "model: 'even' (equal shares of every block) or 'even-mlp' (every attention head on the "
+                        "master, equal shares of the rest: one sync round a layer)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":

@@ -231,8 +231,11 @@ def add_cluster_arguments(parser) -> None:
     cluster.add_argument("--cluster", metavar="CLUSTER.toml", help="plan over the devices of a cluster file (their "
                          "addresses are the agents; the master = the device marked master)")
     cluster.add_argument("--plan", metavar="plan.json", help="a plan written by `halo-master plan --out`, or "
-                         "'measured' (the default: measure the agents, plan with the scheduler for the --sync mode; "
-                         "--local-agents then keeps every agent) or 'even' (equal shares, nobody measured)")
+                         "'measured' (the default: measure the agents, plan with the scheduler for the --sync mode, "
+                         "which also weighs keeping all attention on the master; --local-agents then keeps every "
+                         "agent), 'even' (equal shares of every block, nobody measured) or 'even-mlp' (every "
+                         "attention head on the master, equal shares of the MLP and LM head: a token syncs once a "
+                         "layer instead of twice)")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
@@ -446,6 +449,7 @@ def _distributed(args) -> bool:
 def check_model_and_cluster(args) -> None:
     """What argparse cannot check alone (generate, serve): combinations, files, the settings objects' own rules."""
     from .models import resolve_model
+    from .shares import EVEN_PLANS
 
     sync_settings(args)
     if args.sync is not None and not _distributed(args):
@@ -457,7 +461,7 @@ def check_model_and_cluster(args) -> None:
     model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
     for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
-                               ("--plan", None if args.plan in ("measured", "even") else args.plan, "file"), ("--predictors", args.predictors, "directory")):
+                               ("--plan", None if args.plan in ("measured", *EVEN_PLANS) else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
 
 
@@ -555,7 +559,7 @@ def _print_planning_line(err, planning: dict) -> None:
     out = [d["name"] for d in planning["devices"] if not d["participant"]]
     err.print(f"[dim]measured plan ({planning['algorithm']}): {', '.join(used)}"
               + (f"; left out: {', '.join(out)}" if out else "")
-              + f" · estimated {planning['estimate']['ms_per_token']:.2f} ms/token "
+              + f" · {planning['sync_rounds']} sync rounds a token · estimated {planning['estimate']['ms_per_token']:.2f} ms/token "
               "(halo-master plan --agents ... says why)[/dim]")
 
 
@@ -626,6 +630,8 @@ def cmd_plan(args) -> int:
         console.print(table)
         if left_out:
             console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
+        attention = "; every attention head on the master" if plan.n > 1 and not plan.counts["attention"][1:].any() else ""
+        console.print(f"{plan.sync_rounds()} sync rounds a token{attention}")
         for mode in ESTIMATE_MODES:
             e = estimate(plan, mode)
             console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "

@@ -123,7 +123,9 @@ class _WeightArena:
             return self._mapping(nbytes)
         with self._lock:
             if self._chunk is None or self._used + nbytes > len(self._chunk):
-                first = self._chunk is None  # the process's first weights: 4 KB pages (see above)
+                # the process's first few MB of weights: 4 KB pages (see above); a first matrix larger than that
+                # chunk (an agent holding no attention but a share of a big LM head) starts the huge pages at once
+                first = self._chunk is None and nbytes <= FIRST_CHUNK
                 self._chunk, self._used = self._mapping(FIRST_CHUNK if first else ARENA_CHUNK, huge=not first), 0
             buffer = self._chunk[self._used:self._used + nbytes]
             self._used += -(-nbytes // 64) * 64

@@ -90,11 +90,21 @@ def place_by_rank(ranges, order=None) -> list[list[list[int]]]:
             for j in range(n)]
 
 
+EVEN_ATTENTION = ("split", "master")
+# even plans by keyword (--plan): where attention goes; "even-mlp" keeps every head on the master, so a token syncs
+# once a layer (its MLP) instead of twice
+EVEN_PLANS = {"even": "split", "even-mlp": "master"}
+
+
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,
-              context: int = DEFAULT_CONTEXT):
-    """A plan for n equal local devices (or devices with the given relative compute), all taking part."""
+              context: int = DEFAULT_CONTEXT, attention: str = "split"):
+    """A plan for n equal local devices (or devices with the given relative compute), all taking part; attention
+    "master": every head on the master (scheduler/tp_plan.py `attention_on_master`: one sync round a layer)."""
     from .scheduler.profiles import Cluster, DeviceProfile, model_profile
-    from .scheduler.tp_plan import build_plan
+    from .scheduler.tp_plan import attention_on_master, build_plan
+
+    if attention not in EVEN_ATTENTION:
+        raise ConfigError(f"attention={attention!r}: choose {' or '.join(EVEN_ATTENTION)}")
 
     compute = compute or [1.0] * n_devices
     if len(compute) != n_devices:
@@ -103,7 +113,8 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     profile = model_profile(weights.config, "fp32", mlp_group_size=layout.mlp_group_size,
                             vocab_group_size=layout.vocab_group_size)
     # every device stays a participant (one may get no groups): the caller has one agent per device
-    return build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
+    plan = build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
+    return attention_on_master(plan) if attention == "master" and n_devices > 1 else plan
 
 
 def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:

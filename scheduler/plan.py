@@ -43,6 +43,12 @@ class TensorParallelPlan:
         used += fixed_bytes(self.cluster, m, self.devices)
         return used
 
+    def sync_rounds(self) -> int:
+        """Rounds a token syncs over the network: blocks in which an agent holds groups (the master's alone send
+        nothing)."""
+        remote = [self.counts[kind][1:].any(axis=0) for kind in TP_KINDS]
+        return int(sum(r.sum() for r in remote) + self.counts["lm_head"][1:].any())
+
     def reliability_order(self) -> list[int]:
         """Participants (plan positions) from the most reliable to the least: the master first (its own
         share never crosses the network), then by the packet loss rate of their links (Algorithm 3)."""

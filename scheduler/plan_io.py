@@ -81,7 +81,8 @@ def plan_summary(plan: TensorParallelPlan, mode: str, cost=None) -> dict:
                 row[kind] = {"groups_per_layer": float(np.mean(plan.counts[kind][j])),
                              "ranks": [int(ranks[held, 0].min()), int(ranks[held, 1].max())] if held.any() else None}
         rows.append(row)
-    return {"algorithm": plan.algorithm, "mode": mode, "estimate": cost.to_json(), "devices": rows}
+    return {"algorithm": plan.algorithm, "mode": mode, "estimate": cost.to_json(), "sync_rounds": plan.sync_rounds(),
+            "devices": rows}
 
 
 def _estimate_with(plan: TensorParallelPlan, device: int, mode: str) -> dict:

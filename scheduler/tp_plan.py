@@ -140,6 +140,26 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
     return prune_idle(plan) if prune else plan
 
 
+def attention_on_master(plan: TensorParallelPlan) -> TensorParallelPlan:
+    """The plan with every attention head on the master, the MLP and LM head shares as they were. A block whose
+    groups all sit on the master needs no sync round (the runtime sends nothing: halo/distributed/master.py), so
+    a token takes L + 1 rounds instead of 2L + 1; the master's compute grows by the heads it takes. The cost model
+    (cost.py) prices both, and `plan_tp` keeps whichever is faster: with per-round costs of a millisecond
+    (Wi-Fi latency, or this machine's four processes on two cores) the fewer rounds win. Raises InsufficientMemory
+    when the master cannot hold every head and its KV cache besides its share."""
+    counts = {kind: c.copy() for kind, c in plan.counts.items()}
+    heads = counts["attention"].sum(axis=0)
+    counts["attention"][:] = 0
+    counts["attention"][0] = heads  # participants are listed master first
+    moved = TensorParallelPlan(plan.cluster, plan.model, plan.algorithm, list(plan.devices), counts)
+    master = moved.profiles()[0]
+    used = moved.memory_used()[0]
+    if used > master.memory_bytes:
+        raise InsufficientMemory(f"the master {master.name!r} would need {used / 1e6:.0f} MB to hold every attention "
+                                 f"head besides its share, and has {master.memory_bytes / 1e6:.0f} MB")
+    return moved
+
+
 def whole_model_speed(profiles, model: ModelProfile) -> np.ndarray:
     """The FLOP/s each device would deliver computing the whole model, its per-block overheads included: the
     speed the ratio algorithms balance by (without overheads it is compute_flops; for a tiny model whose
@@ -359,9 +379,22 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         polish(plan)
     if mode is not None:  # selection must never lose to every device taking part
         finalists.append(build_plan(cluster, model, "minmax"))
+        finalists += _with_attention_on_master(finalists)  # half the sync rounds, priced by the cost model
     best = min(finalists, key=objective)
     best.algorithm = "minmax+select" if mode is None else f"minmax+select ({mode})"
     return best
+
+
+def _with_attention_on_master(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan]:
+    """`attention_on_master` of each plan with agents in it, where the master has the memory."""
+    moved = []
+    for plan in plans:
+        if plan.n > 1 and plan.counts["attention"][1:].any():
+            try:
+                moved.append(attention_on_master(plan))
+            except InsufficientMemory:
+                continue
+    return moved
 
 
 def _expected_time(mode: str, sync):

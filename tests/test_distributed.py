@@ -36,6 +36,28 @@ def test_known_answer_over_local_agents(stories_weights, known_answer, n_agents,
     assert result.text == known_answer
 
 
+@pytest.mark.parametrize("sync", ["exact", "tcp"])
+def test_attention_on_the_master_halves_the_rounds_and_keeps_the_known_answer(stories_weights, known_answer, sync):
+    """--plan even-mlp: every head on the master (an agent then holds no attention and builds its share from MLP
+    and LM-head groups alone), a token syncs L + 1 times, not 2L + 1, and the tokens are the same."""
+    from halo.sync import SyncSettings
+
+    with LocalCluster(3) as cluster:
+        model = distributed(stories_weights, cluster, plan="even-mlp", sync=SyncSettings(mode=sync))
+        try:
+            agents = list(model.agents.values())
+            assert all(not any(a.share.attention) and any(a.share.mlp) for a in agents)
+            assert model.plan.sync_rounds() == stories_weights.config.n_layers + 1
+            assert model.planning["attention"] == "master"
+            result = generate(model, load_tokenizer(stories_weights), "", 256)
+            breakdown = model.sync_report()["breakdown"]
+        finally:
+            model.close()
+    assert result.text == known_answer
+    layers = stories_weights.config.n_layers
+    assert (breakdown["rounds_per_token"], breakdown["sync_rounds_per_token"]) == (2 * layers + 1, layers + 1)
+
+
 def test_uneven_plan_really_is_uneven(stories_weights):
     layout = GroupLayout.for_model(stories_weights.config)
     shares = shares_from_plan(even_plan(stories_weights, layout, 3, [4.0, 1.0, 2.0], CONTEXT), 5)

@@ -454,6 +454,20 @@ def test_buffers_of_garbage_groups_are_read_into_again_and_idle_ones_freed():
     assert pool.idle_bytes == 0
 
 
+@pytest.mark.parametrize("first_mb", [1, 12, 40])
+def test_the_weight_arena_gives_every_matrix_its_whole_size_whatever_comes_first(first_mb):
+    """A process whose first weights are larger than the arena's first (4 KB page) chunk gets them whole: an agent
+    holding no attention but a share of TinyLlama's LM head (9.4 MB) failed to load with a reshape error."""
+    from halo.memory import ARENA_CHUNK, FIRST_CHUNK, _WeightArena
+
+    arena = _WeightArena()
+    sizes = [first_mb << 20, 3 << 20, FIRST_CHUNK + 1, ARENA_CHUNK // 2 - 64, 100]
+    buffers = [arena.take(n) for n in sizes]
+    assert [len(b) for b in buffers] == sizes
+    for i, b in enumerate(buffers):  # each its own bytes: writing one changes no other
+        b[:] = i
+    assert all((b == i).all() for i, b in enumerate(buffers))
+
 @pytest.mark.parametrize("prepared", [False, True])
 def test_a_bounded_device_maps_no_new_pages_per_group_it_reads(stories_weights, tmp_path, monkeypatch, prepared):
     """Token after token a bounded device reads groups it evicted back in, into the buffers of those it evicted:

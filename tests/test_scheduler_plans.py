@@ -12,7 +12,7 @@ from halo.scheduler.milp import solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
 from halo.scheduler.plan import TP_KINDS
-from halo.scheduler.tp_plan import build_plan, plan_tp
+from halo.scheduler.tp_plan import attention_on_master, build_plan, plan_tp
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
 
@@ -134,3 +134,35 @@ def test_master_too_small_for_the_embeddings_is_named():
     devices = (DeviceProfile("tiny-master", 200e6, 1e9, is_master=True), DeviceProfile("big", 8e9, 1e9))
     with pytest.raises(InsufficientMemory, match="make a device with more memory the master"):
         plan_tp(Cluster(devices, context=256, weights="int4"), model)
+
+
+def test_attention_on_the_master_syncs_once_a_layer_and_fits_its_memory():
+    devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9, is_master=i == 0) for i in range(4))
+    split = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
+    moved = attention_on_master(split)
+    check_plan(moved)
+    heads = TINY.attention.count
+    assert (moved.counts["attention"][0] == heads).all() and not moved.counts["attention"][1:].any()
+    for kind in ("mlp", "lm_head"):  # only the heads move
+        assert (moved.counts[kind] == split.counts[kind]).all()
+    layers = TINY.n_layers
+    assert (split.sync_rounds(), moved.sync_rounds()) == (2 * layers + 1, layers + 1)
+    ideal_split, ideal_moved = estimate(split, "ideal"), estimate(moved, "ideal")
+    assert ideal_moved.comm_s < ideal_split.comm_s and ideal_moved.compute_s > ideal_split.compute_s
+    small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
+    with pytest.raises(InsufficientMemory, match="every attention head"):
+        attention_on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"))
+
+
+def test_the_scheduler_keeps_attention_on_the_master_where_rounds_cost_more_than_the_heads():
+    """plan_tp prices both placements with the cost model: Wi-Fi latency and a per-message CPU cost make the
+    rounds dear (heads go to the master), a slow master beside fast links keeps them split."""
+    wifi = tuple(DeviceProfile(f"d{i}", 4e9, 20e9, latency_s=3e-3, bandwidth_bps=300e6, message_s=0.5e-3,
+                               is_master=i == 0) for i in range(3))
+    plan = plan_tp(Cluster(wifi, context=512, weights="int4"), model_profile(named_config("llama-2-7b"), "int4"),
+                   mode="exact")
+    assert plan.n == 3 and not plan.counts["attention"][1:].any()
+    fast = (DeviceProfile("slow master", 8e9, 1e9, latency_s=1e-5, bandwidth_bps=10e9, is_master=True),
+            *(DeviceProfile(f"d{i}", 4e9, 50e9, latency_s=1e-5, bandwidth_bps=10e9) for i in (1, 2)))
+    plan = plan_tp(Cluster(fast, context=512, weights="int4"), TINY, mode="exact")
+    assert plan.counts["attention"][1:].sum() > 0

@@ -69,6 +69,7 @@ def test_without_loss_every_mode_is_exact(stories_weights, cluster, mode):
         breakdown, n_layers = report["breakdown"], stories_weights.config.n_layers
         per = breakdown["per_token_ms"]
         assert breakdown["rounds_per_token"] == 2 * n_layers + 1  # attention + MLP per layer, the LM head
+        assert breakdown["sync_rounds_per_token"] == 2 * n_layers + 1  # an even plan: every block over the network
         assert min(per.values()) >= 0 and per["rounds"] >= max(per["own_compute"], per["slowest_agent_compute"])
         assert per["rounds"] >= per["send"] + per["own_compute"] + per["sync_wait"] + per["merge"] - 1e-6
         assert sorted(breakdown["agent_compute_per_token_ms"]) == ["1", "2"]

@@ -128,7 +128,7 @@ class DistributedModel:
         if self.decoding:
             self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
                                           1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
-                                round_.agent_compute)
+                                round_.agent_compute, synced=bool(round_.plan.receivers))
         return out
 
     def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:

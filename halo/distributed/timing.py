@@ -40,23 +40,28 @@ class Timings:
     overheads: deque = field(default_factory=lambda: deque(maxlen=KEPT_ROUNDS))  # recent rounds, for percentiles
     per_agent_ms: dict = field(default_factory=dict)  # node id -> its reported compute, summed
     rounds: int = 0
+    synced: int = 0  # rounds that went over the network (a block held by the master alone sends nothing)
     forwards: int = 0
 
-    def record(self, r: RoundTime, agent_compute: dict[int, float]) -> None:
+    def record(self, r: RoundTime, agent_compute: dict[int, float], synced: bool = True) -> None:
+        """synced False: the master held the whole block; its time counts, but not among the rounds' overheads
+        (their percentiles describe synchronization)."""
         self.rounds += 1
+        self.synced += synced
         for node_id, ms in agent_compute.items():
             self.per_agent_ms[node_id] = self.per_agent_ms.get(node_id, 0.0) + ms
         for f in FIELDS:
             self.totals[f] += getattr(r, f)
         self.totals["overhead_ms"] += r.overhead_ms
-        self.overheads.append(r.overhead_ms)
+        if synced:
+            self.overheads.append(r.overhead_ms)
 
     def to_json(self) -> dict:
         """Per token (mean over the forward passes) and per round (percentiles of the overhead)."""
         if not self.rounds or not self.forwards:
             return {}
         t, per = self.totals, self.forwards
-        overhead = np.array(self.overheads)
+        overhead = np.array(self.overheads) if self.overheads else np.zeros(1)
         return {"per_token_ms": {"rounds": round(t["wall_ms"] / per, 3), "own_compute": round(t["own_ms"] / per, 3),
                                  "slowest_agent_compute": round(t["agents_ms"] / per, 3),
                                  "send": round(t["send_ms"] / per, 3), "sync_wait": round(t["wait_ms"] / per, 3),
@@ -64,6 +69,8 @@ class Timings:
                                  "overhead": round(t["overhead_ms"] / per, 3)},
                 "agent_compute_per_token_ms": {str(i): round(ms / per, 3) for i, ms in sorted(self.per_agent_ms.items())},
                 "rounds_per_token": round(self.rounds / per, 2),
+                "sync_rounds_per_token": round(self.synced / per, 2),
+                # percentiles over the rounds that synchronized
                 "round_overhead_ms": {"p50": round(float(np.percentile(overhead, 50)), 3),
                                       "p90": round(float(np.percentile(overhead, 90)), 3),
                                       "p99": round(float(np.percentile(overhead, 99)), 3)}}
