@@ -124,7 +124,8 @@ class Agent(ControlServer):
         self.profile = device_profile()
         # what it did, cumulative: blocks and their compute, time gathering UDP inputs, sending partials, predicting
         self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "input_wait_ms": 0.0, "send_ms": 0.0,
-                       "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0}
+                       "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0,
+                       "rankings_overridden": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
         self._said_unprepared: set[str] = set()
@@ -315,7 +316,8 @@ class Agent(ControlServer):
         self.served["sessions"] += 1
         self.reply(loading.peer, Message("ready", {"name": self.name, "weight_bytes": worker.nbytes,
                                                    "profile": self.profile, "udp_port": self.udp.address[1],
-                                                   "kept_groups": worker.reused_groups, "fill": True}))
+                                                   "kept_groups": worker.reused_groups, "fill": True,
+                                                   "loads_ahead": worker.loads_ahead, "takes_rankings": True}))
 
     def _mismatch(self, f: dict) -> str | None:
         """Why a master's hello or profile request cannot be served (None: it can)."""
@@ -469,7 +471,7 @@ class Agent(ControlServer):
         epoch, answer = int(f.get("epoch", 0)), []
 
         def send(out, status, compute_ms, cpu_ms):
-            if status is Status.RANKING_MISMATCH:
+            if status is Status.RANKING_MISMATCH and reply_by != "udp":  # over UDP the partial's status says it
                 answer.append(Message("error", {"reason": f"ranking of layer {layer} differs from the master's "
                                                           "(different predictors or onnxruntime build)"}))
             elif reply_by == "tcp":

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import cached_property
 
 import numpy as np
 
 from halo.errors import HaloError
 from halo.shares import Block
-from halo.sync import Epoch, FramingError, Point, Status, SyncSettings
+from halo.sync import Epoch, FramingError, Point, Status, SyncSettings, Transport
 from halo.sync.framing import (attention_inputs_between, forward_passes_between, frame_partial, is_reply,
                                read_broadcast, reply_epoch)
 from halo.transport import wire
@@ -42,23 +43,30 @@ class AgentRounds:
         self._resent: dict[int, float] = {}  # input epoch -> when we last re-sent its partial
         self.times = BlockTimes()  # scheduler hook: running compute estimate (status)
 
+    @cached_property
+    def predicts(self) -> bool:
+        """HALO over UDP: the master's MLP inputs carry its ranking, so we predict only where that starts our loads."""
+        return self.worker.loads_ahead or self.sync.policy.input is not Transport.UDP
+
     def reset(self) -> None:
         self.worker.reset()
         self.kv_gap = False
 
     # ---- one block ----------------------------------------------------------------------------------
-    def run(self, block: Block, epoch: int, x: np.ndarray, start: int, digest: int, send) -> None:
+    def run(self, block: Block, epoch: int, x: np.ndarray, start: int, digest: int, send,
+            ranking: np.ndarray | None = None) -> None:
         """Compute our partial of a block, hand it to send(out, status, compute_ms, cpu_ms), and predict the
-        next layer (before computing, or after sending when prediction overlaps communication)."""
+        next layer (before computing, or after sending when prediction overlaps communication). ranking: the
+        master's of an MLP block (HALO over UDP), computed instead of ours."""
         forward = Epoch.decode(epoch).forward
         if forward != self.forward:  # a new forward pass: rankings of the last one must not be reused
             self.forward = forward
             self.worker.begin_forward()
-        predicts = self.worker.predicts_from(block)
+        predicts = self.predicts and self.worker.predicts_from(block)
         if predicts and not self.sync.pred_overlap:
             self._predict(block, x)
         t, cpu = time.perf_counter(), time.thread_time()
-        out, status = self._compute(block, x, start, digest)
+        out, status = self._compute(block, x, start, digest, ranking)
         compute_ms = 1e3 * (time.perf_counter() - t)
         self.served["blocks"] += 1
         self.served["compute_ms"] += compute_ms
@@ -74,7 +82,8 @@ class AgentRounds:
         self.worker.predict_next(block, x)
         self.served["predict_ms"] += 1e3 * (time.perf_counter() - t)
 
-    def _compute(self, block: Block, x: np.ndarray, start: int, digest: int) -> tuple[np.ndarray | None, Status]:
+    def _compute(self, block: Block, x: np.ndarray, start: int, digest: int,
+                 ranking: np.ndarray | None = None) -> tuple[np.ndarray | None, Status]:
         """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
         if not self.worker.holds(block):
             if self.worker.predicts_from(block):
@@ -85,7 +94,14 @@ class AgentRounds:
                 return np.zeros_like(x), Status.KV_GAP
             if start < 0 or start + len(x) > self.worker.rotary.cos.shape[0]:
                 raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context")
-        if block.kind == "mlp" and self.worker.digest(block.layer) != digest:
+        if block.kind == "mlp" and ranking is not None:  # read_broadcast checked it against the digest
+            if self.worker.digest(block.layer) not in (0, digest):  # ours differs: what we loaded ahead goes unused
+                if not self.served["rankings_overridden"]:
+                    log.warning("our predictors ranked layer %d differently from the master's: computing its ranking "
+                                "(use the same predictors everywhere, or groups loaded ahead are wasted)", block.layer)
+                self.served["rankings_overridden"] += 1
+            self.worker.adopt_ranking(block.layer, ranking)
+        elif block.kind == "mlp" and self.worker.digest(block.layer) != digest:
             return np.zeros_like(x), Status.RANKING_MISMATCH  # full size, so the master reads the status
         return self.worker.compute(block, x, start), Status.OK
 
@@ -146,7 +162,7 @@ class AgentRounds:
         block = Block(KINDS[point.point], point.layer)
         try:
             self.run(block, epoch, broadcast.x, broadcast.start, broadcast.digest,
-                     lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms))
+                     lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms), broadcast.ranking)
         except HaloError as e:
             self.served["errors"] += 1
             log.warning("block refused: %s", e)

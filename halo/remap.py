@@ -3,10 +3,13 @@
 Every device (master and agents) holds a priority range of MLP ranks per layer [a, b) from the plan
 (Algorithm 3: the master the top ranks, the least reliable link the bottom ones). For each token the
 predictors rank layer l's MLP groups from the hidden state entering layer l-1, and the device
-computes the groups ranked a..b-1. All devices reach the same ranking because they run the same ONNX
-graph (one intra-op thread) on the same broadcast float32 bytes with a stable sort; the master sends a
-digest of its ranking with each MLP broadcast and an agent that disagrees refuses the block (the
-master then stops with an error instead of merging a wrong sum).
+computes the groups ranked a..b-1. Over UDP (halo) the master's ranking rides in each MLP input
+(halo/sync/framing.py) and agents compute it (`adopt`): they predict only where a prediction starts
+reading their groups ahead (a memory budget, or fp32 pages), so an agent holding no heads of layer l-1
+needs no input of its attention. Over TCP (halo-tcp) every device predicts: all reach the same ranking
+because they run the same ONNX graph (one intra-op thread) on the same broadcast float32 bytes with a
+stable sort; the master sends a digest of its ranking with each MLP input and an agent that disagrees
+refuses the block (the master then stops with an error instead of merging a wrong sum).
 
 Load-Comp overlap: as soon as layer l+1's ranking is known (during layer l), a background thread
 loads those groups (`MlpGroupBank.prefetch`). fp32: it asks the kernel to read their weights from the
@@ -187,6 +190,11 @@ class Remapper:
         self.predict_ms += 1e3 * (time.perf_counter() - t)
         if layer in self.ranges and self.pool is not None and self.loads:
             self.loading[layer] = self.pool.submit(self._load, layer)
+
+    def adopt(self, layer: int, ranking: np.ndarray) -> None:
+        """The master's ranking of `layer` ([T, G], sent with its MLP input: halo/sync/framing.py) instead of ours:
+        the groups computed are the ones it ranked, whatever our predictors said (or whether we predicted)."""
+        self.rankings[layer] = np.asarray(ranking)
 
     @property
     def loads(self) -> bool:

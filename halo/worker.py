@@ -170,6 +170,17 @@ class DeviceWorker:
         """24-bit digest of the MLP ranking this device computed for a layer (0: static groups)."""
         return self.remapper.digest(layer) if self.remapper is not None else 0
 
+    @property
+    def loads_ahead(self) -> bool:
+        """HALO: whether a prediction starts reading this device's groups of the next layer (a memory budget), so
+        it is worth predicting here although the master sends its ranking with the MLP input."""
+        return self.remapper is not None and self.remapper.loads and any(self.share.mlp)
+
+    def adopt_ranking(self, layer: int, ranking: np.ndarray) -> None:
+        """HALO: compute layer `layer`'s MLP groups as the master ranked them ([T, G], sent with the input)."""
+        if self.remapper is not None:
+            self.remapper.adopt(layer, ranking)
+
     def reset(self) -> None:
         for shard in self.attention.values():
             shard.reset()

@@ -123,8 +123,13 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
     assert missing["halo"] < missing["lossy"] / 4
 
 
-def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tmp_path):
-    """Agents rank with their own predictors; one that disagrees makes the master stop loudly."""
+@pytest.mark.parametrize("mode", ["halo", "halo-tcp"])
+def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tmp_path, mode):
+    """Over UDP the master's ranking rides in every MLP input, so agents whose predictors disagree compute the
+    master's groups (same tokens; they count the overrides); over TCP (halo-tcp) they rank with their own, and one
+    that disagrees makes the master stop loudly instead of merging a wrong sum."""
+    from halo.distributed.remote import ask_status
+
     import onnx
     from onnx import numpy_helper
 
@@ -141,12 +146,18 @@ def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tm
                 init.CopyFrom(numpy_helper.from_array(values * 10, "b2"))
         onnx.save(graph, file)
     with LocalCluster(2, predictors=str(changed)) as c:
-        model = distributed(stories_weights, c, mode="halo")
+        model = distributed(stories_weights, c, mode=mode, deadline_floor_ms=500, deadline_ceiling_ms=1000)
         try:
-            with pytest.raises(AgentError, match="ranked layer .* differently"):
-                greedy(model, 4)
+            if mode == "halo-tcp":
+                with pytest.raises(AgentError, match="ranked layer .* differently"):
+                    greedy(model, 4)
+                return
+            assert greedy(model, 8) == greedy(Transformer(stories_weights, max_seq_len=CONTEXT), 8)
+            assert model.sync_report()["loss"]["partials_dropped"] == 0
         finally:
             model.close()
+        answers = ask_status(c.endpoints, c.key, timeout_s=5.0)
+    assert all(answers[e]["served"]["rankings_overridden"] > 0 for e in c.endpoints)
 
 
 def test_halo_mode_runs_compact_weights(stories_weights, cluster):
@@ -159,6 +170,23 @@ def test_halo_mode_runs_compact_weights(stories_weights, cluster):
         assert forced_agreement(model, tokens) >= 0.95
         assert model.sync_report()["loss"]["partials_dropped"] == 0
         assert all(row["weight_bytes"] < 0.5 * stories_weights.nbytes() for row in model.report())
+    finally:
+        model.close()
+
+
+def test_halo_with_attention_on_the_master_sends_no_input_agents_only_listened_to(stories_weights, cluster):
+    """--plan even-mlp in halo mode: the MLP inputs carry the master's ranking, so agents that hold no heads and
+    load nothing ahead (compact groups, all built) need no attention input to predict from: a token syncs L + 1
+    times, and the tokens are the single-process int8 model's (teacher-forced, as above)."""
+    tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
+    model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even-mlp", context=CONTEXT,
+                          fmt="int8", sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
+    try:
+        assert not any(agent.loads_ahead for agent in model.agents.values())
+        assert forced_agreement(model, tokens) >= 0.95
+        report = model.sync_report()
+        assert report["loss"]["partials_dropped"] == 0
+        assert report["breakdown"]["sync_rounds_per_token"] == stories_weights.config.n_layers + 1
     finally:
         model.close()
 

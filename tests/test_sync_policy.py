@@ -5,7 +5,7 @@ import pytest
 
 from halo.sync import POLICIES, Epoch, FramingError, Point, Status, Transport, plan_round
 from halo.sync.framing import (MAX_LAYERS, attention_inputs_between, frame_broadcast, frame_partial, is_reply,
-                               read_broadcast, read_partial, reply_epoch)
+                               ranking_digest, read_broadcast, read_partial, reply_epoch)
 
 HOLDERS, LISTENERS, CRITICAL = {1, 2, 3}, {4}, {1}
 
@@ -106,6 +106,28 @@ def test_broadcast_and_partial_framing_round_trip_and_refuse_nonsense():
     forged[2] = 9
     with pytest.raises(FramingError, match="status"):
         read_partial(forged, 2, 8)
+
+
+def test_a_broadcast_carries_the_masters_ranking_and_refuses_a_forged_one():
+    """HALO's MLP inputs carry the master's ranking [T, G] behind x (in the last chunk's padding where it fits); a
+    ranking that is not an order of the groups, claims more values than came or disagrees with the digest is
+    refused, never computed."""
+    x = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)
+    ranking = np.array([[2, 0, 1], [1, 2, 0]])
+    body = frame_broadcast(x, 5, ranking_digest(ranking), per_chunk=13, ranking=ranking)
+    assert len(body) == 26 == len(frame_broadcast(x, 5, 0, per_chunk=13))  # 4 + 16 + 6 values: x's two chunks
+    got = read_broadcast(body, 8)
+    assert np.array_equal(got.x, x) and np.array_equal(got.ranking, ranking) and got.ranking.dtype == np.int64
+    assert read_broadcast(frame_broadcast(x, 5, 0, per_chunk=13), 8).ranking is None
+    for forge, reason in ((lambda b: b.__setitem__(20, 0), "not an order"),
+                          (lambda b: b.__setitem__(2, b[2] + 1), "digest"),
+                          (lambda b: b.__setitem__(3, 40), "claims a ranking"),
+                          (lambda b: b.__setitem__(3, 2.5), "claims a ranking"),
+                          (lambda b: b.__setitem__(3, -1), "claims a ranking")):
+        forged = body.copy()
+        forge(forged)
+        with pytest.raises(FramingError, match=reason):
+            read_broadcast(forged, 8)
 
 
 def test_policy_transports_are_named_values():

@@ -18,7 +18,7 @@ from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
 from halo.quant import embed
 from halo.shares import Block, Shares, rank_range
-from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, plan_round
+from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round
 from halo.worker import DeviceWorker
 from halo.weights import ModelWeights
 
@@ -133,14 +133,26 @@ class DistributedModel:
 
     def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:
         holders = self.holders[block]
-        listeners = []
-        if self.worker.remapper is not None and block.kind == "attention" and block.layer + 1 < self.config.n_layers:
-            listeners = self.holders[Block("mlp", block.layer + 1)]  # they predict the next layer from this input
+        remapper, listeners, ranking = self.worker.remapper, [], None
+        if remapper is not None and block.kind == "attention" and block.layer + 1 < self.config.n_layers:
+            listeners = self._listeners(block.layer + 1)  # they predict the next layer from this input
         plan = plan_round(self.sync.policy, holders, listeners, self._critical(block, holders))
         epoch = Epoch(self.forward_id, block.layer, POINTS[block.kind]).encode()
         digest = self.worker.digest(block.layer) if block.kind == "mlp" else 0
+        if digest and plan.input_udp:  # the agents compute the groups of our ranking: it rides in the input
+            ranking = remapper.rankings.get(block.layer)
         label = f"{block.kind} of layer {block.layer} at position {start} (step {self.step})"
-        return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label)
+        return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label, ranking)
+
+    def _listeners(self, layer: int) -> list[int]:
+        """Agents that need the input of layer-1's attention to predict `layer`'s ranking themselves. Over UDP an
+        MLP input carries the master's ranking, so only agents that load their groups ahead (a memory budget:
+        the prediction starts the reading) or predate that still listen; over TCP every holder of the layer's
+        MLP does."""
+        holders = self.holders[Block("mlp", layer)]
+        if self.sync.policy.input is not Transport.UDP:
+            return holders
+        return [i for i in holders if self.agents[i].loads_ahead or not self.agents[i].takes_rankings]
 
     def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         if block.kind == "lm_head":

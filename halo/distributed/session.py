@@ -196,6 +196,8 @@ class Session:
         agent.weight_bytes = int(reply.fields.get("weight_bytes", 0))
         agent.kept_groups = int(reply.fields.get("kept_groups", 0))
         agent.fills = reply.fields.get("fill") is True
+        agent.loads_ahead = reply.fields.get("loads_ahead") is True
+        agent.takes_rankings = reply.fields.get("takes_rankings") is True
         port = reply.fields.get("udp_port")
         agent.udp_address = (agent.host, int(port)) if port else None
         agent.timeout_s = settings.timeout_s

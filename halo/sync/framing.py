@@ -10,8 +10,11 @@ The forward-pass counter only grows within a session: a re-run of the same posit
 an epoch.
 
 Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so digests are 24-bit):
-- broadcast (an input): [tokens, start position, ranking digest, 0], padded with zeros to whole
-  chunks, so a receiver learns the size from the chunk count;
+- broadcast (an input): [tokens, start position, ranking digest, G], then the input [T, D], then (G > 0,
+  HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G], padded with zeros to
+  whole chunks, so a receiver learns the size from the chunk count. With the ranking in the input an agent
+  needs no prediction of its own (nor the input of the attention block before, which it would predict from):
+  it computes the groups the master ranked; the ranking usually rides in the last chunk's padding;
 - partial (an answer): [compute ms, 0, status, 0].
 """
 
@@ -96,24 +99,48 @@ def forward_passes_between(after: int, newest: int) -> int:
     return (newest >> FORWARD_SHIFT) - (after >> FORWARD_SHIFT)
 
 
+MAX_RANKED_GROUPS = 1 << 15  # groups a broadcast ranking may order (rankings are int16: ranking_digest)
+
+
 @dataclass(frozen=True)
 class Broadcast:
     tokens: int
     start: int
     digest: int
     x: np.ndarray  # [tokens, dim]
+    ranking: np.ndarray | None = None  # [tokens, G] the master's MLP ranking (HALO), most important group first
 
 
-def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int) -> np.ndarray:
-    """An input [T, D] as one float32 vector, padded to whole chunks of per_chunk values."""
-    return _frame([len(x), start, digest, 0], x, per_chunk)
+def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int,
+                    ranking: np.ndarray | None = None) -> np.ndarray:
+    """An input [T, D] (and the master's ranking [T, G] of an MLP input) as one float32 vector, padded to whole
+    chunks of per_chunk values."""
+    if ranking is None:
+        return _frame([len(x), start, digest, 0], x, per_chunk)
+    ranking = np.asarray(ranking).reshape(len(x), -1)
+    return _frame([len(x), start, digest, ranking.shape[1]], np.concatenate([np.ravel(x), np.ravel(ranking)]),
+                  per_chunk)
 
 
 def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
-    tokens, start, digest = int(values[0]), int(values[1]), int(values[2])
+    tokens, start, digest, ranked = int(values[0]), int(values[1]), int(values[2]), values[3]
     if tokens <= 0 or start < 0 or PREFIX + tokens * dim > len(values):
         raise FramingError(f"a broadcast of {len(values)} values claims {tokens} tokens at position {start}")
-    return Broadcast(tokens, start, digest, values[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim))
+    x = values[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim)
+    if ranked == 0:
+        return Broadcast(tokens, start, digest, x)
+    if not (0 < ranked <= MAX_RANKED_GROUPS and ranked == int(ranked)) or \
+            PREFIX + tokens * (dim + int(ranked)) > len(values):
+        raise FramingError(f"a broadcast of {len(values)} values claims a ranking of {ranked!r} groups for {tokens} "
+                           "tokens")
+    groups = int(ranked)
+    at = PREFIX + tokens * dim
+    ranking = values[at:at + tokens * groups].reshape(tokens, groups)
+    if not (np.sort(ranking, axis=1) == np.arange(groups, dtype=np.float32)).all():
+        raise FramingError(f"a broadcast's ranking of {groups} groups is not an order of them")
+    if ranking_digest(ranking) != digest:
+        raise FramingError("a broadcast's ranking does not match the digest it came with")
+    return Broadcast(tokens, start, digest, x, ranking.astype(np.int64))
 
 
 def frame_partial(out: np.ndarray | None, status: Status, compute_ms: float) -> np.ndarray:
