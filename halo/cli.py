@@ -630,8 +630,8 @@ def cmd_plan(args) -> int:
         console.print(table)
         if left_out:
             console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
-        attention = "; every attention head on the master" if plan.n > 1 and not plan.counts["attention"][1:].any() else ""
-        console.print(f"{plan.sync_rounds()} sync rounds a token{attention}")
+        console.print(f"{plan.sync_rounds()} sync rounds a token"
+                      + ("; every attention head on the master" if plan.heads_on_master else ""))
         for mode in ESTIMATE_MODES:
             e = estimate(plan, mode)
             console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "

@@ -172,8 +172,9 @@ class DeviceWorker:
 
     @property
     def loads_ahead(self) -> bool:
-        """HALO: whether a prediction starts reading this device's groups of the next layer (a memory budget), so
-        it is worth predicting here although the master sends its ranking with the MLP input."""
+        """HALO: whether a prediction starts reading this device's groups of the next layer (a memory budget's
+        group reads, fp32 pages asked of the kernel), so it is worth predicting here although the master sends its
+        ranking with the MLP input."""
         return self.remapper is not None and self.remapper.loads and any(self.share.mlp)
 
     def adopt_ranking(self, layer: int, ranking: np.ndarray) -> None:

@@ -43,6 +43,11 @@ class TensorParallelPlan:
         used += fixed_bytes(self.cluster, m, self.devices)
         return used
 
+    @property
+    def heads_on_master(self) -> bool:
+        """Every attention head on the master while agents take part (tp_plan.attention_on_master)."""
+        return self.n > 1 and not self.counts["attention"][1:].any()
+
     def sync_rounds(self) -> int:
         """Rounds a token syncs over the network: blocks in which an agent holds groups (the master's alone send
         nothing)."""

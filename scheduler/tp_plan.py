@@ -13,6 +13,8 @@ From ratios (ratios.py) to a plan:
 
 Device selection (`plan_tp` default): every participant adds synchronizations, so the default
 planner also chooses who takes part, minimizing Eq. 1 over candidate subsets (see `select_devices`).
+Given a sync mode it also weighs `attention_on_master` (every head on the master: one sync round a layer
+instead of two) with the cost model, as `plan_everyone` does when nobody may be left out.
 """
 
 from __future__ import annotations
@@ -385,11 +387,20 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
     return best
 
 
+def plan_everyone(cluster: Cluster, model: ModelProfile, mode: str | None = None, sync=None) -> TensorParallelPlan:
+    """Min-Max over every device, none left out (`--local-agents N`: the user asked for N), with the attention heads
+    split or all on the master, whichever the cost model prices lower in sync `mode` (None: split)."""
+    plan = build_plan(cluster, model, "minmax", prune=False)
+    if mode is None:
+        return plan
+    return min([plan, *_with_attention_on_master([plan])], key=_expected_time(mode, sync))
+
+
 def _with_attention_on_master(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan]:
     """`attention_on_master` of each plan with agents in it, where the master has the memory."""
     moved = []
     for plan in plans:
-        if plan.n > 1 and plan.counts["attention"][1:].any():
+        if plan.n > 1 and not plan.heads_on_master:
             try:
                 moved.append(attention_on_master(plan))
             except InsufficientMemory:

@@ -12,7 +12,7 @@ from halo.scheduler.milp import solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
 from halo.scheduler.plan import TP_KINDS
-from halo.scheduler.tp_plan import attention_on_master, build_plan, plan_tp
+from halo.scheduler.tp_plan import attention_on_master, build_plan, plan_everyone, plan_tp
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
 
@@ -166,3 +166,10 @@ def test_the_scheduler_keeps_attention_on_the_master_where_rounds_cost_more_than
             *(DeviceProfile(f"d{i}", 4e9, 50e9, latency_s=1e-5, bandwidth_bps=10e9) for i in (1, 2)))
     plan = plan_tp(Cluster(fast, context=512, weights="int4"), TINY, mode="exact")
     assert plan.counts["attention"][1:].sum() > 0
+    # every device kept (--local-agents N): the same choice, nobody left out
+    slow_links = tuple(DeviceProfile(f"d{i}", 4e9, 2e9, latency_s=3e-3, message_s=0.5e-3, is_master=i == 0)
+                       for i in range(4))
+    kept = plan_everyone(Cluster(slow_links, context=512, weights="int4"), TINY, "exact")
+    assert kept.n == 4 and kept.heads_on_master and kept.counts["mlp"][1:].all()
+    assert plan_everyone(Cluster(fast, context=512, weights="int4"), TINY, "exact").counts["attention"][1:].any()
+    assert plan_everyone(Cluster(slow_links, context=512, weights="int4"), TINY).counts["attention"][1:].any()

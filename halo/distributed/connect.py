@@ -79,7 +79,7 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
     from halo.scheduler.plan_io import plan_summary
     from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile, planning_format
     from halo.scheduler.ratios import InsufficientMemory
-    from halo.scheduler.tp_plan import build_plan, plan_tp
+    from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
     cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over, same_machine)
     profile = model_profile(weights.config, planning_format(settings.fmt, weights),
@@ -87,7 +87,7 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
     mode = settings.sync.mode
     try:
         plan = (plan_tp(cluster, profile, mode=mode, sync=settings.sync) if select
-                else build_plan(cluster, profile, "minmax", prune=False))
+                else plan_everyone(cluster, profile, mode, settings.sync))
     except InsufficientMemory as e:
         available = ", ".join(f"{d.name} {d.memory_bytes / 1e6:.1f} MB" for d in cluster.devices)
         raise InsufficientMemory(f"{e} (measured for the plan: {available}: the available memory less "
@@ -218,7 +218,7 @@ class Replanner:
 
     def survivors(self, endpoints: list[str]):
         """(plan, its agents' endpoints in plan order) over the master and `endpoints`."""
-        from halo.scheduler.tp_plan import build_plan, plan_tp
+        from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
         if self.even:
             return even_plan(self.weights, self.layout, len(endpoints) + 1, context=self.context,
@@ -228,7 +228,7 @@ class Replanner:
         known = {_address(d): d for d in cluster.devices if d is not master and d.address}
         survivors = replace(cluster, devices=(master, *(known[e] for e in endpoints if e in known)))
         plan = (plan_tp(survivors, self.first.model, mode=self.sync.mode, sync=self.sync) if self.select
-                else build_plan(survivors, self.first.model, "minmax", prune=False))
+                else plan_everyone(survivors, self.first.model, self.sync.mode, self.sync))
         return plan, _plan_addresses(plan)
 
     def adopt(self, plan) -> None:
@@ -242,7 +242,7 @@ class Replanner:
         persistently slow one may go, else it keeps fewer groups."""
         from halo.scheduler.cost import estimate
         from halo.scheduler.plan import TensorParallelPlan
-        from halo.scheduler.tp_plan import build_plan, plan_tp
+        from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
         plan = model.plan
         cluster = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
@@ -253,7 +253,7 @@ class Replanner:
                                                  for i, d in enumerate(cluster.devices)))
         current = TensorParallelPlan(cluster, plan.model, plan.algorithm, plan.devices, plan.counts)
         new = (plan_tp(cluster, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
-               else build_plan(cluster, plan.model, "minmax", prune=False))
+               else plan_everyone(cluster, plan.model, self.sync.mode, self.sync))
         endpoints = [endpoint_of[i] for i in new.devices[1:]]
         return new, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
             estimate(new, self.sync.mode, sync=self.sync).total_s

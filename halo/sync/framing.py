@@ -117,7 +117,7 @@ def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int,
     chunks of per_chunk values."""
     if ranking is None:
         return _frame([len(x), start, digest, 0], x, per_chunk)
-    ranking = np.asarray(ranking).reshape(len(x), -1)
+    ranking = np.asarray(ranking, dtype=np.float32).reshape(len(x), -1)  # group ids, exact in float32
     return _frame([len(x), start, digest, ranking.shape[1]], np.concatenate([np.ravel(x), np.ravel(ranking)]),
                   per_chunk)
 
