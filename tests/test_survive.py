@@ -46,6 +46,24 @@ def run(model, weights, at_step, action, pace_s=0.0):
     return result, done[0]
 
 
+def test_attention_on_the_master_stays_there_when_an_agent_is_lost(stories_weights, known_answer):
+    """--plan even-mlp: the re-plan over the survivors is even-mlp again (the heads never leave the master, the
+    MLP and LM head are split over who is left) and the text is the known answer."""
+    step = random.Random(7).randrange(10, STEPS - 10)
+    with LocalCluster(3) as cluster, ExitStack() as stack:
+        model = survivor(stories_weights, cluster, stack, plan="even-mlp")
+        assert model.plan.heads_on_master
+
+        def kill():
+            cluster.processes[2].kill()
+            cluster.processes[2].wait()
+
+        result, _ = run(model, stories_weights, step, kill)
+        assert result.text == known_answer
+        assert len(model.recoveries) == 1 and len(model.recoveries[0].members) == 2
+        assert model.plan.heads_on_master and model.plan.n == 3
+
+
 @pytest.mark.parametrize("mode,sticky,refill", [("exact", True, True), ("tcp", False, False)])
 def test_a_killed_agent_is_planned_around_and_the_text_is_the_known_answer(stories_weights, known_answer, mode, sticky,
                                                                            refill):
