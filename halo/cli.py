@@ -540,8 +540,9 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
         per, rounds = report["breakdown"].get("per_token_ms"), report["breakdown"].get("round_overhead_ms")
         if per:
             err.print(f"[dim]per token: own compute {per['own_compute']:.1f} ms, slowest agent {per['slowest_agent_compute']:.1f} "
-                      f"ms, sync wait {per['sync_wait']:.1f} ms, overhead {per['overhead']:.1f} ms (per round p50 "
-                      f"{rounds['p50']:.2f} ms)[/dim]")
+                      f"ms, sync wait {per['sync_wait']:.1f} ms, overhead {per['overhead']:.1f} ms "
+                      f"({report['breakdown']['sync_rounds_per_token']:g} synced rounds, p50 {rounds['p50']:.2f} ms "
+                      "each)[/dim]")
         loss = report["loss"]
         if not model.sync.policy.all_critical:
             err.print(f"[dim]sync {model.sync.mode}: {loss['partials_dropped']} of {loss['partials']} partial sums lost "
