@@ -449,7 +449,7 @@ def _distributed(args) -> bool:
 def check_model_and_cluster(args) -> None:
     """What argparse cannot check alone (generate, serve): combinations, files, the settings objects' own rules."""
     from .models import resolve_model
-    from .shares import EVEN_PLANS
+    from .shares import PLAN_KEYWORDS
 
     sync_settings(args)
     if args.sync is not None and not _distributed(args):
@@ -461,7 +461,7 @@ def check_model_and_cluster(args) -> None:
     model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
     for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
-                               ("--plan", None if args.plan in ("measured", *EVEN_PLANS) else args.plan, "file"), ("--predictors", args.predictors, "directory")):
+                               ("--plan", None if args.plan in PLAN_KEYWORDS else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
 
 

@@ -94,6 +94,7 @@ EVEN_ATTENTION = ("split", "master")
 # even plans by keyword (--plan): where attention goes; "even-mlp" keeps every head on the master, so a token syncs
 # once a layer (its MLP) instead of twice
 EVEN_PLANS = {"even": "split", "even-mlp": "master"}
+PLAN_KEYWORDS = ("measured", *EVEN_PLANS)  # what --plan takes besides a plan file
 
 
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from halo.errors import ConfigError
 from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
-from halo.shares import EVEN_PLANS, even_plan, shares_from_plan
+from halo.shares import EVEN_PLANS, PLAN_KEYWORDS, even_plan, shares_from_plan
 from halo.sync import SyncSettings
 from halo.weights import ModelWeights
 
@@ -18,7 +18,6 @@ from .session import DEFAULT_TIMEOUT_S, MasterSettings, Session
 from .survive import SurvivalSettings, SurvivingModel
 
 log = logging.getLogger("halo.master")
-PLAN_KEYWORDS = (None, "measured", *EVEN_PLANS)
 
 
 def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan=None, compute: list[float] | None = None,
@@ -179,7 +178,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if cluster_key is None and not insecure:
         cluster_key = load_key(key)
     sync = sync or SyncSettings()
-    plan_file = None if plan in PLAN_KEYWORDS else plan
+    plan_file = None if plan is None or plan in PLAN_KEYWORDS else plan
     tp_plan = _load_plan(weights, layout, plan_file, cluster, sync) if plan_file or cluster else None
     if tp_plan is None and endpoints is None:
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")

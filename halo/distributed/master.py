@@ -69,6 +69,7 @@ class DistributedModel:
                                    self.timeout_s, c.dim, self._ranks_of)
         # who holds groups of which block, worked out once: the per-token loop only looks them up
         self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
+        self.listeners = {l: self._listeners(l) for l in range(1, c.n_layers)} if self.worker.remapper else {}
         # scheduler hooks: running estimates fed once per forward pass; what was planned (set by connect.py)
         self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout)
         self.plan, self.planning = None, {}
@@ -135,7 +136,7 @@ class DistributedModel:
         holders = self.holders[block]
         remapper, listeners, ranking = self.worker.remapper, [], None
         if remapper is not None and block.kind == "attention" and block.layer + 1 < self.config.n_layers:
-            listeners = self._listeners(block.layer + 1)  # they predict the next layer from this input
+            listeners = self.listeners[block.layer + 1]  # they predict the next layer from this input
         plan = plan_round(self.sync.policy, holders, listeners, self._critical(block, holders))
         epoch = Epoch(self.forward_id, block.layer, POINTS[block.kind]).encode()
         digest = self.worker.digest(block.layer) if block.kind == "mlp" else 0
