@@ -253,7 +253,9 @@ def median_runs(rows: list[dict]) -> list[dict]:
 
 PLAN_TEXT = {"even": "Plan `even`: every block (attention heads, MLP and LM-head groups) in equal shares.",
              "even-mlp": "Plan `even-mlp`: every attention head on the master, the MLP and LM head in equal shares "
-                         "(a token syncs once a layer)."}
+                         "(a token syncs once a layer).",
+             "even-mlp-only": "Plan `even-mlp-only`: every attention head and the whole LM head on the master, the "
+                              "MLP in equal shares (a token syncs once a layer, its logits never cross the network)."}
 
 
 def render_speed(rows: list[dict], args) -> list[str]:
@@ -506,8 +508,9 @@ def main(argv=None) -> int:
                         "exact,exact@xor --variants '{\"xor\": {\"parity_group\": 4, \"parity_chunks\": 1}}'; "
                         "a \"plan\" key picks that variant's plan")
     parser.add_argument("--plan", default="even", choices=tuple(EVEN_PLANS), help="how the cluster runs share the "
-                        "model: 'even' (equal shares of every block) or 'even-mlp' (every attention head on the "
-                        "master, equal shares of the rest: one sync round a layer)")
+                        "model: 'even' (equal shares of every block), 'even-mlp' (every attention head on the "
+                        "master, equal shares of the rest: one sync round a layer) or 'even-mlp-only' (the LM head "
+                        "on the master too)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":

@@ -90,22 +90,24 @@ def place_by_rank(ranges, order=None) -> list[list[list[int]]]:
             for j in range(n)]
 
 
-EVEN_ATTENTION = ("split", "master")
-# even plans by keyword (--plan): where attention goes; "even-mlp" keeps every head on the master, so a token syncs
-# once a layer (its MLP) instead of twice
-EVEN_PLANS = {"even": "split", "even-mlp": "master"}
+MASTER_BLOCKS = ("attention", "lm_head")  # blocks an even plan may keep whole on the master
+# even plans by keyword (--plan): the blocks kept whole on the master. "even-mlp": every head there, so a token syncs
+# once a layer (its MLP) instead of twice; "even-mlp-only": the LM head too, so no logits slices cross the network
+EVEN_PLANS = {"even": (), "even-mlp": ("attention",), "even-mlp-only": ("attention", "lm_head")}
 PLAN_KEYWORDS = ("measured", *EVEN_PLANS)  # what --plan takes besides a plan file
 
 
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,
-              context: int = DEFAULT_CONTEXT, attention: str = "split"):
-    """A plan for n equal local devices (or devices with the given relative compute), all taking part; attention
-    "master": every head on the master (scheduler/tp_plan.py `attention_on_master`: one sync round a layer)."""
+              context: int = DEFAULT_CONTEXT, on_master: tuple[str, ...] = ()):
+    """A plan for n equal local devices (or devices with the given relative compute), all taking part; on_master:
+    blocks kept whole on the master (scheduler/tp_plan.py `on_master`): "attention" (one sync round a layer),
+    "lm_head" (no logits slices on the wire)."""
     from .scheduler.profiles import Cluster, DeviceProfile, model_profile
-    from .scheduler.tp_plan import attention_on_master, build_plan
+    from .scheduler.tp_plan import build_plan
+    from .scheduler.tp_plan import on_master as move
 
-    if attention not in EVEN_ATTENTION:
-        raise ConfigError(f"attention={attention!r}: choose {' or '.join(EVEN_ATTENTION)}")
+    if any(kind not in MASTER_BLOCKS for kind in on_master):
+        raise ConfigError(f"on_master={on_master!r}: only {' and '.join(MASTER_BLOCKS)} can stay on the master")
 
     compute = compute or [1.0] * n_devices
     if len(compute) != n_devices:
@@ -115,7 +117,7 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
                             vocab_group_size=layout.vocab_group_size)
     # every device stays a participant (one may get no groups): the caller has one agent per device
     plan = build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
-    return attention_on_master(plan) if attention == "master" and n_devices > 1 else plan
+    return move(plan, tuple(on_master)) if on_master and n_devices > 1 else plan
 
 
 def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:

@@ -45,8 +45,13 @@ class TensorParallelPlan:
 
     @property
     def heads_on_master(self) -> bool:
-        """Every attention head on the master while agents take part (tp_plan.attention_on_master)."""
+        """Every attention head on the master while agents take part (tp_plan.on_master)."""
         return self.n > 1 and not self.counts["attention"][1:].any()
+
+    @property
+    def lm_head_on_master(self) -> bool:
+        """The whole LM head on the master while agents take part (tp_plan.on_master)."""
+        return self.n > 1 and not self.counts["lm_head"][1:].any()
 
     def sync_rounds(self) -> int:
         """Rounds a token syncs over the network: blocks in which an agent holds groups (the master's alone send

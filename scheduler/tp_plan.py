@@ -13,8 +13,9 @@ From ratios (ratios.py) to a plan:
 
 Device selection (`plan_tp` default): every participant adds synchronizations, so the default
 planner also chooses who takes part, minimizing Eq. 1 over candidate subsets (see `select_devices`).
-Given a sync mode it also weighs `attention_on_master` (every head on the master: one sync round a layer
-instead of two) with the cost model, as `plan_everyone` does when nobody may be left out.
+Given a sync mode it also weighs `on_master` (every attention head on the master: one sync round a layer
+instead of two; the LM head there: no logits slices on the wire) with the cost model, as `plan_everyone` does
+when nobody may be left out.
 """
 
 from __future__ import annotations
@@ -142,24 +143,38 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
     return prune_idle(plan) if prune else plan
 
 
-def attention_on_master(plan: TensorParallelPlan) -> TensorParallelPlan:
-    """The plan with every attention head on the master, the MLP and LM head shares as they were. A block whose
-    groups all sit on the master needs no sync round (the runtime sends nothing: halo/distributed/master.py), so
-    a token takes L + 1 rounds instead of 2L + 1; the master's compute grows by the heads it takes. The cost model
-    (cost.py) prices both, and `plan_tp` keeps whichever is faster: with per-round costs of a millisecond
-    (Wi-Fi latency, or this machine's four processes on two cores) the fewer rounds win. Raises InsufficientMemory
-    when the master cannot hold every head and its KV cache besides its share."""
+MASTER_BLOCKS = (("attention",), ("lm_head",), ("attention", "lm_head"))  # what plan_tp weighs keeping on the master
+
+
+def on_master(plan: TensorParallelPlan, kinds=("attention",)) -> TensorParallelPlan:
+    """The plan with every group of the block kinds `kinds` ("attention", "lm_head") on the master, the other shares
+    as they were. A block whose groups all sit on the master needs no sync round (the runtime sends nothing:
+    halo/distributed/master.py). Attention: a token takes L + 1 rounds instead of 2L + 1, for the heads' compute on
+    the master. The LM head: one round fewer, and no logits slices on the wire (SmolLM2's: 12k values an agent, 35
+    datagrams each) for the whole head's compute on the master. The cost model (cost.py) prices both, and `plan_tp`
+    keeps whichever is faster: with per-round costs of a millisecond (Wi-Fi latency, or this machine's four
+    processes on two cores) the fewer rounds win. Raises InsufficientMemory when the master cannot hold them and
+    its KV cache besides its share."""
     counts = {kind: c.copy() for kind, c in plan.counts.items()}
-    heads = counts["attention"].sum(axis=0)
-    counts["attention"][:] = 0
-    counts["attention"][0] = heads  # participants are listed master first
+    for kind in kinds:
+        if kind not in ("attention", "lm_head"):
+            raise ConfigError(f"{kind!r}: only attention heads and the LM head can move to the master")
+        total = counts[kind].sum(axis=0)
+        counts[kind][:] = 0
+        counts[kind][0] = total  # participants are listed master first
     moved = TensorParallelPlan(plan.cluster, plan.model, plan.algorithm, list(plan.devices), counts)
     master = moved.profiles()[0]
     used = moved.memory_used()[0]
     if used > master.memory_bytes:
-        raise InsufficientMemory(f"the master {master.name!r} would need {used / 1e6:.0f} MB to hold every attention "
-                                 f"head besides its share, and has {master.memory_bytes / 1e6:.0f} MB")
+        what = " and ".join({"attention": "every attention head", "lm_head": "the whole LM head"}[k] for k in kinds)
+        raise InsufficientMemory(f"the master {master.name!r} would need {used / 1e6:.0f} MB to hold {what} "
+                                 f"besides its share, and has {master.memory_bytes / 1e6:.0f} MB")
     return moved
+
+
+def attention_on_master(plan: TensorParallelPlan) -> TensorParallelPlan:
+    """`on_master` for the attention heads: one sync round a layer."""
+    return on_master(plan, ("attention",))
 
 
 def whole_model_speed(profiles, model: ModelProfile) -> np.ndarray:
@@ -381,7 +396,7 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
         polish(plan)
     if mode is not None:  # selection must never lose to every device taking part
         finalists.append(build_plan(cluster, model, "minmax"))
-        finalists += _with_attention_on_master(finalists)  # half the sync rounds, priced by the cost model
+        finalists += _with_blocks_on_master(finalists)  # fewer sync rounds, priced by the cost model
     best = min(finalists, key=objective)
     best.algorithm = "minmax+select" if mode is None else f"minmax+select ({mode})"
     return best
@@ -389,20 +404,26 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
 
 def plan_everyone(cluster: Cluster, model: ModelProfile, mode: str | None = None, sync=None) -> TensorParallelPlan:
     """Min-Max over every device, none left out (`--local-agents N`: the user asked for N), with the attention heads
-    split or all on the master, whichever the cost model prices lower in sync `mode` (None: split)."""
+    and the LM head split or on the master (`on_master`), whichever the cost model prices lower in sync `mode`
+    (None: split)."""
     plan = build_plan(cluster, model, "minmax", prune=False)
     if mode is None:
         return plan
-    return min([plan, *_with_attention_on_master([plan])], key=_expected_time(mode, sync))
+    return min([plan, *_with_blocks_on_master([plan])], key=_expected_time(mode, sync))
 
 
-def _with_attention_on_master(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan]:
-    """`attention_on_master` of each plan with agents in it, where the master has the memory."""
+def _with_blocks_on_master(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan]:
+    """Each plan with agents in it with its attention, its LM head, or both on the master (`on_master`), where the
+    master has the memory and the plan does not already have them there."""
     moved = []
     for plan in plans:
-        if plan.n > 1 and not plan.heads_on_master:
+        if plan.n < 2:
+            continue
+        for kinds in MASTER_BLOCKS:
+            if all(not plan.counts[kind][1:].any() for kind in kinds):
+                continue  # already there
             try:
-                moved.append(attention_on_master(plan))
+                moved.append(on_master(plan, kinds))
             except InsufficientMemory:
                 continue
     return moved

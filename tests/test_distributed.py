@@ -48,7 +48,7 @@ def test_attention_on_the_master_halves_the_rounds_and_keeps_the_known_answer(st
             agents = list(model.agents.values())
             assert all(not any(a.share.attention) and any(a.share.mlp) for a in agents)
             assert model.plan.sync_rounds() == stories_weights.config.n_layers + 1
-            assert model.planning["attention"] == "master"
+            assert model.planning["on_master"] == ["attention"]
             result = generate(model, load_tokenizer(stories_weights), "", 256)
             breakdown = model.sync_report()["breakdown"]
         finally:
@@ -56,6 +56,23 @@ def test_attention_on_the_master_halves_the_rounds_and_keeps_the_known_answer(st
     assert result.text == known_answer
     layers = stories_weights.config.n_layers
     assert (breakdown["rounds_per_token"], breakdown["sync_rounds_per_token"]) == (2 * layers + 1, layers + 1)
+
+
+def test_the_lm_head_on_the_master_too_keeps_the_known_answer(stories_weights, known_answer):
+    """--plan even-mlp-only: the heads and the whole LM head on the master; no agent holds vocabulary, a token
+    syncs once a layer (L rounds: the LM head's is gone) and the logits are the master's alone."""
+    with LocalCluster(3) as cluster:
+        model = distributed(stories_weights, cluster, plan="even-mlp-only")
+        try:
+            assert all(not a.share.lm_head and not any(a.share.attention) for a in model.agents.values())
+            assert model.planning["on_master"] == ["attention", "lm_head"]
+            result = generate(model, load_tokenizer(stories_weights), "", 256)
+            breakdown = model.sync_report()["breakdown"]
+        finally:
+            model.close()
+    assert result.text == known_answer
+    layers = stories_weights.config.n_layers
+    assert breakdown["sync_rounds_per_token"] == layers
 
 
 def test_uneven_plan_really_is_uneven(stories_weights):

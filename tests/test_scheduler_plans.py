@@ -12,7 +12,7 @@ from halo.scheduler.milp import solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
 from halo.scheduler.plan import TP_KINDS
-from halo.scheduler.tp_plan import attention_on_master, build_plan, plan_everyone, plan_tp
+from halo.scheduler.tp_plan import attention_on_master, build_plan, on_master, plan_everyone, plan_tp
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
 
@@ -154,6 +154,27 @@ def test_attention_on_the_master_syncs_once_a_layer_and_fits_its_memory():
         attention_on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"))
 
 
+def test_the_lm_head_on_the_master_saves_its_round_and_fits_its_memory():
+    devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9, is_master=i == 0) for i in range(4))
+    split = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
+    moved = on_master(split, ("lm_head",))
+    check_plan(moved)
+    assert moved.counts["lm_head"][0] == TINY.lm_head.count and not moved.counts["lm_head"][1:].any()
+    assert moved.lm_head_on_master and not moved.heads_on_master and not split.lm_head_on_master
+    for kind in ("attention", "mlp"):  # only the LM head moves
+        assert (moved.counts[kind] == split.counts[kind]).all()
+    both = on_master(split, ("attention", "lm_head"))
+    layers = TINY.n_layers
+    assert (split.sync_rounds(), moved.sync_rounds(), both.sync_rounds()) == (2 * layers + 1, 2 * layers, layers)
+    ideal_split, ideal_moved = estimate(split, "ideal"), estimate(moved, "ideal")
+    assert ideal_moved.comm_s < ideal_split.comm_s and ideal_moved.compute_s > ideal_split.compute_s
+    small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
+    with pytest.raises(InsufficientMemory, match="the whole LM head"):
+        on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"), ("lm_head",))
+    with pytest.raises(ConfigError, match="only attention heads and the LM head"):
+        on_master(split, ("mlp",))
+
+
 def test_the_scheduler_keeps_attention_on_the_master_where_rounds_cost_more_than_the_heads():
     """plan_tp prices both placements with the cost model: Wi-Fi latency and a per-message CPU cost make the
     rounds dear (heads go to the master), a slow master beside fast links keeps them split."""
@@ -162,10 +183,11 @@ def test_the_scheduler_keeps_attention_on_the_master_where_rounds_cost_more_than
     plan = plan_tp(Cluster(wifi, context=512, weights="int4"), model_profile(named_config("llama-2-7b"), "int4"),
                    mode="exact")
     assert plan.n == 3 and not plan.counts["attention"][1:].any()
+    assert plan.lm_head_on_master  # its round is dearer than the head's compute on a 20 GFLOP/s master
     fast = (DeviceProfile("slow master", 8e9, 1e9, latency_s=1e-5, bandwidth_bps=10e9, is_master=True),
             *(DeviceProfile(f"d{i}", 4e9, 50e9, latency_s=1e-5, bandwidth_bps=10e9) for i in (1, 2)))
     plan = plan_tp(Cluster(fast, context=512, weights="int4"), TINY, mode="exact")
-    assert plan.counts["attention"][1:].sum() > 0
+    assert plan.counts["attention"][1:].sum() > 0 and plan.counts["lm_head"][1:].sum() > 0
     # every device kept (--local-agents N): the same choice, nobody left out
     slow_links = tuple(DeviceProfile(f"d{i}", 4e9, 2e9, latency_s=3e-3, message_s=0.5e-3, is_master=i == 0)
                        for i in range(4))

@@ -32,6 +32,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
       adds noise: one taken while the others ran once made a plan give an agent nothing);
     - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
       "even-mlp": the same with every attention head on the master (one sync round a layer instead of two);
+      "even-mlp-only": the LM head on the master too (no logits slices on the wire);
     - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
     heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
     the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
@@ -53,9 +54,9 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
                                        same_machine=same_machine)
         endpoints = [d.address for d in plan.profiles()[1:]]
     elif plan is None or (isinstance(plan, str) and plan in EVEN_PLANS):
-        attention = EVEN_PLANS[plan or "even"]
-        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context, attention=attention)
-        planning = {"source": "even" if compute is None else "relative compute", "attention": attention}
+        on_master = EVEN_PLANS[plan or "even"]
+        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context, on_master=on_master)
+        planning = {"source": "even" if compute is None else "relative compute", "on_master": list(on_master)}
     elif isinstance(plan, str):
         raise ConfigError(f"plan {plan!r}: give 'measured', {', '.join(repr(k) for k in EVEN_PLANS)} or a "
                           "TensorParallelPlan")
@@ -150,7 +151,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             survive: SurvivalSettings | None = SurvivalSettings()):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
-    plan: a plan file, or "measured" / "even" / "even-mlp". By default agents are measured and the scheduler plans
+    plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
     for the sync mode; local agents are measured too but all take part (the user asked for N of them).
     mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
     (halo/pipeline/connect.py; `pipeline` holds its own options).
@@ -191,7 +192,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
                           same_machine=bool(local_agents), **settings)
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
-                            select, sync, context, model.planning.get("attention", "split"))
+                            select, sync, context, tuple(model.planning.get("on_master", ())))
         model = SurvivingModel(model, endpoints, planner,
                                lambda p, e, **how: cluster_model(weights, e, cluster_key, plan=p, **how, **settings),
                                cluster_key, insecure, survive)
@@ -213,7 +214,7 @@ class Replanner:
     select: bool  # the scheduler may leave agents out
     sync: SyncSettings
     context: int
-    attention: str = "split"  # an even plan's attention placement (EVEN_PLANS), kept when agents come and go
+    on_master: tuple = ()  # an even plan's blocks kept on the master (EVEN_PLANS), kept when agents come and go
 
     def survivors(self, endpoints: list[str]):
         """(plan, its agents' endpoints in plan order) over the master and `endpoints`."""
@@ -221,7 +222,7 @@ class Replanner:
 
         if self.even:
             return even_plan(self.weights, self.layout, len(endpoints) + 1, context=self.context,
-                             attention=self.attention), list(endpoints)
+                             on_master=self.on_master), list(endpoints)
         cluster = self.first.cluster
         master = cluster.devices[cluster.master]
         known = {_address(d): d for d in cluster.devices if d is not master and d.address}
