@@ -129,14 +129,16 @@ def test_expected_max_is_exact():
 def test_parity_repairs_as_many_losses_per_group_as_it_has_parity_chunks():
     assert p_needs_nack(0.0, 6, 4) == 0.0
     assert p_needs_nack(0.05, 1, 4, 1) == pytest.approx(0.05 ** 2)  # the lone chunk and its parity copy both lost
-    assert p_needs_nack(0.05, 1, 4, 2) == pytest.approx(0.05 ** 2)  # groups below Q_FROM chunks get P alone
+    assert p_needs_nack(0.05, 1, 4, 2) == pytest.approx(0.05 ** 2)  # a lone chunk (below Q_FROM) gets P alone
+    assert p_needs_nack(0.05, 2, 8, 2) == pytest.approx(1 - sum(math.comb(4, k) * 0.05 ** k * 0.95 ** (4 - k)
+                                                               for k in range(3)))  # 2 + P + Q: three of 4 lost
     assert p_needs_nack(0.05, 6, 0) == pytest.approx(1 - 0.95 ** 6)  # no parity: any loss needs a NACK
     # 6 chunks + P + Q: three of the 8 datagrams lost
     assert p_needs_nack(0.05, 6, 8, 2) == pytest.approx(1 - sum(math.comb(8, k) * 0.05 ** k * 0.95 ** (8 - k)
                                                                for k in range(3)))
     assert p_needs_nack(0.05, 6, 8, 2) < p_needs_nack(0.05, 6, 4, 1) < p_needs_nack(0.05, 6, 0)
-    assert parity_datagrams(6, 8, 2) == 2 and parity_datagrams(2, 8, 2) == 1  # P + Q from 4 data chunks of a group
-    assert parity_datagrams(11, 8, 2) == 3 and parity_datagrams(12, 8, 2) == 4 and parity_datagrams(6, 0, 2) == 0
+    assert parity_datagrams(6, 8, 2) == 2 and parity_datagrams(2, 8, 2) == 2 and parity_datagrams(1, 8, 2) == 1
+    assert parity_datagrams(11, 8, 2) == 4 and parity_datagrams(9, 8, 2) == 3 and parity_datagrams(6, 0, 2) == 0
 
 
 def test_kernel_fit_recovers_overheads_and_speed():

@@ -274,16 +274,18 @@ def test_p_and_q_repair_two_losses_of_a_group_without_a_nack(cluster, parity_chu
         np.testing.assert_array_equal(result.values[a.node_id], data)
 
 
-def test_small_groups_get_p_alone(cluster):
-    """A SmolLM2 vector (580 floats, 2 chunks) with Q would be 4 datagrams instead of 3 for a rare benefit."""
+def test_a_two_chunk_vector_gets_p_and_q_and_survives_losing_both_data_chunks(cluster):
+    """A SmolLM2 vector (580 floats, 2 chunks) goes out as 2 + P + Q: both data chunks lost, no NACK needed; a lone
+    chunk gets P alone (its copy)."""
     master, agents = cluster
     a = agents[0]
-    a.send_hook = lambda sock, d, addr: None if wire.HEADER.unpack_from(d)[8] == 1 and d[3] == wire.DATA else sock.sendto(d, addr)
+    a.send_hook = lambda sock, d, addr: None if d[3] == wire.DATA else sock.sendto(d, addr)
     data = np.arange(580, dtype=np.float32)
-    assert a.send_vector({0: master.address}, 6, data, wire.FLOAT32, parity_group=8, parity_chunks=2) == 3
+    assert a.send_vector({0: master.address}, 6, data, wire.FLOAT32, parity_group=8, parity_chunks=2) == 4
     result = master.gather(6, {a.node_id: 580}, policy=GatherPolicy(deadline_s=0.05))
-    assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 1
+    assert result.complete and master.stats[a.node_id].chunks_recovered_parity == 2
     np.testing.assert_array_equal(result.values[a.node_id], data)
+    assert a.send_vector({0: master.address}, 8, data[:100], wire.FLOAT32, parity_group=8, parity_chunks=2) == 2
 
 
 def test_a_sender_learns_its_outbound_loss_from_the_nacks_and_turns_parity_on(cluster):

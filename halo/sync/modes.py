@@ -82,7 +82,7 @@ class SyncSettings:
     # parity chunks per this many data chunks (0: none), once a link has shown loss: P (XOR) rebuilds one lost chunk of
     # the group, P + Q (erasure.py) any two. Groups of 8 with 2: a TinyLlama vector (6 chunks) lacks 3 of its 8
     # datagrams 0.6 % of the time at 5 % loss; with one XOR per 4 chunks (the same 8 datagrams) a NACK was due 3 %.
-    # Groups of fewer than erasure.Q_FROM (4) data chunks get P alone (SmolLM2's 2-chunk vectors: 3 datagrams)
+    # A lone data chunk gets P alone (erasure.Q_FROM); SmolLM2's 2-chunk vectors go out as 2 + P + Q
     parity_group: int = 8
     parity_chunks: int = 2
     inject_plr: float = 0.0  # drop this fraction of UDP datagrams at every sender (seeded, for accuracy runs)
