@@ -36,43 +36,30 @@ def test_known_answer_over_local_agents(stories_weights, known_answer, n_agents,
     assert result.text == known_answer
 
 
-@pytest.mark.parametrize("sync", ["exact", "tcp"])
-def test_attention_on_the_master_halves_the_rounds_and_keeps_the_known_answer(stories_weights, known_answer, sync):
+@pytest.mark.parametrize("plan,sync", [("even-mlp", "exact"), ("even-mlp", "tcp"), ("even-mlp-only", "exact")])
+def test_blocks_on_the_master_take_their_rounds_away_and_keep_the_known_answer(stories_weights, known_answer, plan,
+                                                                                sync):
     """--plan even-mlp: every head on the master (an agent then holds no attention and builds its share from MLP
-    and LM-head groups alone), a token syncs L + 1 times, not 2L + 1, and the tokens are the same."""
+    and LM-head groups alone), a token syncs L + 1 times, not 2L + 1; even-mlp-only: the whole LM head there too
+    (no agent holds vocabulary, L rounds, the logits the master's alone). The tokens are the same."""
+    from halo.shares import EVEN_PLANS
     from halo.sync import SyncSettings
 
     with LocalCluster(3) as cluster:
-        model = distributed(stories_weights, cluster, plan="even-mlp", sync=SyncSettings(mode=sync))
+        model = distributed(stories_weights, cluster, plan=plan, sync=SyncSettings(mode=sync))
         try:
             agents = list(model.agents.values())
             assert all(not any(a.share.attention) and any(a.share.mlp) for a in agents)
-            assert model.plan.sync_rounds() == stories_weights.config.n_layers + 1
-            assert model.planning["on_master"] == ["attention"]
+            assert any(a.share.lm_head for a in agents) == (plan == "even-mlp")
+            assert model.planning["on_master"] == list(EVEN_PLANS[plan])
             result = generate(model, load_tokenizer(stories_weights), "", 256)
             breakdown = model.sync_report()["breakdown"]
         finally:
             model.close()
     assert result.text == known_answer
-    layers = stories_weights.config.n_layers
-    assert (breakdown["rounds_per_token"], breakdown["sync_rounds_per_token"]) == (2 * layers + 1, layers + 1)
-
-
-def test_the_lm_head_on_the_master_too_keeps_the_known_answer(stories_weights, known_answer):
-    """--plan even-mlp-only: the heads and the whole LM head on the master; no agent holds vocabulary, a token
-    syncs once a layer (L rounds: the LM head's is gone) and the logits are the master's alone."""
-    with LocalCluster(3) as cluster:
-        model = distributed(stories_weights, cluster, plan="even-mlp-only")
-        try:
-            assert all(not a.share.lm_head and not any(a.share.attention) for a in model.agents.values())
-            assert model.planning["on_master"] == ["attention", "lm_head"]
-            result = generate(model, load_tokenizer(stories_weights), "", 256)
-            breakdown = model.sync_report()["breakdown"]
-        finally:
-            model.close()
-    assert result.text == known_answer
-    layers = stories_weights.config.n_layers
-    assert breakdown["sync_rounds_per_token"] == layers
+    layers, synced = stories_weights.config.n_layers, model.plan.sync_rounds()
+    assert synced == layers + (plan == "even-mlp")
+    assert (breakdown["rounds_per_token"], breakdown["sync_rounds_per_token"]) == (2 * layers + 1, synced)
 
 
 def test_uneven_plan_really_is_uneven(stories_weights):

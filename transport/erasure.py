@@ -37,10 +37,11 @@ _MUL_FLAT = MUL.ravel()
 def parity_chunks_for(data_chunks: int, wanted: int) -> int:
     """Parity chunks a group of `data_chunks` gets when `wanted` (1 or 2) are asked for: Q only from Q_FROM data
     chunks on; a lone chunk's P is its copy, and a Q would be another. A 2-chunk group (a SmolLM2 vector) with P
-    alone lacks two of its 3 datagrams 0.7 % of the time at 5 % loss, with P + Q three of 4 0.05 %: on the test
-    bed the fourth datagram costs less than the NACK round trips it saves (SmolLM2 at 5 %, 4 interleaved runs:
-    exact 25.3 -> 22.9 ms a token, halo 34.1 -> 32.8, NACKs a forward pass 1.6 -> 0.3; an earlier build, whose
-    datagrams cost more in Python, was slower with it)."""
+    alone lacks two of its 3 datagrams 0.7 % of the time at 5 % loss, with P + Q three of 4 0.05 %. On the test
+    bed the fourth datagram costs about what the NACK round trips it saves cost (SmolLM2 at 5 %, 4 interleaved
+    runs, eval/results/halo_speed_smollm2_parity_q.md: `exact` 22.7 -> 21.9 ms a token, `halo` 27.9 -> 28.3),
+    and a token waits on a NACK a fifth as often (1.7 -> 0.3 a forward pass): fewer stalls of a round trip or two,
+    the same mean. (An earlier build, whose datagrams cost more in Python, was slower with it.)"""
     return wanted if data_chunks >= Q_FROM else min(wanted, 1)
 
 
