@@ -232,11 +232,11 @@ def add_cluster_arguments(parser) -> None:
                          "addresses are the agents; the master = the device marked master)")
     cluster.add_argument("--plan", metavar="plan.json", help="a plan written by `halo-master plan --out`, or "
                          "'measured' (the default: measure the agents, plan with the scheduler for the --sync mode, "
-                         "which also weighs keeping all attention and the LM head on the master; --local-agents then keeps every "
-                         "agent), 'even' (equal shares of every block, nobody measured), 'even-mlp' (every "
-                         "attention head on the master, equal shares of the MLP and LM head: a token syncs once a "
-                         "layer instead of twice) or 'even-mlp-only' (the LM head on the master too: no logits "
-                         "slices on the wire)")
+                         "which also weighs keeping all attention and the LM head on the master; --local-agents "
+                         "then keeps every agent), 'even' (equal shares of every block, nobody measured), 'even-mlp' "
+                         "(every attention head on the master, equal shares of the MLP and LM head: a token syncs "
+                         "once a layer instead of twice) or 'even-mlp-only' (the LM head on the master too: no "
+                         "logits slices on the wire)")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",

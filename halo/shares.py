@@ -90,7 +90,6 @@ def place_by_rank(ranges, order=None) -> list[list[list[int]]]:
             for j in range(n)]
 
 
-MASTER_BLOCKS = ("attention", "lm_head")  # blocks an even plan may keep whole on the master
 # even plans by keyword (--plan): the blocks kept whole on the master. "even-mlp": every head there, so a token syncs
 # once a layer (its MLP) instead of twice; "even-mlp-only": the LM head too, so no logits slices cross the network
 EVEN_PLANS = {"even": (), "even-mlp": ("attention",), "even-mlp-only": ("attention", "lm_head")}
@@ -103,11 +102,10 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     blocks kept whole on the master (scheduler/tp_plan.py `on_master`): "attention" (one sync round a layer),
     "lm_head" (no logits slices on the wire)."""
     from .scheduler.profiles import Cluster, DeviceProfile, model_profile
-    from .scheduler.tp_plan import build_plan
+    from .scheduler.tp_plan import build_plan, check_master_kinds
     from .scheduler.tp_plan import on_master as move
 
-    if any(kind not in MASTER_BLOCKS for kind in on_master):
-        raise ConfigError(f"on_master={on_master!r}: only {' and '.join(MASTER_BLOCKS)} can stay on the master")
+    check_master_kinds(on_master)
 
     compute = compute or [1.0] * n_devices
     if len(compute) != n_devices:

@@ -143,7 +143,8 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
     return prune_idle(plan) if prune else plan
 
 
-MASTER_BLOCKS = (("attention",), ("lm_head",), ("attention", "lm_head"))  # what plan_tp weighs keeping on the master
+MASTER_KINDS = ("attention", "lm_head")  # blocks a plan may keep whole on the master (`on_master`)
+MASTER_PLACEMENTS = (("attention",), ("lm_head",), MASTER_KINDS)  # what plan_tp and plan_everyone weigh
 
 
 def on_master(plan: TensorParallelPlan, kinds=("attention",)) -> TensorParallelPlan:
@@ -155,10 +156,9 @@ def on_master(plan: TensorParallelPlan, kinds=("attention",)) -> TensorParallelP
     keeps whichever is faster: with per-round costs of a millisecond (Wi-Fi latency, or this machine's four
     processes on two cores) the fewer rounds win. Raises InsufficientMemory when the master cannot hold them and
     its KV cache besides its share."""
+    check_master_kinds(kinds)
     counts = {kind: c.copy() for kind, c in plan.counts.items()}
     for kind in kinds:
-        if kind not in ("attention", "lm_head"):
-            raise ConfigError(f"{kind!r}: only attention heads and the LM head can move to the master")
         total = counts[kind].sum(axis=0)
         counts[kind][:] = 0
         counts[kind][0] = total  # participants are listed master first
@@ -170,6 +170,14 @@ def on_master(plan: TensorParallelPlan, kinds=("attention",)) -> TensorParallelP
         raise InsufficientMemory(f"the master {master.name!r} would need {used / 1e6:.0f} MB to hold {what} "
                                  f"besides its share, and has {master.memory_bytes / 1e6:.0f} MB")
     return moved
+
+
+def check_master_kinds(kinds) -> None:
+    """ConfigError unless every kind is one a plan can keep whole on the master (MASTER_KINDS)."""
+    for kind in kinds:
+        if kind not in MASTER_KINDS:
+            raise ConfigError(f"{kind!r}: only the attention heads and the LM head ({', '.join(MASTER_KINDS)}) can "
+                              "stay whole on the master")
 
 
 def attention_on_master(plan: TensorParallelPlan) -> TensorParallelPlan:
@@ -419,7 +427,7 @@ def _with_blocks_on_master(plans: list[TensorParallelPlan]) -> list[TensorParall
     for plan in plans:
         if plan.n < 2:
             continue
-        for kinds in MASTER_BLOCKS:
+        for kinds in MASTER_PLACEMENTS:
             if all(not plan.counts[kind][1:].any() for kind in kinds):
                 continue  # already there
             try:

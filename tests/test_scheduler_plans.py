@@ -171,7 +171,7 @@ def test_the_lm_head_on_the_master_saves_its_round_and_fits_its_memory():
     small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
     with pytest.raises(InsufficientMemory, match="the whole LM head"):
         on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"), ("lm_head",))
-    with pytest.raises(ConfigError, match="only attention heads and the LM head"):
+    with pytest.raises(ConfigError, match="only the attention heads and the LM head"):
         on_master(split, ("mlp",))
 
 
