@@ -43,15 +43,17 @@ class TensorParallelPlan:
         used += fixed_bytes(self.cluster, m, self.devices)
         return used
 
+    def whole_on_master(self, kind: str) -> bool:
+        """Every group of a block kind on the master while agents take part (tp_plan.on_master): no sync round."""
+        return self.n > 1 and not self.counts[kind][1:].any()
+
     @property
     def heads_on_master(self) -> bool:
-        """Every attention head on the master while agents take part (tp_plan.on_master)."""
-        return self.n > 1 and not self.counts["attention"][1:].any()
+        return self.whole_on_master("attention")
 
     @property
     def lm_head_on_master(self) -> bool:
-        """The whole LM head on the master while agents take part (tp_plan.on_master)."""
-        return self.n > 1 and not self.counts["lm_head"][1:].any()
+        return self.whole_on_master("lm_head")
 
     def sync_rounds(self) -> int:
         """Rounds a token syncs over the network: blocks in which an agent holds groups (the master's alone send

@@ -180,11 +180,6 @@ def check_master_kinds(kinds) -> None:
                               "stay whole on the master")
 
 
-def attention_on_master(plan: TensorParallelPlan) -> TensorParallelPlan:
-    """`on_master` for the attention heads: one sync round a layer."""
-    return on_master(plan, ("attention",))
-
-
 def whole_model_speed(profiles, model: ModelProfile) -> np.ndarray:
     """The FLOP/s each device would deliver computing the whole model, its per-block overheads included: the
     speed the ratio algorithms balance by (without overheads it is compute_flops; for a tiny model whose
@@ -428,7 +423,7 @@ def _with_blocks_on_master(plans: list[TensorParallelPlan]) -> list[TensorParall
         if plan.n < 2:
             continue
         for kinds in MASTER_PLACEMENTS:
-            if all(not plan.counts[kind][1:].any() for kind in kinds):
+            if all(map(plan.whole_on_master, kinds)):
                 continue  # already there
             try:
                 moved.append(on_master(plan, kinds))

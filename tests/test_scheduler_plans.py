@@ -12,7 +12,7 @@ from halo.scheduler.milp import solve_exact
 from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
 from halo.scheduler.plan import TP_KINDS
-from halo.scheduler.tp_plan import attention_on_master, build_plan, on_master, plan_everyone, plan_tp
+from halo.scheduler.tp_plan import build_plan, on_master, plan_everyone, plan_tp
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int4", "tinyllama", mlp_group_size=512)
 
@@ -139,7 +139,7 @@ def test_master_too_small_for_the_embeddings_is_named():
 def test_attention_on_the_master_syncs_once_a_layer_and_fits_its_memory():
     devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9, is_master=i == 0) for i in range(4))
     split = build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax")
-    moved = attention_on_master(split)
+    moved = on_master(split, ("attention",))
     check_plan(moved)
     heads = TINY.attention.count
     assert (moved.counts["attention"][0] == heads).all() and not moved.counts["attention"][1:].any()
@@ -151,7 +151,7 @@ def test_attention_on_the_master_syncs_once_a_layer_and_fits_its_memory():
     assert ideal_moved.comm_s < ideal_split.comm_s and ideal_moved.compute_s > ideal_split.compute_s
     small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
     with pytest.raises(InsufficientMemory, match="every attention head"):
-        attention_on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"))
+        on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"), ("attention",))
 
 
 def test_the_lm_head_on_the_master_saves_its_round_and_fits_its_memory():

@@ -116,10 +116,9 @@ def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int,
     """An input [T, D] (and the master's ranking [T, G] of an MLP input) as one float32 vector, padded to whole
     chunks of per_chunk values."""
     if ranking is None:
-        return _frame([len(x), start, digest, 0], x, per_chunk)
-    ranking = np.asarray(ranking, dtype=np.float32).reshape(len(x), -1)  # group ids, exact in float32
-    return _frame([len(x), start, digest, ranking.shape[1]], np.concatenate([np.ravel(x), np.ravel(ranking)]),
-                  per_chunk)
+        return _frame([len(x), start, digest, 0], [x], per_chunk)
+    ranking = np.asarray(ranking).reshape(len(x), -1)  # group ids, exact in float32
+    return _frame([len(x), start, digest, ranking.shape[1]], [x, ranking], per_chunk)
 
 
 def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
@@ -145,7 +144,7 @@ def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
 
 def frame_partial(out: np.ndarray | None, status: Status, compute_ms: float) -> np.ndarray:
     """A partial output (None: an acknowledgement, no values) as one float32 vector."""
-    return _frame([compute_ms, 0, int(status), 0], np.zeros(0, np.float32) if out is None else out)
+    return _frame([compute_ms, 0, int(status), 0], [] if out is None else [out])
 
 
 def partial_size(tokens: int, width: int) -> int:
@@ -169,10 +168,17 @@ def read_partial(values: np.ndarray, tokens: int, width: int) -> Partial:
     return Partial(float(values[0]), status, body)
 
 
-def _frame(prefix: list[float], array: np.ndarray, per_chunk: int | None = None) -> np.ndarray:
-    body = np.concatenate([np.asarray(prefix, dtype=np.float32), np.asarray(array, dtype=np.float32).reshape(-1)])
-    if per_chunk:
-        body = np.concatenate([body, np.zeros(-len(body) % per_chunk, dtype=np.float32)])
+def _frame(prefix: list[float], arrays: list[np.ndarray], per_chunk: int | None = None) -> np.ndarray:
+    """The prefix, then the arrays, as one float32 vector padded with zeros to whole chunks of per_chunk values:
+    written into one buffer (every round sends one; concatenating, then padding, copied it twice)."""
+    sizes = [np.size(a) for a in arrays]
+    n = PREFIX + sum(sizes)
+    body = np.zeros(n + (-n % per_chunk if per_chunk else 0), dtype=np.float32)
+    body[:PREFIX] = prefix
+    at = PREFIX
+    for array, size in zip(arrays, sizes):
+        body[at:at + size] = np.ravel(array)
+        at += size
     return body
 
 
