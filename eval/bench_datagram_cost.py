@@ -3,8 +3,9 @@
     python -m halo.eval.bench_datagram_cost [--vectors 3000] [--plr 0,0.05]
 
 A master process sends TinyLlama-sized vectors (2,052 float32: 6 datagrams) to 3 receivers, each vector to
-every receiver with one `sendmmsg` (what the fast path does), a vector every 0.5 ms; the receivers read and check
-them with `recvmmsg` (transport/_datagrams.c). Each process reports its own user and system CPU per datagram
+every receiver with one `sendmmsg` (what the fast path does), a vector every 0.5 ms, once with each vector's 6
+datagrams to a receiver as one segmented send (UDP GSO, the default) and once one message a datagram; the receivers
+read and check them with `recvmmsg` (transport/_datagrams.c). Each process reports its own user and system CPU per datagram
 (getrusage): loopback (127.0.0.2-4), then the bed (rpi/testbed.py: veths into a bridge, nftables loss rules)
 at each PLR. Why: a round of the fast path is ~36 datagrams at 4 nodes, ~48 once parity is on; this says what
 each costs beyond halo's own Python. Needs root and the C datagram path (exits 2 otherwise).
@@ -47,7 +48,7 @@ def receive(bind: str) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     sock.bind((bind, PORT))
-    state, count, start = wire.Codec(KEY).state, 0, None
+    state, count, start, batches = wire.Codec(KEY).state, 0, None, []
     while True:
         batch = wire._datagrams.receive(sock.fileno(), state, SESSION, 2.0, wire.Header)
         if not batch and start is not None:
@@ -55,10 +56,16 @@ def receive(bind: str) -> None:
         if batch and start is None:
             start = _cpu()
         count += sum(1 for item in batch if not isinstance(item, str))
-    print(json.dumps({"received": count, **_per_datagram(start, count)}), flush=True)
+        batches.append(batch)  # looked into after the CPU is read
+    cpu = _per_datagram(start, count)
+    per_vector: dict[int, int] = {}  # epoch -> datagrams of it received
+    for item in (item for batch in batches for item in batch if not isinstance(item, str)):
+        per_vector[item[0].epoch] = per_vector.get(item[0].epoch, 0) + 1
+    partial = sum(n < max(per_vector.values()) for n in per_vector.values())  # lost some of its datagrams, not all
+    print(json.dumps({"received": count, "partial_vectors": partial, **cpu}), flush=True)
 
 
-def send(targets: list[str], vectors: int) -> None:
+def send(targets: list[str], vectors: int, segment: bool) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setblocking(False)
     codec = wire.Codec(KEY)
@@ -68,20 +75,21 @@ def send(targets: list[str], vectors: int) -> None:
     start, sent = _cpu(), 0
     for v in range(vectors):
         datagrams = codec.pack_chunks(wire.DATA, wire.FLOAT32, 0, SESSION, 2 * v + 2, 1 + len(payloads) * v, payloads)
-        wire._datagrams.sendmany(sock.fileno(), datagrams, addresses)
+        wire._datagrams.sendmany(sock.fileno(), datagrams, addresses, segment)
         sent += len(datagrams) * len(addresses)
         time.sleep(0.0005)
     print(json.dumps({"sent": sent, **_per_datagram(start, sent)}), flush=True)
 
 
-def _measure(popen, hosts: list[tuple[str, str]], master_host: str | None, vectors: int) -> dict:
+def _measure(popen, hosts: list[tuple[str, str]], master_host: str | None, vectors: int, segment: bool) -> dict:
     """Receivers on hosts [(host, address)], then the sender; their reports."""
     receivers = [popen(host, module_command("halo.eval.bench_datagram_cost", "--role", "receive", "--bind", address))
                  for host, address in hosts]
     time.sleep(1.0)
     sender = popen(master_host, module_command("halo.eval.bench_datagram_cost", "--role", "send", "--vectors",
-                                               vectors, *[address for _, address in hosts]))
-    out = {"sender": json.loads(sender.communicate(timeout=600)[0])}
+                                               vectors, *(() if segment else ("--no-segment",)),
+                                               *[address for _, address in hosts]))
+    out = {"segmented": segment, "sender": json.loads(sender.communicate(timeout=600)[0])}
     out["receivers"] = [json.loads(r.communicate(timeout=60)[0]) for r in receivers]
     return out
 
@@ -91,6 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--role", choices=("send", "receive"), help=argparse.SUPPRESS)
     parser.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("targets", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--no-segment", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--vectors", type=int, default=3000, help="vectors sent to each receiver (default 3000)")
     parser.add_argument("--plr", default="0,0.05", help="loss rates on the test bed (default 0,0.05)")
     parser.add_argument("--out", default="eval/results")
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
         receive(args.bind)
         return 0
     if args.role == "send":
-        send(args.targets, args.vectors)
+        send(args.targets, args.vectors, not args.no_segment)
         return 0
     from halo.rpi.testbed import LossyTestbed, available
 
@@ -111,28 +120,33 @@ def main(argv=None) -> int:
         print(f"bench_datagram_cost: cannot build the namespace test bed: {why}", file=sys.stderr)
         return 2
     pipe = {"stdout": subprocess.PIPE, "text": True}
-    rows = [{"where": "loopback", "plr": 0.0, **_measure(lambda _host, argv: subprocess.Popen(argv, **pipe),
-                                                          [(None, f"127.0.0.{i}") for i in range(2, 2 + RECEIVERS)],
-                                                          None, args.vectors)}]
+    loopback = [(None, f"127.0.0.{i}") for i in range(2, 2 + RECEIVERS)]
+    rows = [{"where": "loopback", "plr": 0.0, **_measure(lambda _host, argv: subprocess.Popen(argv, **pipe), loopback,
+                                                          None, args.vectors, segment)} for segment in (False, True)]
     for plr in map(float, args.plr.split(",")):
         with LossyTestbed(RECEIVERS, prefix="hdc") as bed:
             bed.set_loss(plr)
             hosts = [(f"agent-{i}", bed.address(f"agent-{i}")) for i in range(1, RECEIVERS + 1)]
-            rows.append({"where": "test bed", "plr": plr,
-                         **_measure(lambda host, argv: bed.popen(host, argv, **pipe), hosts, "master", args.vectors)})
+            for segment in (False, True, False, True):  # interleaved, twice: the VM drifts
+                rows.append({"where": "test bed", "plr": plr, **_measure(lambda host, argv: bed.popen(host, argv, **pipe),
+                                                                         hosts, "master", args.vectors, segment)})
     from .report import command_line, write_report
 
     command = command_line("halo.eval.bench_datagram_cost", argv)
     lines = ["# CPU per datagram: loopback vs the namespace test bed", "",
              f"Command: `{command}`. One sender, {RECEIVERS} receivers, vectors of {DIM} float32 (6 datagrams, 5 of "
-             "1,470 bytes) to each receiver by one `sendmmsg` every 0.5 ms, read with `recvmmsg` and checked in C "
-             "(keyed BLAKE2b): user and system CPU per datagram from getrusage, in microseconds.", "",
-             "| where | PLR | sender user / sys us | receivers user / sys us (mean) | received of sent |", "|---|---|---|---|---|"]
+             "1,470 bytes) to each receiver by one `sendmmsg` every 0.5 ms, each vector to a receiver as one segmented "
+             "message (UDP GSO) or one message a datagram; read with `recvmmsg` and checked in C (keyed BLAKE2b): user "
+             "and system CPU per datagram from getrusage, in microseconds. Partial vectors: vectors a receiver got some "
+             "but not all datagrams of (the bed must lose datagrams one by one, segmented or not).", "",
+             "| where | PLR | send | sender user / sys us | receivers user / sys us (mean) | received of sent | "
+             "partial vectors |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         s, r = row["sender"], row["receivers"]
-        lines.append(f"| {row['where']} | {row['plr']:.0%} | {s['user_us']:.2f} / {s['sys_us']:.2f} | "
+        lines.append(f"| {row['where']} | {row['plr']:.0%} | {'segmented' if row['segmented'] else 'one a datagram'} | "
+                     f"{s['user_us']:.2f} / {s['sys_us']:.2f} | "
                      f"{np.mean([x['user_us'] for x in r]):.2f} / {np.mean([x['sys_us'] for x in r]):.2f} | "
-                     f"{sum(x['received'] for x in r)} of {s['sent']} |")
+                     f"{sum(x['received'] for x in r)} of {s['sent']} | {sum(x['partial_vectors'] for x in r)} |")
     write_report(args.out, "datagram_cost", {"command": command, "rows": rows}, lines)
     return 0
 

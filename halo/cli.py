@@ -295,6 +295,9 @@ def add_sync_arguments(parser) -> None:
     s.add_argument("--wire-partials", choices=("fp32", "fp16"), default=d.wire_partials,
                    help="agents' partial sums over UDP in lossy/halo sync: fp16 sends half the datagrams, so a lossy "
                         "link damages fewer of them (default fp32; exact sync keeps fp32: it gives one device's tokens)")
+    s.add_argument("--no-udp-gso", action="store_true",
+                   help="send UDP datagrams one by one, not a vector's run to a peer as one segmented send (UDP GSO: the "
+                        "same datagrams on the wire for less CPU; it turns itself off where the kernel refuses it)")
     s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
                         "accuracy-under-loss runs without a lossy network")
@@ -306,7 +309,7 @@ def sync_settings(args):
     return SyncSettings(mode=args.sync or "exact", deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed,
-                        wire_partials=args.wire_partials)
+                        wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso)
 
 
 def cmd_status(args) -> int:

@@ -211,6 +211,27 @@ def test_c_receiving_refuses_forged_datagrams_for_the_reasons_the_python_checks_
             "malformed"} <= set(expected)
 
 
+@needs_c
+@pytest.mark.parametrize("segment", [True, False])
+def test_a_segmented_send_delivers_the_same_datagrams_in_the_same_order(segment):
+    """UDP GSO cuts a run of equal-sized datagrams below the socket: a receiver must see each one, whole and in order,
+    whatever the sizes (a shorter last data chunk ends a run; parity chunks are 2 bytes longer; a lone one)."""
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        receiver.bind(("127.0.0.1", 0))
+        receiver.settimeout(1.0)
+        sizes = [1472] * 5 + [100, 1474, 1474, 10, 1472]
+        datagrams = [bytes([i]) * n for i, n in enumerate(sizes)]
+        assert wire._datagrams.sendmany(sender.fileno(), datagrams, [receiver.getsockname()] * 2, segment)
+        got = [receiver.recv(65536) for _ in range(2 * len(datagrams))]
+    finally:
+        receiver.close()
+        sender.close()
+    assert got == datagrams + datagrams
+    assert wire._datagrams.segmenting()  # this kernel took UDP_SEGMENT (Linux 4.18+): nothing fell back
+
+
 def test_an_address_the_c_path_cannot_parse_is_sent_by_the_python_path(cluster):
     master, agents = cluster
     data = vectors(2048, seed=6, peers=(1,))

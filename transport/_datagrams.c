@@ -8,8 +8,9 @@
  * wire.Codec.unpack checks them, in its order, with its reason names (tests compare the two on forged input).
  *
  * The tag is keyed BLAKE2b-128 (RFC 7693) over header and payload, the same bytes hashlib.blake2b(key=...,
- * digest_size=16) gives; the key block is compressed once, when the key is set (`keyed`). Nothing here keeps state
- * between calls: the counters, replay windows and statistics stay in Python. */
+ * digest_size=16) gives; the key block is compressed once, when the key is set (`keyed`). The one state kept between
+ * calls is whether the kernel refused segmentation offload (sendmany); the counters, replay windows and statistics
+ * stay in Python. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <arpa/inet.h>
@@ -336,13 +337,56 @@ static int parse_address(PyObject *address, struct sockaddr_in *out) {
     return inet_pton(AF_INET, host, &out->sin_addr) == 1;
 }
 
-/* sendmany(fd, datagrams, addresses) -> bool: every datagram to every (numeric IPv4 host, port) address, by
- * sendmmsg. A datagram the kernel refuses (a full buffer, a local drop) is a lost packet, as in udp.py's _sendto.
- * False, with nothing sent, where an address is not a numeric IPv4 one: the caller sends those itself. */
+/* UDP segmentation offload (UDP_SEGMENT, Linux 4.18+): a run of equal-sized datagrams to one address goes to the
+ * kernel as one message and is cut into those datagrams below the socket, so the socket, UDP and IP work is paid
+ * once a run instead of once a datagram. Each datagram still leaves as its own packet (the last of a run may be
+ * shorter), so a receiver sees exactly what it saw before. On the namespace bed a sender's system time fell from
+ * ~7 to ~4.5 us a datagram (eval/results/datagram_cost.md). A kernel or device that refuses it is asked once. */
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#define MAX_SEGMENTS 64       /* the kernel's UDP_MAX_SEGMENTS (raised to 128 in 6.x) */
+#define MAX_SEGMENTED 60000   /* bytes in one segmented message: under the 64 KB an IP packet's length field allows */
+static int segmentation_refused = 0; /* UDP_SEGMENT failed once in this process: one datagram a message from then on */
+
+typedef struct {
+    Py_ssize_t address, first, count; /* datagrams first .. first + count - 1 to addresses[address] */
+    size_t size;                      /* each one's bytes (the last may be shorter): the segment size */
+} Run;
+
+/* The messages sendmany sends: per address, runs of datagrams of one size (a shorter one ends a run), or one datagram
+ * a message where segment is 0. Returns the number of runs written to runs (room for nd * na). */
+static Py_ssize_t plan_runs(PyObject *ds, Py_ssize_t nd, Py_ssize_t na, int segment, Run *runs) {
+    Py_ssize_t n = 0;
+    for (Py_ssize_t a = 0; a < na; a++)
+        for (Py_ssize_t k = 0; k < nd;) {
+            size_t size = (size_t)PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(ds, k));
+            Py_ssize_t count = 1;
+            while (segment && k + count < nd && count < MAX_SEGMENTS && (size_t)(count + 1) * size <= MAX_SEGMENTED &&
+                   (size_t)PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(ds, k + count - 1)) == size &&
+                   (size_t)PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(ds, k + count)) <= size)
+                count++;
+            runs[n++] = (Run){a, k, count, size};
+            k += count;
+        }
+    return n;
+}
+
+static int refused_segmentation(int error) {
+    return error == EIO || error == EINVAL || error == ENOPROTOOPT || error == EOPNOTSUPP;
+}
+
+/* sendmany(fd, datagrams, addresses, segment=True) -> bool: every datagram to every (numeric IPv4 host, port)
+ * address, by sendmmsg, a run of equal-sized ones to an address as one segmented message where segment is true and
+ * the kernel takes it. A datagram the kernel refuses (a full buffer, a local drop) is a lost packet, as in udp.py's
+ * _sendto. False, with nothing sent, where an address is not a numeric IPv4 one: the caller sends those itself. */
 static PyObject *py_sendmany(PyObject *self, PyObject *args) {
-    int fd;
+    int fd, segment = 1;
     PyObject *datagrams, *addresses;
-    if (!PyArg_ParseTuple(args, "iOO", &fd, &datagrams, &addresses)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOO|p", &fd, &datagrams, &addresses, &segment)) return NULL;
     PyObject *ds = PySequence_Fast(datagrams, "datagrams must be a sequence of bytes");
     if (ds == NULL) return NULL;
     PyObject *as = PySequence_Fast(addresses, "addresses must be a sequence of (host, port)");
@@ -350,12 +394,17 @@ static PyObject *py_sendmany(PyObject *self, PyObject *args) {
         Py_DECREF(ds);
         return NULL;
     }
-    Py_ssize_t nd = PySequence_Fast_GET_SIZE(ds), na = PySequence_Fast_GET_SIZE(as);
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(ds), na = PySequence_Fast_GET_SIZE(as), total = nd * na;
     PyObject *result = NULL;
     struct sockaddr_in *to = PyMem_Calloc((size_t)(na ? na : 1), sizeof *to);
+    Run *runs = PyMem_Calloc((size_t)(total ? total : 1), sizeof *runs);
+    struct iovec *iov = PyMem_Calloc((size_t)(total ? total : 1), sizeof *iov);
     struct mmsghdr msgs[SEND_BATCH];
-    struct iovec iov[SEND_BATCH];
-    if (to == NULL) {
+    union {
+        char bytes[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } control[SEND_BATCH];
+    if (to == NULL || runs == NULL || iov == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -369,29 +418,58 @@ static PyObject *py_sendmany(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "datagrams must be bytes");
             goto done;
         }
-    Py_ssize_t total = nd * na, next = 0;
-    while (next < total) {
+    for (Py_ssize_t j = 0; j < total; j++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(ds, j % nd);
+        iov[j].iov_base = PyBytes_AS_STRING(d);
+        iov[j].iov_len = (size_t)PyBytes_GET_SIZE(d);
+    }
+    Py_ssize_t n_runs = plan_runs(ds, nd, na, segment && !segmentation_refused, runs), next = 0;
+    while (next < n_runs) {
         int batch = 0;
-        for (Py_ssize_t j = next; j < total && batch < SEND_BATCH; j++, batch++) {
-            PyObject *d = PySequence_Fast_GET_ITEM(ds, j % nd);
-            iov[batch].iov_base = PyBytes_AS_STRING(d);
-            iov[batch].iov_len = (size_t)PyBytes_GET_SIZE(d);
+        for (Py_ssize_t r = next; r < n_runs && batch < SEND_BATCH; r++, batch++) {
+            const Run *run = &runs[r];
+            struct msghdr *h = &msgs[batch].msg_hdr;
             memset(&msgs[batch], 0, sizeof msgs[batch]);
-            msgs[batch].msg_hdr.msg_iov = &iov[batch];
-            msgs[batch].msg_hdr.msg_iovlen = 1;
-            msgs[batch].msg_hdr.msg_name = &to[j / nd];
-            msgs[batch].msg_hdr.msg_namelen = sizeof to[0];
+            h->msg_iov = &iov[run->address * nd + run->first];
+            h->msg_iovlen = (size_t)run->count;
+            h->msg_name = &to[run->address];
+            h->msg_namelen = sizeof to[0];
+            if (run->count > 1) {
+                h->msg_control = control[batch].bytes;
+                h->msg_controllen = sizeof control[batch].bytes;
+                struct cmsghdr *c = CMSG_FIRSTHDR(h);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                uint16_t size = (uint16_t)run->size;
+                memcpy(CMSG_DATA(c), &size, sizeof size);
+            }
         }
         int sent = sendmmsg(fd, msgs, (unsigned)batch, MSG_DONTWAIT);
         if (sent < 0 && errno == EINTR) continue;
+        if (sent < 0 && runs[next].count > 1 && refused_segmentation(errno)) {
+            /* this kernel or device does not segment: the rest one datagram a message, now and from now on */
+            segmentation_refused = 1;
+            Py_ssize_t address = runs[next].address, first = runs[next].first;
+            n_runs = plan_runs(ds, nd, na, 0, runs);
+            next = address * nd + first; /* unsegmented, run i is datagram i % nd to address i / nd */
+            continue;
+        }
         next += sent > 0 ? sent : 1; /* the one refused is lost; go on with the next */
     }
     result = Py_NewRef(Py_True);
 done:
     PyMem_Free(to);
+    PyMem_Free(runs);
+    PyMem_Free(iov);
     Py_DECREF(ds);
     Py_DECREF(as);
     return result;
+}
+
+/* segmenting() -> bool: whether sendmany still segments (False once the kernel refused UDP_SEGMENT) */
+static PyObject *py_segmenting(PyObject *self, PyObject *args) {
+    return PyBool_FromLong(!segmentation_refused);
 }
 
 /* ---- receiving -------------------------------------------------------------------------------------------- */
@@ -573,8 +651,10 @@ static PyMethodDef methods[] = {
     {"parities", py_parities, METH_VARARGS,
      "parities(chunks, count) -> (P,) or (P, Q): erasure.parities' bytes (shorter chunks zero-padded)"},
     {"sendmany", py_sendmany, METH_VARARGS,
-     "sendmany(fd, datagrams, addresses) -> bool: every datagram to every address (sendmmsg); False: an address is "
-     "not numeric IPv4, nothing sent"},
+     "sendmany(fd, datagrams, addresses, segment=True) -> bool: every datagram to every address (sendmmsg; runs of "
+     "equal-sized ones to an address as one UDP_SEGMENT message where segment is true); False: an address is not "
+     "numeric IPv4, nothing sent"},
+    {"segmenting", py_segmenting, METH_NOARGS, "segmenting() -> bool: False once the kernel refused UDP_SEGMENT"},
     {"unpack", py_unpack, METH_VARARGS,
      "unpack(state, datagram, session, header_type) -> reason | (header, payload): receive()'s checks on one datagram"},
     {"receive", py_receive, METH_VARARGS,

@@ -351,10 +351,11 @@ class UdpEndpoint:
         except (BlockingIOError, InterruptedError, PermissionError, OSError):
             pass  # a full buffer or a local drop is a lost packet; the protocol copes
 
-    def _send_all(self, datagrams: list[bytes], addresses: list[tuple]) -> None:
-        """Every datagram to every address: one sendmmsg() in C where it can, else one sendto() apiece."""
+    def _send_all(self, datagrams: list[bytes], addresses: list[tuple], segment: bool = True) -> None:
+        """Every datagram to every address: one sendmmsg() in C where it can (segment: a run of equal-sized ones to
+        an address as one UDP_SEGMENT message, cut into the same datagrams by the kernel), else one sendto() apiece."""
         if (self.codec.state is not None and self.send_hook is None
-                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses)):
+                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses, segment)):
             return
         for address in addresses:
             for d in datagrams:
@@ -366,17 +367,17 @@ class UdpEndpoint:
         return self.codec.pack(kind, dtype, self.node_id, self.session, epoch, self.counter, index, count, payload)
 
     def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
-                    parity_group: int = 0, parity_chunks: int = 2) -> int:
+                    parity_group: int = 0, parity_chunks: int = 2, segment: bool = True) -> int:
         """Send values as chunks to every recipient (peer id -> address), packed once, with `parity_chunks`
         parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none); remember
-        them for NACKs. Returns datagrams per recipient."""
+        them for NACKs. segment: UDP GSO where the kernel has it (_send_all). Returns datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         payloads = wire.chunk_payloads(values, dtype)
         datagrams = self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1, payloads)
         self.counter += len(payloads)
         if parity_group:
             datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
-        self._send_all(datagrams, list(recipients.values()))
+        self._send_all(datagrams, list(recipients.values()), segment)
         size = sum(map(len, datagrams))
         for peer in recipients:
             self.stats[peer].sent_bytes += size
