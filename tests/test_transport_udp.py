@@ -232,6 +232,38 @@ def test_a_segmented_send_delivers_the_same_datagrams_in_the_same_order(segment)
     assert wire._datagrams.segmenting()  # this kernel took UDP_SEGMENT (Linux 4.18+): nothing fell back
 
 
+SMALL_MTU = """
+import socket, subprocess
+from halo.transport import wire
+subprocess.run(["ip", "link", "set", "lo", "mtu", "1200", "up"], check=True)
+receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+receiver.bind(("127.0.0.1", 0))
+receiver.settimeout(1.0)
+sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(2):  # the first send finds out, the second is sent one by one from the start
+    assert wire._datagrams.sendmany(sender.fileno(), [b"a" * 1472, b"b" * 1472, b"c" * 700], [receiver.getsockname()])
+print([len(receiver.recv(65536)) for _ in range(6)], wire._datagrams.segmenting())
+"""
+
+
+@needs_c
+def test_a_kernel_refusing_a_segmented_send_gets_the_datagrams_one_by_one():
+    """A path MTU below the segment size (a VPN, a tunnel) makes the kernel refuse UDP_SEGMENT (EMSGSIZE): the run
+    goes out one datagram a message (fragmented, as before GSO) and the process stops asking. Run in a network
+    namespace of its own, where lo's MTU can be lowered."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip to lower an MTU in a namespace of its own")
+    done = subprocess.run(["unshare", "--net", sys.executable, "-c", SMALL_MTU], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("]")[0] + "]" == "[1472, 1472, 700, 1472, 1472, 700]"
+    assert done.stdout.strip().endswith("False")
+
+
 def test_an_address_the_c_path_cannot_parse_is_sent_by_the_python_path(cluster):
     master, agents = cluster
     data = vectors(2048, seed=6, peers=(1,))

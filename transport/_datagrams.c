@@ -375,8 +375,10 @@ static Py_ssize_t plan_runs(PyObject *ds, Py_ssize_t nd, Py_ssize_t na, int segm
     return n;
 }
 
+/* Why a segmented message can fail where its datagrams one by one would not: no UDP GSO in this kernel, no checksum
+ * offload on the device (EIO), or a path MTU below the segment size (EMSGSIZE: one by one, they are fragmented). */
 static int refused_segmentation(int error) {
-    return error == EIO || error == EINVAL || error == ENOPROTOOPT || error == EOPNOTSUPP;
+    return error == EIO || error == EINVAL || error == ENOPROTOOPT || error == EOPNOTSUPP || error == EMSGSIZE;
 }
 
 /* sendmany(fd, datagrams, addresses, segment=True) -> bool: every datagram to every (numeric IPv4 host, port)

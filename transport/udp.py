@@ -410,13 +410,11 @@ class UdpEndpoint:
         entry = self.sent.get(epoch)
         if entry is None or peer not in entry.recipients:
             return None
-        count, sent = len(entry.payloads), 0
-        for i in indices:
-            if 0 <= i < count:
-                self._sendto(self.pack(wire.DATA, entry.dtype, epoch, int(i), count, entry.payloads[i]),
-                             entry.recipients[peer])
-                sent += 1
-        return sent
+        count = len(entry.payloads)
+        datagrams = [self.pack(wire.DATA, entry.dtype, epoch, int(i), count, entry.payloads[i])
+                     for i in indices if 0 <= i < count]
+        self._send_all(datagrams, [entry.recipients[peer]])  # one sendmmsg (a run of them one segmented message)
+        return len(datagrams)
 
     def resend(self, epoch: int, peer: int) -> bool:
         """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
