@@ -341,6 +341,36 @@ def test_a_two_chunk_vector_gets_p_and_q_and_survives_losing_both_data_chunks(cl
     assert a.send_vector({0: master.address}, 8, data[:100], wire.FLOAT32, parity_group=8, parity_chunks=2) == 2
 
 
+def test_parity_after_a_complete_vector_changes_nothing_and_before_a_hole_rebuilds_it():
+    """With nothing lost the data chunks are all in before their P and Q, which Inbound.accept then drops unread
+    (the usual case: no rebuild check per parity datagram); a P that comes while a chunk is missing rebuilds it."""
+    from halo.transport import erasure
+    from halo.transport.udp import PARITY_PREFIX, Inbound, PeerStats
+
+    payloads = wire.chunk_payloads(np.arange(2 * wire.values_per_chunk(wire.FLOAT32), dtype=np.float32), wire.FLOAT32)
+    p, q = erasure.parities(payloads, 2)
+
+    def datagram(kind, index, payload):
+        return wire.Header(kind, wire.FLOAT32, 1, SESSION, 5, 10 + index + 4 * (kind != wire.DATA), index, 2,
+                           len(payload)), payload
+
+    def inbound():
+        return Inbound(1, None, wire.FLOAT32, float("inf"), float("inf"), True, float("inf"))
+
+    whole, stats = inbound(), PeerStats()
+    for i, chunk in enumerate(payloads):
+        whole.accept(*datagram(wire.DATA, i, chunk), stats, late=False)
+    for kind, parity in ((wire.PARITY, p), (wire.PARITY_Q, q)):
+        whole.accept(*datagram(kind, 0, PARITY_PREFIX.pack(2, 2) + parity), stats, late=False)
+    assert whole.complete and whole.parities == {} and stats.chunks_recovered_parity == 0
+
+    holed, stats = inbound(), PeerStats()
+    holed.accept(*datagram(wire.DATA, 0, payloads[0]), stats, late=False)
+    holed.accept(*datagram(wire.PARITY, 0, PARITY_PREFIX.pack(2, 2) + p), stats, late=False)
+    assert holed.complete and stats.chunks_recovered_parity == 1
+    np.testing.assert_array_equal(holed.vector(), np.frombuffer(b"".join(payloads), dtype="<f4"))
+
+
 def test_a_sender_learns_its_outbound_loss_from_the_nacks_and_turns_parity_on(cluster):
     """An agent whose inputs come over TCP (halo-tcp) receives nothing from the master over UDP: the NACKs for
     its partials are the only sign that its link loses packets, and they switch its parity on."""

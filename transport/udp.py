@@ -192,6 +192,8 @@ class Inbound:
             if not 0 < size <= count - index or group[0] != size:
                 stats.rejected["malformed"] += 1
                 return
+            if self.complete:  # every data chunk is in (what happens when nothing was lost): nothing to rebuild
+                return
             group[1 if kind == wire.PARITY else 2] = payload[PARITY_PREFIX.size:]
             self.parities[index] = group
         else:  # NACKs and probes are answered by the endpoint, never taken as a vector's chunks
