@@ -406,6 +406,7 @@ class Agent(ControlServer):
         if "udp_session" not in f:
             return
         self.udp.join(int(f["udp_session"]), node_id)
+        self.udp.segment = sync.udp_gso
         if address and f.get("udp_port"):
             self.udp.peers[MASTER] = (address, int(f["udp_port"]))
         if sync.inject_plr:

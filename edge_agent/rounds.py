@@ -110,8 +110,7 @@ class AgentRounds:
         recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
         parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
         self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
-                             dtype=self.sync.partial_dtype, parity_group=parity, parity_chunks=self.sync.parity_chunks,
-                             segment=self.sync.udp_gso)
+                             dtype=self.sync.partial_dtype, parity_group=parity, parity_chunks=self.sync.parity_chunks)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
     def poll(self) -> bool:

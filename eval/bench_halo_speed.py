@@ -162,6 +162,8 @@ def summarize(result: dict) -> dict:
                    dropped_for_loss=loss.get("dropped_for_loss"), dropped_late=loss.get("dropped_late"),
                    groups_dropped=loss["groups_dropped"], groups_offered_lossy=loss["groups_offered_lossy"],
                    round_overhead_ms=breakdown.get("round_overhead_ms"), per_token_ms=breakdown.get("per_token_ms"))
+    if "udp" in result:  # one report per agent the plan gave work to (a measured plan may leave some out)
+        out["agents_used"] = len(result["udp"])
     if result.get("udp"):  # the master's view of each agent's link: how its losses were recovered
         out["udp"] = [{k: u.get(k) for k in UDP_COUNTERS} for u in result["udp"] if u]
     return out
@@ -234,8 +236,8 @@ def mode_settings(mode: str, args) -> tuple[str, dict, str]:
                              f"({', '.join(variants) or 'none'})")
         settings = {**settings, **variants[variant]}
     plan = settings.pop("plan", args.plan)
-    if plan not in EVEN_PLANS:
-        raise SystemExit(f"plan {plan!r}: the bench runs even plans ({', '.join(EVEN_PLANS)})")
+    if plan not in PLANS:
+        raise SystemExit(f"plan {plan!r}: the bench runs {', '.join(PLANS)}")
     return sync, settings, plan
 
 
@@ -251,7 +253,11 @@ def median_runs(rows: list[dict]) -> list[dict]:
     return out
 
 
-PLAN_TEXT = {"even": "Plan `even`: every block (attention heads, MLP and LM-head groups) in equal shares.",
+PLANS = (*EVEN_PLANS, "measured")
+PLAN_TEXT = {"measured": "Plan `measured` (what `halo-master` does by default): the agents' compute and links are "
+                         "measured at connect and the scheduler plans from them; it may leave agents out, and the "
+                         "table says how many took part.",
+             "even": "Plan `even`: every block (attention heads, MLP and LM-head groups) in equal shares.",
              "even-mlp": "Plan `even-mlp`: every attention head on the master, the MLP and LM head in equal shares "
                          "(a token syncs once a layer).",
              "even-mlp-only": "Plan `even-mlp-only`: every attention head and the whole LM head on the master, the "
@@ -294,6 +300,11 @@ def render_speed(rows: list[dict], args) -> list[str]:
             lines.append("At 0 % loss vs single process: " + ", ".join(
                 f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
+        used = {m: sorted({r["agents_used"] for r in rows if r["agents"] == n and r["sync"] == m and "agents_used" in r})
+                for m in modes}
+        if any(u and u != [n] for u in used.values()):
+            lines.append("Agents the plan gave work to: " + ", ".join(
+                f"{m} {' or '.join(map(str, u))} of {n}" for m, u in used.items() if u) + ".")
         lines += [""] + recovery_table([r for r in rows if r["agents"] == n and r.get("udp") and r["plr"] > 0], modes)
     return lines
 
@@ -507,10 +518,11 @@ def main(argv=None) -> int:
                         "pick as MODE@NAME, to compare settings side by side in one run, e.g. --modes "
                         "exact,exact@xor --variants '{\"xor\": {\"parity_group\": 4, \"parity_chunks\": 1}}'; "
                         "a \"plan\" key picks that variant's plan")
-    parser.add_argument("--plan", default="even", choices=tuple(EVEN_PLANS), help="how the cluster runs share the "
+    parser.add_argument("--plan", default="even", choices=PLANS, help="how the cluster runs share the "
                         "model: 'even' (equal shares of every block), 'even-mlp' (every attention head on the "
-                        "master, equal shares of the rest: one sync round a layer) or 'even-mlp-only' (the LM head "
-                        "on the master too)")
+                        "master, equal shares of the rest: one sync round a layer), 'even-mlp-only' (the LM head "
+                        "on the master too) or 'measured' (the scheduler's plan from measured agents and links, "
+                        "halo-master's default: it may leave agents out)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":

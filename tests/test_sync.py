@@ -101,6 +101,20 @@ def test_fp16_partials_halve_the_datagrams_and_keep_the_tokens(stories_weights, 
         SyncSettings(mode="exact", wire_partials="fp16")
 
 
+@pytest.mark.parametrize("udp_gso", [True, False])
+def test_exact_gives_the_reference_tokens_with_and_without_udp_gso(stories_weights, cluster, udp_gso):
+    """--no-udp-gso (SyncSettings.udp_gso): the master's endpoint and every agent's send one message a datagram; the
+    datagrams, and so the tokens, are the same either way."""
+    ref = Transformer(stories_weights, max_seq_len=CONTEXT)
+    model = distributed(stories_weights, cluster, mode="exact", udp_gso=udp_gso)
+    try:
+        assert model.session.udp.segment is udp_gso
+        assert greedy(model, 16) == greedy(ref, 16)
+        assert model.sync_report()["loss"]["chunks_missing"] == 0
+    finally:
+        model.close()
+
+
 def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
     """10 % of datagrams dropped at every sender: the lossy baseline zero-fills partial sums, halo
     recovers them (parity, NACK, re-sent inputs) and never drops a critical one."""

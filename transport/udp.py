@@ -311,6 +311,7 @@ class UdpEndpoint:
         self.send_hook = None  # tests and the loss injector may wrap sendto
         self.peers: dict[int, tuple] = {}  # peer id -> its address, from the control plane (never from datagrams)
         self.parity_from: set[int] = set()  # peers that have sent parity this session (wait for it at the tail)
+        self.segment = True  # UDP GSO on our sends (SyncSettings.udp_gso): the C path's sendmany, where the kernel has it
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
@@ -353,11 +354,11 @@ class UdpEndpoint:
         except (BlockingIOError, InterruptedError, PermissionError, OSError):
             pass  # a full buffer or a local drop is a lost packet; the protocol copes
 
-    def _send_all(self, datagrams: list[bytes], addresses: list[tuple], segment: bool = True) -> None:
-        """Every datagram to every address: one sendmmsg() in C where it can (segment: a run of equal-sized ones to
-        an address as one UDP_SEGMENT message, cut into the same datagrams by the kernel), else one sendto() apiece."""
+    def _send_all(self, datagrams: list[bytes], addresses: list[tuple]) -> None:
+        """Every datagram to every address: one sendmmsg() in C where it can (with `segment`, a run of equal-sized ones
+        to an address as one UDP_SEGMENT message, cut into the same datagrams by the kernel), else one sendto() apiece."""
         if (self.codec.state is not None and self.send_hook is None
-                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses, segment)):
+                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses, self.segment)):
             return
         for address in addresses:
             for d in datagrams:
@@ -369,17 +370,17 @@ class UdpEndpoint:
         return self.codec.pack(kind, dtype, self.node_id, self.session, epoch, self.counter, index, count, payload)
 
     def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
-                    parity_group: int = 0, parity_chunks: int = 2, segment: bool = True) -> int:
+                    parity_group: int = 0, parity_chunks: int = 2) -> int:
         """Send values as chunks to every recipient (peer id -> address), packed once, with `parity_chunks`
         parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none); remember
-        them for NACKs. segment: UDP GSO where the kernel has it (_send_all). Returns datagrams per recipient."""
+        them for NACKs. Returns datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         payloads = wire.chunk_payloads(values, dtype)
         datagrams = self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1, payloads)
         self.counter += len(payloads)
         if parity_group:
             datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
-        self._send_all(datagrams, list(recipients.values()), segment)
+        self._send_all(datagrams, list(recipients.values()))
         size = sum(map(len, datagrams))
         for peer in recipients:
             self.stats[peer].sent_bytes += size

@@ -54,7 +54,7 @@ class MasterRound:
             body = frame_broadcast(self.x, self.start, self.digest, wire.values_per_chunk(wire.FLOAT32), self.ranking)
             parity = ctx.sync.parity_group if ctx.udp.lossy(plan.input_udp) else 0
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
-                                parity_group=parity, parity_chunks=ctx.sync.parity_chunks, segment=ctx.sync.udp_gso)
+                                parity_group=parity, parity_chunks=ctx.sync.parity_chunks)
         for i in sorted(plan.input_tcp):
             reply = "tcp" if i in plan.partial_tcp else ("udp" if i in plan.partial_udp else "none")
             ctx.agents[i].send("block", {"kind": self.block.kind, "layer": self.block.layer, "start_pos": self.start,
