@@ -61,7 +61,8 @@ def receive(bind: str) -> None:
     per_vector: dict[int, int] = {}  # epoch -> datagrams of it received
     for item in (item for batch in batches for item in batch if not isinstance(item, str)):
         per_vector[item[0].epoch] = per_vector.get(item[0].epoch, 0) + 1
-    partial = sum(n < max(per_vector.values()) for n in per_vector.values())  # lost some of its datagrams, not all
+    most = max(per_vector.values(), default=0)
+    partial = sum(n < most for n in per_vector.values())  # vectors that lost some of their datagrams, not all
     print(json.dumps({"received": count, "partial_vectors": partial, **cpu}), flush=True)
 
 
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     command = command_line("halo.eval.bench_datagram_cost", argv)
     lines = ["# CPU per datagram: loopback vs the namespace test bed", "",
              f"Command: `{command}`. One sender, {RECEIVERS} receivers, vectors of {DIM} float32 (6 datagrams, 5 of "
-             "1,470 bytes) to each receiver by one `sendmmsg` every 0.5 ms, each vector to a receiver as one segmented "
+             "1,468 bytes) to each receiver by one `sendmmsg` every 0.5 ms, each vector to a receiver as one segmented "
              "message (UDP GSO) or one message a datagram; read with `recvmmsg` and checked in C (keyed BLAKE2b): user "
              "and system CPU per datagram from getrusage, in microseconds. Partial vectors: vectors a receiver got some "
              "but not all datagrams of (the bed must lose datagrams one by one, segmented or not).", "",
