@@ -230,6 +230,7 @@ class Agent(ControlServer):
                        "mlp_groups": sum(map(len, w.share.mlp)), "sync": self.session.sync.mode}
             if self.session.sync.policy.uses_udp:
                 session["udp"] = self.udp.stats[MASTER].to_json()
+                session["udp_gso"] = self.udp.segmenting
             session["rejected"] = self.udp.rejections()
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,

@@ -313,6 +313,12 @@ class UdpEndpoint:
         self.parity_from: set[int] = set()  # peers that have sent parity this session (wait for it at the tail)
         self.segment = True  # UDP GSO on our sends (SyncSettings.udp_gso): the C path's sendmany, where the kernel has it
 
+    @property
+    def segmenting(self) -> bool:
+        """Whether our sends go out segmented now (UDP GSO): asked for, through the C path (built, no send hook such as
+        the loss injector), and the kernel taking it."""
+        return self.segment and self.codec.state is not None and self.send_hook is None and wire._datagrams.segmenting()
+
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
         for option in (getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF):

@@ -221,6 +221,7 @@ class DistributedModel:
         out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json(), "breakdown": self.timings.to_json()}
         if self.session.udp is not None:
             out["rejected"] = self.session.udp.rejections()  # datagrams refused here, by reason
+            out["udp_gso"] = self.session.udp.segmenting  # False where asked off or the kernel refused it
         if self.worker.remapper is not None:
             out.update(self.worker.remapper.report())
         return out
