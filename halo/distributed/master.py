@@ -70,6 +70,11 @@ class DistributedModel:
         # who holds groups of which block, worked out once: the per-token loop only looks them up
         self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
         self.listeners = {l: self._listeners(l) for l in range(1, c.n_layers)} if self.worker.remapper else {}
+        # blocks the master computes alone, with nobody listening to their input: no round, nothing on the wire
+        self.alone = {b for b, held in self.holders.items()
+                      if not held and not (b.kind == "attention" and self.listeners.get(b.layer + 1))}
+        ids = self.own_vocab_ids  # the whole LM head here, in vocabulary order: its logits are the output as they are
+        self.whole_lm_head = ids is not None and np.array_equal(ids, np.arange(c.vocab_size))
         # scheduler hooks: running estimates fed once per forward pass; what was planned (set by connect.py)
         self.estimates = RunningEstimates(self.worker, self.agents, self.session.udp, c, self.layout)
         self.plan, self.planning = None, {}
@@ -109,6 +114,15 @@ class DistributedModel:
         """One round: send the input, compute the own share, merge the partials (own share first, then
         agents by node id: deterministic). Decode rounds are timed (timing.py)."""
         t0 = time.perf_counter()
+        if block in self.alone:  # nothing to send or gather (~20 us of round bookkeeping a block saved)
+            out = self._own(block, x, start)
+            t1 = time.perf_counter()
+            self.worker.predict_next(block, x)
+            if self.decoding:
+                t2 = time.perf_counter()
+                self.timings.record(RoundTime(1e3 * (t2 - t0), 0.0, 1e3 * (t1 - t0), 1e3 * (t2 - t1), 0.0, 0.0, 0.0),
+                                    {}, synced=False)
+            return out
         round_ = self._open_round(block, x, start)
         round_.send()
         t1 = time.perf_counter()
@@ -157,6 +171,8 @@ class DistributedModel:
 
     def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         if block.kind == "lm_head":
+            if self.whole_lm_head:
+                return self.worker.compute(block, x, start)
             out = np.zeros((len(x), self.config.vocab_size), dtype=np.float32)
             if self.worker.lm_head is not None:
                 out[:, self.own_vocab_ids] = self.worker.compute(block, x, start)
