@@ -415,23 +415,56 @@ CLONES static void quantize_activations(Job *job, const float *x, int32_t *x_qua
         }
 }
 
-/* The tiles on `threads` threads (OpenMP, where the build has it; each thread a contiguous run of tiles).
- * Returns -1 when out of memory. */
-static int matmul(Job *job, const float *x, int threads, int path)
+/* x's activation codes for a job (quantize_activations), in one buffer: kept across the projections of the same x
+ * with the same quantization (bits, block, terms), as HALO's re-mapped MLP groups all read one normed input. */
+typedef struct {
+    char *buffer;
+    int bits, terms;
+    Py_ssize_t tokens, blocks, block;
+} Codes;
+
+static void codes_free(Codes *c)
 {
-    const Py_ssize_t tokens = job->tokens, blocks = job->blocks, tiles = (job->n + TILE_ROWS - 1) / TILE_ROWS;
-    const Py_ssize_t per_block = tokens * blocks;
+    PyMem_RawFree(c->buffer);
+    c->buffer = NULL;
+}
+
+/* Point job at x's codes: the ones in c where they were made for this quantization, else made now (into c). -1 when
+ * out of memory. */
+static int codes_for(Codes *c, Job *job, const float *x)
+{
+    const Py_ssize_t per_block = job->tokens * job->blocks;
     const size_t quad_bytes = (size_t)(per_block * job->terms * job->quads) * sizeof(int32_t);
-    char *prepared = PyMem_RawMalloc(quad_bytes + (size_t)per_block * (2 * sizeof(float) + 2 * sizeof(int32_t)
-                                                                       + sizeof(float)));
-    if (!prepared)
-        return -1;
-    int32_t *x_quads = (int32_t *)prepared;
-    float *steps = (float *)(prepared + quad_bytes);
+    const int fresh = !c->buffer || c->bits != job->bits || c->terms != job->terms || c->tokens != job->tokens
+                      || c->blocks != job->blocks || c->block != job->block;
+    if (fresh) {
+        codes_free(c);
+        c->buffer = PyMem_RawMalloc(quad_bytes + (size_t)per_block * (2 * sizeof(float) + 2 * sizeof(int32_t)
+                                                                      + sizeof(float)));
+        if (!c->buffer)
+            return -1;
+        c->bits = job->bits, c->terms = job->terms, c->tokens = job->tokens, c->blocks = job->blocks;
+        c->block = job->block;
+    }
+    int32_t *x_quads = (int32_t *)c->buffer;
+    float *steps = (float *)(c->buffer + quad_bytes);
     int32_t *zero_sums = (int32_t *)(steps + 2 * per_block);
     float *x_sums = (float *)(zero_sums + 2 * per_block);
-    quantize_activations(job, x, x_quads, steps, zero_sums, x_sums);
+    if (fresh)
+        quantize_activations(job, x, x_quads, steps, zero_sums, x_sums);
     job->x_quads = x_quads, job->steps = steps, job->zero_sums = zero_sums, job->x_sums = x_sums;
+    return 0;
+}
+
+/* The tiles on `threads` threads (OpenMP, where the build has it; each thread a contiguous run of tiles), from x's
+ * codes: kept in `codes` (for the next projection of the same x) or, where codes is NULL, made for this one. Returns
+ * -1 when out of memory. */
+static int matmul(Job *job, const float *x, int threads, int path, Codes *codes)
+{
+    const Py_ssize_t tokens = job->tokens, tiles = (job->n + TILE_ROWS - 1) / TILE_ROWS;
+    Codes own = {0};
+    if (codes_for(codes ? codes : &own, job, x) < 0)
+        return -1;
     const size_t scratch_bytes = (size_t)(tokens * TILE_ROWS) * sizeof(float);
     int failed = 0;
 #ifdef _OPENMP
@@ -449,7 +482,7 @@ static int matmul(Job *job, const float *x, int threads, int path)
                     tile_rows(job, path, i, scratch);
             free(scratch);
         }
-        PyMem_RawFree(prepared);
+        codes_free(&own);
         return failed ? -1 : 0;
     }
 #endif
@@ -458,7 +491,8 @@ static int matmul(Job *job, const float *x, int threads, int path)
         failed = 1;
     for (Py_ssize_t i = 0; i < tiles && !failed; i++)
         tile_rows(job, path, i, scratch);
-    PyMem_RawFree(scratch), PyMem_RawFree(prepared);
+    PyMem_RawFree(scratch);
+    codes_free(&own);
     return failed ? -1 : 0;
 }
 
@@ -564,11 +598,11 @@ static int weight_from(Weight *w, PyObject *tuple, const char *name)
 }
 
 /* out [tokens, n] = x [tokens, blocks x block] @ W.T; -1 when out of memory. Runs without the GIL. */
-static int project(const Weight *w, const float *x, Py_ssize_t tokens, float *out, int threads, int path)
+static int project(const Weight *w, const float *x, Py_ssize_t tokens, float *out, int threads, int path, Codes *codes)
 {
     Job job = w->job;
     job.tokens = tokens, job.out = out;
-    return matmul(&job, x, threads, path);
+    return matmul(&job, x, threads, path, codes);
 }
 
 static int checked_threads(int threads)
@@ -626,7 +660,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
     int failed = 0;
     if (tokens > 0) {
         Py_BEGIN_ALLOW_THREADS
-        failed = project(&w, x.buf, tokens, out.buf, threads, path);
+        failed = project(&w, x.buf, tokens, out.buf, threads, path, NULL);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&out);
@@ -800,7 +834,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
         float *h = scratch, *q = h + d, *attended = q + width, *scores = attended + heads * hd;
         float *cache_k = ck->buf, *cache_v = cv->buf;
         rms_norm(views[0].buf, views[1].buf, d, eps, h);
-        failed = project(&qkv, h, 1, q, threads, path);
+        failed = project(&qkv, h, 1, q, threads, path, NULL);
         if (!failed) {
             float *k = q + heads * hd, *v = k + kv * hd;
             const float *c = (const float *)cos->buf + pos * (hd / 2), *s = (const float *)sin->buf + pos * (hd / 2);
@@ -814,7 +848,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                 attend_head(q + i * hd, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores,
                             attended + i * hd);
             }
-            failed = project(&wo, attended, 1, views[6].buf, threads, path);
+            failed = project(&wo, attended, 1, views[6].buf, threads, path, NULL);
         }
         free(scratch);
     }
@@ -946,14 +980,16 @@ static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
             memcpy(h, views[0].buf, (size_t)d * sizeof(float));
         for (Py_ssize_t i = 0; i < d_out; i++)
             y[i] = 0.f;
+        Codes h_codes = {0};  /* h quantized once for every group's gate/up (the same codes each would make) */
         for (Py_ssize_t g = 0; g < count && !failed; g++) {  /* each group's output added in order, as numpy adds */
             const Py_ssize_t neurons = w[2 * g].job.n / 2;
-            failed = project(&w[2 * g], h, 1, gu, threads, path) < 0;
+            failed = project(&w[2 * g], h, 1, gu, threads, path, &h_codes) < 0;
             swiglu(gu, neurons, act);
-            failed = failed || project(&w[2 * g + 1], act, 1, part, threads, path) < 0;
+            failed = failed || project(&w[2 * g + 1], act, 1, part, threads, path, NULL) < 0;
             for (Py_ssize_t i = 0; i < d_out && !failed; i++)
                 y[i] += part[i];
         }
+        codes_free(&h_codes);
         free(scratch);
     }
     Py_END_ALLOW_THREADS
