@@ -314,10 +314,14 @@ class UdpEndpoint:
         self.segment = True  # UDP GSO on our sends (SyncSettings.udp_gso): the C path's sendmany, where the kernel has it
 
     @property
+    def _sends_in_c(self) -> bool:
+        """Whether vectors go out through the C path: built, and no send hook (tests, the loss injector) in the way."""
+        return self.codec.state is not None and self.send_hook is None
+
+    @property
     def segmenting(self) -> bool:
-        """Whether our sends go out segmented now (UDP GSO): asked for, through the C path (built, no send hook such as
-        the loss injector), and the kernel taking it."""
-        return self.segment and self.codec.state is not None and self.send_hook is None and wire._datagrams.segmenting()
+        """Whether our sends go out segmented now (UDP GSO): asked for, through the C path, and the kernel taking it."""
+        return self.segment and self._sends_in_c and wire._datagrams.segmenting()
 
     def _grow_buffer(self, wanted: int) -> int:
         """Ask for a receive buffer big enough for an incast burst; report what the kernel granted."""
@@ -363,8 +367,7 @@ class UdpEndpoint:
     def _send_all(self, datagrams: list[bytes], addresses: list[tuple]) -> None:
         """Every datagram to every address: one sendmmsg() in C where it can (with `segment`, a run of equal-sized ones
         to an address as one UDP_SEGMENT message, cut into the same datagrams by the kernel), else one sendto() apiece."""
-        if (self.codec.state is not None and self.send_hook is None
-                and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses, self.segment)):
+        if self._sends_in_c and wire._datagrams.sendmany(self.sock.fileno(), datagrams, addresses, self.segment):
             return
         for address in addresses:
             for d in datagrams:
