@@ -24,6 +24,7 @@ Writes eval/results/churn.{json,md}.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import random
 import subprocess
@@ -218,6 +219,21 @@ def q4_checkpoint(layers: int) -> Path:
         partial = path.with_suffix(".partial")
         write_random_gguf(partial, {**TINYLLAMA_1_1B, "num_hidden_layers": layers}, "Q4_0")
         partial.rename(path)
+    return path
+
+
+def q4_with_predictors(directory: Path, layers: int = 22) -> Path:
+    """q4_checkpoint's file in `directory` (a hard link: the same file) with untrained predictors beside it, where a
+    master looks for them: HALO mode ranks groups with them (speed does not depend on what they rank)."""
+    from .random_checkpoint import write_random_predictors
+
+    original = q4_checkpoint(layers)
+    path = Path(directory) / original.name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.link(original, path)
+    if not (path.parent / "predictors" / "manifest.json").exists():
+        write_random_predictors(path, out=path.parent / "predictors")
     return path
 
 

@@ -44,18 +44,10 @@ WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 def model_and_predictors(name: str) -> tuple[Path, Path]:
     """The model file the master reads and the predictors every agent ranks with."""
     if name == "tinyllama-q4":
-        from .bench_churn import q4_checkpoint
-        from .random_checkpoint import write_random_predictors
+        from .bench_churn import q4_with_predictors
 
-        original = q4_checkpoint(22)
-        path = WORK / "master" / original.name  # a hard link (the same file): the master finds predictors/ beside it
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.link(original, path)
-        predictors = path.parent / "predictors"
-        if not (predictors / "manifest.json").exists():
-            write_random_predictors(path, out=predictors)
-        return path, predictors
+        path = q4_with_predictors(WORK / "master")
+        return path, path.parent / "predictors"
     from halo.loader import model_path
 
     path = model_path(name)

@@ -1,0 +1,293 @@
+"""halo against distributed-llama, the C++ peer, interleaved in one run on the namespace test bed.
+
+    python -m halo.eval.bench_peer --dllama /path/to/distributed-llama/dllama [--plr 0,0.02,0.05] [--runs 2]
+
+The same weights on both sides: the TinyLlama-1.1B-shaped random GGUF of the other speed benchmarks (Q4_0,
+--weights native) and the very same quantized blocks in the peer's own file format (eval/dllama_files.py).
+Master + 3 agents against root + 3 workers (the peer splits every layer over all nodes and syncs over TCP),
+one compute thread each, every link losing --plr of its frames both ways (rpi/testbed.py). Per run, in
+this order: each system alone (no network), then per PLR every halo mode and the peer twice: with
+`--net-turbo 0` (blocking sockets: its best on this 2-core machine, where four busy-waiting processes
+would share two cores) and with its default (non-blocking sockets, busy-waiting).
+
+A token's time: halo's, as the speed benchmark measures it (wall time of one forward pass); the peer's, as the
+wall time between two of its per-token lines (it prints and flushes one after every token), so both
+include everything a token costs. The first WARMUP tokens of each are left out.
+
+Build the peer from its repository (`make dllama`, CPU only); this benchmark does not download or build it.
+Needs root for the test bed. Writes eval/results/NAME.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bench_halo_speed import WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
+from .report import command_line, write_report
+
+PEER_PORTS = {"dllama": 9990, "dllama turbo": 9991}  # a worker set per network setting (each keeps its own)
+PEER_TURBO = {"dllama": "0", "dllama turbo": "1"}
+PEER_PROMPT = "hello"  # its tokenizer: <s> and 5 characters
+PEER_TOKEN_LINE = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms")
+WORK = Path(tempfile.gettempdir()) / "halo-bench-peer"  # halo's model beside its predictors
+ALONE = {"halo": "halo single process", "dllama": "dllama single process"}
+
+
+def peer_files(layers: int) -> tuple[Path, Path]:
+    """The peer's model and tokenizer for the benchmark GGUF's weights (written once, ~0.8 GB)."""
+    from .dllama_files import write_model, write_tokenizer
+    from .random_checkpoint import TINYLLAMA_1_1B
+
+    cfg = {**TINYLLAMA_1_1B, "num_hidden_layers": layers}
+    model = Path(tempfile.gettempdir()) / f"halo-bench-tinyllama-{layers}L-dllama-q40.m"
+    tokenizer = model.with_suffix(".t")
+    if not model.exists():
+        partial = model.with_suffix(".partial")
+        write_model(partial, cfg)
+        partial.rename(model)
+        os.sync()  # its 0.8 GB written back now, not during the first timed runs
+    write_tokenizer(tokenizer, cfg["vocab_size"])
+    return model, tokenizer
+
+
+class PeerWorkers:
+    """The peer's workers in the agents' namespaces, one set per network setting; a worker serves one root at a
+    time and listens again when it leaves."""
+
+    def __init__(self, bed, binary: Path, n: int):
+        self.bed, self.processes = bed, []
+        for name, port in PEER_PORTS.items():
+            for i in range(1, n + 1):
+                argv = [str(binary), "worker", "--port", str(port), "--nthreads", "1", "--net-turbo", PEER_TURBO[name]]
+                self.processes.append(bed.popen(f"agent-{i}", argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.n = n
+        deadline = time.monotonic() + 30.0
+        while not all(self._listening(i, port) for i in range(1, n + 1) for port in PEER_PORTS.values()):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.processes):
+                self.close()
+                raise RuntimeError(f"the peer's workers did not start listening ({binary} worker)")
+            time.sleep(0.2)
+
+    def _listening(self, i: int, port: int) -> bool:
+        out = self.bed.popen(f"agent-{i}", ["ss", "-ltnH", f"sport = :{port}"], stdout=subprocess.PIPE,
+                             text=True).communicate(timeout=10)[0]
+        return bool(out.strip())
+
+    def addresses(self, name: str) -> list[str]:
+        return [f"{self.bed.address(f'agent-{i}')}:{PEER_PORTS[name]}" for i in range(1, self.n + 1)]
+
+    def close(self) -> None:
+        for p in self.processes:
+            p.kill()
+        for p in self.processes:
+            p.wait(timeout=10)
+
+
+def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str], turbo: str, tokens: int,
+             time_limit: float) -> dict:
+    """The peer's root in the master's namespace: greedy steps from PEER_PROMPT, each token's wall time from the
+    arrival of its line; stopped once time_limit has passed with 8 tokens timed."""
+    steps = len(PEER_PROMPT) + 1 + WARMUP + tokens  # its steps count the prompt's positions
+    argv = [str(binary), "inference", "--model", str(model), "--tokenizer", str(tokenizer), "--buffer-float-type",
+            "q80", "--nthreads", "1", "--prompt", PEER_PROMPT, "--steps", str(steps), "--temperature", "0",
+            "--max-seq-len", "256", "--net-turbo", turbo]
+    if workers:
+        argv += ["--workers", *workers]
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    watchdog = threading.Timer(time_limit + 600.0, p.kill)  # a root that hangs (its sockets wait forever) ends here
+    watchdog.start()
+    arrivals, reported, tail = [], [], []
+    deadline = time.monotonic() + time_limit + 120.0  # loading the model comes first
+    try:
+        for line in p.stdout:
+            tail = (tail + [line])[-20:]
+            found = PEER_TOKEN_LINE.search(line)
+            if found:
+                arrivals.append(time.perf_counter())
+                reported.append(int(found[1]) + int(found[2]))
+                if len(arrivals) == WARMUP + 1:
+                    deadline = time.monotonic() + time_limit
+                if time.monotonic() > deadline and len(arrivals) > WARMUP + 8:
+                    break
+            elif time.monotonic() > deadline:
+                break
+    finally:
+        watchdog.cancel()
+        p.kill()
+        p.wait(timeout=30)
+    times = np.diff(arrivals)[WARMUP:]  # the first line's token also waited for the prompt
+    if len(times) == 0:
+        raise RuntimeError(f"the peer generated no timed tokens ({' '.join(argv)}):\n{''.join(tail)}")
+    return {"ms_per_token": [1e3 * t for t in times], "reported_ms": reported[WARMUP + 1:], "tokens": []}
+
+
+def bench(args) -> None:
+    from .bench_churn import q4_with_predictors
+    from halo.transport.reliable import generate_key
+
+    binary = Path(args.dllama).resolve()
+    if not binary.is_file():
+        raise SystemExit(f"--dllama {args.dllama}: no such file (build it: git clone distributed-llama; make dllama)")
+    model = Path(args.model) if args.model else q4_with_predictors(WORK / f"{args.layers}L", args.layers)
+    peer_model, peer_tokenizer = peer_files(args.layers)
+    modes = args.modes.split(",")
+    rows = []
+    partial = Path(args.out) / f"{args.name}.partial.json"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("generated", "ms_per_token")}), flush=True)
+        partial.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps its rows
+
+    with tempfile.TemporaryDirectory() as tmp, with_testbed(args.agents) as bed:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        cluster = Cluster(bed, model, key, args.agents)
+        peers = None
+        try:
+            peers = PeerWorkers(bed, binary, args.agents)
+            for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
+                bed.set_loss(0.0)
+                add({"system": "halo", "sync": ALONE["halo"], "plr": 0.0, "run": run,
+                     **summarize(run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit))})
+                add({"system": "dllama", "sync": ALONE["dllama"], "plr": 0.0, "run": run,
+                     **peer_summary(run_peer(bed, binary, peer_model, peer_tokenizer, [], "0", args.tokens,
+                                             args.time_limit))})
+                for plr in [float(p) for p in args.plr.split(",")]:
+                    bed.set_loss(plr)
+                    for mode in modes:
+                        result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens, {},
+                                            args.time_limit, "native", args.plan)
+                        add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
+                    for name in PEER_PORTS:
+                        result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(name),
+                                          PEER_TURBO[name], args.tokens, args.time_limit)
+                        add({"system": "dllama", "sync": name, "plr": plr, "run": run, **peer_summary(result)})
+        finally:
+            if peers is not None:
+                peers.close()
+            cluster.close()
+    for r in rows:
+        r["agents"] = args.agents  # median_runs groups by (agents, PLR, sync)
+    medians = median_runs(rows)
+    lines = render(medians, modes, args)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_peer", args.argv), "model": str(model),
+                                        "peer_model": str(peer_model), "runs": args.runs, "rows": medians,
+                                        "every_run": rows}, lines)
+    plot(medians, modes, Path(args.out) / f"{args.name}.png")
+    partial.unlink(missing_ok=True)
+
+
+def peer_summary(result: dict) -> dict:
+    ms = np.asarray(result["ms_per_token"])
+    return {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
+            "ms_p90": float(np.percentile(ms, 90)), "generated": [],
+            "reported_ms_mean": float(np.mean(result["reported_ms"])) if result["reported_ms"] else None}
+
+
+def render(rows: list[dict], modes: list[str], args) -> list[str]:
+    by = {(r["plr"], r["sync"]): r for r in rows}
+    halo_single, peer_single = by.get((0.0, ALONE["halo"])), by.get((0.0, ALONE["dllama"]))
+    columns = [*modes, *PEER_PORTS]
+    lines = ["# halo and distributed-llama side by side under real packet loss", "",
+             f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. Namespace test bed: nftables drops "
+             "every agent link's frames both ways with the given probability; 1 master/root + "
+             f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each. The same weights: "
+             "TinyLlama-1.1B shape, random, 4-bit (halo: the Q4_0 GGUF, --weights native; distributed-llama: the "
+             "same blocks in its Q40 file), greedy. Mean wall ms per output token over up to "
+             f"{args.tokens} tokens after {WARMUP} warm-up tokens. halo plan `{args.plan}`; `dllama` is the peer "
+             "with `--net-turbo 0` (blocking sockets, its best on this machine), `dllama turbo` its default "
+             "(busy-waiting sockets)." + (f" Every configuration ran {args.runs} times, interleaved: a cell is the "
+                                          "median run (every run in parentheses)." if args.runs > 1 else ""), "",
+             f"Alone (no network): halo {cell(halo_single)} ms, distributed-llama {cell(peer_single)} ms per token.", "",
+             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest halo vs fastest dllama |",
+             "|---|" + "---|" * (len(columns) + 1)]
+    for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()}):
+        ours = [by[(plr, m)]["ms_mean"] for m in modes if (plr, m) in by]
+        theirs = [by[(plr, m)]["ms_mean"] for m in PEER_PORTS if (plr, m) in by]
+        ratio = f"{min(theirs) / min(ours):.2f}x faster" if ours and theirs else "-"
+        lines.append(f"| {100 * plr:g} % | " + " | ".join(cell(by.get((plr, c))) for c in columns) + f" | {ratio} |")
+    lines.append("")
+    zero = {c: by.get((0.0, c)) for c in columns}
+    if halo_single and peer_single:
+        lines.append("At 0 % loss vs its own single process: " + ", ".join(
+            f"{c} {zero[c]['ms_mean'] / (halo_single if c in modes else peer_single)['ms_mean']:.2f}x"
+            for c in columns if zero[c]) + ".")
+    worst = max(r["plr"] for r in rows)
+    if worst > 0:
+        lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(
+            f"{c} {by[(worst, c)]['ms_mean'] / zero[c]['ms_mean']:.2f}x" for c in columns
+            if zero[c] and (worst, c) in by) + ".")
+    return lines + [""]
+
+
+def plot(rows: list[dict], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for c in [*modes, *PEER_PORTS]:
+        points = sorted((r["plr"], r["ms_mean"]) for r in rows if r["sync"] == c)
+        ax.plot([100 * p for p, _ in points], [v for _, v in points], marker="o",
+                label=f"halo {c}" if c in modes else c, linestyle="-" if c in modes else "--")
+    for r in rows:
+        if r["sync"] in ALONE.values():
+            ax.axhline(r["ms_mean"], color="black" if r["system"] == "halo" else "gray", linestyle=":",
+                       label=r["sync"])
+    ax.set_yscale("log")
+    ax.set_xlabel("packet loss rate on every link (%)")
+    ax.set_ylabel("ms per output token")
+    ax.set_title("TinyLlama-1.1B shape, 4-bit, 4 nodes on 2 cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Build the peer first (CPU only): git clone https://github.com/b4rtaz/"
+                                            "distributed-llama && make -C distributed-llama dllama",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dllama", required=True, help="the peer's dllama binary")
+    parser.add_argument("--agents", type=int, default=3, help="agents (halo) and workers (the peer) besides the "
+                                                              "master/root (default 3; the peer takes at most as many "
+                                                              "nodes as the model has KV heads: 4)")
+    parser.add_argument("--plr", default="0,0.02,0.05", help="packet loss rates, comma-separated (default 0,0.02,0.05)")
+    parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo)")
+    parser.add_argument("--plan", default="even-mlp-only", help="halo's plan (bench_halo_speed --plan; default "
+                                                                "even-mlp-only)")
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--model", help="halo's GGUF, predictors/ beside it for halo mode (default: the random "
+                                        "TinyLlama-shaped Q4_0 of bench_churn, with untrained predictors)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=1, help="run every configuration this many times, interleaved")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds of timed tokens per run, at most")
+    parser.add_argument("--name", default="peer_speed_tinyllama")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    from halo.rpi.testbed import available
+
+    ok, why = available()
+    if not ok:
+        raise SystemExit(f"the test bed cannot run here: {why}")
+    bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""distributed-llama's model (.m) and tokenizer (.t) files for the peer benchmark (eval/bench_peer.py).
+
+The model is written from the same random tensors (eval/random_checkpoint.random_tensors, same seed) as
+halo's benchmark GGUF, quantized the same way: distributed-llama's Q40 block is GGUF's Q4_0 block byte for
+byte (an fp16 scale, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31, value =
+(nibble - 8) * scale), and both take q/k rows in the interleaved rotary order. So the peer runs the weights
+halo runs, not merely the same shape.
+
+The layout, as distributed-llama 8d624a7 reads it (src/llm.cpp; all little-endian int32 unless said):
+- model: magic 0x0A00ABCD, header size in bytes (magic and itself included), then (key, value) pairs;
+  then, with no names or padding: the embedding [vocab, dim] float32; per layer wq, wk, wv, wo, w1 (gate),
+  w2 (down), w3 (up) in Q40 ([out, in] row-major), the attention and feed-forward RMS norm weights float32;
+  the final norm float32; the LM head [vocab, dim] Q40. The loader wants the file to end exactly there.
+- tokenizer: magic 0x567124, header size, (key, value) pairs, the end-of-sequence ids, then per token a
+  float32 score, a uint32 length and its bytes. Ids from bos_id up are matched as literal prefixes of the
+  prompt, so a vocabulary of single printable characters (plus fillers) encodes any ASCII prompt.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MODEL_MAGIC, TOKENIZER_MAGIC = 0x0A00ABCD, 0x567124
+LLAMA, SILU, Q40 = 0xABCD00, 1, 2
+# model header keys
+VERSION, ARCH, DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB, SEQ_LEN, ACTIVATION, ROPE_THETA, WEIGHTS, NORM_EPS = \
+    0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 20
+NORM_EPS_CODES = {1e-5: 5, 1e-6: 6}  # the only two it reads
+LAYER_ORDER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.down_proj", "mlp.up_proj", "input_layernorm", "post_attention_layernorm")
+
+
+def _header(magic: int, pairs: list[tuple[int, int]]) -> bytes:
+    body = b"".join(struct.pack("<ii", k, v) for k, v in pairs)
+    return struct.pack("<ii", magic, 8 + len(body)) + body
+
+
+def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
+    """The random Llama of `cfg` (Hugging Face config keys, eval/random_checkpoint.py) as a Q40 .m file."""
+    import gguf.quants
+
+    from .random_checkpoint import llama_tensor_shapes, random_tensors, to_llama_cpp_rope
+
+    eps = NORM_EPS_CODES.get(cfg["rms_norm_eps"])
+    if eps is None:
+        raise ValueError(f"distributed-llama reads rms_norm_eps 1e-5 or 1e-6, not {cfg['rms_norm_eps']}")
+    if cfg.get("tie_word_embeddings"):
+        raise ValueError("write an untied model: the peer's file always carries its own LM head")
+    path = Path(path)
+    q4 = gguf.GGMLQuantizationType.Q4_0
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    expected = len(_header(0, [(0, 0)] * 13)) + sum(
+        4 * int(np.prod(s)) if len(s) == 1 or name == "model.embed_tokens.weight" else int(np.prod(s)) // 32 * 18
+        for name, s in llama_tensor_shapes(cfg).items())
+    layer: dict[str, bytes] = {}
+    with open(path, "wb") as f:
+        f.write(_header(MODEL_MAGIC, [(VERSION, 0), (ARCH, LLAMA), (DIM, cfg["hidden_size"]),
+                                      (HIDDEN, cfg["intermediate_size"]), (LAYERS, layers), (HEADS, heads),
+                                      (KV_HEADS, kv_heads), (VOCAB, cfg["vocab_size"]),
+                                      (SEQ_LEN, cfg["max_position_embeddings"]), (ACTIVATION, SILU),
+                                      (ROPE_THETA, int(cfg["rope_theta"])), (WEIGHTS, Q40), (NORM_EPS, eps)]))
+        for name, array in random_tensors(cfg, seed):
+            if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith("layernorm.weight"):
+                data = np.ascontiguousarray(array, "<f4").tobytes()
+            else:
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    array = to_llama_cpp_rope(array, heads if "q_proj" in name else kv_heads)
+                data = gguf.quants.quantize(array, q4).tobytes()
+            if not name.startswith("model.layers."):
+                f.write(data)  # the embedding, the final norm, the LM head: in the stream's order already
+                continue
+            layer[name.split(".", 3)[3].rsplit(".", 1)[0]] = data
+            if len(layer) == len(LAYER_ORDER):  # a whole layer: out in the peer's order
+                f.writelines(layer.pop(part) for part in LAYER_ORDER)
+    if path.stat().st_size != expected:
+        raise RuntimeError(f"{path}: {path.stat().st_size} bytes written, the peer reads {expected}")
+    return path
+
+
+def write_tokenizer(path: str | Path, vocab: int, bos_id: int = 1, eos_id: int = 2) -> Path:
+    """<unk>, <s>, </s>, the printable ASCII characters, then fillers <i> up to `vocab` tokens."""
+    tokens = [b"<unk>", b"<s>", b"</s>"] + [bytes([c]) for c in range(0x20, 0x7F)]
+    tokens += [f"<{i}>".encode() for i in range(len(tokens), vocab)]
+    with open(path, "wb") as f:
+        f.write(_header(TOKENIZER_MAGIC, [(0, 1), (1, vocab), (2, max(map(len, tokens))), (3, bos_id), (9, 1),
+                                          (10, 1)]))
+        f.write(struct.pack("<i", eos_id))
+        f.write(b"".join(struct.pack("<fI", 0.0, len(t)) + t for t in tokens[:vocab]))
+    return Path(path)

@@ -1,0 +1,96 @@
+"""The peer benchmark's own parts, without the peer: its files hold halo's weights, and its timing reads a
+token's wall time from the peer's per-token lines."""
+
+from __future__ import annotations
+
+import stat
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from halo.eval import bench_peer
+from halo.eval.dllama_files import write_model, write_tokenizer
+from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+
+SMALL = {**TINYLLAMA_1_1B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 160, "max_position_embeddings": 64}
+# a layer's tensors in the order the peer reads them (its src/llm.cpp), by their names in halo's GGUF
+PEER_LAYER = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up", "attn_norm", "ffn_norm")
+
+
+def test_the_peer_model_holds_the_blocks_of_halos_gguf_in_the_peers_order(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    model = write_model(tmp_path / "m.m", SMALL)
+    write_random_gguf(tmp_path / "m.gguf", SMALL, "Q4_0")
+    ours = {t.name: bytes(np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    raw = model.read_bytes()
+    magic, header = struct.unpack_from("<ii", raw)
+    assert magic == 0x0A00ABCD
+    pairs = dict(struct.iter_unpack("<ii", raw[8:header]))
+    assert pairs[2] == 128 and pairs[3] == 256 and pairs[4] == 2 and pairs[13] == 2  # dim, hidden, layers, Q40
+    d, v = SMALL["hidden_size"], SMALL["vocab_size"]
+    at = header + 4 * v * d  # the embedding is float32 in the peer's file
+    for layer in range(2):
+        for part in PEER_LAYER:
+            block = ours[f"blk.{layer}.{part}.weight"]
+            assert raw[at:at + len(block)] == block, (layer, part)
+            at += len(block)
+    at += 4 * d  # the final norm
+    assert raw[at:] == ours["output.weight"]  # the LM head, and nothing after it
+
+
+def test_the_peer_tokenizer_covers_printable_ascii(tmp_path):
+    path = write_tokenizer(tmp_path / "t.t", 160)
+    raw = path.read_bytes()
+    magic, header = struct.unpack_from("<ii", raw)
+    assert magic == 0x567124
+    pairs = dict(struct.iter_unpack("<ii", raw[8:header]))
+    assert pairs[0] == 1 and pairs[1] == 160 and pairs[3] == 1  # version, vocab, bos
+    at, tokens = header + 4, []  # after the one end-of-sequence id
+    while at < len(raw):
+        _, n = struct.unpack_from("<fI", raw, at)
+        tokens.append(raw[at + 8:at + 8 + n])
+        at += 8 + n
+    assert len(tokens) == 160 and all(bytes([c]) in tokens for c in b"hello, world")
+
+
+class Bed:
+    """The test bed's popen, without namespaces."""
+
+    def popen(self, host, argv, **kwargs):
+        return subprocess.Popen(argv, **kwargs)
+
+
+def fake_peer(tmp_path, ms: list[int]):
+    """A stand-in for the peer's root: loads, then one token line every ms[i] milliseconds, as it prints them."""
+    script = tmp_path / "dllama"
+    script.write_text(f"#!{sys.executable}\nimport time\nprint('loading...', flush=True)\n"
+                      f"for ms in {ms!r}:\n    time.sleep(ms / 1000)\n"
+                      "    print(f'\\U0001F536 Pred{ms - 2:5d} ms Sync    2 ms | Sent     1 kB Recv     1 kB | x', flush=True)\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_a_peer_tokens_time_is_the_wall_time_between_its_lines_after_the_warm_up(tmp_path):
+    ms = [200] * (1 + bench_peer.WARMUP) + [20, 40, 20, 40, 20, 40, 20, 40, 20, 40]
+    result = bench_peer.run_peer(Bed(), fake_peer(tmp_path, ms), tmp_path / "m", tmp_path / "t", [], "0", 10, 60.0)
+    assert len(result["ms_per_token"]) == 10  # the first line (it waited for the prompt) and the warm-up left out
+    assert 25 < np.mean(result["ms_per_token"]) < 60
+    assert result["reported_ms"] == ms[1 + bench_peer.WARMUP:]
+
+
+def test_a_slow_peer_is_stopped_at_the_time_limit(tmp_path):
+    ms = [10] * (1 + bench_peer.WARMUP) + [150] * 40
+    result = bench_peer.run_peer(Bed(), fake_peer(tmp_path, ms), tmp_path / "m", tmp_path / "t", [], "0", 40, 1.0)
+    assert 8 <= len(result["ms_per_token"]) < 20  # at least 8 timed tokens, then it stops past a second
+
+
+def test_a_peer_that_generates_nothing_says_what_it_printed(tmp_path):
+    script = tmp_path / "dllama"
+    script.write_text(f"#!{sys.executable}\nprint('Unsupported header key')\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(RuntimeError, match="Unsupported header key"):
+        bench_peer.run_peer(Bed(), script, tmp_path / "m", tmp_path / "t", [], "0", 8, 5.0)
