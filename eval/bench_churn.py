@@ -24,8 +24,8 @@ Writes eval/results/churn.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import random
 import subprocess
 import sys

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
+from .bench_halo_speed import PLANS, WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
+from .random_checkpoint import TINYLLAMA_1_1B
 from .report import command_line, write_report
 
 PEER_PORTS = {"dllama": 9990, "dllama turbo": 9991}  # a worker set per network setting (each keeps its own)
@@ -47,7 +48,6 @@ ALONE = {"halo": "halo single process", "dllama": "dllama single process"}
 def peer_files(layers: int) -> tuple[Path, Path]:
     """The peer's model and tokenizer for the benchmark GGUF's weights (written once, ~0.8 GB)."""
     from .dllama_files import write_model, write_tokenizer
-    from .random_checkpoint import TINYLLAMA_1_1B
 
     cfg = {**TINYLLAMA_1_1B, "num_hidden_layers": layers}
     model = Path(tempfile.gettempdir()) / f"halo-bench-tinyllama-{layers}L-dllama-q40.m"
@@ -268,8 +268,8 @@ def main(argv=None) -> int:
                                                               "nodes as the model has KV heads: 4)")
     parser.add_argument("--plr", default="0,0.02,0.05", help="packet loss rates, comma-separated (default 0,0.02,0.05)")
     parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo)")
-    parser.add_argument("--plan", default="even-mlp-only", help="halo's plan (bench_halo_speed --plan; default "
-                                                                "even-mlp-only)")
+    parser.add_argument("--plan", default="even-mlp-only", choices=PLANS, help="halo's plan (bench_halo_speed "
+                                                                               "--plan; default even-mlp-only)")
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--model", help="halo's GGUF, predictors/ beside it for halo mode (default: the random "
                                         "TinyLlama-shaped Q4_0 of bench_churn, with untrained predictors)")
@@ -280,6 +280,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    kv_heads = TINYLLAMA_1_1B["num_key_value_heads"]
+    if args.agents < 1 or kv_heads % (args.agents + 1):
+        raise SystemExit(f"--agents {args.agents}: the peer splits the model's {kv_heads} KV heads evenly over its nodes, "
+                         f"so master + agents must divide {kv_heads} (--agents 1 or 3)")
     from halo.rpi.testbed import available
 
     ok, why = available()
