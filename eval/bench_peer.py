@@ -129,7 +129,7 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
     times = np.diff(arrivals)[WARMUP:]  # the first line's token also waited for the prompt
     if len(times) == 0:
         raise RuntimeError(f"the peer generated no timed tokens ({' '.join(argv)}):\n{''.join(tail)}")
-    return {"ms_per_token": [1e3 * t for t in times], "reported_ms": reported[WARMUP + 1:], "tokens": []}
+    return {"ms_per_token": [1e3 * t for t in times], "reported_ms": reported[WARMUP + 1:]}
 
 
 def bench(args) -> None:
@@ -139,7 +139,7 @@ def bench(args) -> None:
     binary = Path(args.dllama).resolve()
     if not binary.is_file():
         raise SystemExit(f"--dllama {args.dllama}: no such file (build it: git clone distributed-llama; make dllama)")
-    model = Path(args.model) if args.model else q4_with_predictors(WORK / f"{args.layers}L", args.layers)
+    model = q4_with_predictors(WORK / f"{args.layers}L", args.layers)  # the weights peer_files gives the peer
     peer_model, peer_tokenizer = peer_files(args.layers)
     modes = args.modes.split(",")
     rows = []
@@ -274,9 +274,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo)")
     parser.add_argument("--plan", default="even-mlp-only", choices=PLANS, help="halo's plan (bench_halo_speed "
                                                                                "--plan; default even-mlp-only)")
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--model", help="halo's GGUF, predictors/ beside it for halo mode (default: the random "
-                                        "TinyLlama-shaped Q4_0 of bench_churn, with untrained predictors)")
+    parser.add_argument("--layers", type=int, default=22, help="layers of the TinyLlama-shaped model both run "
+                                                                 "(default 22, all of them)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=1, help="run every configuration this many times, interleaved")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds of timed tokens per run, at most")
