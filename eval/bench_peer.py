@@ -7,8 +7,8 @@ The same weights on both sides: the TinyLlama-1.1B-shaped random GGUF of the oth
 Master + 3 agents against root + 3 workers (the peer splits every layer over all nodes and syncs over TCP),
 one compute thread each, every link losing --plr of its frames both ways (rpi/testbed.py). Per run, in
 this order: each system alone (no network), then per PLR every halo mode and the peer twice: with
-`--net-turbo 0` (blocking sockets: its best on this 2-core machine, where four busy-waiting processes
-would share two cores) and with its default (non-blocking sockets, busy-waiting).
+`--net-turbo 0` (blocking sockets: its faster setting at low loss on this 2-core machine, where four
+busy-waiting processes share two cores) and with its default (non-blocking sockets, busy-waiting).
 
 A token's time: halo's, as the speed benchmark measures it (wall time of one forward pass); the peer's, as the
 wall time between two of its per-token lines (it prints and flushes one after every token), so both
@@ -29,16 +29,28 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import PLANS, WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
+from .bench_halo_speed import MODES, PLANS, WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
 from .random_checkpoint import TINYLLAMA_1_1B
 from .report import command_line, write_report
 
-PEER_PORTS = {"dllama": 9990, "dllama turbo": 9991}  # a worker set per network setting (each keeps its own)
-PEER_TURBO = {"dllama": "0", "dllama turbo": "1"}
+
+
+@dataclass(frozen=True)
+class PeerSetting:
+    """One way of running the peer: a worker set of its own (a worker keeps the setting it was started with)."""
+
+    name: str
+    port: int
+    turbo: str  # --net-turbo: "1" busy-waits on non-blocking sockets (its default), "0" blocks
+
+
+PEER_SETTINGS = (PeerSetting("dllama", 9990, "0"), PeerSetting("dllama turbo", 9991, "1"))
+CONTEXT = 256  # positions both systems are given (halo's bench masters use 256)
 PEER_PROMPT = "hello"  # its tokenizer: <s> and 5 characters
 PEER_TOKEN_LINE = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms")
 WORK = Path(tempfile.gettempdir()) / "halo-bench-peer"  # halo's model beside its predictors
@@ -62,21 +74,42 @@ def peer_files(layers: int) -> tuple[Path, Path]:
 
 
 class PeerWorkers:
-    """The peer's workers in the agents' namespaces, one set per network setting; a worker serves one root at a
-    time and listens again when it leaves."""
+    """The peer's workers in the agents' namespaces, one set per setting. A worker serves one root at a time and
+    listens again when it sees the root leave; a root killed under loss may have its reset lost, and that worker
+    would wait for it forever (no keepalive): `ready` starts such a worker again."""
 
     def __init__(self, bed, binary: Path, n: int):
-        self.bed, self.processes = bed, []
-        for name, port in PEER_PORTS.items():
+        self.bed, self.binary, self.n = bed, binary, n
+        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
+        for setting in PEER_SETTINGS:
             for i in range(1, n + 1):
-                argv = [str(binary), "worker", "--port", str(port), "--nthreads", "1", "--net-turbo", PEER_TURBO[name]]
-                self.processes.append(bed.popen(f"agent-{i}", argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self.n = n
-        deadline = time.monotonic() + 30.0
-        while not all(self._listening(i, port) for i in range(1, n + 1) for port in PEER_PORTS.values()):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.processes):
-                self.close()
-                raise RuntimeError(f"the peer's workers did not start listening ({binary} worker)")
+                self._start(setting, i)
+        for setting in PEER_SETTINGS:
+            self.ready(setting)
+
+    def _start(self, setting: PeerSetting, i: int) -> None:
+        argv = [str(self.binary), "worker", "--port", str(setting.port), "--nthreads", "1", "--net-turbo", setting.turbo]
+        self.processes[setting.name, i] = self.bed.popen(f"agent-{i}", argv, stdout=subprocess.DEVNULL,
+                                                         stderr=subprocess.DEVNULL)
+
+    def ready(self, setting: PeerSetting, wait_s: float = 10.0) -> None:
+        """Every worker of the setting listening; one that is not within wait_s is started again (once)."""
+        waiting = self._not_listening(setting, wait_s)
+        for i in waiting:
+            self.processes[setting.name, i].kill()
+            self.processes[setting.name, i].wait(timeout=10)
+            self._start(setting, i)
+        if waiting and self._not_listening(setting, 3 * wait_s):
+            raise RuntimeError(f"the peer's workers ({self.binary} worker --port {setting.port}) do not listen on "
+                               f"agents {sorted(waiting)}")
+
+    def _not_listening(self, setting: PeerSetting, wait_s: float) -> set[int]:
+        deadline = time.monotonic() + wait_s
+        waiting = set(range(1, self.n + 1))
+        while True:
+            waiting = {i for i in waiting if not self._listening(i, setting.port)}
+            if not waiting or time.monotonic() > deadline:
+                return waiting
             time.sleep(0.2)
 
     def _listening(self, i: int, port: int) -> bool:
@@ -84,13 +117,13 @@ class PeerWorkers:
                              text=True).communicate(timeout=10)[0]
         return bool(out.strip())
 
-    def addresses(self, name: str) -> list[str]:
-        return [f"{self.bed.address(f'agent-{i}')}:{PEER_PORTS[name]}" for i in range(1, self.n + 1)]
+    def addresses(self, setting: PeerSetting) -> list[str]:
+        return [f"{self.bed.address(f'agent-{i}')}:{setting.port}" for i in range(1, self.n + 1)]
 
     def close(self) -> None:
-        for p in self.processes:
+        for p in self.processes.values():
             p.kill()
-        for p in self.processes:
+        for p in self.processes.values():
             p.wait(timeout=10)
 
 
@@ -101,10 +134,11 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
     steps = len(PEER_PROMPT) + 1 + WARMUP + tokens  # its steps count the prompt's positions
     argv = [str(binary), "inference", "--model", str(model), "--tokenizer", str(tokenizer), "--buffer-float-type",
             "q80", "--nthreads", "1", "--prompt", PEER_PROMPT, "--steps", str(steps), "--temperature", "0",
-            "--max-seq-len", "256", "--net-turbo", turbo]
+            "--max-seq-len", str(CONTEXT), "--net-turbo", turbo]
     if workers:
         argv += ["--workers", *workers]
-    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                  encoding="utf-8", errors="replace")  # its lines carry emoji
     watchdog = threading.Timer(time_limit + 600.0, p.kill)  # a root that hangs (its sockets wait forever) ends here
     watchdog.start()
     arrivals, reported, tail = [], [], []
@@ -171,10 +205,11 @@ def bench(args) -> None:
                         result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens, {},
                                             args.time_limit, "native", args.plan)
                         add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
-                    for name in PEER_PORTS:
-                        result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(name),
-                                          PEER_TURBO[name], args.tokens, args.time_limit)
-                        add({"system": "dllama", "sync": name, "plr": plr, "run": run, **peer_summary(result)})
+                    for setting in PEER_SETTINGS:
+                        peers.ready(setting)
+                        result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(setting),
+                                          setting.turbo, args.tokens, args.time_limit)
+                        add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
         finally:
             if peers is not None:
                 peers.close()
@@ -186,38 +221,42 @@ def bench(args) -> None:
     write_report(args.out, args.name, {"command": command_line("halo.eval.bench_peer", args.argv), "model": str(model),
                                         "peer_model": str(peer_model), "runs": args.runs, "rows": medians,
                                         "every_run": rows}, lines)
-    plot(medians, modes, Path(args.out) / f"{args.name}.png")
+    plot(medians, modes, args, Path(args.out) / f"{args.name}.png")
     partial.unlink(missing_ok=True)
 
 
 def peer_summary(result: dict) -> dict:
-    ms = np.asarray(result["ms_per_token"])
-    return {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
-            "ms_p90": float(np.percentile(ms, 90)), "generated": [],
-            "reported_ms_mean": float(np.mean(result["reported_ms"])) if result["reported_ms"] else None}
+    """summarize's figures, and the mean of what the peer itself reported a token to take (its Pred + Sync)."""
+    reported = result["reported_ms"]
+    return {**summarize({"ms_per_token": result["ms_per_token"], "tokens": []}),
+            "reported_ms_mean": float(np.mean(reported)) if reported else None}
 
 
 def render(rows: list[dict], modes: list[str], args) -> list[str]:
     by = {(r["plr"], r["sync"]): r for r in rows}
     halo_single, peer_single = by.get((0.0, ALONE["halo"])), by.get((0.0, ALONE["dllama"]))
-    columns = [*modes, *PEER_PORTS]
+    peers = [s.name for s in PEER_SETTINGS]
+    columns = [*modes, *peers]
     lines = ["# halo and distributed-llama side by side under real packet loss", "",
              f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; 1 master/root + "
              f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each. The same weights: "
-             "TinyLlama-1.1B shape, random, 4-bit (halo: the Q4_0 GGUF, --weights native; distributed-llama: the "
-             "same blocks in its Q40 file), greedy. Mean wall ms per output token over up to "
-             f"{args.tokens} tokens after {WARMUP} warm-up tokens. halo plan `{args.plan}`; `dllama` is the peer "
-             "with `--net-turbo 0` (blocking sockets, its best on this machine), `dllama turbo` its default "
-             "(busy-waiting sockets)." + (f" Every configuration ran {args.runs} times, interleaved: a cell is the "
-                                          "median run (every run in parentheses)." if args.runs > 1 else ""), "",
+             f"TinyLlama-1.1B shape with {args.layers} layers, random, 4-bit (halo: the Q4_0 GGUF, --weights native; "
+             "distributed-llama: the same blocks in its Q40 file, the embedding unquantized), greedy. Mean wall ms "
+             f"per output token over up to {args.tokens} tokens after {WARMUP} warm-up tokens. halo plan "
+             f"`{args.plan}`; `dllama` is the peer with `--net-turbo 0` (blocking sockets), `dllama turbo` its "
+             "default (busy-waiting sockets)." + (
+                 f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (the faster "
+                 "of two; every run in parentheses)." if args.runs == 2 else
+                 f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
+                 "parentheses)." if args.runs > 2 else ""), "",
              f"Alone (no network): halo {cell(halo_single)} ms, distributed-llama {cell(peer_single)} ms per token.", "",
-             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest halo vs fastest dllama |",
+             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest dllama / fastest halo |",
              "|---|" + "---|" * (len(columns) + 1)]
     for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()}):
         ours = [by[(plr, m)]["ms_mean"] for m in modes if (plr, m) in by]
-        theirs = [by[(plr, m)]["ms_mean"] for m in PEER_PORTS if (plr, m) in by]
-        ratio = f"{min(theirs) / min(ours):.2f}x faster" if ours and theirs else "-"
+        theirs = [by[(plr, m)]["ms_mean"] for m in peers if (plr, m) in by]
+        ratio = f"{min(theirs) / min(ours):.2f}x" if ours and theirs else "-"
         lines.append(f"| {100 * plr:g} % | " + " | ".join(cell(by.get((plr, c))) for c in columns) + f" | {ratio} |")
     lines.append("")
     zero = {c: by.get((0.0, c)) for c in columns}
@@ -237,14 +276,14 @@ def render(rows: list[dict], modes: list[str], args) -> list[str]:
     return lines + [""]
 
 
-def plot(rows: list[dict], modes: list[str], path: Path) -> None:
+def plot(rows: list[dict], modes: list[str], args, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in [*modes, *PEER_PORTS]:
+    for c in [*modes, *(s.name for s in PEER_SETTINGS)]:
         points = sorted((r["plr"], r["ms_mean"]) for r in rows if r["sync"] == c)
         ax.plot([100 * p for p, _ in points], [v for _, v in points], marker="o",
                 label=f"halo {c}" if c in modes else c, linestyle="-" if c in modes else "--")
@@ -255,10 +294,30 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("packet loss rate on every link (%)")
     ax.set_ylabel("ms per output token")
-    ax.set_title("TinyLlama-1.1B shape, 4-bit, 4 nodes on 2 cores")
+    ax.set_title(f"TinyLlama-1.1B shape ({args.layers} layers), 4-bit, {args.agents + 1} nodes on 2 cores")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def check_arguments(args) -> None:
+    """What the peer or the bench cannot run, refused before anything starts (SystemExit with the fix)."""
+    kv_heads = TINYLLAMA_1_1B["num_key_value_heads"]
+    if args.agents < 1 or kv_heads % (args.agents + 1):
+        raise SystemExit(f"--agents {args.agents}: the peer splits the model's {kv_heads} KV heads evenly over its nodes, "
+                         f"so master + agents must divide {kv_heads} (--agents 1 or 3)")
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown halo sync mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    try:
+        plrs = [float(p) for p in args.plr.split(",")]
+    except ValueError:
+        raise SystemExit(f"--plr {args.plr!r}: give loss rates as fractions, comma-separated (e.g. 0,0.02,0.05)") from None
+    if not all(0.0 <= p < 1.0 for p in plrs):
+        raise SystemExit(f"--plr {args.plr}: every loss rate must lie in [0, 1) (0.05 is 5 %)")
+    most = CONTEXT - len(PEER_PROMPT) - 2 - WARMUP
+    if not 8 <= args.tokens <= most:
+        raise SystemExit(f"--tokens {args.tokens}: between 8 and {most} (both systems get {CONTEXT} positions)")
 
 
 def main(argv=None) -> int:
@@ -283,10 +342,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
-    kv_heads = TINYLLAMA_1_1B["num_key_value_heads"]
-    if args.agents < 1 or kv_heads % (args.agents + 1):
-        raise SystemExit(f"--agents {args.agents}: the peer splits the model's {kv_heads} KV heads evenly over its nodes, "
-                         f"so master + agents must divide {kv_heads} (--agents 1 or 3)")
+    check_arguments(args)
     from halo.rpi.testbed import available
 
     ok, why = available()

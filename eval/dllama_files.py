@@ -3,8 +3,9 @@
 The model is written from the same random tensors (eval/random_checkpoint.random_tensors, same seed) as
 halo's benchmark GGUF, quantized the same way: distributed-llama's Q40 block is GGUF's Q4_0 block byte for
 byte (an fp16 scale, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31, value =
-(nibble - 8) * scale), and both take q/k rows in the interleaved rotary order. So the peer runs the weights
-halo runs, not merely the same shape.
+(nibble - 8) * scale), and both take q/k rows in the interleaved rotary order. So the peer computes with every
+matrix's very Q4_0 blocks that halo does, not merely the same shape; only the embedding differs in form (the
+peer's file holds it unquantized, halo's GGUF in Q4_0: a row lookup a token either way).
 
 The layout, as distributed-llama 8d624a7 reads it (src/llm.cpp; all little-endian int32 unless said):
 - model: magic 0x0A00ABCD, header size in bytes (magic and itself included), then (key, value) pairs;
@@ -34,6 +35,7 @@ LAYER_ORDER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 
 def _header(magic: int, pairs: list[tuple[int, int]]) -> bytes:
+    """magic, the header's size in bytes (magic and size included), then the (key, value) pairs."""
     body = b"".join(struct.pack("<ii", k, v) for k, v in pairs)
     return struct.pack("<ii", magic, 8 + len(body)) + body
 
@@ -49,19 +51,24 @@ def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
         raise ValueError(f"distributed-llama reads rms_norm_eps 1e-5 or 1e-6, not {cfg['rms_norm_eps']}")
     if cfg.get("tie_word_embeddings"):
         raise ValueError("write an untied model: the peer's file always carries its own LM head")
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    if cfg.get("head_dim", cfg["hidden_size"] // heads) * heads != cfg["hidden_size"]:
+        raise ValueError("this writer takes head_dim = hidden_size / num_attention_heads (the peer's default)")
+    if cfg["rope_theta"] != int(cfg["rope_theta"]):
+        raise ValueError(f"the peer's file holds rope_theta as an integer, not {cfg['rope_theta']}")
     path = Path(path)
     q4 = gguf.GGMLQuantizationType.Q4_0
-    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    expected = len(_header(0, [(0, 0)] * 13)) + sum(
+    header = _header(MODEL_MAGIC, [(VERSION, 0), (ARCH, LLAMA), (DIM, cfg["hidden_size"]),
+                                   (HIDDEN, cfg["intermediate_size"]), (LAYERS, layers), (HEADS, heads),
+                                   (KV_HEADS, kv_heads), (VOCAB, cfg["vocab_size"]),
+                                   (SEQ_LEN, cfg["max_position_embeddings"]), (ACTIVATION, SILU),
+                                   (ROPE_THETA, int(cfg["rope_theta"])), (WEIGHTS, Q40), (NORM_EPS, eps)])
+    expected = len(header) + sum(
         4 * int(np.prod(s)) if len(s) == 1 or name == "model.embed_tokens.weight" else int(np.prod(s)) // 32 * 18
         for name, s in llama_tensor_shapes(cfg).items())
     layer: dict[str, bytes] = {}
     with open(path, "wb") as f:
-        f.write(_header(MODEL_MAGIC, [(VERSION, 0), (ARCH, LLAMA), (DIM, cfg["hidden_size"]),
-                                      (HIDDEN, cfg["intermediate_size"]), (LAYERS, layers), (HEADS, heads),
-                                      (KV_HEADS, kv_heads), (VOCAB, cfg["vocab_size"]),
-                                      (SEQ_LEN, cfg["max_position_embeddings"]), (ACTIVATION, SILU),
-                                      (ROPE_THETA, int(cfg["rope_theta"])), (WEIGHTS, Q40), (NORM_EPS, eps)]))
+        f.write(header)
         for name, array in random_tensors(cfg, seed):
             if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith("layernorm.weight"):
                 data = np.ascontiguousarray(array, "<f4").tobytes()
@@ -80,13 +87,17 @@ def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
     return path
 
 
-def write_tokenizer(path: str | Path, vocab: int, bos_id: int = 1, eos_id: int = 2) -> Path:
-    """<unk>, <s>, </s>, the printable ASCII characters, then fillers <i> up to `vocab` tokens."""
+def write_tokenizer(path: str | Path, vocab: int) -> Path:
+    """<unk>, <s> (bos, 1), </s> (eos, 2), the printable ASCII characters, then fillers <i> up to `vocab` tokens.
+    The peer takes the ids below bos as its regular vocabulary and matches the rest as literal prefixes, so with bos
+    at 1 every prompt character must be one of these tokens."""
     tokens = [b"<unk>", b"<s>", b"</s>"] + [bytes([c]) for c in range(0x20, 0x7F)]
+    if vocab < len(tokens):
+        raise ValueError(f"a vocabulary of {vocab} tokens cannot hold the {len(tokens)} this tokenizer needs")
     tokens += [f"<{i}>".encode() for i in range(len(tokens), vocab)]
     with open(path, "wb") as f:
-        f.write(_header(TOKENIZER_MAGIC, [(0, 1), (1, vocab), (2, max(map(len, tokens))), (3, bos_id), (9, 1),
-                                          (10, 1)]))
-        f.write(struct.pack("<i", eos_id))
-        f.write(b"".join(struct.pack("<fI", 0.0, len(t)) + t for t in tokens[:vocab]))
+        # version 1, vocab size, longest token, bos id, one eos id, add bos to the prompt
+        f.write(_header(TOKENIZER_MAGIC, [(0, 1), (1, vocab), (2, max(map(len, tokens))), (3, 1), (9, 1), (10, 1)]))
+        f.write(struct.pack("<i", 2))  # the one end-of-sequence id
+        f.write(b"".join(struct.pack("<fI", 0.0, len(t)) + t for t in tokens))
     return Path(path)

@@ -3,6 +3,7 @@ token's wall time from the peer's per-token lines."""
 
 from __future__ import annotations
 
+import argparse
 import stat
 import struct
 import subprocess
@@ -94,3 +95,37 @@ def test_a_peer_that_generates_nothing_says_what_it_printed(tmp_path):
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(RuntimeError, match="Unsupported header key"):
         bench_peer.run_peer(Bed(), script, tmp_path / "m", tmp_path / "t", [], "0", 8, 5.0)
+
+
+def test_a_vocabulary_too_small_for_the_prompt_characters_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="cannot hold"):
+        write_tokenizer(tmp_path / "t.t", 64)
+
+
+def arguments(**changes):
+    args = dict(agents=3, modes="exact,halo", plr="0,0.05", tokens=32)
+    return argparse.Namespace(**{**args, **changes})
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(agents=2), "must divide 4"), (dict(modes="exact,fast"), "unknown halo sync mode"),
+    (dict(plr="0,5"), r"\[0, 1\)"), (dict(plr="none"), "fractions"), (dict(tokens=500), "between 8 and")])
+def test_what_the_peer_or_the_bench_cannot_run_is_refused_before_anything_starts(changes, says):
+    bench_peer.check_arguments(arguments())  # the defaults pass
+    with pytest.raises(SystemExit, match=says):
+        bench_peer.check_arguments(arguments(**changes))
+
+
+def test_the_report_compares_the_fastest_of_each_system_at_every_loss_rate():
+    rows = [{"plr": 0.0, "sync": "halo single process", "system": "halo", "ms_mean": 20.0},
+            {"plr": 0.0, "sync": "dllama single process", "system": "dllama", "ms_mean": 60.0},
+            *({"plr": plr, "sync": sync, "system": system, "ms_mean": ms} for plr, sync, system, ms in [
+                (0.0, "exact", "halo", 30.0), (0.0, "halo", "halo", 40.0), (0.0, "dllama", "dllama", 45.0),
+                (0.0, "dllama turbo", "dllama", 180.0), (0.05, "exact", "halo", 36.0), (0.05, "halo", "halo", 44.0),
+                (0.05, "dllama", "dllama", 1800.0), (0.05, "dllama turbo", "dllama", 1440.0)])]
+    args = argparse.Namespace(argv=[], agents=3, layers=22, tokens=32, plan="even-mlp-only", runs=1)
+    text = "\n".join(bench_peer.render(rows, ["exact", "halo"], args))
+    assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | 1.50x |" in text
+    assert "| 5 % | 36.0 | 44.0 | 1800.0 | 1440.0 | 40.00x |" in text  # the peer's default was its faster there
+    assert "exact 1.50x, halo 2.00x, dllama 0.75x" in text  # at 0 % against each system's own single process
+    assert "exact 1.20x" in text  # at 5 % against its own 0 %
