@@ -33,7 +33,7 @@ from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
 from .linear import DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for, make_projection
 from .memory import BufferPool, load_pages, own_pages
-from .ops import Rotary, silu, softmax
+from .ops import Rotary, rmsnorm, silu, softmax
 from .quant import QuantizedMatrix, Weight, as_float32
 from .weights import LayerWeights
 
@@ -452,16 +452,20 @@ class MlpGroupBank:
             return self.prepared.shard(self.index, group, self.threads)
         return MlpShard(self.layer, self.layout, [group], self.fmt, self.threads)
 
-    def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None) -> np.ndarray:
-        """x: [T, D] normed input -> the summed output of `groups` [T, D]; keep [T, len(groups)] says
-        which tokens each group serves (None: all)."""
+    def forward(self, x: np.ndarray, groups: Sequence[int], keep: np.ndarray | None = None,
+                norm: np.ndarray | None = None, eps: float = 0.0) -> np.ndarray:
+        """x: [T, D] input, normed with `norm` first (None: x is normed already) -> the summed output of `groups`
+        [T, D]; keep [T, len(groups)] says which tokens each group serves (None: all). A decode step norms in the
+        same C call that computes every group, as exact's fused MLP step does."""
         out = np.zeros((len(x), self.dim), dtype=np.float32)
         shards = None if self.cache is None else [self.shard(int(g)) for g in groups]  # held until computed
         if (len(x) == 1 and shards and (keep is None or keep.all())
                 and all(getattr(s, "step_weights", None) for s in shards)):  # a decode step: every group, one C call
-            _nbits.mlp_step(np.ascontiguousarray(x, np.float32), None, 0.0, [s.step_weights for s in shards], out,
+            _nbits.mlp_step(np.ascontiguousarray(x, np.float32), norm, eps, [s.step_weights for s in shards], out,
                             self.threads)
             return out
+        if norm is not None:
+            x = rmsnorm(x, norm, eps)
         for j, g in enumerate(groups):
             tokens = slice(None) if keep is None else np.flatnonzero(keep[:, j])
             xs = x[tokens]

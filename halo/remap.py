@@ -227,8 +227,10 @@ class Remapper:
         self.banks[layer].prefetch(groups)
         self.load_ms += 1e3 * (time.perf_counter() - t)
 
-    def mlp_partial(self, layer: int, x: np.ndarray) -> np.ndarray | None:
-        """This device's partial MLP output for the normed input x [T, D] (None: no ranks here)."""
+    def mlp_partial(self, layer: int, x: np.ndarray, norm: np.ndarray | None = None,
+                    eps: float = 0.0) -> np.ndarray | None:
+        """This device's partial MLP output for the input x [T, D], normed with `norm` (None: normed already) where
+        the groups are computed (None: no ranks here)."""
         if layer not in self.ranges:
             return None
         pending = self.loading.pop(layer, None)
@@ -239,7 +241,7 @@ class Remapper:
             self._load(layer)  # no overlap: load now, then compute
         self.wait_ms += 1e3 * (time.perf_counter() - t)
         groups, keep = self._assignment(layer, len(x))
-        return self.banks[layer].forward(x, groups, keep)
+        return self.banks[layer].forward(x, groups, keep, norm, eps)
 
     def report(self) -> dict:
         """Prediction and loading time; for compact groups what the cache holds and how it served."""

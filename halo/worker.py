@@ -136,12 +136,12 @@ class DeviceWorker:
                  else self.mlp[block.layer])
         if len(x) == 1 and shard is not None and shard.fused:  # a decode step: the whole block in one C call
             out = shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, start, self.rotary)
+        elif kind == "mlp" and shard is None:  # HALO's re-mapped groups: normed where they are computed
+            out = self.remapper.mlp_partial(block.layer, x, norm, self.config.norm_eps)
         else:
             h = rmsnorm(x, norm, self.config.norm_eps)
             if shard is not None:
                 out = shard.forward(h, start, self.rotary) if kind == "attention" else shard.forward(h)
-            elif kind == "mlp":
-                out = self.remapper.mlp_partial(block.layer, h)
             else:
                 out = self.lm_head.forward(h)
         self.last_compute_ms = 1e3 * (time.perf_counter() - t)

@@ -84,6 +84,12 @@ def test_halos_groups_of_a_token_run_in_one_step(weights):
     two = np.concatenate([x, x])  # two tokens, or a token some groups skip: the per-group path
     assert relative_error(bank.forward(two, [1, 3])[1:], bank.forward(x, [1, 3])) < 1e-4
     assert not bank.forward(x, [1, 3], keep=np.array([[False, False]])).any()
+    # the layer's norm applied where the groups are computed (in the step's C call; numpy for two tokens), as the
+    # worker does, against the input normed first
+    norm = np.array(weights.layers[1].mlp_norm)
+    normed = rmsnorm(x, norm, c.norm_eps)
+    assert relative_error(bank.forward(x, [5, 2, 7], norm=norm, eps=c.norm_eps), bank.forward(normed, [5, 2, 7])) < 1e-5
+    assert relative_error(bank.forward(two, [1, 3], norm=norm, eps=c.norm_eps)[1:], bank.forward(normed, [1, 3])) < 1e-5
 
 
 @needs_c
