@@ -229,8 +229,8 @@ class Remapper:
 
     def mlp_partial(self, layer: int, x: np.ndarray, norm: np.ndarray | None = None,
                     eps: float = 0.0) -> np.ndarray | None:
-        """This device's partial MLP output for the input x [T, D], normed with `norm` (None: normed already) where
-        the groups are computed (None: no ranks here)."""
+        """This device's partial MLP output for the input x [T, D], normed with `norm` where the groups are computed
+        (norm None: x is normed already); None when the device holds no ranks of the layer."""
         if layer not in self.ranges:
             return None
         pending = self.loading.pop(layer, None)
