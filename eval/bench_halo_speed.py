@@ -300,13 +300,20 @@ def render_speed(rows: list[dict], args) -> list[str]:
             lines.append("At 0 % loss vs single process: " + ", ".join(
                 f"{m} {zero[m]['ms_mean'] / base['ms_mean']:.2f}x" for m in modes if zero[m]) + ".")
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(ratios) + ".")
-        used = {m: sorted({r["agents_used"] for r in rows if r["agents"] == n and r["sync"] == m and "agents_used" in r})
-                for m in modes}
-        if any(u and u != [n] for u in used.values()):
-            lines.append("Agents the plan gave work to: " + ", ".join(
-                f"{m} {' or '.join(map(str, u))} of {n}" for m, u in used.items() if u) + ".")
+        used = agents_at_work([r for r in rows if r["agents"] == n], modes, n)
+        if used:
+            lines.append(f"Agents the plan gave work to: {used}.")
         lines += [""] + recovery_table([r for r in rows if r["agents"] == n and r.get("udp") and r["plr"] > 0], modes)
     return lines
+
+
+def agents_at_work(rows: list[dict], modes: list[str], n: int) -> str | None:
+    """'exact 1 of 3, halo 0 or 1 of 3': how many of the n agents each mode's runs gave work to (a measured plan may
+    leave some out); None when every run used all n."""
+    used = {m: sorted({r["agents_used"] for r in rows if r["sync"] == m and "agents_used" in r}) for m in modes}
+    if not any(u and u != [n] for u in used.values()):
+        return None
+    return ", ".join(f"{m} {' or '.join(map(str, u))} of {n}" for m, u in used.items() if u)
 
 
 def recovery_table(rows: list[dict], modes: list[str]) -> list[str]:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import MODES, PLANS, WARMUP, Cluster, cell, median_runs, run_master, summarize, with_testbed
+from .bench_halo_speed import (MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
+                               summarize, with_testbed)
 from .random_checkpoint import TINYLLAMA_1_1B
 from .report import command_line, write_report
 
@@ -264,10 +265,9 @@ def render(rows: list[dict], modes: list[str], args) -> list[str]:
         lines.append("At 0 % loss vs its own single process: " + ", ".join(
             f"{c} {zero[c]['ms_mean'] / (halo_single if c in modes else peer_single)['ms_mean']:.2f}x"
             for c in columns if zero[c]) + ".")
-    used = {m: sorted({r["agents_used"] for r in rows if r["sync"] == m and "agents_used" in r}) for m in modes}
-    if any(u and u != [args.agents] for u in used.values()):
-        lines.append("Agents halo's plan gave work to (the median runs): " + ", ".join(
-            f"{m} {' or '.join(map(str, u))} of {args.agents}" for m, u in used.items() if u) + ".")
+    used = agents_at_work(rows, modes, args.agents)
+    if used:
+        lines.append(f"Agents halo's plan gave work to (the median runs): {used}.")
     worst = max(r["plr"] for r in rows)
     if worst > 0:
         lines.append(f"At {100 * worst:g} % vs its own 0 %: " + ", ".join(
