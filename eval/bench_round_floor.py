@@ -1,0 +1,335 @@
+"""What tensor parallelism can gain on this machine at all: the floor under halo's rounds, measured.
+
+    python -m halo.eval.bench_round_floor [--model tinyllama-q4] [--agents 1,2,3] [--tokens 32] [--runs 3]
+
+Two measurements, with halo's own C kernels and nothing of its runtime:
+1. Shared memory bandwidth. A decode step streams every weight once: it is bound by memory bandwidth, not
+   arithmetic. Half of every layer's MLP runs alone, then in two processes at once (each its own half, as two
+   TP devices would): on a machine whose cores have a memory bus each, both keep their solo speed; here both
+   share one, and the slowdown caps what two cores can gain on any bandwidth-bound step.
+2. A minimal TP decode. Master + N agents on loopback, the plan of the speed benchmarks (`even-mlp-only`: the
+   attention and LM head on the master, the MLP in equal shares), each round the bare minimum: the master
+   sends the residual stream as raw float32 datagrams, every device runs its share in one C call, the agents
+   send their partial sums back the same way, the master adds them. No authentication, framing, parity,
+   NACKs, deadlines, statistics or event loop: what halo's rounds do for a lossy, hostile network costs time
+   this floor leaves out. Against the same minimal loop in one process, against halo's single process, and
+   beside halo's own cluster on the same loopback (`exact`, same plan) in the same run.
+
+Greedy from the speed benchmark's prompt; the tokens of every row must be the single process's (the run
+fails otherwise). Writes eval/results/NAME.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from .bench_halo_speed import decode, median_runs
+from .report import command_line, write_report
+
+CONTEXT = 256
+FLOATS_PER_DATAGRAM = 350  # 1,400 bytes of payload: one Ethernet frame, as halo's chunks
+HEADER = 6  # round number (4 bytes) and chunk index (2)
+AGENT_WAIT_S = 120.0  # an agent whose master went quiet this long exits (a master killed mid-run)
+
+
+def model_file(name: str) -> Path:
+    if name == "tinyllama-q4":
+        from .bench_churn import q4_checkpoint
+
+        return q4_checkpoint(22)
+    from halo.loader import model_path
+
+    return model_path(name)
+
+
+# ---- raw datagrams --------------------------------------------------------------------------------------
+def send_vector(sock: socket.socket, to, round_no: int, vector: np.ndarray) -> None:
+    data = vector.astype(np.float32, copy=False).tobytes()
+    step = 4 * FLOATS_PER_DATAGRAM
+    for index, start in enumerate(range(0, len(data), step)):
+        sock.sendto(round_no.to_bytes(4, "little") + index.to_bytes(2, "little") + data[start:start + step], to)
+
+
+def receive_vectors(sock: socket.socket, round_no: int, into: dict, timeout_s: float) -> None:
+    """Fill into[sender address] (float32 [D]) with that sender's vector of round_no; datagrams of other rounds
+    (none on loopback without loss) are skipped."""
+    width = next(iter(into.values())).size
+    waiting = -(-width // FLOATS_PER_DATAGRAM) * len(into)
+    buffer = bytearray(HEADER + 4 * FLOATS_PER_DATAGRAM)
+    sock.settimeout(timeout_s)
+    while waiting:
+        size, sender = sock.recvfrom_into(buffer)
+        if int.from_bytes(buffer[:4], "little") != round_no or sender not in into:
+            continue
+        start = int.from_bytes(buffer[4:6], "little") * FLOATS_PER_DATAGRAM
+        count = (size - HEADER) // 4
+        into[sender][start:start + count] = np.frombuffer(buffer, np.float32, count, HEADER)
+        waiting -= 1
+
+
+def udp_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+    return sock
+
+
+# ---- the minimal TP model -------------------------------------------------------------------------------
+def mlp_shares(n_groups: int, nodes: int) -> list[list[int]]:
+    """Equal contiguous MLP shares, the master's first."""
+    return [list(range(i * n_groups // nodes, (i + 1) * n_groups // nodes)) for i in range(nodes)]
+
+
+class MinimalTensorParallel:
+    """halo's decode arithmetic over `agents` forked agents and raw loopback datagrams (agents=0: one process).
+    A forward pass of T tokens runs T decode steps (only decode steps are timed)."""
+
+    def __init__(self, weights, agents: int, timeout_s: float = 30.0):
+        from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+        from halo.ops import Rotary
+
+        self.weights, self.config, self.timeout_s = weights, weights.config, timeout_s
+        layout = GroupLayout.for_model(self.config)
+        shares = mlp_shares(layout.n_mlp_groups, agents + 1)
+        layers = range(self.config.n_layers)
+        self.socks = [udp_socket() for _ in range(agents + 1)]
+        self.addresses = [s.getsockname() for s in self.socks]
+        self.pids = []
+        for i in range(1, agents + 1):
+            pid = os.fork()
+            if pid == 0:  # the agent: builds its share, serves rounds until told to stop, never returns
+                code = 1
+                try:
+                    self._serve([MlpShard(weights.layers[l], layout, shares[i], fmt="native") for l in layers], i)
+                    code = 0
+                finally:
+                    os._exit(code)
+            self.pids.append(pid)
+        self.attention = [AttentionShard(weights.layers[l], layout, range(layout.n_heads), CONTEXT, fmt="native")
+                          for l in layers]
+        self.mlp = [MlpShard(weights.layers[l], layout, shares[0], fmt="native") for l in layers]
+        self.lm_head = LmHeadShard(weights.lm_head, layout, range(layout.n_vocab_groups), fmt="native")
+        self.rotary = Rotary(self.config, CONTEXT)
+        self.partials = {a: np.empty(self.config.dim, np.float32) for a in self.addresses[1:]}
+        self.round_no, self.pos = 0, 0
+
+    def _serve(self, mlp: list, i: int) -> None:
+        """Round r is layer (r - 1) mod L: every decode step syncs each layer once, in order. A NaN input ends it."""
+        sock, master = self.socks[i], self.addresses[0]
+        x = np.empty(self.config.dim, np.float32)
+        eps, round_no = self.config.norm_eps, 0
+        while True:
+            round_no += 1
+            receive_vectors(sock, round_no, {master: x}, AGENT_WAIT_S)
+            if np.isnan(x[0]):
+                return
+            layer = (round_no - 1) % self.config.n_layers
+            send_vector(sock, master, round_no, mlp[layer].step(x[None], self.weights.layers[layer].mlp_norm, eps)[0])
+
+    def forward(self, tokens) -> np.ndarray:
+        from halo.ops import rmsnorm
+        from halo.quant import embed
+
+        for token in tokens:
+            x, eps = embed(self.weights.tok_embeddings, np.array([token])), self.config.norm_eps
+            for l, layer in enumerate(self.weights.layers):
+                x = x + self.attention[l].step(x, layer.attn_norm, eps, self.pos, self.rotary)
+                x = x + self._mlp(l, x)
+            self.pos += 1
+        return self.lm_head.forward(rmsnorm(x, self.weights.final_norm, eps))[0]
+
+    def _mlp(self, l: int, x: np.ndarray) -> np.ndarray:
+        self.round_no += 1
+        for address in self.addresses[1:]:
+            send_vector(self.socks[0], address, self.round_no, x[0])
+        out = self.mlp[l].step(x, self.weights.layers[l].mlp_norm, self.config.norm_eps)
+        if self.pids:
+            receive_vectors(self.socks[0], self.round_no, self.partials, self.timeout_s)
+            for address in self.addresses[1:]:
+                out = out + self.partials[address]
+        return out
+
+    def __enter__(self) -> "MinimalTensorParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        stop = np.full(self.config.dim, np.nan, np.float32)
+        for address in self.addresses[1:]:
+            send_vector(self.socks[0], address, self.round_no + 1, stop)
+        deadline = time.monotonic() + 10.0
+        for pid in self.pids:
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:  # it missed the stop (it cannot, on loopback): end it
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+        for sock in self.socks:
+            sock.close()
+
+
+# ---- shared memory bandwidth ----------------------------------------------------------------------------
+def mlp_half_us(weights, seconds: float, together: bool) -> list[float]:
+    """us per layer of half of every layer's MLP, each half in turn, or (together) both at once in two processes."""
+    from halo.neuron_groups import GroupLayout, MlpShard
+
+    layout = GroupLayout.for_model(weights.config)
+    halves = mlp_shares(layout.n_mlp_groups, 2)
+    x = np.random.default_rng(0).standard_normal((1, weights.config.dim)).astype(np.float32)
+
+    def loop(half: int, before_start=lambda: None) -> float:
+        steps = [(MlpShard(layer, layout, halves[half], fmt="native"), layer) for layer in weights.layers]
+        for shard, layer in steps:  # warm
+            shard.step(x, layer.mlp_norm, weights.config.norm_eps)
+        before_start()
+        passes, t = 0, time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            for shard, layer in steps:
+                shard.step(x, layer.mlp_norm, weights.config.norm_eps)
+            passes += 1
+        return 1e6 * (time.perf_counter() - t) / (passes * len(steps))
+
+    if not together:
+        return [loop(0), loop(1)]
+    (ready_r, ready_w), (go_r, go_w), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # both processes build their half, then start at once
+        code = 1
+        try:
+            os.write(result_w, repr(loop(1, lambda: (os.write(ready_w, b"r"), os.read(go_r, 1)))).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        mine = loop(0, lambda: (os.read(ready_r, 1), os.write(go_w, b"g")))
+    finally:
+        os.waitpid(pid, 0)
+    return [mine, float(os.read(result_r, 64))]
+
+
+@contextmanager
+def halo_cluster(weights, path: Path, agents: int):
+    """halo's master over `agents` local agents on loopback (exact, the even-mlp-only plan, one thread each)."""
+    from halo.distributed import cluster_model
+    from halo.distributed.local import LocalCluster
+    from halo.neuron_groups import GroupLayout
+    from halo.shares import EVEN_PLANS, even_plan
+    from halo.sync import SyncSettings
+
+    plan = even_plan(weights, GroupLayout.for_model(weights.config), agents + 1, context=CONTEXT,
+                     on_master=EVEN_PLANS["even-mlp-only"])
+    with LocalCluster(agents, str(path), threads=1) as cluster:
+        model = cluster_model(weights, cluster.endpoints, cluster.key, plan=plan, context=CONTEXT, timeout_s=60.0,
+                              sync=SyncSettings(mode="exact"), fmt="native")
+        try:
+            yield model
+        finally:
+            model.close()
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------
+def bench(args) -> dict:
+    from halo.loader import load_weights
+    from halo.model import Transformer
+
+    path = model_file(args.model)
+    weights = load_weights(path)
+    rows, reference = [], None
+
+    def timed(name: str, model, run: int, agents: int = 0) -> None:
+        """Decode with `model`: its row (sync: the setup, as median_runs groups rows)."""
+        nonlocal reference
+        result = decode(model, args.tokens, args.time_limit)
+        if reference is None:
+            reference = result["tokens"]
+        elif result["tokens"] != reference:
+            raise SystemExit(f"{name} generated other tokens than halo's single process: the minimal TP math is wrong")
+        ms = result["ms_per_token"]
+        rows.append({"agents": agents, "plr": 0.0, "sync": name, "run": run, "tokens": len(ms),
+                     "ms_mean": float(np.mean(ms))})
+        print(f"run {run + 1}/{args.runs}: {name}: {np.mean(ms):.1f} ms/token", flush=True)
+
+    bandwidth = []
+    for run in range(args.runs):
+        timed("halo single process", Transformer(weights, fmt="native", max_seq_len=CONTEXT), run)
+        for agents in (0, *args.agents):
+            with MinimalTensorParallel(weights, agents) as model:
+                timed(f"minimal, master + {agents}" if agents else "minimal, one process", model, run, agents)
+        with halo_cluster(weights, path, max(args.agents)) as model:
+            timed(f"halo exact, master + {max(args.agents)}", model, run, max(args.agents))
+        alone, together = mlp_half_us(weights, args.seconds, False), mlp_half_us(weights, args.seconds, True)
+        bandwidth.append({"run": run, "alone_us": alone, "together_us": together})
+        print(f"run {run + 1}/{args.runs}: half MLP alone {np.mean(alone):.0f}, together {np.mean(together):.0f} "
+              "us/layer", flush=True)
+    return {"command": command_line("halo.eval.bench_round_floor", args.argv), "model": str(path),
+            "tokens": args.tokens, "runs": args.runs, "rows": rows, "bandwidth": bandwidth}
+
+
+def render(result: dict) -> list[str]:
+    medians = median_runs(result["rows"])
+    ms = {row["sync"]: row["ms_mean"] for row in medians}
+    runs = {row["sync"]: row["ms_mean_runs"] for row in medians}
+    single, minimal = ms["halo single process"], ms["minimal, one process"]
+    alone = float(np.median([np.mean(b["alone_us"]) for b in result["bandwidth"]]))
+    together = float(np.median([np.mean(b["together_us"]) for b in result["bandwidth"]]))
+    lines = [f"# The floor under a TP round on this machine ({Path(result['model']).name})", "",
+             f"Command: `{result['command']}`. Greedy, {result['tokens']} tokens after the warm-up, one compute thread "
+             f"per process, loopback; every row generated the single process's tokens. Each setup ran "
+             f"{result['runs']} times, interleaved: a cell is the median run (every run in parentheses).", "",
+             "## Shared memory bandwidth", "",
+             "| half of every layer's MLP | us per layer |", "|---|---|",
+             f"| alone | {alone:.0f} |", f"| two processes at once, each its own half | {together:.0f} |", "",
+             f"Two cores stream a bandwidth-bound step {2 * alone / together:.2f}x as fast as one "
+             f"(each runs {together / alone:.2f}x slower beside the other).", "",
+             "## Minimal TP decode (raw datagrams, nothing of halo's runtime)", "",
+             "| setup | ms per token | / minimal one process | / halo single process |", "|---|---|---|---|"]
+    for setup, value in ms.items():
+        cells = ", ".join(f"{v:.1f}" for v in runs[setup])
+        lines.append(f"| {setup} | {value:.1f} ({cells}) | {value / minimal:.2f}x | {value / single:.2f}x |")
+    return lines
+
+
+def check_arguments(args) -> None:
+    if not args.agents or any(a < 1 for a in args.agents):
+        raise SystemExit("--agents: a comma-separated list of agent counts, each 1 or more (e.g. 1,2,3)")
+    if args.tokens < 8 or args.tokens + 8 + 6 > CONTEXT:
+        raise SystemExit(f"--tokens: 8 to {CONTEXT - 14} (the prompt, warm-up and tokens fit {CONTEXT} positions)")
+    if args.runs < 1 or args.seconds <= 0:
+        raise SystemExit("--runs must be 1 or more and --seconds positive")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tinyllama-q4",
+                        help="tinyllama-q4 (the speed benchmarks' random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), "
+                             "a fetched model's name or a path")
+    parser.add_argument("--agents", type=lambda s: [int(a) for a in s.split(",")], default=[1, 2, 3],
+                        help="agent counts, comma-separated (default 1,2,3)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0, help="how long each bandwidth loop runs")
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--name", default="round_floor")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    check_arguments(args)
+    result = bench(args)
+    write_report(args.out, args.name, result, render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The round-floor benchmark's minimal TP decode: raw datagrams between forked agents give the single process's
+tokens (its rows are only worth reading if its arithmetic is halo's), and the report reads its results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from halo.eval import bench_round_floor
+from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+
+# TinyLlama's vocabulary (the benchmark's prompt uses it), the rest small
+SMALL = {**TINYLLAMA_1_1B, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("floor") / "small-Q4_0.gguf"
+    write_random_gguf(path, SMALL, "Q4_0")
+    return path
+
+
+def test_minimal_tp_generates_the_single_process_tokens_and_the_report_reads_them(small_gguf, tmp_path):
+    argv = ["--model", str(small_gguf), "--agents", "1,3", "--tokens", "8", "--runs", "1", "--seconds", "0.05",
+            "--out", str(tmp_path), "--name", "floor"]
+    assert bench_round_floor.main(argv) == 0  # it exits with an error where any row's tokens differ
+    result = json.loads((tmp_path / "floor.json").read_text())
+    assert [r["sync"] for r in result["rows"]] == ["halo single process", "minimal, one process",
+                                                   "minimal, master + 1", "minimal, master + 3",
+                                                   "halo exact, master + 3"]
+    assert all(r["tokens"] == 8 and r["ms_mean"] > 0 for r in result["rows"])
+    assert all(len(b["alone_us"]) == 2 and len(b["together_us"]) == 2 for b in result["bandwidth"])
+    table = (tmp_path / "floor.md").read_text()
+    assert "| minimal, master + 3 |" in table and "Two cores stream" in table
+
+
+def test_a_wrong_partial_is_caught_as_other_tokens(small_gguf, tmp_path, monkeypatch):
+    """The check has teeth: an agent whose partial is lost (zeros) changes the tokens, and the run fails."""
+    monkeypatch.setattr(bench_round_floor.MinimalTensorParallel, "_mlp",
+                        lambda self, l, x: self.mlp[l].step(x, self.weights.layers[l].mlp_norm, self.config.norm_eps))
+    argv = ["--model", str(small_gguf), "--agents", "1", "--tokens", "8", "--runs", "1", "--seconds", "0.05",
+            "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="other tokens"):
+        bench_round_floor.main(argv)
+
+
+@pytest.mark.parametrize("argv, message", [(["--agents", "0"], "--agents"), (["--tokens", "4"], "--tokens"),
+                                           (["--tokens", "250"], "--tokens"), (["--runs", "0"], "--runs")])
+def test_arguments_are_refused_before_anything_loads(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        bench_round_floor.main(argv + ["--model", "/nonexistent"])
