@@ -181,3 +181,25 @@ def test_a_step_refuses_what_does_not_fit(weights):
         nbits.mlp_step(x, None, 0.0, [], y)
     with pytest.raises(ValueError, match="norm holds 64 values; the shapes given need 128"):
         nbits.mlp_step(x, norm[:64].copy(), 1e-5, [(gate_up, down)], y)
+
+
+@needs_c
+@pytest.mark.parametrize("heads", [list(range(10)), list(range(9)), [1, 3, 4, 9]])
+def test_an_attention_step_over_a_long_cache_is_the_numpy_path(tmp_path, heads):
+    """Past several of the kernel's cache tiles (32 positions), with more query heads on one KV head than it takes
+    in one call (8), in 64-wide heads (its register span): the same output as numpy's."""
+    weights = load_weights(tiny_gguf(tmp_path / "long.gguf", "Q8_0", seed=5, num_attention_heads=10,
+                                     num_key_value_heads=1, hidden_size=640))
+    c, context = weights.config, 80
+    layout, rotary, layer = GroupLayout.for_model(c), Rotary(c, context), weights.layers[0]
+    stepped, reference = (AttentionShard(layer, layout, heads, context, "native") for _ in range(2))
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((context, c.dim)).astype(np.float32)
+    norm = np.array(layer.attn_norm)
+    prompt = rmsnorm(x[:69], norm, c.norm_eps)
+    stepped.forward(prompt, 0, rotary)
+    reference.forward(prompt, 0, rotary)
+    for pos in (69, 70, 71):
+        got = stepped.step(x[pos:pos + 1], norm, c.norm_eps, pos, rotary)
+        want = reference.forward(rmsnorm(x[pos:pos + 1], norm, c.norm_eps), pos, rotary)
+        assert relative_error(got, want) < 1e-4, (pos, relative_error(got, want))
