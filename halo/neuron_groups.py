@@ -130,6 +130,32 @@ def take_cols(w: Weight, cols: np.ndarray, fmt: str = "fp32") -> Weight:
     return np.ascontiguousarray(w[:, cols])
 
 
+QUERY_CHUNK = 64  # query positions a prefill attends at once (causal_attention)
+
+
+def causal_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start_pos: int) -> np.ndarray:
+    """Softmax attention of queries at positions start_pos.. over the cached keys/values up to each one's position.
+    q [G, T, r, hd] (r query heads per KV head of G), keys [G, hd, >= start_pos + T], values [G, >= start_pos + T, hd]
+    -> [G, T, r, hd]. QUERY_CHUNK queries at a time, each chunk scoring only the keys up to its last position: a
+    long prompt's scores never exist whole (a 1,024-token TinyLlama prompt's were 134 MB a layer, every softmax
+    step a pass over them) and the keys past a chunk are not scored only to be masked."""
+    G, T, r, hd = q.shape
+    scale = np.float32(1.0 / math.sqrt(hd))
+    out = np.empty(q.shape, dtype=np.float32)
+    for c0 in range(0, T, QUERY_CHUNK):
+        c1 = min(T, c0 + QUERY_CHUNK)
+        seen = start_pos + c1  # keys the chunk's last query sees
+        scores = np.matmul(q[:, c0:c1].reshape(G, (c1 - c0) * r, hd), keys[:, :, :seen])  # [G, rows, seen]
+        scores = scores.reshape(G, c1 - c0, r, seen)
+        scores *= scale
+        if c1 - c0 > 1:  # query t sees keys 0..start_pos + t: mask the later ones within the chunk
+            later = np.arange(seen)[None, :] > (start_pos + np.arange(c0, c1))[:, None]  # [chunk, seen]
+            np.copyto(scores, np.float32(-np.inf), where=later[None, :, None, :])
+        softmax(scores, out=scores)
+        out[:, c0:c1] = np.matmul(scores.reshape(G, (c1 - c0) * r, seen), values[:, :seen]).reshape(G, c1 - c0, r, hd)
+    return out
+
+
 class AttentionShard:
     """A set of query heads of one layer, with the K/V heads they read and their KV cache."""
 
@@ -210,29 +236,18 @@ class AttentionShard:
     def _attend(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
         """Project, rotate, cache K/V, attend: [T, D] -> the heads' outputs [T, H * hd] before W_o."""
         T, hd = x.shape[0], self.head_dim
-        end = start_pos + T
         q = self._project(x, start_pos, rotary)
-        attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
-        scale = np.float32(1.0 / math.sqrt(hd))
-        # causal mask: query t (position start_pos + t) sees keys 0..start_pos + t; a single token sees all
-        mask = np.arange(end)[None, :] > (start_pos + np.arange(T))[:, None] if T > 1 else None  # [T, S]
-        if self.kv_batched:  # the same products per KV head as the loop below, in one call each
+        if self.kv_batched:  # the query heads of each KV head as one product (the same per KV head as below)
             kv, r = len(self.kv_heads), len(self.heads_of_kv[0])
-            qj = q.reshape(T, kv, r, hd).transpose(1, 0, 2, 3).reshape(kv, T * r, hd)
-            scores = np.matmul(qj, self.cache_k[:end].transpose(1, 2, 0)).reshape(kv, T, r, end) * scale
-            if mask is not None:
-                scores = np.where(mask[None, :, None, :], -np.inf, scores)
-            probs = softmax(scores).reshape(kv, T * r, end)
-            out = np.matmul(probs, self.cache_v[:end].transpose(1, 0, 2))  # [kv, T * r, hd]
-            return out.reshape(kv, T, r, hd).transpose(1, 0, 2, 3).reshape(T, -1)
+            qj = q.reshape(T, kv, r, hd).transpose(1, 0, 2, 3)  # [kv, T, r, hd]
+            keys, values = self.cache_k.transpose(1, 2, 0), self.cache_v.transpose(1, 0, 2)  # [kv, hd, S], [kv, S, hd]
+            out = causal_attention(qj, keys, values, start_pos)  # [kv, T, r, hd]
+            return out.transpose(1, 0, 2, 3).reshape(T, -1)
+        attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
         for j, local_heads in enumerate(self.heads_of_kv):
-            r = len(local_heads)
-            qj = q[:, local_heads, :].reshape(T * r, hd)
-            scores = (qj @ self.cache_k[:end, j].T).reshape(T, r, end) * scale  # [T, r, S]
-            if mask is not None:
-                scores = np.where(mask[:, None, :], -np.inf, scores)
-            probs = softmax(scores).reshape(T * r, end)
-            attended[:, local_heads, :] = (probs @ self.cache_v[:end, j]).reshape(T, r, hd)
+            qj = q[:, local_heads, :][None]  # [1, T, r, hd]
+            out = causal_attention(qj, self.cache_k[None, :, j].transpose(0, 2, 1), self.cache_v[None, :, j], start_pos)
+            attended[:, local_heads, :] = out[0]
         return attended.reshape(T, -1)
 
     def fill(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> None:

@@ -19,10 +19,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    e = np.exp(x)
-    return e / e.sum(axis=-1, keepdims=True)
+def softmax(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Over the last axis: minus the max, exp, over the sum (out=x: in place, no temporaries as large as x)."""
+    out = np.subtract(x, x.max(axis=-1, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= out.sum(axis=-1, keepdims=True)
+    return out
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -191,3 +191,23 @@ def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights, monkeyp
     x = rng.standard_normal((4, c.dim)).astype(np.float32)
     assert graph.graph is not None
     assert relative_error(graph.forward(x), steps.forward(x)) <= 1e-4
+
+
+@pytest.mark.parametrize("start_pos, tokens", [(0, 150), (10, 64), (37, 1)])
+def test_causal_attention_in_query_chunks_is_the_whole_masked_softmax(start_pos, tokens):
+    """A prompt attends 64 queries at a time (QUERY_CHUNK) over only the keys up to each chunk's end: the same as scoring
+    every query against every key and masking the later ones (several chunks, a cached prefix, one token)."""
+    from halo.neuron_groups import causal_attention
+
+    rng = np.random.default_rng(start_pos + tokens)
+    G, r, hd, S = 2, 3, 16, start_pos + tokens + 5  # the cache holds 5 positions past the last query's
+    q = rng.standard_normal((G, tokens, r, hd)).astype(np.float32)
+    keys = rng.standard_normal((G, hd, S)).astype(np.float32)
+    values = rng.standard_normal((G, S, hd)).astype(np.float32)
+    got = causal_attention(q, keys, values, start_pos)
+    scores = np.einsum("gtrd,gds->gtrs", q.astype(np.float64), keys) / np.sqrt(hd)
+    later = np.arange(S)[None, :] > (start_pos + np.arange(tokens))[:, None]
+    scores[:, later[:, None, :].repeat(r, axis=1)] = -np.inf
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    want = np.einsum("gtrs,gsd->gtrd", probs / probs.sum(axis=-1, keepdims=True), values)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
