@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,9 @@ def render(result: dict) -> list[str]:
              f"Command: `{result['command']}`. {result['threads']} BLAS thread(s); a fresh process a run, one forward "
              f"pass from position 0 over the first N tokens of {result['text'] or 'random token ids'} for each length "
              f"N; the median of {result['runs']} interleaved runs (every run in parentheses). Each setup's halo: "
-             + ", ".join(f"{name} `{where}`" for name, where in result["halo"].items()) + ".", "",
+             + ", ".join(f"{name} `{where}`" for name, where in result["halo"].items()) + "."
+             + (" **Both ran the same halo: this compares nothing.**" if len(set(result["halo"].values())) < len(setups)
+                else ""), "",
              "| prompt tokens | " + " | ".join(f"{s} s" for s in setups) + " | "
              + " | ".join(f"{s} ms a token" for s in setups) + (" | baseline / this |" if len(setups) > 1 else " |"),
              "|---" * (1 + 2 * len(setups) + (len(setups) > 1)) + "|"]
@@ -113,21 +116,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.lengths or min(args.lengths) < 1 or args.runs < 1 or args.threads < 1:
         raise SystemExit("--lengths: prompt lengths of 1 or more; --runs and --threads: 1 or more")
-    model = str(model_file(args.model))
-    ids = Path(tempfile.mkdtemp(prefix="halo-prefill-")) / "prompt.npy"
-    np.save(ids, prompt_ids(model, args.text, max(args.lengths)))
-    setups = {"this": sys.executable, **({"baseline": args.baseline_python} if args.baseline_python else {})}
+    model = str(Path(model_file(args.model)).resolve())  # absolute: the workers run elsewhere
+    setups = {"this": sys.executable}
+    if args.baseline_python:
+        setups["baseline"] = shutil.which(args.baseline_python) or str(Path(args.baseline_python).resolve())
     runs, halo = {name: [] for name in setups}, {}
-    for run in range(args.runs):
-        for name, python in setups.items():
-            report = run_worker(python, model, args.lengths, ids, args.threads, args.timeout)
-            runs[name].append(report["seconds"])
-            halo[name] = str(Path(report["halo"]).parent)  # which halo the interpreter ran: the two must differ
-            print(f"run {run + 1}/{args.runs} {name} (halo in {halo[name]}): {report['seconds']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="halo-prefill-") as work:
+        ids = Path(work) / "prompt.npy"
+        np.save(ids, prompt_ids(model, args.text, max(args.lengths)))
+        for run in range(args.runs):
+            for name, python in setups.items():
+                report = run_worker(python, model, args.lengths, ids, args.threads, args.timeout)
+                runs[name].append(report["seconds"])
+                halo[name] = str(Path(report["halo"]).parent)  # which halo the interpreter ran
+                print(f"run {run + 1}/{args.runs} {name} (halo in {halo[name]}): {report['seconds']}", flush=True)
     result = {"command": command_line("halo.eval.bench_prefill", argv if argv is not None else sys.argv[1:]),
               "model": model, "lengths": args.lengths, "runs": args.runs, "threads": args.threads, "text": args.text,
-              "setups": list(setups), "halo": halo,
-              "pythons": setups, "runs_by_setup": runs}
+              "setups": list(setups), "halo": halo, "pythons": setups, "runs_by_setup": runs}
     write_report(args.out, args.name, result, render(result))
     return 0
 

@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,6 +40,11 @@ CONTEXT = 256
 FLOATS_PER_DATAGRAM = 350  # 1,400 bytes of payload: one Ethernet frame, as halo's chunks
 HEADER = 6  # round number (4 bytes) and chunk index (2)
 AGENT_WAIT_S = 120.0  # an agent whose master went quiet this long exits (a master killed mid-run)
+STOP_ROUND = 0xFFFFFFFF  # a datagram of this round number ends an agent
+
+
+class Stopped(Exception):
+    """The master said stop (STOP_ROUND)."""
 
 
 def model_file(name: str) -> Path:
@@ -61,19 +67,35 @@ def send_vector(sock: socket.socket, to, round_no: int, vector: np.ndarray) -> N
 
 def receive_vectors(sock: socket.socket, round_no: int, into: dict, timeout_s: float) -> None:
     """Fill into[sender address] (float32 [D]) with that sender's vector of round_no; datagrams of other rounds
-    (none on loopback without loss) are skipped."""
+    (none on loopback without loss) are skipped. Raises Stopped on a STOP_ROUND datagram from one of them."""
     width = next(iter(into.values())).size
     waiting = -(-width // FLOATS_PER_DATAGRAM) * len(into)
     buffer = bytearray(HEADER + 4 * FLOATS_PER_DATAGRAM)
     sock.settimeout(timeout_s)
     while waiting:
         size, sender = sock.recvfrom_into(buffer)
-        if int.from_bytes(buffer[:4], "little") != round_no or sender not in into:
+        got = int.from_bytes(buffer[:4], "little")
+        if got == STOP_ROUND and sender in into:
+            raise Stopped
+        if got != round_no or sender not in into:
             continue
         start = int.from_bytes(buffer[4:6], "little") * FLOATS_PER_DATAGRAM
         count = (size - HEADER) // 4
         into[sender][start:start + count] = np.frombuffer(buffer, np.float32, count, HEADER)
         waiting -= 1
+
+
+def in_child(work) -> None:
+    """A forked child's whole life: work(), its traceback on stderr if it fails, then exit (never return into the
+    parent's code)."""
+    code = 1
+    try:
+        work()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 def udp_socket() -> socket.socket:
@@ -103,34 +125,34 @@ class MinimalTensorParallel:
         layers = range(self.config.n_layers)
         self.socks = [udp_socket() for _ in range(agents + 1)]
         self.addresses = [s.getsockname() for s in self.socks]
-        self.pids = []
-        for i in range(1, agents + 1):
-            pid = os.fork()
-            if pid == 0:  # the agent: builds its share, serves rounds until told to stop, never returns
-                code = 1
-                try:
-                    self._serve([MlpShard(weights.layers[l], layout, shares[i], fmt="native") for l in layers], i)
-                    code = 0
-                finally:
-                    os._exit(code)
-            self.pids.append(pid)
-        self.attention = [AttentionShard(weights.layers[l], layout, range(layout.n_heads), CONTEXT, fmt="native")
-                          for l in layers]
-        self.mlp = [MlpShard(weights.layers[l], layout, shares[0], fmt="native") for l in layers]
-        self.lm_head = LmHeadShard(weights.lm_head, layout, range(layout.n_vocab_groups), fmt="native")
-        self.rotary = Rotary(self.config, CONTEXT)
-        self.partials = {a: np.empty(self.config.dim, np.float32) for a in self.addresses[1:]}
-        self.round_no, self.pos = 0, 0
+        self.pids, self.round_no, self.pos = [], 0, 0
+        try:
+            for i in range(1, agents + 1):
+                pid = os.fork()
+                if pid == 0:  # the agent: builds its share, serves rounds until told to stop, never returns
+                    in_child(lambda i=i: self._serve([MlpShard(weights.layers[l], layout, shares[i], fmt="native")
+                                                      for l in layers], i))
+                self.pids.append(pid)
+            self.attention = [AttentionShard(weights.layers[l], layout, range(layout.n_heads), CONTEXT, fmt="native")
+                              for l in layers]
+            self.mlp = [MlpShard(weights.layers[l], layout, shares[0], fmt="native") for l in layers]
+            self.lm_head = LmHeadShard(weights.lm_head, layout, range(layout.n_vocab_groups), fmt="native")
+            self.rotary = Rotary(self.config, CONTEXT)
+            self.partials = {a: np.empty(self.config.dim, np.float32) for a in self.addresses[1:]}
+        except BaseException:
+            self.close()  # the agents forked so far must not outlive us
+            raise
 
     def _serve(self, mlp: list, i: int) -> None:
-        """Round r is layer (r - 1) mod L: every decode step syncs each layer once, in order. A NaN input ends it."""
+        """Round r is layer (r - 1) mod L: every decode step syncs each layer once, in order; until told to stop."""
         sock, master = self.socks[i], self.addresses[0]
         x = np.empty(self.config.dim, np.float32)
         eps, round_no = self.config.norm_eps, 0
         while True:
             round_no += 1
-            receive_vectors(sock, round_no, {master: x}, AGENT_WAIT_S)
-            if np.isnan(x[0]):
+            try:
+                receive_vectors(sock, round_no, {master: x}, AGENT_WAIT_S)
+            except Stopped:
                 return
             layer = (round_no - 1) % self.config.n_layers
             send_vector(sock, master, round_no, mlp[layer].step(x[None], self.weights.layers[layer].mlp_norm, eps)[0])
@@ -165,9 +187,8 @@ class MinimalTensorParallel:
         self.close()
 
     def close(self) -> None:
-        stop = np.full(self.config.dim, np.nan, np.float32)
         for address in self.addresses[1:]:
-            send_vector(self.socks[0], address, self.round_no + 1, stop)
+            self.socks[0].sendto(STOP_ROUND.to_bytes(4, "little") + bytes(2), address)
         deadline = time.monotonic() + 10.0
         for pid in self.pids:
             while os.waitpid(pid, os.WNOHANG) == (0, 0):
@@ -206,17 +227,27 @@ def mlp_half_us(weights, seconds: float, together: bool) -> list[float]:
     (ready_r, ready_w), (go_r, go_w), (result_r, result_w) = os.pipe(), os.pipe(), os.pipe()
     pid = os.fork()
     if pid == 0:  # both processes build their half, then start at once
-        code = 1
-        try:
-            os.write(result_w, repr(loop(1, lambda: (os.write(ready_w, b"r"), os.read(go_r, 1)))).encode())
-            code = 0
-        finally:
-            os._exit(code)
+        for fd in (ready_r, go_w, result_r):
+            os.close(fd)
+        in_child(lambda: os.write(result_w, repr(loop(1, lambda: (os.write(ready_w, b"r"), os.read(go_r, 1))))
+                                  .encode()))
+    for fd in (ready_w, go_r, result_w):  # ours closed: a child that dies reads as end of file, not a hang
+        os.close(fd)
     try:
-        mine = loop(0, lambda: (os.read(ready_r, 1), os.write(go_w, b"g")))
+        def start_together():
+            if not os.read(ready_r, 1):
+                raise SystemExit("the bandwidth loop's second process failed (its traceback is above)")
+            os.write(go_w, b"g")
+
+        mine = loop(0, start_together)
+        theirs = os.read(result_r, 64)
+        if not theirs:
+            raise SystemExit("the bandwidth loop's second process failed (its traceback is above)")
+        return [mine, float(theirs)]
     finally:
+        for fd in (ready_r, go_w, result_r):
+            os.close(fd)
         os.waitpid(pid, 0)
-    return [mine, float(os.read(result_r, 64))]
 
 
 @contextmanager
@@ -240,6 +271,12 @@ def halo_cluster(weights, path: Path, agents: int):
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------
+def same_start(a: list, b: list) -> bool:
+    """Whether two generations agree as far as both went (a run the time limit stopped early is shorter)."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
 def bench(args) -> dict:
     from halo.loader import load_weights
     from halo.model import Transformer
@@ -254,7 +291,7 @@ def bench(args) -> dict:
         result = decode(model, args.tokens, args.time_limit)
         if reference is None:
             reference = result["tokens"]
-        elif result["tokens"] != reference:
+        elif not same_start(result["tokens"], reference):
             raise SystemExit(f"{name} generated other tokens than halo's single process: the minimal TP math is wrong")
         ms = result["ms_per_token"]
         rows.append({"agents": agents, "plr": 0.0, "sync": name, "run": run, "tokens": len(ms),

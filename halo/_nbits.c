@@ -775,7 +775,7 @@ CLONES static void attend_heads(const float *const *q, Py_ssize_t n, const float
             continue;
         }
         if (end - t < ATTEND_TILE)  /* the last tile's missing rows score 0, unused */
-            memset(kt, 0, sizeof kt);
+            memset(kt, 0, (size_t)(hd * ATTEND_TILE) * sizeof(float));
         for (Py_ssize_t s = t; s < end; s++) {
             const float *k = keys + s * stride;
             for (Py_ssize_t d = 0; d < hd; d++)
@@ -952,7 +952,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                     if (kv_of_head[i] != j)
                         continue;
                     qs[n] = q + i * hd, outs[n] = attended + i * hd;
-                    if (++n == ATTEND_HEADS_MAX || i == heads - 1) {
+                    if (++n == ATTEND_HEADS_MAX) {
                         attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores, outs);
                         n = 0;
                     }

@@ -4,6 +4,7 @@ largest difference of their outputs (here the build against itself: none)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -19,9 +20,12 @@ SMALL = {**TINYLLAMA_1_1B, "hidden_size": 256, "intermediate_size": 512, "num_hi
 def test_the_benchmark_times_both_builds_and_reports_their_difference(tmp_path):
     from halo import _nbits
 
-    model = tmp_path / "small.gguf"
+    model, baseline = tmp_path / "small.gguf", tmp_path / "baseline_nbits.so"
     write_random_gguf(model, SMALL, "Q4_0")
-    argv = ["--model", str(model), "--positions", "5,70", "--baseline", _nbits.__file__, "--runs", "2",
+    shutil.copy(_nbits.__file__, baseline)  # another file of the same build: the same bits, a module of its own
+    loaded = bench_attention_step.load_build(str(baseline))
+    assert loaded is not _nbits and loaded.__file__ == str(baseline)
+    argv = ["--model", str(model), "--positions", "5,70", "--baseline", str(baseline), "--runs", "2",
             "--repeats", "1", "--out", str(tmp_path), "--name", "att"]
     assert bench_attention_step.main(argv) == 0
     result = json.loads((tmp_path / "att.json").read_text())

@@ -22,8 +22,9 @@ def small_gguf(tmp_path_factory):
     return path
 
 
-def test_prompts_are_timed_in_workers_beside_the_baseline(small_gguf, tmp_path):
-    argv = ["--model", str(small_gguf), "--text", "", "--lengths", "3,70", "--runs", "1", "--baseline-python",
+def test_prompts_are_timed_in_workers_beside_the_baseline(small_gguf, tmp_path, monkeypatch):
+    monkeypatch.chdir(small_gguf.parent)  # a relative --model: the workers run in a directory of their own
+    argv = ["--model", small_gguf.name, "--text", "", "--lengths", "3,70", "--runs", "1", "--baseline-python",
             sys.executable, "--out", str(tmp_path), "--name", "prefill"]
     assert bench_prefill.main(argv) == 0
     result = json.loads((tmp_path / "prefill.json").read_text())
@@ -32,6 +33,7 @@ def test_prompts_are_timed_in_workers_beside_the_baseline(small_gguf, tmp_path):
         assert len(runs) == 1 and set(runs[0]) == {"3", "70"} and all(s > 0 for s in runs[0].values())
     table = (tmp_path / "prefill.md").read_text()
     assert "| 70 |" in table and "baseline / this" in table
+    assert "Both ran the same halo: this compares nothing" in table  # the same interpreter on both sides
 
 
 def test_a_text_shorter_than_the_longest_prompt_is_refused(small_gguf, tmp_path):

@@ -51,3 +51,44 @@ def test_a_wrong_partial_is_caught_as_other_tokens(small_gguf, tmp_path, monkeyp
 def test_arguments_are_refused_before_anything_loads(argv, message):
     with pytest.raises(SystemExit, match=message):
         bench_round_floor.main(argv + ["--model", "/nonexistent"])
+
+
+def test_agents_do_not_outlive_a_master_that_fails_to_build(small_gguf, monkeypatch):
+    from halo import neuron_groups
+    from halo.loader import load_weights
+
+    forked, fork = [], bench_round_floor.os.fork
+
+    def recording_fork():
+        pid = fork()
+        if pid:
+            forked.append(pid)
+        return pid
+
+    def failing_lm_head(*_args, **_kwargs):
+        raise MemoryError("no room for the LM head")
+
+    monkeypatch.setattr(bench_round_floor.os, "fork", recording_fork)
+    monkeypatch.setattr(neuron_groups, "LmHeadShard", failing_lm_head)
+    with pytest.raises(MemoryError):
+        bench_round_floor.MinimalTensorParallel(load_weights(small_gguf), 2)
+    assert len(forked) == 2
+    for pid in forked:  # told to stop and reaped by the failing constructor
+        with pytest.raises(ChildProcessError):
+            bench_round_floor.os.waitpid(pid, bench_round_floor.os.WNOHANG)
+
+
+def test_a_bandwidth_loop_whose_second_process_fails_is_reported_not_awaited(small_gguf, monkeypatch):
+    from halo import neuron_groups
+    from halo.loader import load_weights
+
+    parent, shard = bench_round_floor.os.getpid(), neuron_groups.MlpShard
+
+    def fails_in_the_child(*args, **kwargs):
+        if bench_round_floor.os.getpid() != parent:
+            raise MemoryError("the second process ran out of memory")
+        return shard(*args, **kwargs)
+
+    monkeypatch.setattr(neuron_groups, "MlpShard", fails_in_the_child)
+    with pytest.raises(SystemExit, match="second process failed"):
+        bench_round_floor.mlp_half_us(load_weights(small_gguf), 0.05, together=True)

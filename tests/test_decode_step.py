@@ -184,15 +184,20 @@ def test_a_step_refuses_what_does_not_fit(weights):
 
 
 @needs_c
-@pytest.mark.parametrize("heads", [list(range(10)), list(range(9)), [1, 3, 4, 9]])
-def test_an_attention_step_over_a_long_cache_is_the_numpy_path(tmp_path, heads):
+@pytest.mark.parametrize("shape, heads", [((10, 1, 640), list(range(10))), ((10, 1, 640), list(range(9))),
+                                          ((10, 1, 640), [1, 3, 4, 9]), ((4, 2, 384), [0, 1, 2, 3]),
+                                          ((2, 1, 576), [0, 1])])
+def test_an_attention_step_over_a_long_cache_is_the_numpy_path(tmp_path, shape, heads):
     """Past several of the kernel's cache tiles (32 positions), with more query heads on one KV head than it takes
-    in one call (8), in 64-wide heads (its register span): the same output as numpy's."""
-    weights = load_weights(tiny_gguf(tmp_path / "long.gguf", "Q8_0", seed=5, num_attention_heads=10,
-                                     num_key_value_heads=1, hidden_size=640))
+    in one call (8), in 64-wide heads (its register span), 96-wide ones (a span and a part) and 288-wide ones (wider
+    than a tile transposes: a dot a score): the same output as numpy's."""
+    n_heads, n_kv, dim = shape
+    weights = load_weights(tiny_gguf(tmp_path / "long.gguf", "Q8_0", seed=5, num_attention_heads=n_heads,
+                                     num_key_value_heads=n_kv, hidden_size=dim))
     c, context = weights.config, 80
     layout, rotary, layer = GroupLayout.for_model(c), Rotary(c, context), weights.layers[0]
     stepped, reference = (AttentionShard(layer, layout, heads, context, "native") for _ in range(2))
+    assert stepped.fused and layout.head_dim == dim // n_heads
     rng = np.random.default_rng(7)
     x = rng.standard_normal((context, c.dim)).astype(np.float32)
     norm = np.array(layer.attn_norm)
