@@ -186,11 +186,13 @@ def test_a_step_refuses_what_does_not_fit(weights):
 @needs_c
 @pytest.mark.parametrize("shape, heads", [((10, 1, 640), list(range(10))), ((10, 1, 640), list(range(9))),
                                           ((10, 1, 640), [1, 3, 4, 9]), ((4, 2, 384), [0, 1, 2, 3]),
-                                          ((2, 1, 576), [0, 1])])
+                                          ((2, 1, 576), [0, 1]), ((10, 2, 640), [0, 5, 1, 6, 2, 7, 3, 8, 4, 9]),
+                                          ((12, 1, 768), [11, 0, 10, 1, 9, 2, 8, 3, 7, 4, 6, 5])])
 def test_an_attention_step_over_a_long_cache_is_the_numpy_path(tmp_path, shape, heads):
     """Past several of the kernel's cache tiles (32 positions), with more query heads on one KV head than it takes
     in one call (8), in 64-wide heads (its register span), 96-wide ones (a span and a part) and 288-wide ones (wider
-    than a tile transposes: a dot a score): the same output as numpy's."""
+    than a tile transposes: a dot a score), and with a shard's heads in any order (their KV heads interleaved): the
+    same output as numpy's."""
     n_heads, n_kv, dim = shape
     weights = load_weights(tiny_gguf(tmp_path / "long.gguf", "Q8_0", seed=5, num_attention_heads=n_heads,
                                      num_key_value_heads=n_kv, hidden_size=dim))
