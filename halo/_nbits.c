@@ -752,6 +752,47 @@ typedef float f32x16 __attribute__((vector_size(64)));  /* 16 floats: one AVX-51
 typedef float f32x16_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
 #define FLOATS16(p) (*(const f32x16_unaligned *)(p))  /* 16 floats from any float address */
 
+/* 16 rows of 16 floats (row r at src + r * src_stride) transposed into dst (row d at dst + d * dst_stride): four
+ * rounds of interleaving row pairs (i, i + b) by blocks of b = 8, 4, 2, 1 floats, 64 vector shuffles where one move
+ * a float took 256 loads and stores (most of an attention step with 3 query heads a KV head). Where the compiler has
+ * no __builtin_shufflevector (GCC < 12), the tile is moved a float at a time. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define TRANSPOSE16_IN_VECTORS 1
+#define INTERLEAVE(b, lo0, hi0)                                                                                        \
+    for (int i = 0; i < 16; i++)                                                                                     \
+        if (!(i & b)) {                                                                                              \
+            const f32x16 x = r[i], y = r[i + b];                                                                     \
+            r[i] = __builtin_shufflevector(x, y, lo0);                                                               \
+            r[i + b] = __builtin_shufflevector(x, y, hi0);                                                           \
+        }
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static inline void transpose16(const float *src, Py_ssize_t src_stride, float *dst, Py_ssize_t dst_stride)
+{
+    f32x16 r[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = FLOATS16(src + i * src_stride);
+    INTERLEAVE(8, LO8, HI8)
+    INTERLEAVE(4, LO4, HI4)
+    INTERLEAVE(2, LO2, HI2)
+    INTERLEAVE(1, LO1, HI1)
+    for (int i = 0; i < 16; i++)
+        memcpy(dst + i * dst_stride, &r[i], sizeof r[i]);
+}
+#else
+#define TRANSPOSE16_IN_VECTORS 0
+static inline void transpose16(const float *src, Py_ssize_t src_stride, float *dst, Py_ssize_t dst_stride)
+{
+    (void)src, (void)src_stride, (void)dst, (void)dst_stride;
+}
+#endif
+
 /* Query heads q[0..n-1] [hd] (rotated) that read the same KV head (GQA: 8 of TinyLlama's 32 share each), over
  * positions 0..len-1 of its cache rows (stride floats apart) -> out[h] [hd]; scores [n * len] scratch. The cache is
  * walked in tiles of ATTEND_TILE positions that all n heads use while the tile sits in L1: its keys transposed once,
@@ -774,12 +815,18 @@ CLONES static void attend_heads(const float *const *q, Py_ssize_t n, const float
                     scores[h * len + s] = dot(q[h], keys + s * stride, hd) * scale;
             continue;
         }
-        if (end - t < ATTEND_TILE)  /* the last tile's missing rows score 0, unused */
-            memset(kt, 0, (size_t)(hd * ATTEND_TILE) * sizeof(float));
-        for (Py_ssize_t s = t; s < end; s++) {
-            const float *k = keys + s * stride;
-            for (Py_ssize_t d = 0; d < hd; d++)
-                kt[d * ATTEND_TILE + (s - t)] = k[d];
+        if (end - t == ATTEND_TILE && hd % 16 == 0 && TRANSPOSE16_IN_VECTORS) {  /* whole 16 x 16 blocks */
+            for (Py_ssize_t s = 0; s < ATTEND_TILE; s += 16)
+                for (Py_ssize_t d = 0; d < hd; d += 16)
+                    transpose16(keys + (t + s) * stride + d, stride, kt + d * ATTEND_TILE + s, ATTEND_TILE);
+        } else {
+            if (end - t < ATTEND_TILE)  /* the last tile's missing rows score 0, unused */
+                memset(kt, 0, (size_t)(hd * ATTEND_TILE) * sizeof(float));
+            for (Py_ssize_t s = t; s < end; s++) {
+                const float *k = keys + s * stride;
+                for (Py_ssize_t d = 0; d < hd; d++)
+                    kt[d * ATTEND_TILE + (s - t)] = k[d];
+            }
         }
         for (Py_ssize_t h = 0; h < n; h++) {  /* a tile's scores side by side: the dims in 4 interleaved sums */
             f32x16 acc[4][ATTEND_TILE / 16] = {{{0}}};
