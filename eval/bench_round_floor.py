@@ -14,6 +14,9 @@ Two measurements, with halo's own C kernels and nothing of its runtime:
    NACKs, deadlines, statistics or event loop: what halo's rounds do for a lossy, hostile network costs time
    this floor leaves out. Against the same minimal loop in one process, against halo's single process, and
    beside halo's own cluster on the same loopback (`exact`, same plan) in the same run.
+3. The same minimal decode with its rounds compiled (eval/round_floor.c, built here with the machine's C compiler:
+   an agent's whole life and each of the master's MLP rounds one C call): what a round costs when none of it is
+   interpreted. Skipped, and said so, where no compiler or kernel source is at hand.
 
 Greedy from the speed benchmark's prompt; the tokens of every row must be the single process's (the run
 fails otherwise). Writes eval/results/NAME.{json,md}.
@@ -25,7 +28,9 @@ import argparse
 import os
 import signal
 import socket
+import struct
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -180,7 +185,7 @@ class MinimalTensorParallel:
                 out = out + self.partials[address]
         return out
 
-    def __enter__(self) -> "MinimalTensorParallel":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,14 +194,117 @@ class MinimalTensorParallel:
     def close(self) -> None:
         for address in self.addresses[1:]:
             self.socks[0].sendto(STOP_ROUND.to_bytes(4, "little") + bytes(2), address)
-        deadline = time.monotonic() + 10.0
-        for pid in self.pids:
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
-                if time.monotonic() > deadline:  # it missed the stop (it cannot, on loopback): end it
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.01)
+        reap(self.pids)
+        for sock in self.socks:
+            sock.close()
+
+
+def reap(pids: list[int]) -> None:
+    """Wait for forked agents told to stop; one that has not within 10 s (it cannot miss a stop on loopback) is
+    killed."""
+    deadline = time.monotonic() + 10.0
+    for pid in pids:
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+            time.sleep(0.01)
+
+
+# ---- the compiled floor ---------------------------------------------------------------------------------
+def build_compiled_floor(into: Path):
+    """eval/round_floor.c built against the kernel's source (halo/_nbits.c) into `into`, loaded: the module, or the
+    reason it could not be (no compiler, no source beside this file, a failed build)."""
+    import importlib.machinery
+    import importlib.util
+    import shutil
+    import subprocess
+    import sysconfig
+
+    here = Path(__file__).resolve().parent
+    source = here / "round_floor.c"
+    kernel = next((p for p in (here.parent / "halo" / "_nbits.c", here.parent / "_nbits.c") if p.exists()), None)
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not source.exists() or kernel is None:
+        return "eval/round_floor.c or halo/_nbits.c is not beside this file (run it from a checkout)"
+    if shutil.which(compiler) is None:
+        return f"no C compiler ({compiler}) on this machine"
+    target = into / ("_round_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
+    command = [compiler, "-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+               f"-I{kernel.parent}", str(source), "-o", str(target)]
+    built = subprocess.run(command, capture_output=True, text=True)
+    if built.returncode != 0:
+        return f"building eval/round_floor.c failed: {built.stderr[-400:]}"
+    loader = importlib.machinery.ExtensionFileLoader("_round_floor", str(target))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_round_floor", loader))
+    loader.exec_module(module)
+    return module
+
+
+def connected_pair(timeout_s: float) -> tuple[socket.socket, socket.socket]:
+    """Two blocking loopback UDP sockets connected to each other (receives time out after timeout_s)."""
+    a, b = udp_socket(), udp_socket()
+    for sock, other in ((a, b), (b, a)):
+        sock.connect(other.getsockname())
+        sock.setblocking(True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout_s), 0))
+    return a, b
+
+
+class CompiledTensorParallel(MinimalTensorParallel):
+    """MinimalTensorParallel with its rounds in C (`floor`: build_compiled_floor's module): each agent serves every
+    round in one call; the master's attention and LM head as before, each MLP round one call."""
+
+    def __init__(self, weights, agents: int, floor, timeout_s: float = 30.0):
+        from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+        from halo.ops import Rotary
+
+        self.weights, self.config, self.floor = weights, weights.config, floor
+        layout = GroupLayout.for_model(self.config)
+        shares = mlp_shares(layout.n_mlp_groups, agents + 1)
+        layers = range(self.config.n_layers)
+        pairs = [connected_pair(timeout_s) for _ in range(agents)]
+        self.socks, self.pids, self.round_no, self.pos = [m for m, _ in pairs], [], 0, 0
+        try:
+            for i, (_, theirs) in enumerate(pairs, start=1):
+                pid = os.fork()
+                if pid == 0:
+                    in_child(lambda i=i, theirs=theirs: self._serve_compiled(
+                        [MlpShard(weights.layers[l], layout, shares[i], fmt="native") for l in layers], theirs))
+                self.pids.append(pid)
+            for _, theirs in pairs:
+                theirs.close()
+            self.attention = [AttentionShard(weights.layers[l], layout, range(layout.n_heads), CONTEXT, fmt="native")
+                              for l in layers]
+            self.mlp = [MlpShard(weights.layers[l], layout, shares[0], fmt="native") for l in layers]
+            self.lm_head = LmHeadShard(weights.lm_head, layout, range(layout.n_vocab_groups), fmt="native")
+            self.rotary = Rotary(self.config, CONTEXT)
+            self.fds = tuple(sock.fileno() for sock in self.socks)
+        except BaseException:
+            self.close()
+            raise
+
+    def _serve_compiled(self, mlp: list, sock: socket.socket) -> None:
+        norms = [layer.mlp_norm for layer in self.weights.layers]
+        if self.floor.serve(sock.fileno(), [[shard.step_weights] for shard in mlp], norms, self.config.norm_eps,
+                            self.config.dim) != 0:
+            raise SystemExit("a compiled agent's rounds failed (its master went quiet for the socket timeout)")
+
+    def _mlp(self, l: int, x: np.ndarray) -> np.ndarray:
+        self.round_no += 1
+        y = np.empty((1, self.config.dim), np.float32)
+        self.floor.round(self.fds, self.round_no, np.ascontiguousarray(x, np.float32), self.weights.layers[l].mlp_norm,
+                         self.config.norm_eps, [self.mlp[l].step_weights], y)
+        return y
+
+    def close(self) -> None:
+        for sock in self.socks:
+            try:
+                sock.send(STOP_ROUND.to_bytes(4, "little") + bytes(2))
+            except OSError:
+                pass  # that agent is gone already
+        reap(self.pids)
         for sock in self.socks:
             sock.close()
 
@@ -298,20 +406,28 @@ def bench(args) -> dict:
                      "ms_mean": float(np.mean(ms))})
         print(f"run {run + 1}/{args.runs}: {name}: {np.mean(ms):.1f} ms/token", flush=True)
 
-    bandwidth = []
+    bandwidth, build = [], tempfile.TemporaryDirectory(prefix="halo-round-floor-")
+    floor = build_compiled_floor(Path(build.name))
+    if isinstance(floor, str):
+        print(f"no compiled rows: {floor}", flush=True)
     for run in range(args.runs):
         timed("halo single process", Transformer(weights, fmt="native", max_seq_len=CONTEXT), run)
         for agents in (0, *args.agents):
             with MinimalTensorParallel(weights, agents) as model:
                 timed(f"minimal, master + {agents}" if agents else "minimal, one process", model, run, agents)
+        for agents in args.agents if not isinstance(floor, str) else ():
+            with CompiledTensorParallel(weights, agents, floor) as model:
+                timed(f"compiled minimal, master + {agents}", model, run, agents)
         with halo_cluster(weights, path, max(args.agents)) as model:
             timed(f"halo exact, master + {max(args.agents)}", model, run, max(args.agents))
         alone, together = mlp_half_us(weights, args.seconds, False), mlp_half_us(weights, args.seconds, True)
         bandwidth.append({"run": run, "alone_us": alone, "together_us": together})
         print(f"run {run + 1}/{args.runs}: half MLP alone {np.mean(alone):.0f}, together {np.mean(together):.0f} "
               "us/layer", flush=True)
+    build.cleanup()
     return {"command": command_line("halo.eval.bench_round_floor", args.argv), "model": str(path),
-            "tokens": args.tokens, "runs": args.runs, "rows": rows, "bandwidth": bandwidth}
+            "tokens": args.tokens, "runs": args.runs, "rows": rows, "bandwidth": bandwidth,
+            "compiled": "built" if not isinstance(floor, str) else floor}
 
 
 def render(result: dict) -> list[str]:
@@ -335,6 +451,10 @@ def render(result: dict) -> list[str]:
     for setup, value in ms.items():
         cells = ", ".join(f"{v:.1f}" for v in runs[setup])
         lines.append(f"| {setup} | {value:.1f} ({cells}) | {value / minimal:.2f}x | {value / single:.2f}x |")
+    compiled = result.get("compiled", "built")
+    lines += ["", "`minimal` rows run their rounds in Python (numpy and socket calls around one C kernel call a device); "
+              "`compiled minimal` rows the same rounds in C (eval/round_floor.c)" + (
+                  "." if compiled == "built" else f": not run here ({compiled}).")]
     return lines
 
 

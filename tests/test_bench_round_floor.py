@@ -27,13 +27,38 @@ def test_minimal_tp_generates_the_single_process_tokens_and_the_report_reads_the
             "--out", str(tmp_path), "--name", "floor"]
     assert bench_round_floor.main(argv) == 0  # it exits with an error where any row's tokens differ
     result = json.loads((tmp_path / "floor.json").read_text())
+    compiled = ["compiled minimal, master + 1", "compiled minimal, master + 3"] if result["compiled"] == "built" else []
     assert [r["sync"] for r in result["rows"]] == ["halo single process", "minimal, one process",
-                                                   "minimal, master + 1", "minimal, master + 3",
+                                                   "minimal, master + 1", "minimal, master + 3", *compiled,
                                                    "halo exact, master + 3"]
     assert all(r["tokens"] == 8 and r["ms_mean"] > 0 for r in result["rows"])
     assert all(len(b["alone_us"]) == 2 and len(b["together_us"]) == 2 for b in result["bandwidth"])
     table = (tmp_path / "floor.md").read_text()
     assert "| minimal, master + 3 |" in table and "Two cores stream" in table
+
+
+def test_the_compiled_rounds_give_the_single_process_tokens(small_gguf, tmp_path):
+    """eval/round_floor.c built here (a checkout with a C compiler, as CI is): its rounds are the same arithmetic."""
+    from halo.eval.bench_halo_speed import decode
+    from halo.loader import load_weights
+    from halo.model import Transformer
+
+    floor = bench_round_floor.build_compiled_floor(tmp_path)
+    if isinstance(floor, str):
+        pytest.skip(f"the compiled floor cannot be built here: {floor}")
+    weights = load_weights(small_gguf)
+    single = decode(Transformer(weights, fmt="native", max_seq_len=bench_round_floor.CONTEXT), 8, 60)["tokens"]
+    for agents in (1, 3):
+        with bench_round_floor.CompiledTensorParallel(weights, agents, floor) as model:
+            assert decode(model, 8, 60)["tokens"] == single
+
+
+def test_a_compiled_floor_that_cannot_be_built_says_why(tmp_path, monkeypatch):
+    import sysconfig
+
+    config = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "no-such-cc -pthread" if name == "CC" else config(name))
+    assert "no C compiler (no-such-cc)" in bench_round_floor.build_compiled_floor(tmp_path)
 
 
 def test_a_wrong_partial_is_caught_as_other_tokens(small_gguf, tmp_path, monkeypatch):
