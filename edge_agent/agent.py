@@ -407,7 +407,7 @@ class Agent(ControlServer):
         if "udp_session" not in f:
             return
         self.udp.join(int(f["udp_session"]), node_id)
-        self.udp.segment = sync.udp_gso
+        self.udp.segment, self.udp.whole_vectors = sync.udp_gso, sync.whole_vectors
         if address and f.get("udp_port"):
             self.udp.peers[MASTER] = (address, int(f["udp_port"]))
         if sync.inject_plr:

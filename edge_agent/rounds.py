@@ -116,6 +116,10 @@ class AgentRounds:
     def poll(self) -> bool:
         """Handle the master's broadcasts that have arrived (call when the UDP socket is readable);
         True if a new one did (the session is alive even when no control message comes for minutes)."""
+        whole = self.udp.whole_vector(MASTER, self.last_epoch, self._next_in_order, wire.FLOAT32, self._resend_partial)
+        if whole is not None:  # the usual round: one whole broadcast queued, the next we need
+            self._answer(*whole)
+            return True
         pending = self.udp.pending_epochs(MASTER, self.last_epoch, 0.0, on_stale=self._resend_partial)
         if not pending:
             return False
@@ -149,15 +153,26 @@ class AgentRounds:
         if not result.complete:  # the master moved on (or went quiet): nothing to answer
             self.served["broadcasts_incomplete"] += 1
             return False
+        self._answer(epoch, result.values[MASTER])
+        return True
+
+    def _next_in_order(self, epoch: int) -> bool:
+        """Whether poll() would serve this broadcast and nothing before it: no jump of forward passes, no attention
+        input of ours skipped on the way (whole_vector takes the usual round in one step only then)."""
+        return forward_passes_between(self.last_epoch, epoch) <= MAX_FORWARD_JUMP and \
+            attention_inputs_between(self.last_epoch, epoch, self.worker.attention) == []
+
+    def _answer(self, epoch: int, values: np.ndarray) -> None:
+        """A whole broadcast read: compute our partial and send it (a malformed one is counted and ignored)."""
         try:
             if is_reply(epoch):
                 raise FramingError(f"epoch {epoch:#x} is a reply, not an input")
             point = Epoch.decode(epoch)
-            broadcast = read_broadcast(result.values[MASTER], self.worker.config.dim)
+            broadcast = read_broadcast(values, self.worker.config.dim)
         except FramingError as e:
             self.served["errors"] += 1
             log.warning("ignored a malformed broadcast (epoch %#x): %s", epoch, e)
-            return True
+            return
         self.last_epoch = max(self.last_epoch, epoch)  # only inputs we answer: a bad one must not hide a good one
         block = Block(KINDS[point.point], point.layer)
         try:
@@ -166,7 +181,6 @@ class AgentRounds:
         except HaloError as e:
             self.served["errors"] += 1
             log.warning("block refused: %s", e)
-        return True
 
     def _resend_partial(self, header: wire.Header, _address) -> None:
         """The master sent an input again that we already answered: our partial got lost (or is late);

@@ -214,10 +214,12 @@ def reap(pids: list[int]) -> None:
 
 # ---- the compiled floor ---------------------------------------------------------------------------------
 def build_compiled_floor(into: Path):
-    """eval/round_floor.c built against the kernel's source (halo/_nbits.c) into `into`, loaded: the module, or the
-    reason it could not be (no compiler, no source beside this file, a failed build)."""
+    """eval/round_floor.c built against the kernel's source (halo/_nbits.c) into `into`, loaded: the module, or why
+    it cannot be here (no compiler, no source beside this file). A failed build raises: the kernel's internals it
+    uses have changed, and round_floor.c must follow."""
     import importlib.machinery
     import importlib.util
+    import shlex
     import shutil
     import subprocess
     import sysconfig
@@ -225,30 +227,34 @@ def build_compiled_floor(into: Path):
     here = Path(__file__).resolve().parent
     source = here / "round_floor.c"
     kernel = next((p for p in (here.parent / "halo" / "_nbits.c", here.parent / "_nbits.c") if p.exists()), None)
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    compiler = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     if not source.exists() or kernel is None:
-        return "eval/round_floor.c or halo/_nbits.c is not beside this file (run it from a checkout)"
-    if shutil.which(compiler) is None:
-        return f"no C compiler ({compiler}) on this machine"
+        return (f"{source.name} or the kernel's source (_nbits.c) is missing beside {here} (the package ships both; "
+                "reinstall it)")
+    if shutil.which(compiler[0]) is None:
+        return f"no C compiler ({compiler[0]}) on this machine"
     target = into / ("_round_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
-    command = [compiler, "-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-               f"-I{kernel.parent}", str(source), "-o", str(target)]
-    built = subprocess.run(command, capture_output=True, text=True)
+    command = [*compiler, "-O3", "-ffp-contract=off", "-fopenmp", "-Werror=implicit-function-declaration", "-shared",
+               "-fPIC", f"-I{sysconfig.get_paths()['include']}", f"-I{kernel.parent}", str(source), "-o", str(target)]
+    built = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if built.returncode != 0:
-        return f"building eval/round_floor.c failed: {built.stderr[-400:]}"
+        raise RuntimeError(f"building {source} failed ({' '.join(command)}):\n{built.stderr[-2000:]}")
     loader = importlib.machinery.ExtensionFileLoader("_round_floor", str(target))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_round_floor", loader))
     loader.exec_module(module)
     return module
 
 
-def connected_pair(timeout_s: float) -> tuple[socket.socket, socket.socket]:
-    """Two blocking loopback UDP sockets connected to each other (receives time out after timeout_s)."""
+def connected_pair(timeout_s: float, other_timeout_s: float) -> tuple[socket.socket, socket.socket]:
+    """Two blocking loopback UDP sockets connected to each other (receives on each time out after its timeout)."""
     a, b = udp_socket(), udp_socket()
-    for sock, other in ((a, b), (b, a)):
+    for sock, other, timeout in ((a, b, timeout_s), (b, a, other_timeout_s)):
+        if timeout <= 0:
+            raise ValueError("socket timeouts must be positive (0 would block for ever)")
         sock.connect(other.getsockname())
         sock.setblocking(True)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(timeout_s), 0))
+        seconds = int(timeout)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, int(1e6 * (timeout - seconds))))
     return a, b
 
 
@@ -264,16 +270,18 @@ class CompiledTensorParallel(MinimalTensorParallel):
         layout = GroupLayout.for_model(self.config)
         shares = mlp_shares(layout.n_mlp_groups, agents + 1)
         layers = range(self.config.n_layers)
-        pairs = [connected_pair(timeout_s) for _ in range(agents)]
-        self.socks, self.pids, self.round_no, self.pos = [m for m, _ in pairs], [], 0, 0
+        pairs, self.socks, self.pids, self.round_no, self.pos = [], [], [], 0, 0
         try:
+            pairs += [connected_pair(timeout_s, AGENT_WAIT_S) for _ in range(agents)]
+            self.socks = [mine for mine, _ in pairs]
             for i, (_, theirs) in enumerate(pairs, start=1):
                 pid = os.fork()
-                if pid == 0:
+                if pid == 0:  # the agent keeps its own socket only: a crashed sibling's port must not stay bound
+                    for sock in [s for pair in pairs for s in pair if s is not theirs]:
+                        sock.close()
                     in_child(lambda i=i, theirs=theirs: self._serve_compiled(
                         [MlpShard(weights.layers[l], layout, shares[i], fmt="native") for l in layers], theirs))
                 self.pids.append(pid)
-            for _, theirs in pairs:
                 theirs.close()
             self.attention = [AttentionShard(weights.layers[l], layout, range(layout.n_heads), CONTEXT, fmt="native")
                               for l in layers]
@@ -283,13 +291,19 @@ class CompiledTensorParallel(MinimalTensorParallel):
             self.fds = tuple(sock.fileno() for sock in self.socks)
         except BaseException:
             self.close()
+            for _, theirs in pairs:
+                theirs.close()
             raise
 
     def _serve_compiled(self, mlp: list, sock: socket.socket) -> None:
         norms = [layer.mlp_norm for layer in self.weights.layers]
-        if self.floor.serve(sock.fileno(), [[shard.step_weights] for shard in mlp], norms, self.config.norm_eps,
-                            self.config.dim) != 0:
-            raise SystemExit("a compiled agent's rounds failed (its master went quiet for the socket timeout)")
+        result = self.floor.serve(sock.fileno(), [[shard.step_weights] for shard in mlp], norms, self.config.norm_eps,
+                                  self.config.dim)
+        if result == -2:
+            raise MemoryError("a compiled agent ran out of memory")
+        if result != 0:
+            raise SystemExit("a compiled agent's rounds failed: its socket failed or its master went quiet for "
+                             f"{AGENT_WAIT_S:.0f} s")
 
     def _mlp(self, l: int, x: np.ndarray) -> np.ndarray:
         self.round_no += 1
@@ -406,25 +420,25 @@ def bench(args) -> dict:
                      "ms_mean": float(np.mean(ms))})
         print(f"run {run + 1}/{args.runs}: {name}: {np.mean(ms):.1f} ms/token", flush=True)
 
-    bandwidth, build = [], tempfile.TemporaryDirectory(prefix="halo-round-floor-")
-    floor = build_compiled_floor(Path(build.name))
-    if isinstance(floor, str):
-        print(f"no compiled rows: {floor}", flush=True)
-    for run in range(args.runs):
-        timed("halo single process", Transformer(weights, fmt="native", max_seq_len=CONTEXT), run)
-        for agents in (0, *args.agents):
-            with MinimalTensorParallel(weights, agents) as model:
-                timed(f"minimal, master + {agents}" if agents else "minimal, one process", model, run, agents)
-        for agents in args.agents if not isinstance(floor, str) else ():
-            with CompiledTensorParallel(weights, agents, floor) as model:
-                timed(f"compiled minimal, master + {agents}", model, run, agents)
-        with halo_cluster(weights, path, max(args.agents)) as model:
-            timed(f"halo exact, master + {max(args.agents)}", model, run, max(args.agents))
-        alone, together = mlp_half_us(weights, args.seconds, False), mlp_half_us(weights, args.seconds, True)
-        bandwidth.append({"run": run, "alone_us": alone, "together_us": together})
-        print(f"run {run + 1}/{args.runs}: half MLP alone {np.mean(alone):.0f}, together {np.mean(together):.0f} "
-              "us/layer", flush=True)
-    build.cleanup()
+    bandwidth = []
+    with tempfile.TemporaryDirectory(prefix="halo-round-floor-") as build:
+        floor = build_compiled_floor(Path(build))
+        if isinstance(floor, str):
+            print(f"no compiled rows: {floor}", flush=True)
+        for run in range(args.runs):
+            timed("halo single process", Transformer(weights, fmt="native", max_seq_len=CONTEXT), run)
+            for agents in (0, *args.agents):
+                with MinimalTensorParallel(weights, agents) as model:
+                    timed(f"minimal, master + {agents}" if agents else "minimal, one process", model, run, agents)
+            for agents in args.agents if not isinstance(floor, str) else ():
+                with CompiledTensorParallel(weights, agents, floor) as model:
+                    timed(f"compiled minimal, master + {agents}", model, run, agents)
+            with halo_cluster(weights, path, max(args.agents)) as model:
+                timed(f"halo exact, master + {max(args.agents)}", model, run, max(args.agents))
+            alone, together = mlp_half_us(weights, args.seconds, False), mlp_half_us(weights, args.seconds, True)
+            bandwidth.append({"run": run, "alone_us": alone, "together_us": together})
+            print(f"run {run + 1}/{args.runs}: half MLP alone {np.mean(alone):.0f}, together {np.mean(together):.0f} "
+                  "us/layer", flush=True)
     return {"command": command_line("halo.eval.bench_round_floor", args.argv), "model": str(path),
             "tokens": args.tokens, "runs": args.runs, "rows": rows, "bandwidth": bandwidth,
             "compiled": "built" if not isinstance(floor, str) else floor}

@@ -17,6 +17,7 @@
 #undef module
 
 #include <errno.h>
+#include <limits.h>
 #include <sys/socket.h>
 
 #define FLOATS_PER_DATAGRAM 350 /* bench_round_floor.FLOATS_PER_DATAGRAM */
@@ -36,27 +37,32 @@ static int send_vector(int fd, uint32_t round, const float *v, Py_ssize_t d)
     return 0;
 }
 
-/* v [d] of round `round` from the connected peer: 0; 1: the peer said stop; -1: an error or the socket's timeout. */
+/* v [d] of round `round` from the connected peer (each chunk once): 0; 1: the peer said stop; -1: an error or the
+ * socket's timeout. */
 static int receive_vector(int fd, uint32_t round, float *v, Py_ssize_t d)
 {
-    Py_ssize_t waiting = (d + FLOATS_PER_DATAGRAM - 1) / FLOATS_PER_DATAGRAM;
+    const Py_ssize_t chunks = (d + FLOATS_PER_DATAGRAM - 1) / FLOATS_PER_DATAGRAM;
+    Py_ssize_t waiting = chunks;
     char datagram[HEADER + 4 * FLOATS_PER_DATAGRAM];
+    uint8_t got[(65536 + 7) / 8] = {0}; /* a chunk index is 16 bits */
     while (waiting) {
         const ssize_t size = recv(fd, datagram, sizeof datagram, 0);
         if (size < 0 && errno == EINTR)
             continue;
         if (size < 0)
             return -1;
-        uint32_t got;
+        uint32_t got_round;
         uint16_t index;
         if (size < HEADER)
             continue;
-        memcpy(&got, datagram, 4), memcpy(&index, datagram + 4, 2);
-        if (got == STOP_ROUND)
+        memcpy(&got_round, datagram, 4), memcpy(&index, datagram + 4, 2);
+        if (got_round == STOP_ROUND)
             return 1;
         const Py_ssize_t start = (Py_ssize_t)index * FLOATS_PER_DATAGRAM, n = (size - HEADER) / 4;
-        if (got != round || start + n > d)
+        const Py_ssize_t whole = index < chunks - 1 ? FLOATS_PER_DATAGRAM : d - start;
+        if (got_round != round || index >= chunks || n != whole || got[index / 8] & (1 << index % 8))
             continue;
+        got[index / 8] |= (uint8_t)(1 << index % 8);
         memcpy(v + start, datagram + HEADER, (size_t)(4 * n));
         waiting--;
     }
@@ -141,8 +147,8 @@ static int shares_open(Shares *s, PyObject *layers, PyObject *norms, Py_ssize_t 
     return 0;
 }
 
-/* serve(fd, layers, norms, eps, d) -> 0 (told to stop) or -1 (an error or the socket's timeout): the agent's whole
- * life: round r (from 1) is layer (r - 1) mod len(layers); without the GIL. */
+/* serve(fd, layers, norms, eps, d) -> 0 (told to stop), -1 (a socket error or its timeout) or -2 (out of memory):
+ * the agent's whole life: round r (from 1) is layer (r - 1) mod len(layers); without the GIL. */
 static PyObject *py_serve(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -160,20 +166,21 @@ static PyObject *py_serve(PyObject *self, PyObject *args)
     const int path = best_path();
     float *scratch = malloc((size_t)(2 * d + 3 * s.widest) * sizeof(float));
     float *x = malloc((size_t)d * sizeof(float)), *y = malloc((size_t)d * sizeof(float));
-    result = scratch && x && y ? 0 : -1;
+    result = scratch && x && y ? 0 : -2;
     for (uint32_t round = 1; result == 0; round++) {
         const Py_ssize_t l = (Py_ssize_t)((round - 1) % (uint32_t)s.layers);
         const int got = receive_vector(fd, round, x, d);
         if (got)
             result = got == 1 ? 1 : -1;
-        else if (mlp_share(s.weights[l], s.groups[l], s.widest, x, s.norms[l].buf, eps, d, y, scratch, path) < 0
-                 || send_vector(fd, round, y, d) < 0)
+        else if (mlp_share(s.weights[l], s.groups[l], s.widest, x, s.norms[l].buf, eps, d, y, scratch, path) < 0)
+            result = -2;
+        else if (send_vector(fd, round, y, d) < 0)
             result = -1;
     }
     free(scratch), free(x), free(y);
     Py_END_ALLOW_THREADS
     shares_close(&s);
-    return PyLong_FromLong(result == 1 ? 0 : -1);
+    return PyLong_FromLong(result == 1 ? 0 : result);
 }
 
 /* round(fds, round, x, norm, eps, groups, y): one MLP round on the master: x [d] to every agent, its own share
@@ -191,9 +198,14 @@ static PyObject *py_round(PyObject *self, PyObject *args)
     int fds[64];
     if (agents > 64)
         return PyErr_Format(PyExc_ValueError, "64 agents at most");
-    for (Py_ssize_t i = 0; i < agents; i++)
-        if ((fds[i] = PyLong_AsLong(PyTuple_GET_ITEM(fds_obj, i))) < 0 && PyErr_Occurred())
+    for (Py_ssize_t i = 0; i < agents; i++) {
+        const long fd = PyLong_AsLong(PyTuple_GET_ITEM(fds_obj, i));
+        if (fd == -1 && PyErr_Occurred())
             return NULL;
+        if (fd < 0 || fd > INT_MAX)
+            return PyErr_Format(PyExc_ValueError, "fds: file descriptors (0 to %d), not %ld", INT_MAX, fd);
+        fds[i] = (int)fd;
+    }
     Py_buffer views[3];
     int held = 0;
     if (floats(x_obj, &views[held], "x", -1, 0) < 0 || (++held, floats(y_obj, &views[held], "y", views[0].len / 4, 1) < 0)
@@ -210,10 +222,11 @@ static PyObject *py_round(PyObject *self, PyObject *args)
         Py_BEGIN_ALLOW_THREADS
         float *scratch = malloc((size_t)(2 * d + 3 * widest) * sizeof(float)), *part = malloc((size_t)d * sizeof(float));
         float *y = views[1].buf;
-        failed = scratch && part ? 0 : -1;
+        failed = scratch && part ? 0 : -3;
         for (Py_ssize_t i = 0; i < agents && !failed; i++)
             failed = send_vector(fds[i], round, views[0].buf, d);
-        failed = failed ? failed : mlp_share(w, groups, widest, views[0].buf, views[2].buf, eps, d, y, scratch, best_path());
+        if (!failed && mlp_share(w, groups, widest, views[0].buf, views[2].buf, eps, d, y, scratch, best_path()) < 0)
+            failed = -3;
         for (Py_ssize_t i = 0; i < agents && !failed; i++) {
             failed = receive_vector(fds[i], round, part, d) ? -1 : 0;
             for (Py_ssize_t j = 0; j < d && !failed; j++)
@@ -229,6 +242,8 @@ static PyObject *py_round(PyObject *self, PyObject *args)
         PyBuffer_Release(&views[i]);
     if (failed == -1)
         PyErr_SetString(PyExc_OSError, "a round's datagrams did not go out or come back (an agent failed or timed out)");
+    else if (failed == -3)
+        PyErr_NoMemory();
     if (failed)
         return NULL;
     Py_RETURN_NONE;

@@ -43,7 +43,7 @@ def test_the_compiled_rounds_give_the_single_process_tokens(small_gguf, tmp_path
     from halo.loader import load_weights
     from halo.model import Transformer
 
-    floor = bench_round_floor.build_compiled_floor(tmp_path)
+    floor = bench_round_floor.build_compiled_floor(tmp_path)  # a failed build raises: the test fails
     if isinstance(floor, str):
         pytest.skip(f"the compiled floor cannot be built here: {floor}")
     weights = load_weights(small_gguf)
@@ -54,11 +54,19 @@ def test_the_compiled_rounds_give_the_single_process_tokens(small_gguf, tmp_path
 
 
 def test_a_compiled_floor_that_cannot_be_built_says_why(tmp_path, monkeypatch):
-    import sysconfig
-
-    config = sysconfig.get_config_var
-    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "no-such-cc -pthread" if name == "CC" else config(name))
+    monkeypatch.setenv("CC", "no-such-cc -pthread")
     assert "no C compiler (no-such-cc)" in bench_round_floor.build_compiled_floor(tmp_path)
+
+
+def test_a_compiled_floor_that_fails_to_build_raises_with_the_compiler_output(tmp_path, monkeypatch):
+    """Not a skip: round_floor.c uses the kernel's internals, and a change there must show as a failure."""
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("CC", "cc -DPyInit__round_floor=(")  # a definition that breaks the build
+    with pytest.raises(RuntimeError, match="building .*round_floor.c failed"):
+        bench_round_floor.build_compiled_floor(tmp_path)
 
 
 def test_a_wrong_partial_is_caught_as_other_tokens(small_gguf, tmp_path, monkeypatch):

@@ -564,3 +564,157 @@ def test_the_c_datagram_path_is_built_wherever_a_compiler_is():
         assert endpoint.codec.state is not None  # endpoints use it by default
     finally:
         endpoint.close()
+
+
+def scrambled_traffic(seed: int, epoch: int):
+    """A seeded mess of datagrams around one gathered epoch: for peers 1 (a size the receiver knows, short last
+    chunk) and 2 (a size it learns; sometimes more chunks than an unsized Inbound holds) their data chunks shuffled,
+    some lost, some twice, P and Q per group, chunks of the epoch before (stale) and after (early), a replayed copy,
+    another dtype, a count that disagrees, a bad tag; peer 3 (not gathered) too. Returns (datagrams, expected sizes)."""
+    from halo.transport import erasure
+    from halo.transport.udp import PARITY_PREFIX
+
+    rng = np.random.default_rng(seed)
+    codec, counters, out = wire.Codec(KEY), {1: 0, 2: 0, 3: 0}, []
+    per = wire.values_per_chunk(wire.FLOAT32)
+    sizes = {1: 5 * per + 100, 2: per * int(rng.choice([4, 20])), 3: 2 * per}
+
+    def pack(peer, kind, dtype, ep, index, count, payload):
+        counters[peer] += 1
+        return codec.pack(kind, dtype, peer, SESSION, ep, counters[peer], index, count, payload)
+
+    for peer, n in sizes.items():
+        for ep in (epoch - 1, epoch, epoch + 1):
+            payloads = wire.chunk_payloads(rng.standard_normal(n).astype(np.float32), wire.FLOAT32)
+            count = len(payloads)
+            data = [pack(peer, wire.DATA, wire.FLOAT32, ep, i, count, p) for i, p in enumerate(payloads)]
+            parity = [pack(peer, kind, wire.FLOAT32, ep, start, count, PARITY_PREFIX.pack(size, here) + bits)
+                      for start, size, here in erasure.groups(count, 8, 2)
+                      for kind, bits in zip(wire.PARITIES, erasure.parities(payloads[start:start + size], here))]
+            kept = [d for d in data if rng.random() > 0.15] + [d for d in data if rng.random() < 0.1]
+            order = rng.permutation(len(kept)) if rng.random() < 0.5 else np.arange(len(kept))
+            out += [kept[i] for i in order] + [p for p in parity if rng.random() > 0.2]
+        out.append(out[int(rng.integers(len(out)))])  # a replay of something already sent
+        out.append(pack(peer, wire.DATA, wire.FLOAT16, epoch, 0, 1, bytes(8)))  # another dtype
+        out.append(pack(peer, wire.DATA, wire.FLOAT32, epoch, 0, 99, bytes(4 * per)))  # a count that disagrees
+        forged = bytearray(pack(peer, wire.DATA, wire.FLOAT32, epoch, 0, 1, bytes(4)))
+        forged[-1] ^= 1
+        out.append(bytes(forged))
+    order = rng.permutation(len(out))  # the peers' traffic interleaved
+    return [out[i] for i in order], {1: sizes[1], 2: None}
+
+
+def clean_traffic(seed: int, epoch: int, parity: bool):
+    """What a gather meets when nothing was lost: each peer's whole vector in order (then its P and Q), after the
+    parity that trailed the epoch before. Returns (datagrams, expected sizes)."""
+    from halo.transport import erasure
+    from halo.transport.udp import PARITY_PREFIX
+
+    rng = np.random.default_rng(seed)
+    codec, out, per = wire.Codec(KEY), [], wire.values_per_chunk(wire.FLOAT32)
+    sizes = {1: 5 * per + 100, 2: 6 * per, 3: 2 * per}
+    for peer, n in sizes.items():
+        payloads = wire.chunk_payloads(rng.standard_normal(n).astype(np.float32), wire.FLOAT32)
+        stale = erasure.parities(payloads[:2], 1)[0]
+        out.append(codec.pack(wire.PARITY, wire.FLOAT32, peer, SESSION, epoch - 1, 10, 0, 2,
+                              PARITY_PREFIX.pack(2, 1) + stale))
+        out += [codec.pack(wire.DATA, wire.FLOAT32, peer, SESSION, epoch, 11 + i, i, len(payloads), p)
+                for i, p in enumerate(payloads)]
+        if parity:
+            out += [codec.pack(kind, wire.FLOAT32, peer, SESSION, epoch, 20 + k, start, len(payloads),
+                               PARITY_PREFIX.pack(size, here) + bits)
+                    for start, size, here in erasure.groups(len(payloads), 8, 2)
+                    for k, (kind, bits) in enumerate(zip(wire.PARITIES, erasure.parities(payloads[start:start + size],
+                                                                                          here)))]
+    return out, {1: sizes[1], 2: None, 3: sizes[3]}
+
+
+def deliver(datagrams, receivers):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for d in datagrams:
+            for r in receivers:
+                sock.sendto(d, r.address)
+    finally:
+        sock.close()
+
+
+def endpoint_state(r):
+    stats = {p: s.to_json() | {"rejected": dict(s.rejected)} for p, s in r.stats.items()}
+    for s in stats.values():
+        s.pop("sync_ms_p50", None), s.pop("sync_ms_p99", None)
+    return stats, {p: (w.top, w.seen) for p, w in r.windows.items()}, r.parity_from, \
+        sorted((h, bytes(p)) for h, p, _ in r._early)
+
+
+TRAFFIC = [("clean", lambda seed, epoch: clean_traffic(seed, epoch, False)),
+           ("clean with parity", lambda seed, epoch: clean_traffic(seed, epoch, True)),
+           *[(f"scrambled {seed}", scrambled_traffic) for seed in range(6)]]
+
+
+@pytest.mark.parametrize("name, traffic", TRAFFIC, ids=[name for name, _ in TRAFFIC])
+def test_a_gather_takes_whole_vectors_as_it_takes_their_datagrams_one_by_one(name, traffic, monkeypatch):
+    """The whole-vector shortcut (UdpEndpoint._whole_runs) against the datagram-by-datagram path on the same
+    datagrams in the same order over real sockets: the same vectors, masks, statistics, refusals, replay windows,
+    parity senders and datagrams kept for later epochs; on clean traffic no datagram goes the slow way."""
+    if wire._datagrams is None:
+        pytest.skip("halo.transport._datagrams is not built (no C compiler at install): the Python path only")
+    epoch = 50
+    datagrams, expected = traffic(int(name.split()[-1]) if name.startswith("scrambled") else 0, epoch)
+    fast, slow = UdpEndpoint(KEY, SESSION, 0), UdpEndpoint(KEY, SESSION, 0)
+    monkeypatch.setattr(slow, "_whole_runs", lambda batch, stale_before: None)
+    routed = []
+    take = fast._take
+    monkeypatch.setattr(fast, "_take", lambda *args: routed.append(args[1]) or take(*args))
+    try:
+        deliver(datagrams, [fast, slow])
+        results = [r.gather(epoch, expected, wire.FLOAT32, GatherPolicy(deadline_s=0.05)) for r in (fast, slow)]
+        states = [endpoint_state(r) for r in (fast, slow)]
+    finally:
+        fast.close(), slow.close()
+    (a, b), (a_state, b_state) = results, states
+    for peer in expected:
+        np.testing.assert_array_equal(a.values[peer], b.values[peer])
+        np.testing.assert_array_equal(a.masks[peer], b.masks[peer])
+    assert (a.heard, a.lossy, a.done_s.keys()) == (b.heard, b.lossy, b.done_s.keys())
+    assert a_state == b_state
+    if name.startswith("clean"):
+        assert a.complete and routed == []  # every datagram taken a whole vector at a time
+
+
+@pytest.mark.parametrize("name, traffic", TRAFFIC[:2] + [("next epoch", None)], ids=["clean", "parity", "next"])
+def test_an_agent_takes_a_whole_broadcast_as_a_poll_and_a_gather_take_it(name, traffic):
+    """whole_vector (the agent's usual input in one step) against pending_epochs + gather on the same datagrams:
+    the same values and endpoint state; where the batch is more than one whole vector it takes nothing and keeps
+    what it read for the gathers, as pending_epochs does."""
+    if wire._datagrams is None:
+        pytest.skip("halo.transport._datagrams is not built (no C compiler at install): the Python path only")
+    codec, per, epoch = wire.Codec(KEY), wire.values_per_chunk(wire.FLOAT32), 50
+    payloads = wire.chunk_payloads(np.arange(3 * per, dtype=np.float32), wire.FLOAT32)
+    datagrams = [codec.pack(wire.DATA, wire.FLOAT32, 0, SESSION, epoch, 5 + i, i, 3, p) for i, p in enumerate(payloads)]
+    if traffic is not None:  # clean traffic of whole chunks (peer 2's), re-sent as the master's
+        datagrams = [d for d in traffic(0, epoch)[0] if wire.HEADER.unpack_from(d)[4] == 2]
+        datagrams = [codec.pack(*wire.HEADER.unpack_from(d)[2:4], 0, *wire.HEADER.unpack_from(d)[5:10],
+                                d[wire.HEADER.size:-wire.TAG_BYTES]) for d in datagrams]
+    else:  # two broadcasts queued: not one whole vector
+        datagrams += [codec.pack(wire.DATA, wire.FLOAT32, 0, SESSION, epoch + 1, 9 + i, i, 3, p)
+                      for i, p in enumerate(payloads)]
+    stale_seen = {"fast": [], "slow": []}
+    fast, slow = UdpEndpoint(KEY, SESSION, 1), UdpEndpoint(KEY, SESSION, 1)
+    try:
+        deliver(datagrams, [fast, slow])
+        time.sleep(0.05)
+        taken = fast.whole_vector(0, epoch - 1, lambda e: True, wire.FLOAT32,
+                                  lambda h, a: stale_seen["fast"].append(h.epoch))
+        pending = slow.pending_epochs(0, epoch - 1, 0.0, on_stale=lambda h, a: stale_seen["slow"].append(h.epoch))
+        assert pending[0] == epoch
+        result = slow.gather(epoch, {0: None}, wire.FLOAT32, GatherPolicy(deadline_s=0.05, stop_on_newer=True),
+                             on_stale=lambda h, a: stale_seen["slow"].append(h.epoch))
+        if name == "next epoch":
+            assert taken is None and [h.epoch for h, _, _ in fast._early] == [epoch] * 3 + [epoch + 1] * 3
+            return
+        assert taken is not None and taken[0] == epoch and result.complete
+        np.testing.assert_array_equal(taken[1], result.values[0])
+        assert endpoint_state(fast) == endpoint_state(slow) and stale_seen["fast"] == stale_seen["slow"]
+    finally:
+        fast.close(), slow.close()

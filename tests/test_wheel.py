@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ def test_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path / "dist")],
                    check=True, timeout=600)
     wheel = next((tmp_path / "dist").glob("halo_edge-*.whl"))
+    with zipfile.ZipFile(wheel) as contents:  # bench_round_floor builds its compiled floor from these, installed
+        assert {"halo/_nbits.c", "halo/eval/round_floor.c"} <= set(contents.namelist())
     venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")
     bin_dir = tmp_path / "venv" / "bin"
     subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=900)

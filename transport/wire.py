@@ -170,6 +170,16 @@ class ReplayWindow:
         self.seen |= 1 << offset
         return True
 
+    def accept_ascending(self, counters: list[int]) -> None:
+        """Take counters known to be fresh, each above the one before and the first above `top`: as accept() on
+        each, in one shift."""
+        newest, bits = counters[-1], 0
+        for counter in counters:
+            bits |= 1 << (newest - counter)
+        shift = newest - self.top
+        self.seen = ((self.seen << shift) | bits) & _WINDOW_MASK if shift < REPLAY_WINDOW else bits & _WINDOW_MASK
+        self.top = newest
+
 
 def values_per_chunk(dtype: int) -> int:
     if dtype == FLOAT32:

@@ -153,7 +153,7 @@ class Session:
 
         udp_session = int.from_bytes(os.urandom(4), "little") or 1
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), udp_session, 0, bind=("0.0.0.0", 0))
-        self.udp.segment = settings.sync.udp_gso
+        self.udp.segment, self.udp.whole_vectors = settings.sync.udp_gso, settings.sync.whole_vectors
         if settings.sync.inject_plr:
             from halo.transport.loss import LossInjector
 
