@@ -116,8 +116,10 @@ class AgentRounds:
     def poll(self) -> bool:
         """Handle the master's broadcasts that have arrived (call when the UDP socket is readable);
         True if a new one did (the session is alive even when no control message comes for minutes)."""
+        t = time.perf_counter()
         whole = self.udp.whole_vector(MASTER, self.last_epoch, self._next_in_order, wire.FLOAT32, self._resend_partial)
         if whole is not None:  # the usual round: one whole broadcast queued, the next we need
+            self.served["input_wait_ms"] += 1e3 * (time.perf_counter() - t)
             self._answer(*whole)
             return True
         pending = self.udp.pending_epochs(MASTER, self.last_epoch, 0.0, on_stale=self._resend_partial)

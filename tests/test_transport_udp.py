@@ -621,7 +621,7 @@ def clean_traffic(seed: int, epoch: int, parity: bool):
         out += [codec.pack(wire.DATA, wire.FLOAT32, peer, SESSION, epoch, 11 + i, i, len(payloads), p)
                 for i, p in enumerate(payloads)]
         if parity:
-            out += [codec.pack(kind, wire.FLOAT32, peer, SESSION, epoch, 20 + k, start, len(payloads),
+            out += [codec.pack(kind, wire.FLOAT32, peer, SESSION, epoch, 11 + len(payloads) + k, start, len(payloads),
                                PARITY_PREFIX.pack(size, here) + bits)
                     for start, size, here in erasure.groups(len(payloads), 8, 2)
                     for k, (kind, bits) in enumerate(zip(wire.PARITIES, erasure.parities(payloads[start:start + size],
@@ -716,5 +716,93 @@ def test_an_agent_takes_a_whole_broadcast_as_a_poll_and_a_gather_take_it(name, t
         assert taken is not None and taken[0] == epoch and result.complete
         np.testing.assert_array_equal(taken[1], result.values[0])
         assert endpoint_state(fast) == endpoint_state(slow) and stale_seen["fast"] == stale_seen["slow"]
+    finally:
+        fast.close(), slow.close()
+
+
+def vector_datagrams(peer: int, epoch: int, values: np.ndarray, first_counter: int, parity: bool = False,
+                     chunks=None) -> list[bytes]:
+    """A vector's datagrams as its sender packs them (consecutive counters; data, then P and Q), or only `chunks`."""
+    from halo.transport import erasure
+    from halo.transport.udp import PARITY_PREFIX
+
+    codec, payloads = wire.Codec(KEY), wire.chunk_payloads(values, wire.FLOAT32)
+    bodies = [(wire.DATA, i, p) for i, p in enumerate(payloads)]
+    if parity:
+        bodies += [(kind, start, PARITY_PREFIX.pack(size, here) + bits)
+                   for start, size, here in erasure.groups(len(payloads), 8, 2)
+                   for kind, bits in zip(wire.PARITIES, erasure.parities(payloads[start:start + size], here))]
+    out = [codec.pack(kind, wire.FLOAT32, peer, SESSION, epoch, first_counter + k, index, len(payloads), body)
+           for k, (kind, index, body) in enumerate(bodies)]
+    return out if chunks is None else [out[i] for i in chunks]
+
+
+def edge_phases():
+    """Gathers in sequence whose traffic meets the whole-vector shortcut's edges (review of stop 44)."""
+    per = wire.values_per_chunk(wire.FLOAT32)
+    a, b = (np.arange(k * per, dtype=np.float32) + k for k in (3, 4))
+    short = np.ones(2 * per + 7, np.float32)
+    return {
+        # chunks of epoch 50 kept early by the gather of 49, then all of 50 sent again (fresh counters)
+        "kept early, then sent again": [
+            (vector_datagrams(1, 49, a, 1) + vector_datagrams(1, 50, b, 4, chunks=[0, 2]), 49, {1: a.size}),
+            (vector_datagrams(1, 50, b, 20), 50, {1: b.size})],
+        # a forged-looking jump of counters (the window must not grow with it), then the usual
+        "counter jump": [(vector_datagrams(1, 50, a, 1 << 62), 50, {1: a.size}),
+                         (vector_datagrams(1, 51, a, (1 << 62) + 10), 51, {1: a.size})],
+        # a vector whose last chunk's counter leaps (a replayed tail, a forgery by a key holder): no giant window
+        "counter gap in a vector": [(vector_datagrams(1, 50, a, 5)[:2] + vector_datagrams(1, 50, a, (1 << 40) - 2)[2:],
+                                     50, {1: a.size})],
+        # a last chunk longer than the size the receiver knows: refused chunk, as accept() refuses it
+        "wrong last length": [(vector_datagrams(1, 50, np.ones(3 * per, np.float32), 1), 50, {1: short.size})],
+        # the parity of the last epoch before the next vector, with an on_stale to call
+        "stale parity": [(vector_datagrams(1, 49, a, 1, parity=True), 49, {1: a.size}),
+                         (vector_datagrams(1, 50, b, 10), 50, {1: b.size})],
+        # more than a batch: 64 datagrams through the general path, then whole vectors
+        "past a batch": [([d for e in range(49, 51) for d in vector_datagrams(2, e, np.zeros(31 * per, np.float32),
+                                                                               1 + 40 * (e - 49))]
+                          + vector_datagrams(1, 50, a, 1) + vector_datagrams(3, 50, b, 1), 50,
+                          {1: a.size, 2: 31 * per, 3: b.size})],
+    }
+
+
+@pytest.mark.parametrize("name", list(edge_phases()))
+def test_whole_vectors_at_the_edges_leave_the_state_the_general_path_leaves(name, monkeypatch):
+    if wire._datagrams is None:
+        pytest.skip("halo.transport._datagrams is not built (no C compiler at install): the Python path only")
+    fast, slow = UdpEndpoint(KEY, SESSION, 0), UdpEndpoint(KEY, SESSION, 0)
+    monkeypatch.setattr(slow, "_whole_runs", lambda batch, stale_before: None)
+    stale = {fast: [], slow: []}
+    try:
+        for datagrams, epoch, expected in edge_phases()[name]:
+            deliver(datagrams, [fast, slow])
+            time.sleep(0.02)
+            results = [r.gather(epoch, expected, wire.FLOAT32, GatherPolicy(deadline_s=0.05),
+                                on_stale=lambda h, _a, r=r: stale[r].append((h.epoch, h.kind, h.index)))
+                       for r in (fast, slow)]
+            for peer in expected:
+                np.testing.assert_array_equal(results[0].values[peer], results[1].values[peer])
+                np.testing.assert_array_equal(results[0].masks[peer], results[1].masks[peer])
+            assert (results[0].heard, results[0].lossy) == (results[1].heard, results[1].lossy)
+            assert endpoint_state(fast) == endpoint_state(slow) and stale[fast] == stale[slow]
+    finally:
+        fast.close(), slow.close()
+
+
+def test_an_agent_leaves_an_input_it_answered_to_the_general_path(tmp_path):
+    """A whole broadcast of an epoch the agent has answered (the master's chase re-sends it) is stale: whole_vector
+    takes nothing and it goes to on_stale (which re-sends the partial), as pending_epochs sends it."""
+    if wire._datagrams is None:
+        pytest.skip("halo.transport._datagrams is not built (no C compiler at install): the Python path only")
+    per = wire.values_per_chunk(wire.FLOAT32)
+    datagrams = vector_datagrams(0, 50, np.ones(3 * per, np.float32), 1)
+    fast, slow = UdpEndpoint(KEY, SESSION, 1), UdpEndpoint(KEY, SESSION, 1)
+    stale = {fast: [], slow: []}
+    try:
+        deliver(datagrams, [fast, slow])
+        time.sleep(0.02)
+        assert fast.whole_vector(0, 50, lambda e: True, wire.FLOAT32, lambda h, a: stale[fast].append(h.index)) is None
+        assert slow.pending_epochs(0, 50, 0.0, on_stale=lambda h, a: stale[slow].append(h.index)) == []
+        assert stale[fast] == stale[slow] == [0, 1, 2] and endpoint_state(fast) == endpoint_state(slow)
     finally:
         fast.close(), slow.close()

@@ -218,9 +218,8 @@ class Inbound:
         self.received = run.count
         self.payloads = dict(enumerate(run.payloads))
         self.heard = True
-        self.origin = run.counters[0] if self.origin is None else min(self.origin, run.counters[0])
-        if self.completed_at is None:
-            self.completed_at = now
+        self.origin = run.counters[0]  # (fits: nothing was stored before, so no origin or completion either)
+        self.completed_at = now
 
     def _sent_again(self, origin: int) -> bool:
         """Whether a data chunk whose counter - index is `origin` is a re-sent copy rather than its first
@@ -499,21 +498,23 @@ class UdpEndpoint:
             if admitted is not None:
                 yield admitted[0], admitted[1], address
 
-    def _receive_gathering(self, epoch: int, inbound: dict, timeout_s: float, on_time: bool, on_stale):
+    def _receive_gathering(self, epoch: int, inbound: dict, timeout_s: float, on_time: bool, on_stale,
+                           queued: set = frozenset()):
         """_receive during a gather: a batch that is whole vectors of the gathered epoch from peers whose Inbound
         has nothing yet (the usual partials) goes into them a vector at a time (Inbound.fill); any other batch
-        comes out datagram by datagram, for _take."""
+        comes out datagram by datagram, for _take. A peer with datagrams out that way (or `queued`: kept from
+        before, not taken yet) gets no vector filled before they are taken."""
         if self.codec.state is None or not self.whole_vectors:
             yield from self._receive(timeout_s)
             return
-        wait, more = max(timeout_s, 0.0), True
+        wait, more, out = max(timeout_s, 0.0), True, set(queued)
         while more:
             batch = wire._datagrams.receive(self.sock.fileno(), self.codec.state, self.session, wait, wire.Header)
             wait, more = 0.0, len(batch) == wire._datagrams.RECV_BATCH  # fewer: the queue was empty
             runs = self._whole_runs(batch, epoch) if batch and not more else None
             now = time.perf_counter()
             senders = [run.sender for run in runs or () if run.stale is None]
-            if runs and len(set(senders)) == len(senders) and all(
+            if runs and len(set(senders)) == len(senders) and not out.intersection(senders) and all(
                     run.stale is not None and on_stale is None or run.epoch == epoch and run.sender in inbound
                     and inbound[run.sender].fits(run, on_time or now <= inbound[run.sender].until()) for run in runs):
                 for run in runs:  # as _take takes each datagram
@@ -525,6 +526,7 @@ class UdpEndpoint:
                     else:
                         inbound[run.sender].fill(run, now)
                 continue
+            out.update(item[0].sender for item in batch if item.__class__ is not str)
             yield from self._checked(batch)
 
     def _receive_fast(self, timeout_s: float):
@@ -607,7 +609,8 @@ class UdpEndpoint:
             wake = min([s.until() for s in waiting] + [s.next_nack for s in waiting]
                        + [s.next_silent for s in waiting if not s.heard] or [now])
             if not drained:
-                arrivals = early + list(self._receive_gathering(epoch, inbound, 0.0, True, on_stale))
+                queued = {h.sender for h, _, _ in early}
+                arrivals = early + list(self._receive_gathering(epoch, inbound, 0.0, True, on_stale, queued))
             else:
                 arrivals = early or self._receive_gathering(epoch, inbound, wake - now, False, on_stale)
             early, on_time, drained = [], not drained, True
@@ -725,12 +728,13 @@ class UdpEndpoint:
         the gathers that follow, NACKs and probes answered)."""
         if self._early or self.codec.state is None or not self.whole_vectors:
             return None
+        start = time.perf_counter()
         batch = wire._datagrams.receive(self.sock.fileno(), self.codec.state, self.session, 0.0, wire.Header)
         runs = self._whole_runs(batch, after + 1) if len(batch) < wire._datagrams.RECV_BATCH else None
         vectors = [run for run in runs or () if run.stale is None]
         whole = wire.payload_bytes(wire.values_per_chunk(dtype), dtype)
-        if len(vectors) != 1 or vectors[0].sender != peer or vectors[0].dtype != dtype or \
-                len(vectors[0].payloads[-1]) != whole or not wanted(vectors[0].epoch):
+        if len(vectors) != 1 or vectors[0].sender != peer or vectors[0].dtype != dtype or vectors[0].epoch <= after \
+                or len(vectors[0].payloads[-1]) != whole or not wanted(vectors[0].epoch):
             self._pend(self._checked(batch), peer, after, on_stale)
             return None
         for run in runs:  # in the order they came, as _pend takes them
@@ -740,7 +744,7 @@ class UdpEndpoint:
                 on_stale(*run.stale)
         run = vectors[0]
         self.stats[peer].chunks_expected += run.count
-        self.stats[peer].sync_ms.append(0.0)
+        self.stats[peer].sync_ms.append(1e3 * (time.perf_counter() - start))
         if run.parity:
             self.parity_from.add(peer)
         raw = b"".join(run.payloads)
@@ -759,7 +763,8 @@ class UdpEndpoint:
     def _whole_runs(self, batch: list, stale_before: int) -> list[WholeRun] | None:
         """A receive() batch as whole vectors one after another, or None when it is anything else. A whole vector:
         every data chunk of one (sender, epoch) once, in index order, all but the last of a whole chunk's size,
-        then at most its parity (a prefix Inbound.accept takes), its counters rising above the sender's newest.
+        then at most its parity (a prefix Inbound.accept takes), with consecutive counters above the sender's newest
+        (as the sender packs a vector: one transmission, nothing sent again).
         Parity of an epoch before `stale_before` (what trails a vector completed in an earlier read) may come
         between them, a run of its own (`stale`). What gathers and polls meet when nothing was lost, reordered or
         repeated: taken a run at a time (_take_run), where each datagram through _take costs ~3 us of Python."""
@@ -786,8 +791,9 @@ class UdpEndpoint:
                 if header.sender != run.sender or header.epoch != run.epoch:
                     break
                 at = len(run.counters)
-                if header.counter <= top or header.dtype != run.dtype or header.count != run.count:
-                    return None
+                if (header.counter != top + 1 if at else header.counter <= top) or header.dtype != run.dtype or \
+                        header.count != run.count:
+                    return None  # (a vector's datagrams are packed one after the other: consecutive counters)
                 if at < run.count:
                     if header.kind != wire.DATA or header.index != at or (at < run.count - 1 and len(payload) != whole):
                         return None

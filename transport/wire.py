@@ -175,7 +175,8 @@ class ReplayWindow:
         each, in one shift."""
         newest, bits = counters[-1], 0
         for counter in counters:
-            bits |= 1 << (newest - counter)
+            if newest - counter < REPLAY_WINDOW:  # (older ones fall out of the window, as accept() drops them)
+                bits |= 1 << (newest - counter)
         shift = newest - self.top
         self.seen = ((self.seen << shift) | bits) & _WINDOW_MASK if shift < REPLAY_WINDOW else bits & _WINDOW_MASK
         self.top = newest
