@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .bench_round_floor import model_file
+from .bench_churn import add_model_argument, model_file
 from .report import command_line, write_report
 
 
@@ -105,9 +105,7 @@ def render(result: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tinyllama-q4",
-                        help="tinyllama-q4 (the speed benchmarks' random TinyLlama-1.1B-shaped Q4_0 GGUF), a fetched "
-                             "model's name or a path")
+    add_model_argument(parser)
     parser.add_argument("--positions", type=lambda s: [int(p) for p in s.split(",")], default=[40, 200, 1000, 2000],
                         help="cache lengths, comma-separated")
     parser.add_argument("--baseline", help="another build of halo._nbits (a .so file) to time beside this one")

@@ -209,6 +209,25 @@ def run_mttf(mttf: float, args) -> dict:
     return summarize(mttf, result, agents, args)
 
 
+TINYLLAMA_Q4 = "tinyllama-q4"  # the speed benchmarks' model: q4_checkpoint(22)
+
+
+def model_file(name: str) -> Path:
+    """A benchmark's --model: TINYLLAMA_Q4, a fetched model's name or a path."""
+    if name == TINYLLAMA_Q4:
+        return q4_checkpoint(22)
+    from halo.loader import model_path
+
+    return model_path(name)
+
+
+def add_model_argument(parser, default: str = TINYLLAMA_Q4, why: str = "") -> None:
+    """The benchmarks' --model option (model_file resolves it)."""
+    parser.add_argument("--model", default=default,
+                        help=f"{TINYLLAMA_Q4} (the speed benchmarks' random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), "
+                             f"a fetched model's name (e.g. smollm2-135m-instruct) or a path (default: {default}{why})")
+
+
 def q4_checkpoint(layers: int) -> Path:
     """A TinyLlama-shaped random GGUF in Q4_0 (written once, ~0.6 GB): agents slice its 4-bit blocks as stored
     (--weights native), nothing to quantize at a hello, as with the GGUF files users run."""

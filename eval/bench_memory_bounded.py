@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_churn import TINYLLAMA_Q4, add_model_argument
 from .bench_halo_speed import run_master, summarize
 from .report import command_line, write_report
 
@@ -43,7 +44,7 @@ WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 
 def model_and_predictors(name: str) -> tuple[Path, Path]:
     """The model file the master reads and the predictors every agent ranks with."""
-    if name == "tinyllama-q4":
+    if name == TINYLLAMA_Q4:
         from .bench_churn import q4_with_predictors
 
         path = q4_with_predictors(WORK / "master")
@@ -287,9 +288,7 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tinyllama-q4",
-                        help="tinyllama-q4 (a random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), a fetched model's "
-                             "name (smollm2-135m-instruct) or a path")
+    add_model_argument(parser)
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every configuration this many times, round by round, each ratio against the "

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .accuracy_gguf import DATA
-from .bench_round_floor import model_file
+from .bench_churn import add_model_argument, model_file
 from .report import command_line, write_report
 
 
@@ -98,9 +98,7 @@ def render(result: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m-instruct",
-                        help="a fetched model's name (default: SmolLM2-135M-Instruct, a trained model: its attention "
-                             "is what real prompts meet), tinyllama-q4 (a random TinyLlama-shaped GGUF) or a path")
+    add_model_argument(parser, "smollm2-135m-instruct", ": a trained model, its attention is what real prompts meet")
     parser.add_argument("--text", default=str(DATA) if DATA.is_file() else "",
                         help="the prompts' text: its first N tokens (default: the held-out TinyStories text; '': random "
                              "token ids)")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_churn import add_model_argument, model_file
 from .bench_halo_speed import decode, median_runs
 from .report import command_line, write_report
 
@@ -50,16 +51,6 @@ STOP_ROUND = 0xFFFFFFFF  # a datagram of this round number ends an agent
 
 class Stopped(Exception):
     """The master said stop (STOP_ROUND)."""
-
-
-def model_file(name: str) -> Path:
-    if name == "tinyllama-q4":
-        from .bench_churn import q4_checkpoint
-
-        return q4_checkpoint(22)
-    from halo.loader import model_path
-
-    return model_path(name)
 
 
 # ---- raw datagrams --------------------------------------------------------------------------------------
@@ -483,9 +474,7 @@ def check_arguments(args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tinyllama-q4",
-                        help="tinyllama-q4 (the speed benchmarks' random TinyLlama-1.1B-shaped Q4_0 GGUF, 22 layers), "
-                             "a fetched model's name or a path")
+    add_model_argument(parser)
     parser.add_argument("--agents", type=lambda s: [int(a) for a in s.split(",")], default=[1, 2, 3],
                         help="agent counts, comma-separated (default 1,2,3)")
     parser.add_argument("--tokens", type=int, default=32)
