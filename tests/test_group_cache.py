@@ -383,6 +383,39 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
     nbits.matmul(weight, x.astype(">f4").astype("<f4"), out)  # an explicit byte order that is this machine's: taken
 
 
+def test_the_kernels_prefetch_distance_is_chosen_for_the_cpu_settable_and_changes_no_result():
+    """How far ahead the kernel asks for weights is a speed knob only (eval/results/kernel_prefetch.md): any distance
+    gives the same bits, a distance out of range is refused, and the CPU's own choice is one of the measured two."""
+    from halo import linear
+
+    if linear._nbits is None:
+        pytest.skip("halo._nbits not built (no C compiler or no Python headers)")
+    nbits = linear._nbits
+    chosen = nbits.prefetch_bytes()
+    assert chosen in (1024, 9216)  # Intel's ~1 KB, every other CPU's 32 Q4_0 units (halo/_nbits.c)
+    rng = np.random.default_rng(3)
+    n, blocks = 300, 64
+    codes = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
+    packed = linear.pack(codes, (rng.random((n, blocks)) * 0.02).astype(np.float16), None)
+    x = rng.standard_normal((1, blocks * 32)).astype(np.float32)
+    outs = []
+    try:
+        for distance in (0, 1, 1024, 9216, 1 << 20):
+            assert nbits.prefetch_bytes(distance) == distance
+            for path in nbits.paths():
+                out = np.empty((1, n), np.float32)
+                nbits.matmul((packed, n, 4, 32, True, False, 2), x, out, path=path)
+                outs.append(out)
+        for bad in (-1, (1 << 20) + 1):
+            with pytest.raises(ValueError, match=r"prefetch distance must be 0..1048576 bytes"):
+                nbits.prefetch_bytes(bad)
+    finally:
+        nbits.prefetch_bytes(chosen)
+    assert nbits.prefetch_bytes() == chosen
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
 def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(stories_weights, monkeypatch):
     """What the first passes make resident can exceed what the budget was measured from: each forward pass, a
     bounded device gives up the cache capacity its cgroup limit lacks (evicting at once), down to two layers of its

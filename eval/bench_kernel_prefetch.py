@@ -1,0 +1,111 @@
+"""How far ahead halo's C kernel should ask the memory for weights: a sweep of the prefetch distance, per GGUF format.
+
+    python -m halo.eval.bench_kernel_prefetch [--megabytes 520] [--repeats 3]
+
+Streams ~--megabytes of random TinyLlama MLP-sized matrices (11,264 x 2,048, a token's gate+up: one decode step
+each, one thread) through `_nbits.matmul` at each distance and reports the bytes read per second, with the distance
+the kernel picks for this CPU by itself (halo/_nbits.c `prefetch_distance`) and a STREAM-style copy on one core for
+scale. Why: one fixed distance (32 units, ~9 KB) ran an AMD EPYC host at 78 % of its copy bandwidth and an Intel
+Xeon host at ~35 %; a token of a compact model is one such stream, so this distance sets single-device speed.
+Results differ by CPU; run it on the machine in question (the JSON records its CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+
+from halo.eval.bench_engine import stream_copy_bandwidth
+from halo.eval.report import command_line, write_report
+from halo.linear import _nbits, pack
+
+ROWS, COLUMNS, BLOCK = 11264, 2048, 32  # TinyLlama's gate and up rows, its hidden size; GGUF's blocks of 32
+FORMATS = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}  # bits, offsets (float16 scales, as GGUF's)
+DISTANCES = (300, 600, 1100, 1700, 2300, 4600, 9200, 18000)  # bytes; rounded to whole units (at least one)
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def matrices(bits: int, offsets: bool, megabytes: float, rng) -> list[tuple]:
+    """Distinct copies of one random packed matrix, together ~megabytes (each read from memory, not cache)."""
+    codes = rng.integers(0, 256, (ROWS, COLUMNS // BLOCK, BLOCK * bits // 8), dtype=np.uint8)
+    scales = rng.random((ROWS, COLUMNS // BLOCK)).astype(np.float16)
+    packed = pack(codes, scales, rng.random(scales.shape).astype(np.float16) if offsets else None)
+    count = max(8, int(megabytes * 1e6 // packed.nbytes))
+    return [(packed.copy(), ROWS, bits, BLOCK, True, offsets, 1) for _ in range(count)]
+
+
+def stream_rate(weights: list[tuple], repeats: int) -> float:
+    """Bytes read per second, best of `repeats` passes over every matrix (weights taken at the distance now set)."""
+    x = np.random.default_rng(1).standard_normal((1, COLUMNS)).astype(np.float32)
+    out = np.empty((1, ROWS), np.float32)
+    total = sum(w[0].nbytes for w in weights)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in weights:
+            _nbits.matmul(w, x, out, 1)
+        best = min(best, time.perf_counter() - t)
+    return total / best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m halo.eval.bench_kernel_prefetch",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megabytes", type=float, default=520, help="weights streamed per pass (default: 520)")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per distance, the best kept (default: 3)")
+    parser.add_argument("--name", default="kernel_prefetch")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    if _nbits is None or _nbits.paths()[-1] == "scalar":
+        raise SystemExit("needs halo's C kernel with a vector path (the package was built without a C compiler, or "
+                         "this CPU has neither AVX2 nor AVX-512 VNNI)")
+    chosen = _nbits.prefetch_bytes()
+    rng = np.random.default_rng(0)
+    rows = []
+    try:
+        for name, (bits, offsets) in FORMATS.items():
+            weights = matrices(bits, offsets, args.megabytes, rng)
+            unit = weights[0][0].shape[2]
+            for distance in sorted({*DISTANCES, chosen}):
+                _nbits.prefetch_bytes(distance)
+                taken = [(w[0], *w[1:]) for w in weights]  # handed over again: the distance applies from here
+                rate = stream_rate(taken, args.repeats)
+                rows.append({"format": name, "unit_bytes": unit, "distance_bytes": distance,
+                             "ahead_units": max(1, (distance + unit // 2) // unit), "default": distance == chosen,
+                             "gb_per_s": round(rate / 1e9, 2)})
+                print(rows[-1], flush=True)
+            del weights
+    finally:
+        _nbits.prefetch_bytes(chosen)
+    copy = stream_copy_bandwidth()
+    data = {"command": command_line("halo.eval.bench_kernel_prefetch", argv), "cpu": cpu_model(),
+            "path": _nbits.paths()[-1], "default_distance_bytes": chosen, "copy_gb_per_s_one_core": round(copy / 1e9, 2),
+            "rows": rows}
+    lines = [f"# C kernel prefetch distance ({data['cpu']}, {data['path']})", "",
+             f"Command: `{data['command']}`. One thread streams random MLP-sized matrices ({ROWS} x {COLUMNS}, "
+             f"float16 scales as GGUF's) through `_nbits.matmul`, one decode step each, ~{args.megabytes:.0f} MB a "
+             f"pass, best of {args.repeats}; GB/s of weights read. This CPU's own choice: **{chosen} bytes** ahead. "
+             f"STREAM copy on one core: {copy / 1e9:.1f} GB/s (read + write).", "",
+             "| distance (bytes) | " + " | ".join(f"{f} GB/s" for f in FORMATS) + " |",
+             "|---|" + "---|" * len(FORMATS)]
+    for distance in sorted({r["distance_bytes"] for r in rows}):
+        cells = [next(f"{r['gb_per_s']:.1f} ({r['ahead_units']} units)" for r in rows
+                      if r["format"] == f and r["distance_bytes"] == distance) for f in FORMATS]
+        lines.append(f"| {distance}{' (default)' if distance == chosen else ''} | " + " | ".join(cells) + " |")
+    write_report(args.out, args.name, data, lines)
+
+
+if __name__ == "__main__":
+    main()
