@@ -261,7 +261,11 @@ PLAN_TEXT = {"measured": "Plan `measured` (what `halo-master` does by default): 
              "even-mlp": "Plan `even-mlp`: every attention head on the master, the MLP and LM head in equal shares "
                          "(a token syncs once a layer).",
              "even-mlp-only": "Plan `even-mlp-only`: every attention head and the whole LM head on the master, the "
-                              "MLP in equal shares (a token syncs once a layer, its logits never cross the network)."}
+                              "MLP in equal shares (a token syncs once a layer, its logits never cross the network).",
+             "paired-mlp": "Plan `paired-mlp`: every attention head and the whole LM head on the master, each "
+                           "layer's MLP halved between the master and one agent, the agents taking the layers in turn "
+                           "(a token syncs once a layer, each round engages two processes: what two cores run at "
+                           "once)."}
 
 
 def render_speed(rows: list[dict], args) -> list[str]:

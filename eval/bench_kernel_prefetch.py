@@ -1,11 +1,12 @@
 """How far ahead halo's C kernel should ask the memory for weights: a sweep of the prefetch distance, per GGUF format.
 
-    python -m halo.eval.bench_kernel_prefetch [--megabytes 520] [--repeats 3]
+    python -m halo.eval.bench_kernel_prefetch [--megabytes 520] [--repeats 3] [--model tinyllama-q4] [--runs 3]
 
 Streams ~--megabytes of random TinyLlama MLP-sized matrices (11,264 x 2,048, a token's gate+up: one decode step
 each, one thread) through `_nbits.matmul` at each distance and reports the bytes read per second, with the distance
 the kernel picks for this CPU by itself (halo/_nbits.c `prefetch_distance`) and a STREAM-style copy on one core for
-scale. Why: one fixed distance (32 units, ~9 KB) ran an AMD EPYC host at 78 % of its copy bandwidth and an Intel
+scale; then decodes --model in one process (one thread, greedy, bench_halo_speed's prompt and warm-up) at the old
+fixed distance and at the CPU's own, --runs times each, interleaved. Why: one fixed distance (32 units, ~9 KB) ran an AMD EPYC host at 78 % of its copy bandwidth and an Intel
 Xeon host at ~35 %; a token of a compact model is one such stream, so this distance sets single-device speed.
 Results differ by CPU; run it on the machine in question (the JSON records its CPU).
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 import argparse
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
+from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_engine import stream_copy_bandwidth
 from halo.eval.report import command_line, write_report
 from halo.linear import _nbits, pack
@@ -25,6 +28,7 @@ from halo.linear import _nbits, pack
 ROWS, COLUMNS, BLOCK = 11264, 2048, 32  # TinyLlama's gate and up rows, its hidden size; GGUF's blocks of 32
 FORMATS = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}  # bits, offsets (float16 scales, as GGUF's)
 DISTANCES = (300, 600, 1100, 1700, 2300, 4600, 9200, 18000)  # bytes; rounded to whole units (at least one)
+FIXED = 9216  # the one distance every CPU had before (32 Q4_0 units), and still the choice off Intel
 
 
 def cpu_model() -> str:
@@ -47,7 +51,8 @@ def matrices(bits: int, offsets: bool, megabytes: float, rng) -> list[tuple]:
 
 
 def stream_rate(weights: list[tuple], repeats: int) -> float:
-    """Bytes read per second, best of `repeats` passes over every matrix (weights taken at the distance now set)."""
+    """Bytes read per second, best of `repeats` passes over every matrix (at the distance now set: each call takes
+    it)."""
     x = np.random.default_rng(1).standard_normal((1, COLUMNS)).astype(np.float32)
     out = np.empty((1, ROWS), np.float32)
     total = sum(w[0].nbytes for w in weights)
@@ -65,6 +70,9 @@ def main(argv=None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--megabytes", type=float, default=520, help="weights streamed per pass (default: 520)")
     parser.add_argument("--repeats", type=int, default=3, help="passes per distance, the best kept (default: 3)")
+    add_model_argument(parser, why="; decoded at the old and the chosen distance")
+    parser.add_argument("--runs", type=int, default=3, help="decodes at each of the two distances (default: 3)")
+    parser.add_argument("--tokens", type=int, default=24, help="timed tokens a decode (default: 24)")
     parser.add_argument("--name", default="kernel_prefetch")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
@@ -80,8 +88,7 @@ def main(argv=None) -> None:
             unit = weights[0][0].shape[2]
             for distance in sorted({*DISTANCES, chosen}):
                 _nbits.prefetch_bytes(distance)
-                taken = [(w[0], *w[1:]) for w in weights]  # handed over again: the distance applies from here
-                rate = stream_rate(taken, args.repeats)
+                rate = stream_rate(weights, args.repeats)
                 rows.append({"format": name, "unit_bytes": unit, "distance_bytes": distance,
                              "ahead_units": max(1, (distance + unit // 2) // unit), "default": distance == chosen,
                              "gb_per_s": round(rate / 1e9, 2)})
@@ -90,9 +97,10 @@ def main(argv=None) -> None:
     finally:
         _nbits.prefetch_bytes(chosen)
     copy = stream_copy_bandwidth()
+    decodes = decode_at(model_file(args.model), [FIXED, chosen], args.runs, args.tokens)
     data = {"command": command_line("halo.eval.bench_kernel_prefetch", argv), "cpu": cpu_model(),
             "path": _nbits.paths()[-1], "default_distance_bytes": chosen, "copy_gb_per_s_one_core": round(copy / 1e9, 2),
-            "rows": rows}
+            "rows": rows, "model": str(model_file(args.model)), "decode": decodes}
     lines = [f"# C kernel prefetch distance ({data['cpu']}, {data['path']})", "",
              f"Command: `{data['command']}`. One thread streams random MLP-sized matrices ({ROWS} x {COLUMNS}, "
              f"float16 scales as GGUF's) through `_nbits.matmul`, one decode step each, ~{args.megabytes:.0f} MB a "
@@ -104,7 +112,44 @@ def main(argv=None) -> None:
         cells = [next(f"{r['gb_per_s']:.1f} ({r['ahead_units']} units)" for r in rows
                       if r["format"] == f and r["distance_bytes"] == distance) for f in FORMATS]
         lines.append(f"| {distance}{' (default)' if distance == chosen else ''} | " + " | ".join(cells) + " |")
+    fixed, own = (median_run(decodes, d) for d in (FIXED, chosen))
+    lines += ["", f"## One process decoding {model_file(args.model).name} (one thread)", "",
+              "| distance (bytes) | ms per token (median run) | every run |", "|---|---|---|"]
+    for distance in dict.fromkeys([FIXED, chosen]):
+        runs = [r["ms_per_token"] for r in decodes if r["distance_bytes"] == distance]
+        lines.append(f"| {distance}{' (default)' if distance == chosen else ''} | {median_run(decodes, distance):.1f} | "
+                     + ", ".join(f"{ms:.1f}" for ms in runs) + " |")
+    lines += ["", f"The CPU's own distance against the fixed one: {fixed / own:.2f}x as fast a token."]
     write_report(args.out, args.name, data, lines)
+
+
+def decode_at(model: Path, distances: list[int], runs: int, tokens: int) -> list[dict]:
+    """Mean ms per token of greedy decodes at each distance, `runs` rounds of them interleaved; every decode must give
+    the first one's tokens (the distance is a hint to the memory, never a different result)."""
+    from halo.eval.bench_halo_speed import decode, resolved_format
+    from halo.loader import load_weights
+    from halo.model import Transformer
+
+    weights = load_weights(model)
+    results, first, before = [], None, _nbits.prefetch_bytes()
+    try:
+        for run in range(runs):
+            for distance in dict.fromkeys(distances):
+                _nbits.prefetch_bytes(distance)
+                out = decode(Transformer(weights, fmt=resolved_format("native", weights), max_seq_len=256), tokens, 600)
+                first = first or out["tokens"]
+                if out["tokens"] != first:
+                    raise SystemExit(f"the decode at {distance} bytes ahead gave other tokens: a kernel bug")
+                results.append({"distance_bytes": distance, "run": run,
+                                "ms_per_token": round(float(np.mean(out["ms_per_token"])), 2)})
+                print(results[-1], flush=True)
+    finally:
+        _nbits.prefetch_bytes(before)
+    return results
+
+
+def median_run(decodes: list[dict], distance: int) -> float:
+    return float(np.median([r["ms_per_token"] for r in decodes if r["distance_bytes"] == distance]))
 
 
 if __name__ == "__main__":

@@ -235,8 +235,11 @@ def add_cluster_arguments(parser) -> None:
                          "which also weighs keeping all attention and the LM head on the master; --local-agents "
                          "then keeps every agent), 'even' (equal shares of every block, nobody measured), 'even-mlp' "
                          "(every attention head on the master, equal shares of the MLP and LM head: a token syncs "
-                         "once a layer instead of twice) or 'even-mlp-only' (the LM head on the master too: no "
-                         "logits slices on the wire)")
+                         "once a layer instead of twice), 'even-mlp-only' (the LM head on the master too: no "
+                         "logits slices on the wire) or 'paired-mlp' (as even-mlp-only, each layer's MLP halved "
+                         "between the master and one agent, the agents taking the layers in turn: two processes a "
+                         "round, the faster plan where the agents share the master's cores, e.g. --local-agents on a "
+                         "small machine)")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",

@@ -91,19 +91,24 @@ def place_by_rank(ranges, order=None) -> list[list[list[int]]]:
 
 
 # even plans by keyword (--plan): the blocks kept whole on the master. "even-mlp": every head there, so a token syncs
-# once a layer (its MLP) instead of twice; "even-mlp-only": the LM head too, so no logits slices cross the network
-EVEN_PLANS = {"even": (), "even-mlp": ("attention",), "even-mlp-only": ("attention", "lm_head")}
+# once a layer (its MLP) instead of twice; "even-mlp-only": the LM head too, so no logits slices cross the network;
+# "paired-mlp": as even-mlp-only, each layer's MLP halved between the master and one agent in turn (PAIRED_PLANS)
+EVEN_PLANS = {"even": (), "even-mlp": ("attention",), "even-mlp-only": ("attention", "lm_head"),
+              "paired-mlp": ("attention", "lm_head")}
+PAIRED_PLANS = ("paired-mlp",)  # scheduler/tp_plan.py `paired`: for agents that share the master's cores
 PLAN_KEYWORDS = ("measured", *EVEN_PLANS)  # what --plan takes besides a plan file
 
 
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,
-              context: int = DEFAULT_CONTEXT, on_master: tuple[str, ...] = ()):
+              context: int = DEFAULT_CONTEXT, on_master: tuple[str, ...] = (), paired: bool = False):
     """A plan for n equal local devices (or devices with the given relative compute), all taking part; on_master:
     blocks kept whole on the master (scheduler/tp_plan.py `on_master`): "attention" (one sync round a layer),
-    "lm_head" (no logits slices on the wire)."""
+    "lm_head" (no logits slices on the wire); paired: each layer's MLP halved between the master and one agent,
+    the agents taking the layers in turn (tp_plan.py `paired`)."""
     from .scheduler.profiles import Cluster, DeviceProfile, model_profile
     from .scheduler.tp_plan import build_plan, check_master_kinds
     from .scheduler.tp_plan import on_master as move
+    from .scheduler.tp_plan import paired as pair
 
     check_master_kinds(on_master)
 
@@ -115,7 +120,8 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
                             vocab_group_size=layout.vocab_group_size)
     # every device stays a participant (one may get no groups): the caller has one agent per device
     plan = build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
-    return move(plan, tuple(on_master)) if on_master and n_devices > 1 else plan
+    plan = move(plan, tuple(on_master)) if on_master and n_devices > 1 else plan
+    return pair(plan) if paired else plan
 
 
 def share_float32_bytes(share: Shares, layout: GroupLayout, dim: int) -> int:

@@ -195,3 +195,32 @@ def test_the_scheduler_keeps_attention_on_the_master_where_rounds_cost_more_than
     assert kept.n == 4 and kept.heads_on_master and kept.counts["mlp"][1:].all()
     assert plan_everyone(Cluster(fast, context=512, weights="int4"), TINY, "exact").counts["attention"][1:].any()
     assert plan_everyone(Cluster(slow_links, context=512, weights="int4"), TINY).counts["attention"][1:].any()
+
+
+def test_a_paired_plan_halves_each_layers_mlp_between_the_master_and_one_agent_in_turn():
+    """paired (--plan paired-mlp): every layer's MLP groups go half to the master (the larger half) and half to one
+    agent, the agents taking the layers round-robin, so an MLP round engages two processes; nothing else moves, the
+    plan stays complete and disjoint, and a device that cannot hold its halves is named."""
+    from halo.scheduler.tp_plan import paired
+
+    devices = tuple(DeviceProfile(f"d{i}", 2e9, 2e9, bandwidth_bps=1e9, is_master=i == 0) for i in range(4))
+    split = on_master(build_plan(Cluster(devices, context=512, weights="int4"), TINY, "minmax"),
+                      ("attention", "lm_head"))
+    pairs = paired(split)
+    check_plan(pairs)
+    mlp, total = pairs.counts["mlp"], TINY.mlp.count
+    assert (mlp[0] == total - total // 2).all()
+    for layer in range(TINY.n_layers):
+        holders = np.flatnonzero(mlp[1:, layer]) + 1
+        assert holders.tolist() == [1 + layer % 3] and mlp[holders[0], layer] == total // 2
+    for kind in ("attention", "lm_head"):
+        assert (pairs.counts[kind] == split.counts[kind]).all()
+    assert pairs.sync_rounds() == split.sync_rounds() == TINY.n_layers
+    alone = build_plan(Cluster(devices[:1], context=512, weights="int4"), TINY, "minmax")
+    assert paired(alone) is alone  # no agent to pair with
+    with pytest.raises(ConfigError, match="only the per-layer blocks"):
+        paired(split, "lm_head")
+    small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
+    with pytest.raises(InsufficientMemory, match="'m' would need .* for its halves of the mlp of a paired plan"):
+        paired(on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"),
+                         ("attention", "lm_head")))

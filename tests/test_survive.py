@@ -46,14 +46,15 @@ def run(model, weights, at_step, action, pace_s=0.0):
     return result, done[0]
 
 
-@pytest.mark.parametrize("plan", ["even-mlp", "even-mlp-only"])
+@pytest.mark.parametrize("plan", ["even-mlp", "even-mlp-only", "paired-mlp"])
 def test_blocks_on_the_master_stay_there_when_an_agent_is_lost(stories_weights, known_answer, plan):
-    """--plan even-mlp (-only): the re-plan over the survivors is the same keyword again (the heads, and the LM
-    head, never leave the master; the rest is split over who is left) and the text is the known answer."""
+    """--plan even-mlp (-only), paired-mlp: the re-plan over the survivors is the same keyword again (the heads, and
+    the LM head, never leave the master; the rest is split over who is left) and the text is the known answer."""
     step = random.Random(7).randrange(10, STEPS - 10)
     with LocalCluster(3) as cluster, ExitStack() as stack:
         model = survivor(stories_weights, cluster, stack, plan=plan)
-        assert model.plan.heads_on_master and model.plan.lm_head_on_master == (plan == "even-mlp-only")
+        assert model.plan.heads_on_master and model.plan.lm_head_on_master == (plan != "even-mlp")
+        assert model.planning["paired"] == (plan == "paired-mlp")
 
         def kill():
             cluster.processes[2].kill()
@@ -63,7 +64,7 @@ def test_blocks_on_the_master_stay_there_when_an_agent_is_lost(stories_weights, 
         assert result.text == known_answer
         assert len(model.recoveries) == 1 and len(model.recoveries[0].members) == 2
         assert model.plan.heads_on_master and model.plan.n == 3
-        assert model.plan.lm_head_on_master == (plan == "even-mlp-only")
+        assert model.plan.lm_head_on_master == (plan != "even-mlp")
 
 
 @pytest.mark.parametrize("mode,sticky,refill", [("exact", True, True), ("tcp", False, False)])

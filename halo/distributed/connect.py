@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from halo.errors import ConfigError
 from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
-from halo.shares import EVEN_PLANS, PLAN_KEYWORDS, even_plan, shares_from_plan
+from halo.shares import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan, shares_from_plan
 from halo.sync import SyncSettings
 from halo.weights import ModelWeights
 
@@ -32,7 +32,9 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
       adds noise: one taken while the others ran once made a plan give an agent nothing);
     - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
       "even-mlp": the same with every attention head on the master (one sync round a layer instead of two);
-      "even-mlp-only": the LM head on the master too (no logits slices on the wire);
+      "even-mlp-only": the LM head on the master too (no logits slices on the wire); "paired-mlp": as even-mlp-only
+      with each layer's MLP halved between the master and one agent, the agents taking the layers in turn (two
+      processes a round: for agents that share the master's cores);
     - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
     heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
     the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
@@ -54,9 +56,11 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
                                        same_machine=same_machine)
         endpoints = [d.address for d in plan.profiles()[1:]]
     elif plan is None or (isinstance(plan, str) and plan in EVEN_PLANS):
-        on_master = EVEN_PLANS[plan or "even"]
-        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context, on_master=on_master)
-        planning = {"source": "even" if compute is None else "relative compute", "on_master": list(on_master)}
+        on_master, pair = EVEN_PLANS[plan or "even"], plan in PAIRED_PLANS
+        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context, on_master=on_master,
+                         paired=pair)
+        planning = {"source": "even" if compute is None else "relative compute", "on_master": list(on_master),
+                    "paired": pair}
     elif isinstance(plan, str):
         raise ConfigError(f"plan {plan!r}: give 'measured', {', '.join(repr(k) for k in EVEN_PLANS)} or a "
                           "TensorParallelPlan")
@@ -192,7 +196,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
                           same_machine=bool(local_agents), **settings)
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
-                            select, sync, context, tuple(model.planning.get("on_master", ())))
+                            select, sync, context, tuple(model.planning.get("on_master", ())),
+                            bool(model.planning.get("paired")))
         model = SurvivingModel(model, endpoints, planner,
                                lambda p, e, **how: cluster_model(weights, e, cluster_key, plan=p, **how, **settings),
                                cluster_key, insecure, survive)
@@ -215,6 +220,7 @@ class Replanner:
     sync: SyncSettings
     context: int
     on_master: tuple = ()  # an even plan's blocks kept on the master (EVEN_PLANS), kept when agents come and go
+    paired: bool = False  # an even plan's MLP halved between the master and one agent a layer (PAIRED_PLANS), kept too
 
     def survivors(self, endpoints: list[str]):
         """(plan, its agents' endpoints in plan order) over the master and `endpoints`."""
@@ -222,7 +228,7 @@ class Replanner:
 
         if self.even:
             return even_plan(self.weights, self.layout, len(endpoints) + 1, context=self.context,
-                             on_master=self.on_master), list(endpoints)
+                             on_master=self.on_master, paired=self.paired), list(endpoints)
         cluster = self.first.cluster
         master = cluster.devices[cluster.master]
         known = {_address(d): d for d in cluster.devices if d is not master and d.address}
