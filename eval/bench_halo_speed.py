@@ -532,8 +532,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plan", default="even", choices=PLANS, help="how the cluster runs share the "
                         "model: 'even' (equal shares of every block), 'even-mlp' (every attention head on the "
                         "master, equal shares of the rest: one sync round a layer), 'even-mlp-only' (the LM head "
-                        "on the master too) or 'measured' (the scheduler's plan from measured agents and links, "
-                        "halo-master's default: it may leave agents out)")
+                        "on the master too), 'paired-mlp' (as even-mlp-only, each layer's MLP halved between the "
+                        "master and one agent in turn) or 'measured' (the scheduler's plan from measured agents and "
+                        "links, halo-master's default: it may leave agents out)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.what == "master":

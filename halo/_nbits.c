@@ -79,7 +79,7 @@ typedef struct {
     const uint8_t *packed;   /* [tiles, blocks, unit] */
     int is_half, has_offsets, bits, terms;
     Py_ssize_t tokens, blocks, n, block, words, quads, unit;
-    Py_ssize_t ahead;        /* bytes from a unit to the one whose lines are prefetched (whole units; prefetch_ahead) */
+    Py_ssize_t ahead;        /* bytes from a unit to the one whose lines are prefetched (prefetch_distance units) */
     const int32_t *x_quads;  /* [tokens, blocks, terms, quads] */
     const float *steps;      /* [tokens, blocks, 2] */
     const int32_t *zero_sums;/* [tokens, blocks, 2] */
@@ -358,32 +358,26 @@ static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
             job->out[t * job->n + r0 + r] = y[t * TILE_ROWS + r];
 }
 
-/* How far ahead of the unit it computes the kernel asks the memory for lines, in bytes (-1: not chosen yet). Measured
- * on two hosts of the project's 2-core machine kind (eval/results/kernel_prefetch.md): an AMD EPYC streamed Q4_0 from
- * memory at 78 % of its copy bandwidth 32 units (~9 KB) ahead; an Intel Xeon ran 9.6 GB/s there and ~13.8 GB/s ~1 KB
- * ahead (its own L2 streamer keeps up; requests that far out only crowd its miss queue). prefetch_bytes() sets it. */
-static Py_ssize_t prefetch_bytes = -1;
-#define PREFETCH_BYTES_INTEL 1024
-#define PREFETCH_BYTES_OTHER 9216
+/* How far ahead of the unit it computes the kernel asks the memory for lines, in units (-1: not chosen yet). Measured
+ * on two hosts of the project's 2-core machine kind (eval/results/): an AMD EPYC streamed Q4_0 from memory at 78 % of
+ * its copy bandwidth 32 units (~9 KB) ahead (engine_decode_tinyllama-Q4_0.md); an Intel Xeon ran 10.0 GB/s there and
+ * 14.2 GB/s 4 units ahead, Q4_1 and Q8_0 alike (kernel_prefetch.md: its own L2 streamer keeps up; requests that far
+ * out only crowd its miss queue). prefetch_units() sets it. */
+static Py_ssize_t prefetch_units = -1;
+#define PREFETCH_UNITS_INTEL 4
+#define PREFETCH_UNITS_OTHER 32
 
 static Py_ssize_t prefetch_distance(void)
 {
-    if (prefetch_bytes < 0) {
-        prefetch_bytes = PREFETCH_BYTES_OTHER;
+    if (prefetch_units < 0) {
+        prefetch_units = PREFETCH_UNITS_OTHER;
 #ifdef HALO_X86
         __builtin_cpu_init();
         if (__builtin_cpu_is("intel"))
-            prefetch_bytes = PREFETCH_BYTES_INTEL;
+            prefetch_units = PREFETCH_UNITS_INTEL;
 #endif
     }
-    return prefetch_bytes;
-}
-
-/* The bytes from a unit to the one prefetched: prefetch_distance() in whole units, at least one. */
-static Py_ssize_t prefetch_ahead(Py_ssize_t unit)
-{
-    const Py_ssize_t units = (prefetch_distance() + unit / 2) / unit;
-    return (units > 0 ? units : 1) * unit;
+    return prefetch_units;
 }
 
 static int best_path(void)
@@ -603,7 +597,7 @@ static int weight_open(Weight *w, PyObject *packed_obj, Py_ssize_t n, int bits, 
         return -1;
     }
     Job job = {w->packed.buf, is_half != 0, has_offsets != 0, bits, terms, 0, w->packed.shape[1], n, block, words,
-               bits == 4 ? 2 * words : words, unit, prefetch_ahead(unit), NULL, NULL, NULL, NULL, NULL};
+               bits == 4 ? 2 * words : words, unit, prefetch_distance() * unit, NULL, NULL, NULL, NULL, NULL};
     w->job = job;
     return 0;
 }
@@ -1165,18 +1159,18 @@ static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_prefetch_bytes(PyObject *self, PyObject *args)
+static PyObject *py_prefetch_units(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_ssize_t bytes = -1;
-    if (!PyArg_ParseTuple(args, "|n", &bytes))
+    Py_ssize_t units = -1;
+    if (!PyArg_ParseTuple(args, "|n", &units))
         return NULL;
     if (PyTuple_GET_SIZE(args)) {
-        if (bytes < 0 || bytes > (1 << 20)) {
-            PyErr_Format(PyExc_ValueError, "prefetch distance must be 0..1048576 bytes (got %zd)", bytes);
+        if (units < 1 || units > 1024) {
+            PyErr_Format(PyExc_ValueError, "prefetch distance must be 1..1024 units (got %zd)", units);
             return NULL;
         }
-        prefetch_bytes = bytes;
+        prefetch_units = units;
     }
     return PyLong_FromSsize_t(prefetch_distance());
 }
@@ -1209,10 +1203,10 @@ static PyMethodDef methods[] = {
      "(gate_up, down) weight pairs, added in order) of W_down (silu(gate) x up) of x [1, D], RMS-normed by `norm` "
      "(None: x is normed already); gate_up: the gate rows then the up rows."},
     {"paths", py_paths, METH_NOARGS, "paths(): the vector paths this CPU runs, slowest first."},
-    {"prefetch_bytes", py_prefetch_bytes, METH_VARARGS,
-     "prefetch_bytes([bytes]): how far ahead (rounded to whole units, at least one) the kernels ask the memory for the "
-     "weights they will read: chosen for the CPU at first use; given, it applies to the weights handed over after "
-     "(a benchmark's knob; the same results at any distance)."},
+    {"prefetch_units", py_prefetch_units, METH_VARARGS,
+     "prefetch_units([units]): how many units (a 16-row tile's block: its codes, scales, offsets) ahead the kernels ask "
+     "the memory for the weights they will read: chosen for the CPU at first use (Intel 4, others 32); given, from the "
+     "next call on (a benchmark's knob; the same results at any distance)."},
     {NULL, NULL, 0, NULL},
 };
 

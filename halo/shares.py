@@ -111,6 +111,9 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     from .scheduler.tp_plan import paired as pair
 
     check_master_kinds(on_master)
+    if paired and compute is not None:
+        raise ConfigError("a paired plan halves each layer's MLP between the master and one agent: relative compute "
+                          "figures do not apply (give an even plan with them)")
 
     compute = compute or [1.0] * n_devices
     if len(compute) != n_devices:

@@ -186,7 +186,7 @@ def paired(plan: TensorParallelPlan, kind: str = "mlp") -> TensorParallelPlan:
     round of that kind then engages two processes, and each agent holds its layers' halves. Why: on a machine whose
     agents share the master's cores (the namespace test bed, --local-agents on two cores), a round that engages every
     agent time-slices them all on the same cores for no more parallelism than two, and pays each one's round
-    overhead (its wake-up, Python, datagrams) in every round (eval/results/halo_speed_tinyllama_q4_paired.md). On
+    overhead (its wake-up, Python, datagrams) in every round (eval/results/halo_speed_tinyllama_q4.md). On
     devices with cores of their own, the even split engages them all at once and is the better plan."""
     if kind not in TP_KINDS:
         raise ConfigError(f"{kind!r}: only the per-layer blocks ({', '.join(TP_KINDS)}) can be paired")

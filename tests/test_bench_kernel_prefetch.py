@@ -20,16 +20,17 @@ SMALL = {**TINYLLAMA_1_1B, "hidden_size": 256, "intermediate_size": 512, "num_hi
 def test_the_sweep_covers_every_format_and_distance_and_the_decodes_agree(tmp_path):
     model = tmp_path / "small.gguf"
     write_random_gguf(model, SMALL, "Q4_0")
-    chosen = linear._nbits.prefetch_bytes()
-    bench_kernel_prefetch.main(["--megabytes", "1", "--repeats", "1", "--model", str(model), "--runs", "2",
-                                "--tokens", "3", "--out", str(tmp_path), "--name", "kp"])
-    assert linear._nbits.prefetch_bytes() == chosen  # the sweep's settings undone
+    chosen = linear._nbits.prefetch_units()
+    bench_kernel_prefetch.main(["--megabytes", "1", "--repeats", "1", "--copy-megabytes", "8", "--model", str(model),
+                                "--runs", "2", "--tokens", "3", "--out", str(tmp_path), "--name", "kp"])
+    assert linear._nbits.prefetch_units() == chosen  # the sweep's settings undone
     result = json.loads((tmp_path / "kp.json").read_text())
-    assert result["default_distance_bytes"] == chosen
+    assert result["default_units"] == chosen
     distances = sorted({*bench_kernel_prefetch.DISTANCES, chosen})
     for fmt in bench_kernel_prefetch.FORMATS:
         rows = [r for r in result["rows"] if r["format"] == fmt]
-        assert [r["distance_bytes"] for r in rows] == distances and all(r["gb_per_s"] > 0 for r in rows)
-    assert sorted(r["distance_bytes"] for r in result["decode"]) == sorted([bench_kernel_prefetch.FIXED, chosen] * 2)
+        assert [r["ahead_units"] for r in rows] == distances and all(r["gb_per_s"] > 0 for r in rows)
+    decoded = {bench_kernel_prefetch.FIXED, chosen}  # one distance where the CPU's own is the old one (off Intel)
+    assert sorted(r["ahead_units"] for r in result["decode"]) == sorted(list(decoded) * 2)
     assert all(r["ms_per_token"] > 0 for r in result["decode"])
     assert f"| {chosen} (default) |" in (tmp_path / "kp.md").read_text()

@@ -391,8 +391,8 @@ def test_the_kernels_prefetch_distance_is_chosen_for_the_cpu_settable_and_change
     if linear._nbits is None:
         pytest.skip("halo._nbits not built (no C compiler or no Python headers)")
     nbits = linear._nbits
-    chosen = nbits.prefetch_bytes()
-    assert chosen in (1024, 9216)  # Intel's ~1 KB, every other CPU's 32 Q4_0 units (halo/_nbits.c)
+    chosen = nbits.prefetch_units()
+    assert chosen in (4, 32)  # Intel's, every other CPU's (halo/_nbits.c)
     rng = np.random.default_rng(3)
     n, blocks = 300, 64
     codes = rng.integers(0, 256, (n, blocks, 16), dtype=np.uint8)
@@ -400,18 +400,18 @@ def test_the_kernels_prefetch_distance_is_chosen_for_the_cpu_settable_and_change
     x = rng.standard_normal((1, blocks * 32)).astype(np.float32)
     outs = []
     try:
-        for distance in (0, 1, 1024, 9216, 1 << 20):
-            assert nbits.prefetch_bytes(distance) == distance
+        for units in (1, 4, 32, 1024):
+            assert nbits.prefetch_units(units) == units
             for path in nbits.paths():
                 out = np.empty((1, n), np.float32)
                 nbits.matmul((packed, n, 4, 32, True, False, 2), x, out, path=path)
                 outs.append(out)
-        for bad in (-1, (1 << 20) + 1):
-            with pytest.raises(ValueError, match=r"prefetch distance must be 0..1048576 bytes"):
-                nbits.prefetch_bytes(bad)
+        for bad in (0, -1, 1025):
+            with pytest.raises(ValueError, match=r"prefetch distance must be 1..1024 units"):
+                nbits.prefetch_units(bad)
     finally:
-        nbits.prefetch_bytes(chosen)
-    assert nbits.prefetch_bytes() == chosen
+        nbits.prefetch_units(chosen)
+    assert nbits.prefetch_units() == chosen
     for out in outs[1:]:
         np.testing.assert_array_equal(out, outs[0])
 

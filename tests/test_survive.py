@@ -65,6 +65,9 @@ def test_blocks_on_the_master_stay_there_when_an_agent_is_lost(stories_weights, 
         assert len(model.recoveries) == 1 and len(model.recoveries[0].members) == 2
         assert model.plan.heads_on_master and model.plan.n == 3
         assert model.plan.lm_head_on_master == (plan != "even-mlp")
+        if plan == "paired-mlp":  # paired again over the two left: each layer's MLP on the master and one of them
+            mlp = model.plan.counts["mlp"]
+            assert (mlp[0] > 0).all() and ((mlp[1:] > 0).sum(axis=0) == 1).all()
 
 
 @pytest.mark.parametrize("mode,sticky,refill", [("exact", True, True), ("tcp", False, False)])

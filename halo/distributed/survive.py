@@ -238,7 +238,11 @@ class SurvivingModel:
 
     # ---- sticky re-plans --------------------------------------------------------------------------------
     def _sticky_without_absent(self) -> tuple | None:
-        """A sticky re-plan without the absent agents: the others keep their groups and take the absent ones'."""
+        """A sticky re-plan without the absent agents: the others keep their groups and take the absent ones'. None for
+        a paired plan: spreading a lost agent's layers over everyone left would engage every process in those layers'
+        rounds, so the survivors are paired again (Replanner.survivors)."""
+        if getattr(self.planner, "paired", False):
+            return None
         kept = [e for e in self._shares if e and e not in self.absent]
         lost = [share for e, share in self._shares.items() if e in self.absent]
         return self._sticky(["", *kept], spread_lost([self._shares[e] for e in ["", *kept]], lost))
