@@ -8,7 +8,7 @@ the kernel picks for this CPU by itself (halo/_nbits.c `prefetch_distance`) and 
 scale; then decodes --model in one process (one thread, greedy, bench_halo_speed's prompt and warm-up) at the old
 fixed distance and at the CPU's own, --runs times each, interleaved. A distance is in units: one block of a 16-row
 tile (its codes, scales and offsets; Q4_0 with float16 scales: 288 bytes). Why: one fixed distance (32 units, ~9 KB)
-ran an AMD EPYC host at 78 % of its copy bandwidth and an Intel Xeon host at ~35 %; a token of a compact model is
+ran an AMD EPYC host at 78 % of its copy bandwidth and an Intel Xeon host at ~35-40 %; a token of a compact model is
 one such stream, so this distance sets single-device speed. Results differ by CPU; run it on the machine in
 question (the JSON records its CPU).
 """

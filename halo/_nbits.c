@@ -361,7 +361,7 @@ static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
 /* How far ahead of the unit it computes the kernel asks the memory for lines, in units (-1: not chosen yet). Measured
  * on two hosts of the project's 2-core machine kind (eval/results/): an AMD EPYC streamed Q4_0 from memory at 78 % of
  * its copy bandwidth 32 units (~9 KB) ahead (engine_decode_tinyllama-Q4_0.md); an Intel Xeon streamed it at 9.3 GB/s
- * there and 12.8 GB/s 4 units ahead, Q4_1 and Q8_0 alike, and decoded a TinyLlama token in 50.0 ms instead of 72.5
+ * there and 12.8 GB/s 4 units ahead (Q4_1 alike; Q8_0 12.4 -> 14.2), and decoded a TinyLlama token in 50.0 ms instead of 72.5
  * (kernel_prefetch.md: its own L2 streamer keeps up; requests that far out only crowd its miss queue).
  * prefetch_units() sets it. */
 static Py_ssize_t prefetch_units = -1;

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from halo.distributed import AgentError, LocalCluster, cluster_model
+from halo.errors import ConfigError
 from halo.generate import generate
 from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
@@ -65,6 +66,28 @@ def test_blocks_on_the_master_take_their_rounds_away_and_keep_the_known_answer(s
     assert synced == layers + (plan == "even-mlp")
     listened = breakdown["sync_rounds_per_token"] - synced  # halo: attention inputs to agents that predict from them
     assert breakdown["rounds_per_token"] == 2 * layers + 1 and 0 <= listened <= (layers - 1 if sync == "halo" else 0)
+
+
+def test_a_paired_plan_stays_paired_for_the_agents_left_until_the_scheduler_plans_instead(stories_weights):
+    """The re-planner of --plan paired-mlp pairs the survivors again (one agent a layer, in turn); once a rebalance
+    adopts the scheduler's plan it is neither even nor paired (survive.py then re-plans stickily again)."""
+    from halo.distributed.connect import Replanner
+    from halo.shares import EVEN_PLANS
+    from halo.sync import SyncSettings
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    first = even_plan(stories_weights, layout, 4, context=CONTEXT, on_master=EVEN_PLANS["paired-mlp"], paired=True)
+    planner = Replanner(stories_weights, layout, first, True, False, SyncSettings(), CONTEXT, EVEN_PLANS["paired-mlp"],
+                        True)
+    plan, endpoints = planner.survivors(["tcp://a:1", "tcp://b:2"])
+    mlp = plan.counts["mlp"]
+    assert endpoints == ["tcp://a:1", "tcp://b:2"] and plan.n == 3 and plan.lm_head_on_master
+    assert (mlp[0] > 0).all() and [int(np.flatnonzero(mlp[1:, l])[0]) for l in range(mlp.shape[1])] == \
+        [l % 2 for l in range(mlp.shape[1])]
+    with pytest.raises(ConfigError, match="relative compute figures do not apply"):
+        even_plan(stories_weights, layout, 3, [1.0, 2.0, 1.0], CONTEXT, paired=True)
+    planner.adopt(even_plan(stories_weights, layout, 3, context=CONTEXT))
+    assert not planner.even and not planner.paired
 
 
 def test_uneven_plan_really_is_uneven(stories_weights):

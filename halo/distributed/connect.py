@@ -238,8 +238,9 @@ class Replanner:
         return plan, _plan_addresses(plan)
 
     def adopt(self, plan) -> None:
-        """A plan from `observed` is in use: later losses and joins plan from its (observed) profiles."""
-        self.first, self.even = plan, False
+        """A plan from `observed` is in use: later losses and joins plan from its (observed) profiles (the scheduler's,
+        neither even nor paired)."""
+        self.first, self.even, self.paired = plan, False, False
 
     def observed(self, model: DistributedModel):
         """(plan, endpoints, predicted s/token of the current plan, of the new one) from the running estimates
