@@ -16,31 +16,21 @@ question (the JSON records its CPU).
 from __future__ import annotations
 
 import argparse
-import platform
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_engine import stream_copy_bandwidth
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, cpu_model, write_report
 from halo.linear import _nbits, pack
 
 ROWS, COLUMNS, BLOCK = 11264, 2048, 32  # TinyLlama's gate and up rows, its hidden size; GGUF's blocks of 32
 FORMATS = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}  # bits, offsets (float16 scales, as GGUF's)
 DISTANCES = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # units ahead
 FIXED = 32  # the one distance every CPU had before, and still the choice off Intel
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def matrices(bits: int, offsets: bool, megabytes: float, rng) -> list[tuple]:
@@ -51,6 +41,17 @@ def matrices(bits: int, offsets: bool, megabytes: float, rng) -> list[tuple]:
     packed = pack(codes, scales, rng.random(scales.shape).astype(np.float16) if offsets else None)
     count = max(1, int(megabytes * 1e6 // packed.nbytes))
     return [(packed.copy(), ROWS, bits, BLOCK, True, offsets, 1) for _ in range(count)]
+
+
+@contextmanager
+def prefetch_at(units: int):
+    """The kernel's prefetch distance set to `units` inside the block, what it was after."""
+    before = _nbits.prefetch_units()
+    _nbits.prefetch_units(units)
+    try:
+        yield
+    finally:
+        _nbits.prefetch_units(before)
 
 
 def stream_rate(weights: list[tuple], repeats: int) -> float:
@@ -86,19 +87,16 @@ def main(argv=None) -> None:
     chosen = _nbits.prefetch_units()
     rng = np.random.default_rng(0)
     rows = []
-    try:
-        for name, (bits, offsets) in FORMATS.items():
-            weights = matrices(bits, offsets, args.megabytes, rng)
-            unit = weights[0][0].shape[2]
-            for units in sorted({*DISTANCES, chosen}):
-                _nbits.prefetch_units(units)
+    for name, (bits, offsets) in FORMATS.items():
+        weights = matrices(bits, offsets, args.megabytes, rng)
+        unit = weights[0][0].shape[2]
+        for units in sorted({*DISTANCES, chosen}):
+            with prefetch_at(units):
                 rate = stream_rate(weights, args.repeats)
-                rows.append({"format": name, "unit_bytes": unit, "ahead_units": units, "ahead_bytes": units * unit,
-                             "default": units == chosen, "gb_per_s": round(rate / 1e9, 2)})
-                print(rows[-1], flush=True)
-            del weights
-    finally:
-        _nbits.prefetch_units(chosen)
+            rows.append({"format": name, "unit_bytes": unit, "ahead_units": units, "ahead_bytes": units * unit,
+                         "default": units == chosen, "gb_per_s": round(rate / 1e9, 2)})
+            print(rows[-1], flush=True)
+        del weights
     copy = stream_copy_bandwidth(int(args.copy_megabytes * (1 << 20)))
     decodes = decode_at(model_file(args.model), [FIXED, chosen], args.runs, args.tokens)
     data = {"command": command_line("halo.eval.bench_kernel_prefetch", argv), "cpu": cpu_model(),
@@ -136,20 +134,17 @@ def decode_at(model: Path, distances: list[int], runs: int, tokens: int) -> list
     from halo.model import Transformer
 
     weights = load_weights(model)
-    results, first, before = [], None, _nbits.prefetch_units()
-    try:
-        for run in range(runs):
-            for distance in dict.fromkeys(distances):
-                _nbits.prefetch_units(distance)
+    results, first = [], None
+    for run in range(runs):
+        for distance in dict.fromkeys(distances):
+            with prefetch_at(distance):
                 out = decode(Transformer(weights, fmt=resolved_format("native", weights), max_seq_len=256), tokens, 600)
-                first = first or out["tokens"]
-                if out["tokens"] != first:
-                    raise SystemExit(f"the decode {distance} units ahead gave other tokens: a kernel bug")
-                results.append({"ahead_units": distance, "run": run,
-                                "ms_per_token": round(float(np.mean(out["ms_per_token"])), 2)})
-                print(results[-1], flush=True)
-    finally:
-        _nbits.prefetch_units(before)
+            first = first or out["tokens"]
+            if out["tokens"] != first:
+                raise SystemExit(f"the decode {distance} units ahead gave other tokens: a kernel bug")
+            results.append({"ahead_units": distance, "run": run,
+                            "ms_per_token": round(float(np.mean(out["ms_per_token"])), 2)})
+            print(results[-1], flush=True)
     return results
 
 

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 import json
+import platform
 import shlex
 import sys
 from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name as results record it (/proc/cpuinfo; elsewhere what platform knows): benchmarks of memory
+    and kernels differ by host, so every file says which it ran on."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def command_line(module: str, argv: list[str] | None) -> str:

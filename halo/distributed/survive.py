@@ -241,7 +241,7 @@ class SurvivingModel:
         """A sticky re-plan without the absent agents: the others keep their groups and take the absent ones'. None for
         a paired plan: spreading a lost agent's layers over everyone left would engage every process in those layers'
         rounds, so the survivors are paired again (Replanner.survivors)."""
-        if getattr(self.planner, "paired", False):
+        if self.planner.paired:
             return None
         kept = [e for e in self._shares if e and e not in self.absent]
         lost = [share for e, share in self._shares.items() if e in self.absent]
