@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import os
 import sys
 import tomllib
 from pathlib import Path
 
 from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_number, check_path, integer,
                             listen_argument, number, parse_endpoint)
+from halo.cores import usable_cores
+from halo.transport.udp import BUSY_POLL_MODES
 from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
 from halo.models import resolve_model
@@ -22,11 +23,11 @@ EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
   halo-agent prepare --model MODEL --weights native  (once: HALO mode's MLP groups laid out for re-mapping; see --help)
   halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors,
-                                                       memory_budget in MB)
+                                                       memory_budget in MB, busy_poll)
 """
 
 
-CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget")
+CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget", "busy_poll")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -57,6 +58,8 @@ def read_config(path: str) -> dict:
             settings["listen"] = parse_endpoint(settings["listen"], listen=True)
         except ConfigError as e:
             raise ConfigError(f"{path}: listen: {e}") from None
+    if settings.get("busy_poll", BUSY_POLL_MODES[0]) not in BUSY_POLL_MODES:
+        raise ConfigError(f"{path}: busy_poll must be one of {', '.join(BUSY_POLL_MODES)}, got {settings['busy_poll']!r}")
     if settings.get("weights", FORMATS[0]) not in FORMATS:
         raise ConfigError(f"{path}: weights must be one of {', '.join(FORMATS)}, got {settings['weights']!r}")
     return settings
@@ -130,11 +133,16 @@ def main(argv=None) -> int:
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
     parser.add_argument("--weights", choices=FORMATS, help="weight format in memory when the master does not say "
                         "(default native: the file's own); a master's choice applies to the whole cluster")
-    parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: all cores)")
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: the cores this process may run on, its CPU affinity)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
     parser.add_argument("--memory-budget", type=number(0, low_open=True), metavar="MB",
                         help="most memory a session's weights and KV cache may take; a master's share that needs more "
                              "is refused with the numbers (default: 90 %% of the memory available at start)")
+    parser.add_argument("--busy-poll", choices=BUSY_POLL_MODES,
+                        help="while a generation runs, spin for the next UDP round instead of sleeping: on, off, or auto "
+                             "= on where this process was given cores of its own (taskset, systemd CPUAffinity=); a "
+                             "sleeping core wakes tens of microseconds late at every round, but agents sharing cores "
+                             "must not spin (default auto)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
         given = getattr(args, name)
         return given if given is not None else settings.get(name, default)
 
-    threads = pick("threads", None) or os.cpu_count() or 1
+    threads = pick("threads", None) or usable_cores()
     listen = pick("listen", DEFAULT_LISTEN)
     try:
         model = pick("model", None)
@@ -174,7 +182,7 @@ def main(argv=None) -> int:
 
         agent = Agent(pick("model", None), listen, key, args.insecure,
                       pick("name", socket.gethostname()), pick("weights", "native"), threads,
-                      pick("predictors", None), budget_bytes(pick("memory_budget", None)))
+                      pick("predictors", None), budget_bytes(pick("memory_budget", None)), pick("busy_poll", "auto"))
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2

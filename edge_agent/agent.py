@@ -30,6 +30,7 @@ from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport
 from halo.transport import wire
 from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
+from halo.transport.udp import BUSY_POLL_S, spin_readable
 from halo.worker import DeviceWorker
 
 from .daemon import ControlServer
@@ -39,6 +40,7 @@ log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
 MEMORY_SHARE = 0.9  # of the memory available at start: the default budget (the rest: the process, buffers, the OS)
 RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
+BUSY_WINDOW_S = 0.05  # busy polling spins while the last UDP round is at most this old (a decode is running)
 LOADING_REPORT_S = 1.0  # while a share loads, the master hears how far it got this often
 
 
@@ -101,10 +103,12 @@ def _storage_reads() -> dict:
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
                  name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, busy_poll: str = "auto"):
         """memory_budget: bytes a session's weights and KV cache may take (None: MEMORY_SHARE of what is available
-        at start); a hello whose share needs more is refused with the numbers."""
-        from halo.transport.udp import UdpEndpoint
+        at start); a hello whose share needs more is refused with the numbers. busy_poll: whether waits for the next
+        UDP round spin before they sleep (transport/udp.py set_busy_poll: auto = where this process has dedicated
+        cores)."""
+        from halo.transport.udp import UdpEndpoint, set_busy_poll
 
         from .profile import device_profile
 
@@ -122,6 +126,8 @@ class Agent(ControlServer):
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         self.profile = device_profile()
+        self.busy_poll = set_busy_poll(busy_poll)
+        self._last_round = 0.0  # when a UDP round was last served (busy polling spins only while they come)
         # what it did, cumulative: blocks and their compute, time gathering UDP inputs, sending partials, predicting
         self.served = {"sessions": 0, "blocks": 0, "compute_ms": 0.0, "input_wait_ms": 0.0, "send_ms": 0.0,
                        "predict_ms": 0.0, "refused": 0, "errors": 0, "broadcasts_incomplete": 0, "partials_resent": 0,
@@ -136,13 +142,21 @@ class Agent(ControlServer):
     def poll_sources(self) -> list:
         return [self.udp.sock.fileno(), self._wake[0]]
 
+    def wait(self, poller) -> dict:
+        """While UDP rounds are coming (one served within BUSY_WINDOW_S) and busy polling is on, spin on their socket
+        first: the next round's input is usually a compute step away, and a sleeping core wakes tens of microseconds
+        late. Otherwise, or once the spin found nothing, the usual poll."""
+        if self.busy_poll and time.monotonic() - self._last_round < BUSY_WINDOW_S and spin_readable(self.udp.sock, BUSY_POLL_S):
+            return dict(poller.poll(0))
+        return super().wait(poller)
+
     def tick(self, events: dict) -> None:
         if self._wake[0] in events:
             os.read(self._wake[0], 4096)
         if self.udp.sock.fileno() in events:
             if self.session is not None and self.session.sync.policy.input is Transport.UDP:
                 if self.session.rounds.poll():  # UDP rounds carry no control message: they keep it alive
-                    self.session.last_seen = time.monotonic()
+                    self.session.last_seen = self._last_round = time.monotonic()
             else:
                 self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
         elif self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
@@ -235,7 +249,8 @@ class Agent(ControlServer):
             session["estimates"] = self.session.rounds.times.to_json()
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
                 "loading": self.loading.to_json() if self.loading is not None else None, "memory": self._memory(),
-                "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1]}
+                "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1],
+                "threads": self.threads, "busy_poll": self.busy_poll}
 
     def _memory(self) -> dict:
         """The budget, and what this agent holds against it: weights, KV cache, a retired session's kernels."""

@@ -58,6 +58,10 @@ class ControlServer:
         """Sockets or file descriptors to wait on beside the control socket."""
         return []
 
+    def wait(self, poller) -> dict:
+        """The next events of the control socket and poll_sources (200 ms at most)."""
+        return dict(poller.poll(200))
+
     def tick(self, events: dict) -> None:
         """After every poll (200 ms at most): the events of poll_sources, or an empty dict."""
 
@@ -75,7 +79,7 @@ class ControlServer:
             poller.register(source, zmq.POLLIN)
         self._watcher.start()
         while self.running:
-            events = dict(poller.poll(200))
+            events = self.wait(poller)
             self.tick(events)
             if self.socket in events:
                 self._receive()

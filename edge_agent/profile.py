@@ -8,11 +8,12 @@ and the agent's UDP endpoint joins the master's UDP session so that the master c
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 
 import numpy as np
+
+from halo.cores import usable_cores
 
 
 def measure_flops(dim: int = 512, seconds: float = 0.2) -> float:
@@ -32,7 +33,7 @@ def device_profile() -> dict:
 
     freq = psutil.cpu_freq()
     memory = psutil.virtual_memory()
-    return {"host": platform.node(), "machine": platform.machine(), "cores": os.cpu_count(),
+    return {"host": platform.node(), "machine": platform.machine(), "cores": usable_cores(),
             "cpu_mhz": float(freq.current) if freq else None, "memory_total_bytes": memory.total,
             "memory_available_bytes": memory.available, "compute_flops": measure_flops()}
 

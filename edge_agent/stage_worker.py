@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from halo.cores import usable_cores
 from halo.errors import HaloError
 from halo.transport.reliable import Message
 
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    threads = args.threads or os.cpu_count() or 1
+    threads = args.threads or usable_cores()
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)  # numpy's BLAS is loaded by now (halo imports numpy)

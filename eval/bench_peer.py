@@ -129,12 +129,13 @@ class PeerWorkers:
 
 
 def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str], turbo: str, tokens: int,
-             time_limit: float) -> dict:
-    """The peer's root in the master's namespace: greedy steps from PEER_PROMPT, each token's wall time from the
-    arrival of its line; stopped once time_limit has passed with 8 tokens timed."""
+             time_limit: float, threads: int = 1) -> dict:
+    """The peer's root in the master's namespace (bed: anything with the test bed's popen(host, argv, **kwargs)):
+    greedy steps from PEER_PROMPT, each token's wall time from the arrival of its line; stopped once time_limit has
+    passed with 8 tokens timed."""
     steps = len(PEER_PROMPT) + 1 + WARMUP + tokens  # its steps count the prompt's positions
     argv = [str(binary), "inference", "--model", str(model), "--tokenizer", str(tokenizer), "--buffer-float-type",
-            "q80", "--nthreads", "1", "--prompt", PEER_PROMPT, "--steps", str(steps), "--temperature", "0",
+            "q80", "--nthreads", str(threads), "--prompt", PEER_PROMPT, "--steps", str(steps), "--temperature", "0",
             "--max-seq-len", str(CONTEXT), "--net-turbo", turbo]
     if workers:
         argv += ["--workers", *workers]

@@ -301,6 +301,11 @@ def add_sync_arguments(parser) -> None:
     s.add_argument("--no-udp-gso", action="store_true",
                    help="send UDP datagrams one by one, not a vector's run to a peer as one segmented send (UDP GSO: the "
                         "same datagrams on the wire for less CPU; it turns itself off where the kernel refuses it)")
+    s.add_argument("--busy-poll", choices=("auto", "on", "off"), default="auto",
+                   help="spin while waiting for the agents' datagrams instead of sleeping: on, off, or auto = on where "
+                        "this process was given cores of its own (taskset, systemd CPUAffinity=). A sleeping core wakes "
+                        "tens of microseconds late at every round; processes that share cores must not spin "
+                        "(default auto; start agents with the same option)")
     s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
                         "accuracy-under-loss runs without a lossy network")
@@ -484,6 +489,9 @@ def open_model(args, weights, stack):
         return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
     from .distributed import connect
     from .distributed.survive import SurvivalSettings
+    from .transport.udp import set_busy_poll
+
+    set_busy_poll(args.busy_poll)
 
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,

@@ -45,6 +45,7 @@ class GenerationResult:
             "prompt_token_ids": self.prompt_ids,
             "stop_reason": self.stop_reason,
             "timings": {"prefill_ms": round(self.prefill_ms, 3), "mean_ms_per_output_token": round(self.ms_per_token, 3),
+                        "median_ms_per_output_token": round(float(np.median(self.decode_ms)), 3) if self.decode_ms else 0.0,
                         "output_tokens": len(self.token_ids)},
         }
 

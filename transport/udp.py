@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from halo.cores import dedicated_cores
+
 from . import erasure, wire
 
 RECV_BUFFER_BYTES = 4 << 20
@@ -45,6 +47,32 @@ PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost mor
 FD_SETSIZE = 1024
 
 log = logging.getLogger("halo.transport")
+
+BUSY_POLL_MODES = ("auto", "on", "off")
+BUSY_POLL_S = 0.005  # how long a wait spins before it sleeps: more than a decode round's gap, far less than a pause
+
+
+def set_busy_poll(mode: str) -> bool:
+    """Whether this process's waits for datagrams spin (BUSY_POLL_S) before they sleep: "on", "off", or "auto"
+    (on where the process has dedicated cores). A sleeping core takes tens of microseconds to wake on a VM, at both
+    ends of every round; spinning on a core another node needs would slow that node, so auto never spins unpinned.
+    Returns what was set (False also where the C transport is not built: nothing to spin in)."""
+    if mode not in BUSY_POLL_MODES:
+        raise ValueError(f"busy poll: one of {', '.join(BUSY_POLL_MODES)}, not {mode!r}")
+    spin = mode == "on" or mode == "auto" and dedicated_cores()
+    if wire._datagrams is None:
+        if mode == "on":
+            log.warning("busy polling needs the C transport (transport/_datagrams.c), which this install lacks")
+        return False
+    wire._datagrams.set_busy_poll(BUSY_POLL_S if spin else 0.0)
+    return spin
+
+
+def spin_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether sock became readable within timeout_s, spinning as set_busy_poll set (sleeping where it is off)."""
+    if wire._datagrams is None:
+        return bool(select.select([sock], [], [], timeout_s)[0])
+    return wire._datagrams.readable(sock.fileno(), timeout_s)
 
 
 @dataclass
