@@ -30,13 +30,16 @@ the late deadline (silence is no hole): it had been cut at the chase itself, pas
 
 from __future__ import annotations
 
-import numpy as np
-
 from .modes import SyncSettings
 
 CHASE_FRACTION = 0.6
 LATE_SLACK = 4.0
 LATE_FLOOR_S = 0.020
+
+
+def clip(value: float, low: float, high: float) -> float:
+    """np.clip for one float (every round computes two deadlines: np.clip on scalars cost ~5 us each)."""
+    return float(min(max(value, low), high))
 
 
 class AdaptiveDeadline:
@@ -70,13 +73,13 @@ class AdaptiveDeadline:
     def deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
         """For partials that showed loss."""
         median, ceiling = self._median(kind, agents, tokens), self.ceiling_s(tokens)
-        return ceiling if median is None else float(np.clip(self.slack * median, self.floor, ceiling))
+        return ceiling if median is None else clip(self.slack * median, self.floor, ceiling)
 
     def late_deadline_s(self, kind: str, agents, tokens: int = 1) -> float:
         """For partials with no sign of loss (in order, or not sent yet)."""
         median, ceiling = self._median(kind, agents, tokens), self.ceiling_s(tokens)
         floor = max(self.floor, LATE_FLOOR_S)
-        return ceiling if median is None else float(np.clip(LATE_SLACK * median, floor, max(floor, ceiling)))
+        return ceiling if median is None else clip(LATE_SLACK * median, floor, max(floor, ceiling))
 
     @staticmethod
     def chase_after_s(deadline_s: float) -> float:
