@@ -241,46 +241,62 @@ def bed_for(args):
         yield bed
 
 
-def medians(rows: list[dict]) -> dict[tuple, dict]:
-    """Per (nodes, plr, setup): the median run by mean ms/token, with every run's mean beside it."""
-    groups: dict[tuple, list[dict]] = {}
+def speedups(rows: list[dict]) -> dict[tuple, list[float]]:
+    """Per (nodes, plr, setup): its speedup over the one node of the same run, every run (the host's memory
+    traffic from outside changes by the hour: only ratios inside one run mean anything). A ceiling row's is what
+    its N processes streamed together: N x one node / each beside the others."""
+    one = {r["run"]: r["ms_mean"] for r in rows if r["setup"] == "one node"}
+    out: dict[tuple, list[float]] = {}
     for r in rows:
-        groups.setdefault((r["nodes"], r["plr"], r["setup"]), []).append(r)
-    out = {}
-    for key, runs in groups.items():
-        ordered = sorted(runs, key=lambda r: r["ms_mean"])
-        out[key] = {**ordered[(len(ordered) - 1) // 2], "runs_ms": [round(r["ms_mean"], 2) for r in runs],
-                    "all_same_tokens": all(r.get("same_tokens", True) for r in runs)}
+        ratio = one[r["run"]] / r["ms_mean"] * (r["nodes"] if r["setup"] == "ceiling" else 1)
+        out.setdefault((r["nodes"], r["plr"], r["setup"]), []).append(ratio)
     return out
 
 
+def median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
 def render(result: dict) -> list[str]:
-    m = medians(result["rows"])
-    one = m[(1, 0.0, "one node")]["ms_mean"]
-    host = result["host"]
-    k = result["threads_per_node"]
+    rows, host, k = result["rows"], result["host"], result["threads_per_node"]
+    ratios = speedups(rows)
+    ceiling = {(r["nodes"], r["run"]): ratios_of(rows, r, ratios) for r in rows if r["setup"] == "ceiling"}
     lines = [f"# Scaling with a core set per node ({Path(result['model']).name})", "",
              f"Command: `{result['command']}`. Host: {host['cpu']}, {host['cores']} cores. Every node one process "
              f"pinned to {k} core{'s' if k > 1 else ''} of its own, {k} compute thread{'s' if k > 1 else ''}; sync exact "
              + ("inside the namespace test bed (nftables loss on every link, both ways). " if result["bed"] else
                 "over loopback UDP. ")
              + f"Greedy from BOS, mean ms per output token over {result['tokens']} tokens (`halo-master generate "
-             f"--json`). Each setup ran {result['runs']} time(s), interleaved: a cell is the median run, every run in "
-             "parentheses. `ceiling`: N single processes at once, each on its own cores, N x (one alone) / (each beside "
-             "the others): what N cores stream together, the most any N-node split of a bandwidth-bound decode can gain "
-             "here. Round overhead: a sync round's wall time beyond the slowest device's compute (median round).", "",
-             "| nodes | loss | setup | ms/token | speedup over one node | round overhead p50 | same tokens as one node |",
-             "|---|---|---|---|---|---|---|"]
-    for (n, plr, setup), r in sorted(m.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] != "ceiling")):
-        runs = ", ".join(f"{v:.1f}" for v in r["runs_ms"])
-        speed = (n * one / r["ms_mean"]) if setup == "ceiling" else one / r["ms_mean"]
-        overhead = (r.get("round_overhead_ms") or {}).get("p50")
-        same = "-" if "same_tokens" not in r else ("yes" if r["all_same_tokens"] else "**no**")
-        ms = f"{r['ms_mean']:.2f} ({runs})" if setup != "ceiling" else \
-            f"each {', '.join(f'{v:.1f}' for v in r['ms_each'])} ({runs})"
-        lines.append(f"| {n} | {100 * plr:g} % | {setup} | {ms} | {speed:.2f}x | "
+             f"--json`). Each setup ran {result['runs']} time(s), interleaved. Speedup: over the one node of the same "
+             "run, the median of the runs (every run's in parentheses). `ceiling`: N single processes at once, each on "
+             "its own cores: N x (one alone) / (each beside the others), what N cores stream together, the most any "
+             "N-node split of a bandwidth-bound decode can gain in that run; `of ceiling`: a setup's speedup over its "
+             "run's ceiling. Round overhead: a sync round's wall time beyond the slowest device's compute (the median "
+             "round of the median run).", "",
+             "| nodes | loss | setup | ms/token (median run) | speedup over one node | of ceiling | round overhead p50 "
+             "| same tokens as one node |", "|---|---|---|---|---|---|---|---|"]
+    order = sorted(ratios, key=lambda key: (key[0], key[1], key[2] != "one node", key[2] != "ceiling",
+                                           "halo" in key[2], key[2]))
+    for key in order:
+        runs = [r for r in rows if (r["nodes"], r["plr"], r["setup"]) == key]
+        middle = sorted(runs, key=lambda r: r["ms_mean"])[(len(runs) - 1) // 2]
+        of_ceiling = [ratio / ceiling[(r["nodes"], r["run"])] for r, ratio in zip(runs, ratios[key])
+                      if (r["nodes"], r["run"]) in ceiling and key[2] != "ceiling" and key[0] > 1]
+        overhead = (middle.get("round_overhead_ms") or {}).get("p50")
+        same = "-" if "same_tokens" not in middle else ("yes" if all(r["same_tokens"] for r in runs) else "**no**")
+        ms = f"{middle['ms_mean']:.2f}" if key[2] != "ceiling" else f"each {', '.join(f'{v:.1f}' for v in middle['ms_each'])}"
+        lines.append(f"| {key[0]} | {100 * key[1]:g} % | {key[2]} | {ms} | {median(ratios[key]):.2f}x "
+                     f"({', '.join(f'{v:.2f}' for v in ratios[key])}) | "
+                     f"{f'{median(of_ceiling):.2f}' if of_ceiling else '-'} | "
                      f"{f'{1e3 * overhead:.0f} us' if overhead is not None else '-'} | {same} |")
     return lines
+
+
+def ratios_of(rows: list[dict], row: dict, ratios: dict) -> float:
+    """A row's own speedup (its run's, from speedups())."""
+    key = (row["nodes"], row["plr"], row["setup"])
+    same = [r for r in rows if (r["nodes"], r["plr"], r["setup"]) == key]
+    return ratios[key][same.index(row)]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -289,24 +305,20 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    m = medians(result["rows"])
-    one = m[(1, 0.0, "one node")]["ms_mean"]
-    setups = sorted({s for (_, plr, s) in m if plr == 0.0 and s != "one node"})
-    nodes = sorted({n for (n, _, _) in m if n > 1})
+    ratios = {key: v for key, v in speedups(result["rows"]).items() if key[1] == 0.0 and key[2] != "one node"}
+    setups = sorted({s for (_, _, s) in ratios}, key=lambda s: (s != "ceiling", "halo" in s, s))
+    nodes = sorted({n for (n, _, _) in ratios})
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(setups))
     for j, setup in enumerate(setups):
-        xs, ys = [], []
-        for i, n in enumerate(nodes):
-            r = m.get((n, 0.0, setup))
-            if r:
-                xs.append(i + j * width)
-                ys.append(n * one / r["ms_mean"] if setup == "ceiling" else one / r["ms_mean"])
-        ax.bar(xs, ys, width, label=setup)
+        at = [(i, ratios[(n, 0.0, setup)]) for i, n in enumerate(nodes) if (n, 0.0, setup) in ratios]
+        ax.bar([i + j * width for i, _ in at], [median(v) for _, v in at], width, label=setup)
+        for i, v in at:  # every run's ratio: the host's noise shows
+            ax.plot([i + j * width] * len(v), v, "k.", ms=3)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([i + width * (len(setups) - 1) / 2 for i in range(len(nodes))], [f"{n} nodes" for n in nodes])
-    ax.set_ylabel("speedup over one node (0 % loss)")
-    ax.set_title(f"{result['host']['cpu']}, a core set per node")
+    ax.set_ylabel("speedup over one node of the same run (0 % loss)")
+    ax.set_title(f"{result['host']['cpu']}, {result['host']['cores']} cores: a core set per node")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -45,17 +45,18 @@ def row(nodes, setup, ms, **extra):
     return {"run": 0, "nodes": nodes, "plr": 0.0, "setup": setup, "ms_mean": ms, **extra}
 
 
-def test_ratios_divide_one_node_and_the_ceiling_counts_every_core():
+def test_ratios_divide_the_same_runs_one_node_and_the_ceiling_counts_every_core():
     result = {"command": "c", "model": "m.gguf", "host": {"cpu": "cpu", "cores": 2}, "threads_per_node": 1,
               "tokens": 8, "runs": 2, "bed": False,
               "rows": [row(1, "one node", 20.0), row(1, "one node", 22.0, run=1),
-                       row(2, "ceiling", 25.0, ms_each=[24.0, 26.0]), row(2, "ceiling", 25.0, ms_each=[25.0, 25.0], run=1),
+                       row(2, "ceiling", 25.0, ms_each=[24.0, 26.0]), row(2, "ceiling", 22.0, ms_each=[22.0, 22.0], run=1),
                        row(2, "halo even, busy poll on", 12.5, same_tokens=True, round_overhead_ms={"p50": 0.1}),
                        row(2, "halo even, busy poll on", 13.0, same_tokens=False, run=1)]}
     lines = "\n".join(bench_scaling.render(result))
-    assert "| 1 | 0 % | one node | 20.00 (20.0, 22.0) | 1.00x |" in lines  # the median of two runs: the lower one
-    assert "| 2 | 0 % | ceiling | each 24.0, 26.0 (25.0, 25.0) | 1.60x |" in lines  # 2 x 20 / 25
-    assert "| halo even, busy poll on | 12.50 (12.5, 13.0) | 1.60x | 100 us | **no** |" in lines  # any run off: no
+    assert "| 1 | 0 % | one node | 20.00 | 1.00x (1.00, 1.00) |" in lines
+    assert "| 2 | 0 % | ceiling | each 22.0, 22.0 | 1.80x (1.60, 2.00) |" in lines  # 2 x 20 / 25 and 2 x 22 / 22
+    # 20 / 12.5 and 22 / 13, each over its own run's ceiling; any run with other tokens: no
+    assert "| halo even, busy poll on | 12.50 | 1.65x (1.60, 1.69) | 0.92 | 100 us | **no** |" in lines
 
 
 def test_arguments_are_checked_before_anything_starts(tmp_path):

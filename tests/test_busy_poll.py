@@ -156,3 +156,15 @@ def test_the_agent_spins_only_while_rounds_come(monkeypatch):
         assert spins == [udp.BUSY_POLL_S] and polls == [0, 200, 200]
     finally:
         agent.close()
+
+
+def test_the_agent_config_file_takes_busy_poll_and_refuses_a_bad_value(tmp_path):
+    from halo.edge_agent.__main__ import read_config
+    from halo.errors import ConfigError
+
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text('busy_poll = "on"\n')
+    bad.write_text('busy_poll = "sometimes"\n')
+    assert read_config(str(good))["busy_poll"] == "on"
+    with pytest.raises(ConfigError, match="busy_poll must be one of auto, on, off"):
+        read_config(str(bad))
