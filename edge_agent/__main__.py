@@ -59,7 +59,8 @@ def read_config(path: str) -> dict:
         except ConfigError as e:
             raise ConfigError(f"{path}: listen: {e}") from None
     if settings.get("busy_poll", BUSY_POLL_MODES[0]) not in BUSY_POLL_MODES:
-        raise ConfigError(f"{path}: busy_poll must be one of {', '.join(BUSY_POLL_MODES)}, got {settings['busy_poll']!r}")
+        raise ConfigError(f"{path}: busy_poll must be one of {', '.join(BUSY_POLL_MODES)}, "
+                          f"got {settings['busy_poll']!r}")
     if settings.get("weights", FORMATS[0]) not in FORMATS:
         raise ConfigError(f"{path}: weights must be one of {', '.join(FORMATS)}, got {settings['weights']!r}")
     return settings

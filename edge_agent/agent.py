@@ -146,7 +146,8 @@ class Agent(ControlServer):
         """While UDP rounds are coming (one served within BUSY_WINDOW_S) and busy polling is on, spin on their socket
         first: the next round's input is usually a compute step away, and a sleeping core wakes tens of microseconds
         late. Otherwise, or once the spin found nothing, the usual poll."""
-        if self.busy_poll and time.monotonic() - self._last_round < BUSY_WINDOW_S and spin_readable(self.udp.sock, BUSY_POLL_S):
+        rounds_coming = self.busy_poll and time.monotonic() - self._last_round < BUSY_WINDOW_S
+        if rounds_coming and spin_readable(self.udp.sock, BUSY_POLL_S):
             return dict(poller.poll(0))
         return super().wait(poller)
 

@@ -224,3 +224,34 @@ def test_a_paired_plan_halves_each_layers_mlp_between_the_master_and_one_agent_i
     with pytest.raises(InsufficientMemory, match="'m' would need .* for its halves of the mlp of a paired plan"):
         paired(on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"),
                          ("attention", "lm_head")))
+
+
+def two_pinned_nodes(message_s: float, latency_s: float, bandwidth_bps: float = 3.2e9):
+    """Master + one agent of equal compute, as the scaling benchmark's two pinned nodes on loopback (their measured
+    profiles there: ~130 GFLOP/s, message 70 us, latency 17 us, 3.2 Gbit/s)."""
+    devices = (DeviceProfile("master", 8e9, 130e9, latency_s=0.0, message_s=message_s, bandwidth_bps=bandwidth_bps,
+                             is_master=True),
+               DeviceProfile("agent", 8e9, 130e9, latency_s=latency_s, message_s=message_s, bandwidth_bps=bandwidth_bps))
+    return Cluster(devices, context=256, weights="int4")
+
+
+def test_balance_gives_the_master_more_of_a_round_by_what_an_agents_partial_waits_for():
+    from halo.scheduler.tp_plan import balance
+
+    objective = lambda plan: estimate(plan, "exact").total_s  # noqa: E731
+    even = on_master(build_plan(two_pinned_nodes(70e-6, 17e-6), TINY, "minmax", prune=False), ("attention",))
+    mlp = even.counts["mlp"]
+    assert abs(int(mlp[0].sum()) - int(mlp[1].sum())) <= 1  # the ratio algorithm balances compute alone
+    balanced = balance(even, objective)
+    check_plan(balanced)
+    assert (balanced.counts["mlp"][0] > balanced.counts["mlp"][1]).all()  # the master's share is larger ...
+    assert objective(balanced) < objective(even)  # ... and the cost model prices the token lower
+    assert balanced.whole_on_master("attention")  # what was kept whole on the master stays there
+    free = on_master(build_plan(two_pinned_nodes(0.0, 0.0, 1e18), TINY, "minmax", prune=False), ("attention",))
+    assert np.array_equal(balance(free, objective).counts["mlp"], free.counts["mlp"])  # rounds cost nothing: no move
+
+
+def test_the_planner_balances_the_plan_it_picks():
+    plan = plan_everyone(two_pinned_nodes(70e-6, 17e-6), TINY, "exact")
+    split = [kind for kind in TP_KINDS if not plan.whole_on_master(kind)]
+    assert split and all(plan.counts[kind][0].sum() > plan.counts[kind][1].sum() for kind in split)
