@@ -289,7 +289,31 @@ def render(result: dict) -> list[str]:
                      f"({', '.join(f'{v:.2f}' for v in ratios[key])}) | "
                      f"{f'{median(of_ceiling):.2f}' if of_ceiling else '-'} | "
                      f"{f'{1e3 * overhead:.0f} us' if overhead is not None else '-'} | {same} |")
-    return lines
+    return lines + peer_lines(rows)
+
+
+def peer_lines(rows: list[dict]) -> list[str]:
+    """distributed-llama against its own one node, run by run, and halo's one node against the peer's."""
+    peer = [r for r in rows if r["setup"] == "distributed-llama"]
+    alone = {r["run"]: r["ms_mean"] for r in peer if r["nodes"] == 1}
+    if not alone or len(alone) == len(peer):
+        return []
+    parts = []
+    for n in nodes_of(rows):
+        ratios = [alone[r["run"]] / r["ms_mean"] for r in peer if r["nodes"] == n and r["run"] in alone]
+        if ratios:
+            parts.append(f"{n} nodes {median(ratios):.2f}x ({', '.join(f'{v:.2f}' for v in ratios)})")
+    ours = [ms / one_node(rows, run) for run, ms in alone.items()]
+    return ["", f"distributed-llama against its own one node: {'; '.join(parts)}. halo's one node is "
+                f"{median(ours):.2f}x as fast as the peer's."]
+
+
+def nodes_of(rows: list[dict]) -> list[int]:
+    return sorted({r["nodes"] for r in rows if r["nodes"] > 1})
+
+
+def one_node(rows: list[dict], run: int) -> float:
+    return next(r["ms_mean"] for r in rows if r["setup"] == "one node" and r["run"] == run)
 
 
 def ratios_of(rows: list[dict], row: dict, ratios: dict) -> float:
