@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,12 +18,17 @@ class SamplingSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
+        """Every value the sampler will meet, checked here: a bad one is the caller's error (a CLI usage error, an
+        HTTP 400), never a failure in the middle of a generation (which `serve` would take for the cluster's)."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ConfigError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ConfigError(f"--top-k must be an integer >= 0, got {self.top_k}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 64:
+            raise ConfigError(f"--seed must be an integer from 0 to 2^64 - 1, got {self.seed}")
 
 
 class Sampler:
@@ -34,7 +40,10 @@ class Sampler:
         s = self.settings
         if s.temperature == 0:
             return int(np.argmax(logits))
-        z = logits.astype(np.float64) / s.temperature
+        with np.errstate(over="ignore"):
+            z = logits.astype(np.float64) / s.temperature
+        if not np.isfinite(z.max()):  # a temperature so small the largest logit overflows: its limit, greedy
+            return int(np.argmax(logits))
         if 0 < s.top_k < len(z):
             kth = np.partition(z, -s.top_k)[-s.top_k]
             z = np.where(z < kth, -np.inf, z)

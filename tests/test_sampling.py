@@ -38,7 +38,18 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
     assert seq1 == seq2 != seq3 and a[0] == seq1[0]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5)])
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5),
+                                    dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                    dict(top_p=float("nan")), dict(seed=-1), dict(seed=2 ** 64), dict(top_k=1.5)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ConfigError):
         SamplingSettings(**kwargs)
+
+
+def test_a_temperature_too_small_for_the_logits_samples_its_limit_greedy():
+    """5e-324 overflows every logit (the sampler's ValueError once took `serve`'s cluster down): greedy instead."""
+    logits = np.array([3.0, 9.5, -2.0, 9.4], dtype=np.float32)
+    for temperature in (5e-324, 1e-310):
+        assert Sampler(SamplingSettings(temperature, seed=3))(logits) == 1
+    masked = np.array([-np.inf, 2.0, 1.0], dtype=np.float32)  # -inf logits are no overflow: sampled as usual
+    assert Sampler(SamplingSettings(1.0, seed=3))(masked) in (1, 2)

@@ -117,6 +117,7 @@ def test_401_without_or_with_a_wrong_key(server):
     ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ({"model": "stories260K", "prompt": PROMPT, "temperature": -0.5}, "temperature"),
     ({"model": "stories260K", "prompt": PROMPT, "n": 2}, "one choice"),
+    ({"model": "stories260K", "prompt": PROMPT, "seed": -1}, "seed"),  # once a 500 that took the cluster down
     ({"model": "stories260K", "prompt": "word " * 600}, "context holds"),
 ])
 def test_400_for_bad_requests(server, body, where):
@@ -135,6 +136,16 @@ def test_400_through_the_openai_client(client):
         client.completions.create(model="stories260K", prompt=PROMPT, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="unknown model"):
         client.completions.create(model="nope", prompt=PROMPT)
+
+
+def test_a_temperature_too_small_for_the_logits_is_greedy_and_the_cluster_stays_up(server, client):
+    """5e-324 overflowed the sampler mid-generation, which the engine took for a cluster failure (500, agents
+    reloaded); its limit is greedy decoding."""
+    tiny = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=5e-324, seed=1)
+    greedy = client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert tiny.choices[0].text == greedy.choices[0].text
+    assert httpx.get(server + "/health", timeout=10).json()["status"] == "ok"
+    assert cluster(server)["totals"].get("last_error") is None
 
 
 def _hold_stream(server, started: threading.Event, stop: threading.Event, tokens: int = 500):

@@ -88,7 +88,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
