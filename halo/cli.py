@@ -156,6 +156,9 @@ def _add_serve(sub) -> None:
     http.add_argument("--api-key-file", metavar="FILE", help="read the API key from the first line of FILE")
     http.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model's file "
                       "or directory name; stories260K for the bundled model)")
+    http.add_argument("--max-request-bytes", type=integer(1), default=1_000_000, metavar="N",
+                      help="refuse request bodies larger than N bytes with 413 (default 1000000: a prompt longer than "
+                           "any context fits)")
     http.add_argument("--max-queue", type=integer(0), default=32, metavar="N",
                       help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
     http.add_argument("--request-timeout", type=number(0, low_open=True), default=300.0, metavar="S",

@@ -13,6 +13,7 @@ def start_server(tmp_path, *extra, api_key=True):
     if api_key:
         key_file = tmp_path / "api.key"
         key_file.write_text(API_KEY + "\n")
+        key_file.chmod(0o600)  # the server refuses a key file others can read
         argv += ["--api-key-file", str(key_file)]
     process = AgentProcess("server", argv)
     try:

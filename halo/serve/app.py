@@ -26,6 +26,7 @@ import time
 from importlib import resources
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -34,10 +35,12 @@ from starlette.staticfiles import StaticFiles
 from ..chat import chat_prompt
 from ..errors import ConfigError
 from .engine import Cancelled, Engine, GenerationRequest
+from .guard import MAX_BODY_BYTES, Guard
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, ServeError, Shaper, Unauthorized, parse
 
 STATIC = resources.files("halo.serve") / "static"
+MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this many characters a context token cannot fit (no tokenizer's do)
 EVENTS_POLL_S = 0.25
 KEEPALIVE_S = 15.0
 
@@ -85,10 +88,17 @@ class Server:
         return {**self.engine.snapshot, "queue": self.engine.queue_state()}
 
     async def health(self, request: Request) -> Response:
+        """For load balancers, without the key; the details (the model, the queue, the last error: agents' addresses)
+        only to who gives it."""
         s = self.snapshot()
         down = s.get("state") == "down"
-        body = {"status": "down" if down else "ok", "model": self.engine.model_name, "state": s.get("state"),
-                "queue": s.get("queue"), "last_error": s.get("totals", {}).get("last_error") if down else None}
+        body = {"status": "down" if down else "ok"}
+        try:
+            self.authorize(request)
+            body.update(model=self.engine.model_name, state=s.get("state"), queue=s.get("queue"),
+                        last_error=s.get("totals", {}).get("last_error") if down else None)
+        except Unauthorized:
+            pass
         return JSONResponse(body, status_code=503 if down else 200)
 
     async def models(self, request: Request) -> Response:
@@ -135,8 +145,9 @@ class Server:
             if body.model != self.engine.model_name:
                 raise BadRequest(f"unknown model {body.model!r}: this server runs {self.engine.model_name!r} "
                                  "(GET /v1/models)", "model_not_found", "model")
-            prompt = self._chat_prompt(body) if chat else body.prompt
-            job = self.engine.submit(self._request(body, prompt), asyncio.get_running_loop())
+            # the template and the tokenizer run beside the event loop: a long prompt must not stall other clients
+            generation = await asyncio.to_thread(self._prepare, body, chat)
+            job = self.engine.submit(generation, asyncio.get_running_loop())
         except ServeError as e:
             self.metrics.requests.labels(endpoint, _outcome(e)).inc()
             return error_response(e)
@@ -220,6 +231,15 @@ class Server:
             raise BadRequest(f"the model's chat template failed on these messages: {type(e).__name__}: {e}",
                              "template_error", "messages") from None
 
+    def _prepare(self, body, chat: bool) -> GenerationRequest:
+        where = "messages" if chat else "prompt"
+        text = sum(len(m.text()) for m in body.messages) if chat else len(body.prompt)
+        if text > MAX_CHARS_PER_TOKEN * self.engine.max_seq_len:  # refused before the tokenizer spends time on it
+            raise BadRequest(f"the {where} has {text} characters, more than a context of {self.engine.max_seq_len} "
+                             "tokens can hold (shorten it, or serve with a larger --context)", "context_length_exceeded",
+                             where)
+        return self._request(body, self._chat_prompt(body) if chat else body.prompt)
+
     def _request(self, body, prompt: str) -> GenerationRequest:
         prompt_tokens = len(self.tokenizer.encode(prompt, bos=True))
         room = self.engine.max_seq_len - prompt_tokens
@@ -242,12 +262,14 @@ class Server:
 def _outcome(error) -> str:
     if isinstance(error, Cancelled):
         return "cancelled"
-    return {400: "bad_request", 401: "unauthorized", 429: "queue_full", 503: "unavailable",
-            504: "timeout"}.get(getattr(error, "status", 500), "error")
+    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 413: "too_large", 415: "bad_request",
+            429: "queue_full", 503: "unavailable", 504: "timeout"}.get(getattr(error, "status", 500), "error")
 
 
-def create_app(engine: Engine, api_key: str | None = None) -> Starlette:
-    """The application over a started engine (the caller closes the engine)."""
+def create_app(engine: Engine, api_key: str | None = None, loopback_only: bool = False,
+               max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+    """The application over a started engine (the caller closes the engine). loopback_only: answer only requests
+    addressed to loopback names (a server without a key on loopback: guard.py)."""
     server = Server(engine, api_key)
 
     async def not_found(request: Request, exc) -> Response:
@@ -267,6 +289,8 @@ def create_app(engine: Engine, api_key: str | None = None) -> Starlette:
         Mount("/static", StaticFiles(directory=str(STATIC)), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found,
-                                                       ServeError: lambda r, e: error_response(e)})
+                                                       ServeError: lambda r, e: error_response(e)},
+                    middleware=[Middleware(Guard, respond=error_response, loopback_only=loopback_only,
+                                           max_body_bytes=max_body_bytes)])
     app.state.server = server
     return app

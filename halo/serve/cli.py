@@ -5,8 +5,10 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import os
 import signal
 import socket
+import stat
 import time
 import urllib.error
 import urllib.request
@@ -23,9 +25,13 @@ def read_api_key(args) -> str | None:
         raise ConfigError("give --api-key or --api-key-file, not both")
     if args.api_key_file:
         try:
+            mode = os.stat(args.api_key_file).st_mode
             key = next(iter(Path(args.api_key_file).read_text().splitlines()), "").strip()
         except OSError as e:
             raise ConfigError(f"cannot read --api-key-file {args.api_key_file}: {e.strerror}") from None
+        if mode & 0o077:
+            raise ConfigError(f"--api-key-file {args.api_key_file} can be read by other users (mode "
+                              f"{stat.S_IMODE(mode):04o}): chmod 600 {args.api_key_file}")
         if not key:
             raise ConfigError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
         return key
@@ -90,7 +96,8 @@ def serve(args, open_model) -> int:
     engine = Engine(lambda stack: open_model(args, weights, stack), tokenizer, weights, model_name=name,
                     sync_mode=args.sync or "exact", max_queue=args.max_queue, request_timeout_s=args.request_timeout).start()
     try:
-        app = create_app(engine, api_key)
+        app = create_app(engine, api_key, loopback_only=api_key is None and is_loopback(args.host),
+                         max_body_bytes=args.max_request_bytes)
         host, port = sock.getsockname()[:2]
         url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
         print(f"LISTENING {url}", flush=True)

@@ -43,6 +43,18 @@ class Unauthorized(ServeError):
     status, type = 401, "authentication_error"
 
 
+class Forbidden(ServeError):
+    status, type = 403, "invalid_request_error"
+
+
+class PayloadTooLarge(ServeError):
+    status, type = 413, "invalid_request_error"
+
+
+class UnsupportedMediaType(ServeError):
+    status, type = 415, "invalid_request_error"
+
+
 class QueueFull(ServeError):
     status, type = 429, "rate_limit_error"
 
