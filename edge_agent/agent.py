@@ -160,7 +160,9 @@ class Agent(ControlServer):
                     self.session.last_seen = self._last_round = time.monotonic()
             else:
                 self.udp.serve(0)  # answer link probes and NACKs for partials sent over UDP
-        elif self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
+        # every tick, datagrams or not: anyone can send datagrams (refused, but readable), and a check that waited for
+        # a quiet socket let one datagram every 200 ms keep a dead master's session and its memory for good
+        if self.session and time.monotonic() - self.session.last_seen > IDLE_SESSION_S:
             log.warning("session with %s idle for %.0f s: dropped", self.session.master, IDLE_SESSION_S)
             self.dropped_idle = self.session.peer
             self._end_session()

@@ -364,6 +364,40 @@ def test_udp_rounds_keep_an_agent_session_alive_and_silence_ends_it(stories_weig
         server.join(5)
 
 
+def test_forged_datagrams_do_not_keep_a_dead_masters_session(stories_weights, monkeypatch):
+    """The idle check ran only when no datagram was readable: anyone sending one every 200 ms (refused, but
+    readable) kept a departed master's session and its memory forever."""
+    import signal
+    import socket
+    import threading
+
+    from halo.edge_agent import agent as agent_module
+
+    monkeypatch.setattr(agent_module, "IDLE_SESSION_S", 0.3)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    agent = agent_module.Agent(None, "tcp://127.0.0.1:0", None, insecure=True, name="in-process")
+    signal.signal(signal.SIGTERM, sigterm)
+    server = threading.Thread(target=agent.serve, daemon=True)
+    server.start()
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT,
+                          sync=SyncSettings(mode="exact"))
+    flood = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        model.forward(PROMPT)
+        assert agent.session is not None
+        for _ in range(15):  # 1.5 s of junk, every 0.1 s: the socket is never quiet for a poll
+            flood.sendto(b"HL" + bytes(60), agent.udp.address)
+            time.sleep(0.1)
+        assert agent.session is None
+        with pytest.raises(AgentError, match="ended the session after"):
+            model.reset()
+    finally:
+        flood.close()
+        model.close()
+        agent.stop()
+        server.join(5)
+
+
 def test_an_agent_sends_its_partial_again_once_per_re_sent_input():
     """A chase re-sends the whole input; the agent answers its first chunk, not each of its chunks (it did,
     every 2 ms: a 3 MB LM-head partial went out dozens of times per chase) nor stale NACK answers."""
