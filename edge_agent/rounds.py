@@ -89,11 +89,8 @@ class AgentRounds:
             if self.worker.predicts_from(block):
                 return None, Status.OK  # a listener: it only needed the input to predict
             raise HaloError(f"this agent holds no groups of the {block}")
-        if block.kind == "attention":
-            if self.kv_gap:
-                return np.zeros_like(x), Status.KV_GAP
-            if start < 0 or start + len(x) > self.worker.rotary.cos.shape[0]:
-                raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context")
+        if block.kind == "attention" and self.kv_gap:
+            return np.zeros_like(x), Status.KV_GAP
         if block.kind == "mlp" and ranking is not None:  # read_broadcast checked it against the digest
             if self.worker.digest(block.layer) not in (0, digest):  # ours differs: what we loaded ahead goes unused
                 if not self.served["rankings_overridden"]:

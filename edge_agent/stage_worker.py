@@ -166,8 +166,8 @@ class StageWorker(ControlServer):
 
         s, f = self.session, message.fields
         start_pos = f.get("start_pos")
-        if len(message.arrays) != 1 or not isinstance(start_pos, int):
-            return Message("error", {"reason": "a forward carries exactly one array and an integer start_pos"})
+        if len(message.arrays) != 1 or not isinstance(start_pos, int) or isinstance(start_pos, bool) or start_pos < 0:
+            return Message("error", {"reason": "a forward carries exactly one array and an integer start_pos >= 0"})
         if start_pos > s.pos:
             return Message("error", {"reason": f"position {start_pos} would leave a hole in the KV cache, which holds "
                                                f"{s.pos} positions: replay the missing ones first"})

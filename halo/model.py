@@ -43,6 +43,8 @@ class Transformer:
             raise ValueError("forward needs a non-empty 1-D sequence of token ids")
         if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in 0..{self.config.vocab_size - 1}")
+        if start < 0:
+            raise ValueError(f"start position {start} is negative")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         x = embed(self.tok_embeddings, tokens)  # [T, D]

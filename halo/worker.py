@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import HaloError
 from .memory import groups_headroom, resident_bytes
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
 from .ops import Rotary, rmsnorm
@@ -131,6 +132,8 @@ class DeviceWorker:
         [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head)."""
         t, cpu = time.perf_counter(), time.thread_time()
         kind = block.kind
+        if kind == "attention" and not 0 <= start <= self.context - len(x):  # (numpy would wrap a negative one)
+            raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context 0..{self.context - 1}")
         norm = self.final_norm if kind == "lm_head" else self.norms[kind][block.layer]
         shard = (self.attention[block.layer] if kind == "attention" else None if kind == "lm_head" or self.remapper
                  else self.mlp[block.layer])

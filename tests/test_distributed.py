@@ -305,3 +305,26 @@ def test_the_hello_timeout_grows_with_the_share_an_agent_must_load():
     stories = ModelConfig(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, max_seq_len=512)
     stories_layout = GroupLayout.for_model(stories)
     assert hello_timeout_s(everything(stories, stories_layout), stories_layout, stories.dim, 10.0) == 10.0
+
+
+def test_a_negative_position_is_refused_on_every_path(stories_weights):
+    """numpy would wrap it: a cache slice of [-2:-1] writes the context's last positions. The single process, the
+    master and a device's worker (what every agent computes through, UDP or TCP) each refuse it."""
+    from halo.errors import HaloError
+    from halo.shares import Block
+
+    model = Transformer(stories_weights, max_seq_len=CONTEXT)
+    model.forward([1, 403, 407])
+    with pytest.raises(ValueError, match="negative"):
+        model.forward([1], start_pos=-2)
+    x = np.zeros((1, stories_weights.config.dim), np.float32)
+    for start in (-2, CONTEXT):
+        with pytest.raises(HaloError, match="outside the context"):
+            model.worker.compute(Block("attention", 0), x, start)
+    with LocalCluster(1) as cluster:
+        master = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT)
+        try:
+            with pytest.raises(ValueError, match="negative"):
+                master.forward([1], start_pos=-1)
+        finally:
+            master.close()

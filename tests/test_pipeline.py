@@ -223,6 +223,7 @@ def test_bad_input_is_refused_with_a_reason_and_the_worker_survives(stories_weig
                     (forward, [np.zeros((1, 64), np.float32)], "takes int64 input"),
                     (forward, [np.array([1, 600], np.int64)], "token ids"),
                     ({**forward, "start_pos": 5}, [np.array([1], np.int64)], "hole in the KV cache"),
+                    ({**forward, "start_pos": -2}, [np.array([1], np.int64)], "start_pos >= 0"),  # numpy wrapped it
                     (forward, [np.ones(65, np.int64)], "outside the context"),
                     ({**forward, "head": {"top_k": -1}}, [np.array([1], np.int64)], "bad head request")]:
                 reply = ask(sock, encode(Message("forward", fields, arrays)))

@@ -92,6 +92,8 @@ class DistributedModel:
         start = self.pos if start_pos is None else start_pos
         if tokens.ndim != 1 or len(tokens) == 0 or tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
             raise ValueError("forward needs a non-empty 1-D sequence of valid token ids")
+        if start < 0:
+            raise ValueError(f"start position {start} is negative")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         self.forward_id += 1
