@@ -110,3 +110,20 @@ def test_keygen_command(tmp_path):
     again = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(path)], capture_output=True,
                            text=True, timeout=60)
     assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_keygen_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_path):
+    """--force once opened the name with O_TRUNC: a symlink there had its target overwritten and chmod-ed."""
+    victim = tmp_path / "victim.conf"
+    victim.write_text("keep me\n")
+    victim.chmod(0o644)
+    path = tmp_path / "cluster.key"
+    path.symlink_to(victim)
+    with pytest.raises(ConfigError, match="--force"):  # a dangling or live link counts as existing
+        generate_key(path)
+    key = generate_key(path, force=True)
+    assert victim.read_text() == "keep me\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_key(path).fingerprint == key.fingerprint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.key", "victim.conf"]  # no partial left
+    os.unlink(path)

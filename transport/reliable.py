@@ -127,14 +127,25 @@ def generate_key(path: str | os.PathLike, force: bool = False) -> ClusterKey:
     import zmq
 
     path = Path(path)
-    if path.exists() and not force:
+    if os.path.lexists(path) and not force:
         raise ConfigError(f"{path} exists; pass --force to replace it (every device then needs the new key)")
     public, secret = zmq.curve_keypair()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": "halo-cluster-key", "version": 1, "public": public.decode(), "secret": secret.decode()}, f)
-    os.chmod(path, 0o600)
+    # a new file beside it, owner-only before a byte is written, then renamed over the name: a symlink planted at
+    # `path` is replaced, never followed (writing through it once overwrote its target and chmod-ed that)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": "halo-cluster-key", "version": 1, "public": public.decode(),
+                       "secret": secret.decode()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.lexists(partial):
+            os.unlink(partial)
     return ClusterKey(public, secret)
 
 
