@@ -328,3 +328,18 @@ def test_a_negative_position_is_refused_on_every_path(stories_weights):
                 master.forward([1], start_pos=-1)
         finally:
             master.close()
+
+
+def test_a_local_agent_that_dies_is_reaped_at_once():
+    """A killed local agent (during a re-plan, say) stayed a zombie until the master exited."""
+    import os
+    import signal
+
+    with LocalCluster(1) as cluster:
+        pid = cluster.processes[0].pid
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}"), "the dead agent is still a zombie"
+        assert cluster.processes[0].returncode == -signal.SIGKILL

@@ -47,6 +47,7 @@ class AgentProcess:
         for line in self.process.stderr:
             self.stderr_tail.append(line.rstrip("\n"))
             sys.stderr.write(f"[{self.name}] {line}")
+        self.process.wait()  # its stderr closed: it is ending; reaped here, not a zombie until the master exits
 
     def wait_listening(self, timeout_s: float) -> str:
         """The agent's endpoint from its LISTENING line; a clear error with its stderr if it dies first."""
