@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from halo.arguments import (MAX_THREADS, OneLineParser, check_integer, check_number, check_path, integer,
+from halo.arguments import (MAX_THREADS, check_insecure, OneLineParser, check_integer, check_number, check_path, integer,
                             listen_argument, number, parse_endpoint)
 from halo.cores import usable_cores
 from halo.transport.udp import BUSY_POLL_MODES
@@ -128,7 +128,11 @@ def main(argv=None) -> int:
     parser.add_argument("--listen", type=listen_argument,
                         help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
     parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
-    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: trusted test beds only")
+    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: only on a loopback --listen address, "
+                        "unless --insecure-lan")
+    parser.add_argument("--insecure-lan", action="store_true",
+                        help="with --insecure: listen beyond this machine too (a trusted test bed only: anyone on the "
+                             "network can then act as master and forge datagrams; said in the log and in status)")
     parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
                                         "a fetched model's name (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
 
         from .agent import Agent
 
+        if args.insecure:
+            check_insecure([listen], args.insecure_lan, "would listen in plaintext on")
         key = None if args.insecure else load_key(pick("key", "/etc/halo/cluster.key"))
         import socket
 

@@ -209,7 +209,7 @@ class Agent(ControlServer):
         if message.kind == "hello":  # a new master replaces the old session (the old one is gone or done)
             return self._hello(message.fields, peer, address)
         if message.kind == "profile":  # what this device can do, asked before the master plans
-            return self._profile(message.fields, peer)
+            return self._profile(message.fields, peer, address)
         if self.loading is not None and peer == self.loading.peer:
             if message.kind == "bye":  # the master gave up on this hello: what is built goes once the thread ends
                 self.loading.abandoned = True
@@ -253,7 +253,7 @@ class Agent(ControlServer):
         return {"name": self.name, "model": self.weights.source, "profile": self.profile, "session": session,
                 "loading": self.loading.to_json() if self.loading is not None else None, "memory": self._memory(),
                 "served": {**self.served, "refused_handshakes": self.refused_handshakes}, "udp_port": self.udp.address[1],
-                "threads": self.threads, "busy_poll": self.busy_poll}
+                "threads": self.threads, "busy_poll": self.busy_poll, "insecure": self.insecure}
 
     def _memory(self) -> dict:
         """The budget, and what this agent holds against it: weights, KV cache, a retired session's kernels."""
@@ -350,8 +350,9 @@ class Agent(ControlServer):
                     f"holds {self.model_sha256[:12]}... ({self.weights.source})")
         return None
 
-    def _profile(self, f: dict, peer: bytes) -> Message:
-        """Measure this device for a master about to plan (edge_agent/profile.py), and echo its link probes."""
+    def _profile(self, f: dict, peer: bytes, address: str | None = None) -> Message:
+        """Measure this device for a master about to plan (edge_agent/profile.py), and echo its link probes (to its
+        UDP port at the address of its control connection, nowhere else)."""
         from .profile import measured_profile
 
         reason = self._mismatch(f)
@@ -363,7 +364,7 @@ class Agent(ControlServer):
             else:
                 reason = f"busy: serving master {self.session.master}; profile it when it is idle"
         try:
-            answer = reason or measured_profile(self, f)
+            answer = reason or measured_profile(self, f, address)
         except (KeyError, TypeError, ValueError, HaloError) as e:
             answer = f"bad profile request: {e}"
         if isinstance(answer, str):

@@ -37,6 +37,10 @@ class ControlServer:
         self.context = zmq.Context()
         self.auth = start_authenticator(self.context, key) if key else None
         self.socket = server_socket(self.context, key, insecure)
+        self.insecure = insecure  # plaintext: said in the log and in status
+        if insecure:
+            log.warning("%s runs WITHOUT a cluster key (--insecure): anyone who reaches %s can act as its master and "
+                        "forge its datagrams", name, listen)
         self.monitor = self.socket.get_monitor_socket()  # refused handshakes are logged with the peer's address
         if listen.endswith(":0"):
             port = self.socket.bind_to_random_port(listen.rsplit(":", 1)[0])

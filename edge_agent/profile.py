@@ -38,9 +38,10 @@ def device_profile() -> dict:
             "memory_available_bytes": memory.available, "compute_flops": measure_flops()}
 
 
-def measured_profile(agent, f: dict) -> dict | str:
+def measured_profile(agent, f: dict, address: str | None = None) -> dict | str:
     """The reply to a `profile` request (fields: weights, mlp_group_size, vocab_group_size, fresh,
-    udp_session, node_id), or why it cannot be served."""
+    udp_session, node_id, udp_port), or why it cannot be served. address: the master's, from its control connection:
+    its probes are echoed to (address, udp_port) only."""
     from halo.linear import FORMATS
     from halo.neuron_groups import GroupLayout
     from halo.scheduler.measure import measure_device
@@ -57,6 +58,9 @@ def measured_profile(agent, f: dict) -> dict | str:
     measured = measure_device(agent.weights, layout, fmt, agent.threads, agent.name, fresh=bool(f.get("fresh")))
     if udp_session:  # probes of this master's session are echoed from now on, under our own sender id (each
         agent.udp.join(udp_session, node_id)  # sender has its own replay window at the master)
+        port = f.get("udp_port")
+        if address and isinstance(port, int) and 0 < port < 65536:
+            agent.udp.peers[0] = (address, port)  # the master's endpoint: the one address probes are echoed to
     return {"name": agent.name, "profile": agent.profile, "measured": measured, "udp_port": agent.udp.address[1]}
 
 

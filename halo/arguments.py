@@ -64,6 +64,31 @@ def _is_ipv4(host: str) -> bool:
     return True
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a host name or address names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a "tcp://HOST:PORT" endpoint (parse_endpoint's form)."""
+    return endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def check_insecure(endpoints: list[str], insecure_lan: bool, who: str) -> None:
+    """Plaintext (--insecure) only between loopback addresses unless --insecure-lan says otherwise: without the key
+    anyone on the network can act as master, forge datagrams under any sender id, and read every hidden state."""
+    exposed = [e for e in endpoints if not is_loopback(endpoint_host(e))]
+    if exposed and not insecure_lan:
+        raise ConfigError(f"--insecure {who} {', '.join(exposed)}, which is not a loopback address: anyone who can "
+                          "reach it could take over the cluster. Use a cluster key (halo-master keygen), or add "
+                          "--insecure-lan if this network is a trusted test bed")
+
+
 def parse_endpoints(text: str) -> list[str]:
     """A comma-separated list of agent addresses, each checked, none twice."""
     endpoints = [parse_endpoint(part) for part in text.split(",") if part.strip()]

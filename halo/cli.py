@@ -244,7 +244,11 @@ def add_cluster_arguments(parser) -> None:
                          "round, for agents that share the master's cores, e.g. --local-agents on a 2-core machine, "
                          "where it ran 1.1-1.4x as fast as even-mlp-only with 3 agents and 1.3-1.6x with 7 on the test bed)")
     cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
-    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure "
+                         "(loopback addresses only, unless --insecure-lan)")
+    cluster.add_argument("--insecure-lan", action="store_true",
+                         help="with --insecure: also to agents beyond this machine (a trusted test bed only: anyone on "
+                              "the network can then read, forge and take over the cluster's traffic)")
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
     cluster.add_argument("--on-agent-loss", choices=("replan", "stop"), default="replan",
@@ -396,6 +400,8 @@ def _agents_table(rows: list[dict]):
             share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
         if s and s.get("rejected"):
             share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
+        if r.get("insecure"):
+            share = f"[bold red]INSECURE (no cluster key)[/bold red] {share}"
         served, udp = r["served"], (s or {}).get("udp") or {}
         per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
         retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
@@ -497,7 +503,8 @@ def open_model(args, weights, stack):
     set_busy_poll(args.busy_poll)
 
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
-                   cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure, context=args.context,
+                   cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
+                   insecure_lan=args.insecure_lan, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")

@@ -207,3 +207,25 @@ def test_the_shipped_agent_config_passes_the_checks():
     example = Path(__file__).resolve().parents[1] / "rpi" / "agent.example.toml"
     settings = agent_main.read_config(str(example))
     assert settings["listen"] == "tcp://0.0.0.0:7070" and settings["threads"] == 4
+
+
+def test_plaintext_stays_on_loopback_unless_told_otherwise(tmp_path):
+    """--insecure on 0.0.0.0 let anyone on the LAN act as master and forge datagrams, with no warning."""
+    import socket
+
+    from halo.arguments import check_insecure
+
+    with pytest.raises(ConfigError, match="--insecure-lan"):
+        check_insecure(["tcp://127.0.0.1:7070", "tcp://192.168.1.20:7070"], False, "would talk plaintext to")
+    check_insecure(["tcp://127.0.0.1:7070", "tcp://localhost:7070"], False, "would talk plaintext to")
+    check_insecure(["tcp://192.168.1.20:7070"], True, "would talk plaintext to")
+    agent = subprocess.run([sys.executable, "-m", "halo.edge_agent", "--insecure", "--listen", "0.0.0.0:0"],
+                           capture_output=True, text=True, timeout=60)
+    assert agent.returncode == 2 and "--insecure-lan" in agent.stderr and "0.0.0.0" in agent.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # 0.0.0.0 is no loopback name (refused before anything is sent), and would reach only this machine anyway
+    master = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--agents", f"0.0.0.0:{port}", "--insecure",
+                             "--max-new-tokens", "1"], capture_output=True, text=True, timeout=60)
+    assert master.returncode == 2 and "--insecure-lan" in master.stderr, master.stderr

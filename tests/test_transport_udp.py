@@ -445,6 +445,22 @@ def test_probe_measures_injected_loss_and_rtt(cluster):
     assert 0 < result.rtt_ms_p50 < 50
 
 
+def test_probes_are_echoed_only_to_an_address_the_control_plane_gave(cluster):
+    """A probe with the cluster key (a stolen one, say) from an address no session named: no echo (each was 1 KB to
+    whatever source the datagram claimed, a reflector), counted."""
+    master, agents = cluster
+    peer, stranger = agents[0], agents[1]  # the stranger holds the key, but peer knows only the master's address
+    stranger._sendto(stranger.pack(wire.PROBE, wire.FLOAT32, 7, 0, 2, bytes(1000)), peer.address)
+    peer.serve(0.2)
+    stranger.serve(0.2)
+    assert stranger.probe_replies == []
+    assert peer.stats[stranger.node_id].rejected["probe_from_unknown_address"] == 1
+    master._sendto(master.pack(wire.PROBE, wire.FLOAT32, 8, 0, 2, bytes(16)), peer.address)  # the master's: echoed
+    peer.serve(0.2)
+    master.serve(0.2)
+    assert [seq for seq, _, _ in master.probe_replies] == [8]
+
+
 def test_stats_expose_loss_and_sync_latency(cluster):
     master, agents = cluster
     for a in agents:

@@ -595,10 +595,14 @@ class UdpEndpoint:
         self.stats[header.sender].chunks_sent_again += sent  # holes it saw: our way to it loses packets
 
     def _answer_probe(self, header: wire.Header, payload: bytes, address) -> bool:
-        """Echo probe requests; returns True when the datagram was a probe (handled)."""
+        """Echo probe requests from a peer's address as the control plane told it (`peers`), never to whatever address
+        a datagram claims (a forged probe made every agent a reflector of 1 KB datagrams); returns True when the
+        datagram was a probe (handled)."""
         if header.kind != wire.PROBE:
             return False
-        if header.index == 0:
+        if header.index == 0 and tuple(address) not in self.peers.values():
+            self.stats[header.sender].rejected["probe_from_unknown_address"] += 1
+        elif header.index == 0:
             self._sendto(self.pack(wire.PROBE, header.dtype, header.epoch, 1, 2, payload), address)
         else:
             self.probe_replies.append((header.epoch, time.perf_counter(), len(payload)))

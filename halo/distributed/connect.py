@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from halo.arguments import check_insecure
 from halo.errors import ConfigError
 from halo.config import DEFAULT_CONTEXT
 from halo.neuron_groups import GroupLayout
@@ -152,7 +153,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             key: str | None = "/etc/halo/cluster.key", insecure: bool = False, context: int | None = None,
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
-            survive: SurvivalSettings | None = SurvivalSettings()):
+            survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -160,9 +161,13 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
     (halo/pipeline/connect.py; `pipeline` holds its own options).
     survive: a tensor-parallel master re-plans over the agents left when one fails, and takes back agents
-    that return (survive.py); None: an agent failure ends the generation with its error."""
+    that return (survive.py); None: an agent failure ends the generation with its error.
+    insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise."""
     from halo.transport.reliable import load_key
 
+    if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
+        check_insecure([a if a.startswith("tcp://") else f"tcp://{a}" for a in agents], insecure_lan,
+                       "would talk plaintext to")
     if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and _plan_mode(plan) == "pipeline"):
         from halo.pipeline.connect import connect_pipeline
 
@@ -189,6 +194,10 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
     if endpoints is None:
         endpoints = _plan_addresses(tp_plan)
+    if insecure:
+        check_insecure(endpoints, insecure_lan, "would talk plaintext to")
+        log.warning("--insecure: plaintext to %s; anyone on the path can read and forge the cluster's traffic",
+                    ", ".join(endpoints))
     select = not (local_agents and plan is None)
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
                     sync=sync, predictors=predictors)

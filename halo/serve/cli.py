@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
@@ -14,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..arguments import is_loopback
 from ..errors import ConfigError
 
 log = logging.getLogger("halo.serve")
@@ -38,15 +38,6 @@ def read_api_key(args) -> str | None:
     if args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is empty")
     return args.api_key.strip() if args.api_key else None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def default_model_name(model: str | None) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from .cli import is_loopback
+from ..arguments import is_loopback
 from .protocol import Forbidden, PayloadTooLarge, ServeError, UnsupportedMediaType
 
 MAX_BODY_BYTES = 1_000_000
