@@ -100,6 +100,13 @@ def _storage_reads() -> dict:
     return {"storage_read_bytes": int(io["read_bytes"]), "major_faults": faults}
 
 
+def _is_nonce(value) -> bool:
+    try:
+        return isinstance(value, str) and len(bytes.fromhex(value)) == wire.NONCE_BYTES
+    except ValueError:
+        return False
+
+
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
                  name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
@@ -124,7 +131,8 @@ class Agent(ControlServer):
         self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-        self.udp = UdpEndpoint(key.udp_key if key else bytes(32), 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
+        self.udp_key = key.udp_key if key else bytes(wire.KEY_BYTES)  # each session's datagram key derives from it
+        self.udp = UdpEndpoint(self.udp_key, 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         self.profile = device_profile()
         self.busy_poll = set_busy_poll(busy_poll)
         self._last_round = 0.0  # when a UDP round was last served (busy polling spins only while they come)
@@ -345,6 +353,8 @@ class Agent(ControlServer):
         if "udp_session" in f and f.get("udp_wire", 2) != wire.VERSION:  # masters before version 3 did not say
             return (f"UDP wire version {f.get('udp_wire', 2)} but this agent speaks {wire.VERSION}: run the same halo "
                     "version on the master and every agent")
+        if "udp_session" in f and not _is_nonce(f.get("udp_nonce")):
+            return f"udp_nonce: the session's nonce must be {2 * wire.NONCE_BYTES} hex digits"
         if f.get("model_sha256") != self.model_sha256:
             return (f"model mismatch: the master runs sha256 {str(f.get('model_sha256'))[:12]}..., this agent "
                     f"holds {self.model_sha256[:12]}... ({self.weights.source})")
@@ -421,11 +431,19 @@ class Agent(ControlServer):
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
                             "(a plan from its measured memory, or a shorter --context) or more memory")
 
+    def session_key(self, f: dict) -> bytes:
+        """The key of the session a hello or profile request opens (wire.session_key); HaloError if its fields are bad
+        (_mismatch checked the nonce; the session id is checked where it is taken)."""
+        try:
+            return wire.session_key(self.udp_key, bytes.fromhex(f["udp_nonce"]), int(f["udp_session"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise HaloError(f"bad UDP session fields: {e}") from None
+
     def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
-        """Our UDP identity in the session, and where the master's endpoint is (from the control plane)."""
+        """Our UDP identity in the session, its key, and where the master's endpoint is (from the control plane)."""
         if "udp_session" not in f:
             return
-        self.udp.join(int(f["udp_session"]), node_id)
+        self.udp.join(int(f["udp_session"]), node_id, self.session_key(f))
         self.udp.segment, self.udp.whole_vectors = sync.udp_gso, sync.whole_vectors
         if address and f.get("udp_port"):
             self.udp.peers[MASTER] = (address, int(f["udp_port"]))

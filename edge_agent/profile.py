@@ -57,7 +57,7 @@ def measured_profile(agent, f: dict, address: str | None = None) -> dict | str:
         return f"node id {node_id} outside 1..254"
     measured = measure_device(agent.weights, layout, fmt, agent.threads, agent.name, fresh=bool(f.get("fresh")))
     if udp_session:  # probes of this master's session are echoed from now on, under our own sender id (each
-        agent.udp.join(udp_session, node_id)  # sender has its own replay window at the master)
+        agent.udp.join(udp_session, node_id, agent.session_key(f))  # sender has its own replay window there)
         port = f.get("udp_port")
         if address and isinstance(port, int) and 0 < port < 65536:
             agent.udp.peers[0] = (address, port)  # the master's endpoint: the one address probes are echoed to

@@ -307,7 +307,8 @@ def test_a_malformed_broadcast_does_not_hurt_the_agent(stories_weights, cluster)
     try:
         greedy(model, 2)
         udp = model.session.udp
-        forger = UdpEndpoint(cluster.key.udp_key, udp.session, 0)
+        forger = UdpEndpoint(bytes(32), udp.session, 0)
+        forger.codec = udp.codec  # the session's key (the master's own, as an insider would hold it)
         forger.counter = udp.counter  # fresh counters (an old one would be refused as a replay before anything else)
         bogus = np.zeros(wire.values_per_chunk(wire.FLOAT32), np.float32)
         bogus[0] = 10_000  # claims 10,000 tokens in one chunk

@@ -822,3 +822,27 @@ def test_an_agent_leaves_an_input_it_answered_to_the_general_path(tmp_path):
         assert stale[fast] == stale[slow] == [0, 1, 2] and endpoint_state(fast) == endpoint_state(slow)
     finally:
         fast.close(), slow.close()
+
+
+def test_each_session_tags_with_its_own_key():
+    """The datagram key was one per cluster, the same in every session: what a session's traffic gave away held for
+    every later one. Now each session's key comes from a nonce sent over the authenticated control channel."""
+    base, (n1, n2) = bytes(range(32)), (bytes([1]) * wire.NONCE_BYTES, bytes([2]) * wire.NONCE_BYTES)
+    k1, k2 = wire.session_key(base, n1, 7), wire.session_key(base, n2, 7)
+    assert len({k1, k2, wire.session_key(base, n1, 8), wire.session_key(bytes(32), n1, 7), base}) == 5
+    with pytest.raises(ValueError):
+        wire.session_key(base, b"short", 7)
+    sender, receiver = UdpEndpoint(k1, 7, 1), UdpEndpoint(k1, 7, 0)
+    try:
+        captured = sender.pack(wire.DATA, wire.FLOAT32, 3, 0, 1, np.ones(4, np.float32).tobytes())
+        sender.sock.sendto(captured, receiver.address)
+        time.sleep(0.05)
+        assert receiver.pending_epochs(1, 0, 0.5) == [3]  # this session's datagram is taken
+        receiver.join(7, 0, key=k2)  # a new session, even under the same id: the old traffic is worthless
+        sender.sock.sendto(captured, receiver.address)  # replayed into the new session (its window starts empty)
+        sender.sock.sendto(sender.pack(wire.DATA, wire.FLOAT32, 4, 0, 1, bytes(16)), receiver.address)
+        time.sleep(0.05)
+        assert receiver.pending_epochs(1, 0, 0.5) == [] and receiver.rejections() == {"bad_tag": 2}
+    finally:
+        sender.close()
+        receiver.close()

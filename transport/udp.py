@@ -353,6 +353,7 @@ class UdpEndpoint:
     def __init__(self, key: bytes, session: int, node_id: int, bind: tuple[str, int] = ("127.0.0.1", 0),
                  recv_buffer: int = RECV_BUFFER_BYTES, fast: bool = True):
         self.codec = wire.Codec(key, fast)  # fast: datagrams packed, sent, read and checked in C where it is built
+        self.fast = fast
         self.session, self.node_id = session, node_id
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
@@ -398,8 +399,11 @@ class UdpEndpoint:
                 continue
         return self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2  # Linux reports double
 
-    def join(self, session: int, node_id: int) -> None:
-        """A new session: its id, our sender id in it, no counters seen yet, fresh statistics."""
+    def join(self, session: int, node_id: int, key: bytes | None = None) -> None:
+        """A new session: its id, our sender id in it, its key (wire.session_key; None: keep ours), no counters seen
+        yet, fresh statistics."""
+        if key is not None:
+            self.codec = wire.Codec(key, self.fast)
         self.session, self.node_id = session, node_id
         self.windows.clear()
         self._early.clear()

@@ -2,7 +2,7 @@
 
     offset  size  field
     0       2     magic b"HL"
-    2       1     version (3)
+    2       1     version (4)
     3       1     kind: 0 data, 1 parity P (XOR of a chunk group), 2 NACK (payload: missing indices),
                   3 probe (index 0 request, 1 echo; for loss/latency/bandwidth probes),
                   4 parity Q (Reed-Solomon over GF(2^8), erasure.py: with P, any two lost chunks of the group)
@@ -15,7 +15,7 @@
     28      2     chunk count
     30      2     payload length
     32      n     payload
-    32+n    16    tag: keyed BLAKE2b over header and payload (the cluster key)
+    32+n    16    tag: keyed BLAKE2b over header and payload (the session's key: session_key)
 
 A datagram never exceeds 1472 bytes (a 1500-byte MTU less IPv4 and UDP headers), so a chunk carries at
 most 1424 payload bytes; data chunks use 1422 (a parity chunk prefixes its bytes with its group's size and
@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     _datagrams = None
 
 MAGIC = b"HL"
-VERSION = 3  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group
+VERSION = 4  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group; 4: a key per session
 HEADER = struct.Struct("<2sBBBBIQQHHH")
 TAG_BYTES = 16
 MAX_DATAGRAM = 1472
@@ -57,8 +57,20 @@ FLOAT32, FLOAT16, INT8 = 0, 1, 2
 INT8_BLOCK = 64
 INT8_BLOCK_BYTES = INT8_BLOCK + 4
 KEY_BYTES = 32
+NONCE_BYTES = 32  # the per-session nonce (session_key)
 REPLAY_WINDOW = 4096  # counters below the newest that are still accepted (once each): reordering slack
 _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1  # built once: a 4096-bit integer per datagram was measurable
+
+
+def session_key(cluster_udp_key: bytes, nonce: bytes, session: int) -> bytes:
+    """The key a session's datagrams are tagged with: the cluster's UDP key (ClusterKey.udp_key; 32 zero bytes in
+    plaintext mode) and a random nonce the master sends each agent over the authenticated control channel at hello.
+    No two sessions share a key, so nothing captured in one (or computed from an old session's traffic) is valid in
+    another, and without the cluster key nobody can derive it."""
+    if len(cluster_udp_key) != KEY_BYTES or len(nonce) != NONCE_BYTES or not 0 <= session < 1 << 32:
+        raise ValueError(f"a session key needs a {KEY_BYTES}-byte key, a {NONCE_BYTES}-byte nonce and a 32-bit session")
+    return hashlib.blake2b(nonce + session.to_bytes(4, "little"), key=cluster_udp_key, digest_size=KEY_BYTES,
+                           person=b"halo-udp-sess").digest()
 
 
 class WireError(Exception):

@@ -151,14 +151,16 @@ class Session:
         from halo.transport import wire
         from halo.transport.udp import UdpEndpoint
 
-        udp_session = int.from_bytes(os.urandom(4), "little") or 1
-        self.udp = UdpEndpoint(key.udp_key if key else bytes(32), udp_session, 0, bind=("0.0.0.0", 0))
+        udp_session, nonce = int.from_bytes(os.urandom(4), "little") or 1, os.urandom(wire.NONCE_BYTES)
+        session_key = wire.session_key(key.udp_key if key else bytes(wire.KEY_BYTES), nonce, udp_session)
+        self.udp = UdpEndpoint(session_key, udp_session, 0, bind=("0.0.0.0", 0))
         self.udp.segment, self.udp.whole_vectors = settings.sync.udp_gso, settings.sync.whole_vectors
         if settings.sync.inject_plr:
             from halo.transport.loss import LossInjector
 
             self.udp.send_hook = LossInjector(seed=settings.sync.seed, drop=settings.sync.inject_plr)
-        return {"udp_session": udp_session, "udp_port": self.udp.address[1], "udp_wire": wire.VERSION}
+        return {"udp_session": udp_session, "udp_nonce": nonce.hex(), "udp_port": self.udp.address[1],
+                "udp_wire": wire.VERSION}
 
     def _connect(self, node_id: int, endpoint: str, share: Shares, key, insecure: bool, timeout_s: float,
                  layout: GroupLayout) -> RemoteAgent:
