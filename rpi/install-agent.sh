@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
 # Install halo-agent as a systemd service on a Raspberry Pi (aarch64 Debian / Raspberry Pi OS bookworm).
-#   sudo ./install-agent.sh [WHEEL_OR_REQUIREMENT] [CLUSTER_KEY_FILE] [MODEL_FILE]
+#   sudo ./install-agent.sh WHEEL_OR_PINNED_REQUIREMENT [CLUSTER_KEY_FILE] [MODEL_FILE]
 # e.g. sudo ./install-agent.sh ./halo_edge-0.1.0-cp311-cp311-linux_aarch64.whl ./cluster.key ./stories260K.bin
+#      sudo HALO_WHEEL_SHA256=<sha256 of the wheel> ./install-agent.sh ./halo_edge-....whl   (checked before install)
+#      sudo ./install-agent.sh halo-edge==0.1.0                                              (an exact version only)
 # (a wheel built on aarch64 carries the compact-group C kernel; from source, gcc below builds it)
 set -euo pipefail
-package="${1:-halo-edge}"
+package="${1:-}"
 key="${2:-}"
 model="${3:-}"
 here="$(cd "$(dirname "$0")" && pwd)"
+
+# what gets installed as root is named exactly: a wheel file (its sha256 checked when HALO_WHEEL_SHA256 is set, and
+# printed always) or one pinned version, never whatever an index serves under a bare name
+if [ -z "$package" ]; then
+  echo "give the wheel to install (or halo-edge==VERSION): sudo $0 ./halo_edge-VERSION-....whl [KEY] [MODEL]" >&2
+  exit 2
+elif [ -f "$package" ]; then
+  digest="$(sha256sum "$package" | cut -d' ' -f1)"
+  echo "installing $package (sha256 $digest)"
+  if [ -n "${HALO_WHEEL_SHA256:-}" ] && [ "$digest" != "$HALO_WHEEL_SHA256" ]; then
+    echo "$package has sha256 $digest, not HALO_WHEEL_SHA256=$HALO_WHEEL_SHA256: refusing to install it" >&2
+    exit 2
+  fi
+elif ! [[ "$package" =~ ^halo-edge==[0-9]+(\.[0-9]+)*$ ]]; then
+  echo "$package is neither a wheel file nor an exact version (halo-edge==X.Y.Z): refusing to install it" >&2
+  exit 2
+fi
 
 [ "$(id -u)" = 0 ] || { echo "run as root (sudo)"; exit 1; }
 arch="$(uname -m)"
