@@ -1,6 +1,7 @@
 """An attacker on the same network during a generation: replayed, random, forged and truncated datagrams.
 
     python -m halo.eval.adversarial [--datagrams 1000000] [--modes exact,lossy,halo] [--agents 2]
+    python -m halo.eval.adversarial --http [--requests 10000]      (HTTP clients against serve: adversarial_http.py)
 
 A generation of the bundled model runs over local agents while another process (another address: its
 own socket) floods the agents and the master with a mix of: correctly tagged datagrams captured from
@@ -142,7 +143,18 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="exact,lossy,halo")
     parser.add_argument("--agents", type=int, default=2)
     parser.add_argument("--out", default="eval/results")
+    parser.add_argument("--http", action="store_true", help="attack `halo-master serve` over HTTP instead "
+                        "(eval/adversarial_http.py): --requests of every bad kind while one client streams")
+    parser.add_argument("--requests", type=int, default=10_000, help="with --http: attacking requests in all")
+    parser.add_argument("--concurrency", type=int, default=32, help="with --http: attacking clients at once")
     args = parser.parse_args(argv)
+    if args.http:
+        from .adversarial_http import run
+
+        if args.requests < 1 or args.concurrency < 1:
+            raise SystemExit("--requests and --concurrency: 1 or more")
+        run(args.requests, args.concurrency, args.out, "adversarial_http", argv)
+        return 0
     modes = args.modes.split(",")
     per_mode = -(-args.datagrams // len(modes))  # rounded up: at least --datagrams in all
     rows = [attacked_generation(m, args.agents, per_mode, args.rate) for m in modes]
