@@ -27,7 +27,8 @@ EPILOG = """examples:
 """
 
 
-CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget", "busy_poll")
+CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget", "busy_poll",
+               "authorized_masters")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -128,6 +129,10 @@ def main(argv=None) -> int:
     parser.add_argument("--listen", type=listen_argument,
                         help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
     parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
+    parser.add_argument("--authorized-masters", metavar="FILE",
+                        help="with a device key (halo-master keygen --device NAME): the masters allowed to use this "
+                             "device, a line `PUBLIC_KEY NAME` each (revoking one = deleting its line); with the shared "
+                             "cluster key, if given, only these too")
     parser.add_argument("--insecure", action="store_true", help="no key, plaintext: only on a loopback --listen address, "
                         "unless --insecure-lan")
     parser.add_argument("--insecure-lan", action="store_true",
@@ -178,18 +183,21 @@ def main(argv=None) -> int:
 
     threadpool_limits(threads)
     try:
-        from halo.transport.reliable import load_key
+        from halo.transport.reliable import load_authorized, load_key
 
         from .agent import Agent
 
         if args.insecure:
             check_insecure([listen], args.insecure_lan, "would listen in plaintext on")
         key = None if args.insecure else load_key(pick("key", "/etc/halo/cluster.key"))
+        masters_file = pick("authorized_masters", None)
+        masters = load_authorized(masters_file) if masters_file and key is not None else None
         import socket
 
         agent = Agent(pick("model", None), listen, key, args.insecure,
                       pick("name", socket.gethostname()), pick("weights", "native"), threads,
-                      pick("predictors", None), budget_bytes(pick("memory_budget", None)), pick("busy_poll", "auto"))
+                      pick("predictors", None), budget_bytes(pick("memory_budget", None)), pick("busy_poll", "auto"),
+                      masters)
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2

@@ -110,16 +110,16 @@ def _is_nonce(value) -> bool:
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
                  name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
-                 memory_budget: int | None = None, busy_poll: str = "auto"):
+                 memory_budget: int | None = None, busy_poll: str = "auto", masters=None):
         """memory_budget: bytes a session's weights and KV cache may take (None: MEMORY_SHARE of what is available
         at start); a hello whose share needs more is refused with the numbers. busy_poll: whether waits for the next
         UDP round spin before they sleep (transport/udp.py set_busy_poll: auto = where this process has dedicated
-        cores)."""
+        cores). masters: the authorized masters' keys (daemon.py)."""
         from halo.transport.udp import UdpEndpoint, set_busy_poll
 
         from .profile import device_profile
 
-        super().__init__(model_path, listen, key, insecure, name)
+        super().__init__(model_path, listen, key, insecure, name, masters)
         self.format, self.threads = weights_format, threads
         if memory_budget is None:
             from halo.scheduler.measure import memory_available

@@ -26,7 +26,9 @@ class ControlServer:
     """Subclasses implement `handle(message, peer, address)` and may add sockets to `poll_sources` and work
     to `tick(events)` (called after every poll)."""
 
-    def __init__(self, model_path: str | None, listen: str, key, insecure: bool, name: str):
+    def __init__(self, model_path: str | None, listen: str, key, insecure: bool, name: str, masters=None):
+        """masters: the authorized-keys file's keys (transport/reliable.py AuthorizedKeys) of the masters this daemon
+        admits; None: the holders of the shared cluster key."""
         import zmq
 
         from halo.loader import load_weights, model_fingerprint
@@ -35,7 +37,7 @@ class ControlServer:
         self.model_sha256 = model_fingerprint(self.weights.source)
         self.name = name
         self.context = zmq.Context()
-        self.auth = start_authenticator(self.context, key) if key else None
+        self.auth = start_authenticator(self.context, key, masters) if key else None
         self.socket = server_socket(self.context, key, insecure)
         self.insecure = insecure  # plaintext: said in the log and in status
         if insecure:

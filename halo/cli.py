@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -132,7 +133,10 @@ def _add_keygen(sub) -> None:
                        description="Create the cluster key (a ZeroMQ CURVE key pair, file mode 0600). Copy the same "
                                    "file to every device (/etc/halo/cluster.key): agents accept only a master that "
                                    "holds it, and it also authenticates the UDP datagrams.")
-    k.add_argument("--out", default="cluster.key", help="where to write it (default ./cluster.key)")
+    k.add_argument("--out", default=None, help="where to write it (default ./cluster.key, or ./NAME.key with --device)")
+    k.add_argument("--device", metavar="NAME", help="a key pair of this device's own instead of the shared cluster key: "
+                   "it prints the line to add to the other side's authorized-keys file (--authorized-masters on "
+                   "agents, --authorized-agents on the master), so one stolen device can be revoked alone")
     k.add_argument("--force", action="store_true", help="replace an existing key (every device then needs the new one)")
     k.set_defaults(func=cmd_keygen)
 
@@ -199,7 +203,10 @@ def _add_status(sub) -> None:
     where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
     st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
     st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
-    st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key "
+                    "(default /etc/halo/cluster.key)")
+    st.add_argument("--authorized-agents", metavar="FILE", help="with a device key: the agents' public keys and "
+                    "addresses (as for generate)")
     st.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
     st.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                     help="wait at most S seconds for each agent (default 2)")
@@ -243,7 +250,12 @@ def add_cluster_arguments(parser) -> None:
                          "between the master and one agent, the agents taking the layers in turn: two processes a "
                          "round, for agents that share the master's cores, e.g. --local-agents on a 2-core machine, "
                          "where it ran 1.1-1.4x as fast as even-mlp-only with 3 agents and 1.3-1.6x with 7 on the test bed)")
-    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key (default /etc/halo/cluster.key)")
+    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key "
+                         "(halo-master keygen --device NAME) (default /etc/halo/cluster.key)")
+    cluster.add_argument("--authorized-agents", metavar="FILE",
+                         help="the agents this master trusts, a line `PUBLIC_KEY NAME HOST:PORT` each (needed with a "
+                              "device key; revoking an agent = deleting its line): an agent presenting another key at "
+                              "that address is refused")
     cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure "
                          "(loopback addresses only, unless --insecure-lan)")
     cluster.add_argument("--insecure-lan", action="store_true",
@@ -361,9 +373,10 @@ def _agents_status(args) -> int:
 
 def _query_agents(args) -> tuple[list[dict], int]:
     from .distributed.remote import ask_status
-    from .transport.reliable import load_key
+    from .transport.reliable import load_authorized, load_key
 
-    key = None if args.insecure else load_key(args.key)
+    key = None if args.insecure else load_key(args.key).with_agents(
+        load_authorized(args.authorized_agents) if args.authorized_agents else None)
     answers = ask_status(args.agents, key, args.insecure, args.timeout)
     rows = [{"endpoint": endpoint, **answers[endpoint]} for endpoint in args.agents]
     return rows, sum("error" in r for r in rows)
@@ -433,12 +446,20 @@ def cmd_fetch(args) -> int:
 def cmd_keygen(args) -> int:
     from .transport.reliable import generate_key
 
+    if args.device is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.device):
+        raise ConfigError(f"--device {args.device!r}: a name of letters, digits, '.', '_' or '-' (64 at most)")
+    out = args.out or (f"{args.device}.key" if args.device else "cluster.key")
     try:
-        key = generate_key(args.out, force=args.force)
+        key = generate_key(out, force=args.force, device=args.device)
     except OSError as e:
-        raise ConfigError(f"cannot write the cluster key to {args.out}: {e.strerror or e}") from None
-    print(f"wrote {args.out} (mode 0600), fingerprint {key.fingerprint}")
-    print(f"copy it to every device, e.g.: scp {args.out} pi@DEVICE:/etc/halo/cluster.key")
+        raise ConfigError(f"cannot write the {'device' if args.device else 'cluster'} key to {out}: "
+                          f"{e.strerror or e}") from None
+    print(f"wrote {out} (mode 0600), fingerprint {key.fingerprint}")
+    if args.device:
+        print(f"this device's key stays on it (/etc/halo/device.key). Its line for the other side's authorized keys "
+              f"(add HOST:PORT on a master's --authorized-agents):\n{key.public.decode()} {args.device}")
+    else:
+        print(f"copy it to every device, e.g.: scp {out} pi@DEVICE:/etc/halo/cluster.key")
     return 0
 
 
@@ -504,7 +525,7 @@ def open_model(args, weights, stack):
 
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
-                   insecure_lan=args.insecure_lan, context=args.context,
+                   insecure_lan=args.insecure_lan, authorized_agents=args.authorized_agents, context=args.context,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")

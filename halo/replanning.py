@@ -162,7 +162,7 @@ def status_probe(context, endpoint: str, key, insecure: bool):
 
     from halo.transport.reliable import Message, client_socket, encode
 
-    sock = client_socket(context, key, insecure)
+    sock = client_socket(context, key, insecure, endpoint)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     sock.send_multipart(encode(Message("status")))

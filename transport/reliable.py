@@ -3,8 +3,14 @@
 Cluster key: one CURVE key pair, generated once (`halo-master keygen`) and copied to every device
 (/etc/halo/cluster.key, mode 0600). Agents listen as CURVE servers with it and admit, through a ZAP
 handler, only clients that hold the same key pair: a master without the secret cannot finish the
-handshake, and every frame is encrypted. The same secret derives the key that tags UDP datagrams
-(`udp_key`). Plaintext is possible only when the caller passes `insecure=True` (a trusted test bed).
+handshake, and every frame is encrypted. The same secret is the base of every session's datagram key
+(`udp_key`, wire.session_key). Plaintext is possible only when the caller passes `insecure=True` (a trusted test bed).
+
+Device keys (`halo-master keygen --device NAME`): a pair per device, and allow-lists (AuthorizedKeys): an agent admits
+only the masters in its --authorized-masters file; a master connects only to the agents in its --authorized-agents
+file, each at its address with its key (CURVE refuses another). Whoever takes one device holds only its key: it cannot
+act as master to the others, and deleting its line revokes it. Sessions' datagram keys then come from the nonce alone,
+which travels encrypted.
 
 Messages are multipart: frame 0 = b"HALO" + version byte; frame 1 = a JSON header
 {"kind": ..., "fields": {...}, "arrays": [[dtype, shape], ...]}; then one raw frame per array.
@@ -106,24 +112,100 @@ def _depth(value) -> int:
     return deepest
 
 
-# ---- the cluster key -----------------------------------------------------------------------------------
+# ---- keys --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AuthorizedKey:
+    public: bytes  # z85, 40 bytes
+    name: str
+    endpoint: str | None = None  # where the device listens ("tcp://HOST:PORT"; agents in a master's list)
+
+
+@dataclass(frozen=True)
+class AuthorizedKeys:
+    """The devices allowed at the other end, one line each: `PUBLIC_KEY NAME [HOST:PORT]` (z85 public key as
+    `halo-master keygen --device NAME` prints it; a line starting with '# ' is a comment). Revoking a device = deleting
+    its line."""
+
+    keys: tuple[AuthorizedKey, ...]
+    source: str = ""
+
+    def admits(self, public: bytes) -> bool:
+        return any(k.public == public for k in self.keys)
+
+    def server_key(self, endpoint: str) -> bytes:
+        """The public key the agent at `endpoint` must present (CURVE checks it in the handshake)."""
+        for k in self.keys:
+            if k.endpoint == endpoint:
+                return k.public
+        raise ConfigError(f"agent {endpoint} is not in {self.source or 'the authorized agents'}: add the line "
+                          f"`PUBLIC_KEY NAME {endpoint.split('://')[-1]}` that `halo-master keygen --device NAME` printed "
+                          "for it (a device not listed, or revoked, is never connected to)")
+
+
+def load_authorized(path: str | os.PathLike) -> AuthorizedKeys:
+    """An authorized-keys file (AuthorizedKeys); ConfigError naming the line that is wrong."""
+    from halo.arguments import parse_endpoint
+
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the authorized keys {path}: {e}") from None
+    keys = []
+    for number, line in enumerate(lines, start=1):
+        fields = line.split()
+        if not fields or fields[0] == "#":  # a comment: '#' and a space (z85 keys may hold a '#', never a space)
+            continue
+        if len(fields) not in (2, 3) or len(fields[0]) != 40:
+            raise ConfigError(f"{path}:{number}: expected `PUBLIC_KEY NAME [HOST:PORT]` (a 40-character z85 key), "
+                              f"got {line.strip()!r}")
+        endpoint = parse_endpoint(fields[2]) if len(fields) == 3 else None
+        keys.append(AuthorizedKey(fields[0].encode(), fields[1], endpoint))
+    if not keys:
+        raise ConfigError(f"{path} authorizes no device: add `PUBLIC_KEY NAME [HOST:PORT]` lines")
+    return AuthorizedKeys(tuple(keys), str(path))
+
+
 @dataclass(frozen=True)
 class ClusterKey:
+    """A CURVE key pair: the cluster's, shared by every device (device None), or one device's own (`keygen
+    --device NAME`), which then trusts only the public keys of its authorized-keys file (`agents`: a master's list of
+    its agents, with their addresses)."""
+
     public: bytes  # z85, 40 bytes
     secret: bytes
+    device: str | None = None
+    agents: AuthorizedKeys | None = None
 
     @property
     def udp_key(self) -> bytes:
-        """32-byte key for tagging UDP datagrams, derived from the CURVE secret."""
+        """The base of every session's datagram key (wire.session_key): derived from the shared secret; a device key
+        has no secret in common with its peers, so its sessions' keys come from the nonce alone (sent encrypted)."""
+        if self.device is not None:
+            return bytes(32)
         return hashlib.blake2b(self.secret, digest_size=32, person=b"halo-udp-v1").digest()
 
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.public).hexdigest()[:16]
 
+    def with_agents(self, agents: AuthorizedKeys | None) -> "ClusterKey":
+        from dataclasses import replace
 
-def generate_key(path: str | os.PathLike, force: bool = False) -> ClusterKey:
-    """Write a new cluster key file readable by its owner only (0600)."""
+        return replace(self, agents=agents)
+
+    def server_key(self, endpoint: str | None) -> bytes:
+        """The key an agent at `endpoint` must present: the shared one, or its own from `agents`."""
+        if self.agents is not None and endpoint is not None:
+            return self.agents.server_key(endpoint)
+        if self.device is not None:
+            raise ConfigError(f"the device key of {self.device} names no agents: give --authorized-agents FILE "
+                              "(their public keys and addresses)")
+        return self.public
+
+
+def generate_key(path: str | os.PathLike, force: bool = False, device: str | None = None) -> ClusterKey:
+    """Write a new key file readable by its owner only (0600): the cluster key, or (device) one device's own pair."""
     import zmq
 
     path = Path(path)
@@ -138,15 +220,15 @@ def generate_key(path: str | os.PathLike, force: bool = False) -> ClusterKey:
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         with os.fdopen(fd, "w") as f:
-            json.dump({"format": "halo-cluster-key", "version": 1, "public": public.decode(),
-                       "secret": secret.decode()}, f)
+            json.dump({"format": "halo-device-key" if device else "halo-cluster-key", "version": 1,
+                       "public": public.decode(), "secret": secret.decode(), **({"device": device} if device else {})}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, path)
     finally:
         if os.path.lexists(partial):
             os.unlink(partial)
-    return ClusterKey(public, secret)
+    return ClusterKey(public, secret, device)
 
 
 def load_key(path: str | os.PathLike) -> ClusterKey:
@@ -166,9 +248,11 @@ def load_key(path: str | os.PathLike) -> ClusterKey:
         public, secret = raw["public"].encode(), raw["secret"].encode()
     except (KeyError, AttributeError, TypeError):
         raise ConfigError(f"{path}: lacks 'public' and 'secret'") from None
-    if raw.get("format") != "halo-cluster-key" or len(public) != 40 or len(secret) != 40:
-        raise ConfigError(f"{path}: not a version-1 halo cluster key")
-    return ClusterKey(public, secret)
+    device = raw.get("device") if raw.get("format") == "halo-device-key" else None
+    if raw.get("format") not in ("halo-cluster-key", "halo-device-key") or len(public) != 40 or len(secret) != 40 \
+            or (raw.get("format") == "halo-device-key" and not (isinstance(device, str) and device)):
+        raise ConfigError(f"{path}: not a version-1 halo cluster or device key")
+    return ClusterKey(public, secret, device)
 
 
 # ---- sockets ---------------------------------------------------------------------------------------------
@@ -191,7 +275,9 @@ def server_socket(context, key: ClusterKey | None, insecure: bool = False):
     return sock
 
 
-def client_socket(context, key: ClusterKey | None, insecure: bool = False):
+def client_socket(context, key: ClusterKey | None, insecure: bool = False, endpoint: str | None = None):
+    """A master's socket to the agent at `endpoint`: CURVE with our key pair, expecting the agent's key (the shared
+    one, or its own from our authorized agents: an agent presenting another fails the handshake)."""
     import zmq
 
     sock = context.socket(zmq.DEALER)
@@ -200,27 +286,31 @@ def client_socket(context, key: ClusterKey | None, insecure: bool = False):
         if not insecure:
             raise ConfigError("no cluster key: refusing plaintext; pass --insecure only on a trusted test bed")
         return sock
-    sock.curve_serverkey = key.public
+    sock.curve_serverkey = key.server_key(endpoint)
     sock.curve_publickey = key.public
     sock.curve_secretkey = key.secret
     return sock
 
 
-def start_authenticator(context, key: ClusterKey):
-    """ZAP handler: admit only clients presenting the cluster's public key (they must hold its secret)."""
+def start_authenticator(context, key: ClusterKey, masters: AuthorizedKeys | None = None):
+    """ZAP handler: admit only clients presenting the cluster's public key (they must hold its secret), or, given
+    `masters` (an agent's authorized-keys file), only the keys listed there."""
     from zmq.auth.thread import ThreadAuthenticator
 
+    if masters is None and key.device is not None:
+        raise ConfigError(f"the device key of {key.device} trusts nobody by itself: give --authorized-masters FILE "
+                          "(the public keys of the masters allowed to use this device)")
     auth = ThreadAuthenticator(context)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyKey(key.public))
+    auth.configure_curve_callback(domain="*", credentials_provider=_Admits(masters, key.public))
     return auth
 
 
-class _OnlyKey:
+class _Admits:
     """pyzmq's ZAP credentials provider: called with the client's z85 public key."""
 
-    def __init__(self, public: bytes):
-        self.allowed = public
+    def __init__(self, masters: AuthorizedKeys | None, shared: bytes):
+        self.masters, self.shared = masters, shared
 
     def callback(self, domain, key) -> bool:
-        return bytes(key) == self.allowed
+        return self.masters.admits(bytes(key)) if self.masters is not None else bytes(key) == self.shared

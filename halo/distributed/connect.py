@@ -153,7 +153,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             key: str | None = "/etc/halo/cluster.key", insecure: bool = False, context: int | None = None,
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
-            survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False):
+            survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False,
+            authorized_agents: str | None = None):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -162,8 +163,9 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     (halo/pipeline/connect.py; `pipeline` holds its own options).
     survive: a tensor-parallel master re-plans over the agents left when one fails, and takes back agents
     that return (survive.py); None: an agent failure ends the generation with its error.
-    insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise."""
-    from halo.transport.reliable import load_key
+    insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
+    authorized_agents: a file of the agents' public keys and addresses (needed with a device key)."""
+    from halo.transport.reliable import load_authorized, load_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
         check_insecure([a if a.startswith("tcp://") else f"tcp://{a}" for a in agents], insecure_lan,
@@ -186,7 +188,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     elif agents:
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
     if cluster_key is None and not insecure:
-        cluster_key = load_key(key)
+        cluster_key = load_key(key).with_agents(load_authorized(authorized_agents) if authorized_agents else None)
     sync = sync or SyncSettings()
     plan_file = None if plan is None or plan in PLAN_KEYWORDS else plan
     tp_plan = _load_plan(weights, layout, plan_file, cluster, sync) if plan_file or cluster else None

@@ -192,7 +192,7 @@ def ask_status(endpoints: list[str], key=None, insecure: bool = False, timeout_s
     answers, sockets = {}, {}
     try:
         for endpoint in endpoints:
-            sock = client_socket(context, key, insecure)
+            sock = client_socket(context, key, insecure, endpoint)
             sock.connect(endpoint)
             sock.send_multipart(encode(Message("status")))
             sockets[endpoint] = sock

@@ -166,7 +166,7 @@ class Session:
                  layout: GroupLayout) -> RemoteAgent:
         from halo.transport.reliable import client_socket
 
-        sock = client_socket(self.zmq_context, key, insecure)
+        sock = client_socket(self.zmq_context, key, insecure, endpoint)
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # a send never blocks longer than a reply may take
         monitor = sock.get_monitor_socket()  # tells a refused key or a security mismatch from a dead device
         sock.connect(endpoint)

@@ -77,7 +77,7 @@ class NativeStage:
 
         from halo.transport.reliable import client_socket
 
-        self.socket = client_socket(self.context, self.key, self.insecure)
+        self.socket = client_socket(self.context, self.key, self.insecure, self.endpoint)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         self.socket.connect(self.endpoint)
         self.connected_once = False
