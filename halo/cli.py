@@ -287,7 +287,11 @@ def add_cluster_arguments(parser) -> None:
     pipe.add_argument("--browser-workers", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
                       help="wait for N browser tabs to open the worker page (printed at start) and use them too")
     pipe.add_argument("--serve-worker", default="127.0.0.1:8765", metavar="HOST:PORT",
-                      help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN)")
+                      help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN, with "
+                           "--worker-tls-cert/--worker-tls-key: a tab elsewhere needs HTTPS for WebGPU, and without it "
+                           "the tokens and every hidden state cross the LAN in clear)")
+    pipe.add_argument("--worker-tls-cert", metavar="PEM", help="the worker page's TLS certificate (chain)")
+    pipe.add_argument("--worker-tls-key", metavar="PEM", help="... and its private key")
 
 
 def add_sync_arguments(parser) -> None:
@@ -532,6 +536,7 @@ def open_model(args, weights, stack):
                    if args.on_agent_loss == "replan" else None,
                    mode="pipeline" if args.browser_workers else args.mode, pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
+                       "tls_cert": args.worker_tls_cert, "tls_key": args.worker_tls_key,
                        "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})
 
 

@@ -5,9 +5,11 @@
   GET /assets/NAME       the page's script and onnxruntime-web (its WASM and WebGPU builds), never a CDN
   GET /models/SHA.onnx   a stage's ONNX sub-model, named by content hash (cached by the browser for good)
   GET /ws?token=...      the WebSocket: stage messages (halo/pipeline/protocol.py), binary frames
-The token printed with the page's address is the only admission: without it the WebSocket is refused.
-Pages get cross-origin isolation headers so onnxruntime-web can run WASM with threads. WebGPU needs a
-secure context: localhost, or HTTPS (`tls_cert`/`tls_key`) when the laptop is another machine.
+Each tab gets its own address: the token in it admits one WebSocket, once (a sniffed or shared token cannot join
+a second tab). Messages are limited to what a stage's activations take, and the hidden states a tab returns must be
+finite and bounded. Pages get cross-origin isolation headers so onnxruntime-web can run WASM with threads. WebGPU
+needs a secure context: localhost, or HTTPS (`tls_cert`/`tls_key`: --worker-tls-cert/--worker-tls-key) when the
+laptop is another machine; without TLS beyond loopback the hub warns that tokens and hidden states travel in clear.
 
 A tab answers `probe` by timing one and two layers of the model in its own engine (WebGPU, else WASM)
 and becomes a `BrowserStage`: a link like a native worker's, so planning, forwarding and recovery
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.arguments import is_loopback
 from halo.errors import ConfigError
 from halo.transport.reliable import Message, MessageError
 
@@ -38,6 +41,7 @@ from .stage import HeadRequest
 ASSETS = resources.files("halo.pipeline") / "web_assets"
 BUILD_HINT = ("the worker page is not built: run `npm --prefix web ci && npm --prefix web run build` in the halo "
               "source tree (it copies onnxruntime-web into halo/pipeline/web_assets), then reinstall")
+MAX_HIDDEN_MAGNITUDE = 1e6  # beyond any real hidden state or logit: a tab returning more is broken or hostile
 ISOLATION = {"Cross-Origin-Opener-Policy": "same-origin", "Cross-Origin-Embedder-Policy": "require-corp",
              "Cross-Origin-Resource-Policy": "same-origin"}
 CONTENT_TYPES = {".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm",
@@ -50,7 +54,8 @@ def assets_built() -> bool:
 
 class BrowserHub:
     def __init__(self, weights, listen: str = "127.0.0.1:8765", context: int = 2048, tls_cert: str | None = None,
-                 tls_key: str | None = None, announce=None):
+                 tls_key: str | None = None, announce=None, tabs: int = 1):
+        """tabs: how many tabs may join, each through an address of its own (a single-use token)."""
         try:
             import aiohttp  # noqa: F401
         except ImportError:
@@ -61,8 +66,19 @@ class BrowserHub:
         if not host or not port.isdigit():
             raise ConfigError(f"--serve-worker {listen!r}: expected HOST:PORT")
         self.weights, self.host, self.port, self.context = weights, host, int(port), context
+        if bool(tls_cert) != bool(tls_key):
+            raise ConfigError("give --worker-tls-cert and --worker-tls-key together")
+        for option, path in (("--worker-tls-cert", tls_cert), ("--worker-tls-key", tls_key)):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{option} {path}: no such file")
         self.tls = (tls_cert, tls_key) if tls_cert else None
-        self.token = secrets.token_urlsafe(16)
+        if self.tls is None and not is_loopback(host):
+            (announce or print)(f"halo: WARNING: the worker page on {listen} without TLS: each tab's token and every "
+                                "hidden state cross the network in clear (give --worker-tls-cert/--worker-tls-key)")
+        self.tokens = [secrets.token_urlsafe(16) for _ in range(max(1, tabs))]
+        self.unused = set(self.tokens)  # a token admits one WebSocket, once
+        c = weights.config  # the largest message a stage exchanges: all positions' logits, or their hidden states
+        self.max_message = 4 * context * max(c.dim, c.vocab_size) + (1 << 20)
         self.models: dict[str, bytes] = {}
         self.tabs: list[BrowserStage] = []
         self.joined = threading.Condition()
@@ -77,8 +93,11 @@ class BrowserHub:
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
         scheme = "https" if self.tls else "http"
         shown = "localhost" if self.host in ("127.0.0.1", "0.0.0.0", "") else self.host
-        self.url = f"{scheme}://{shown}:{self.port}/?token={self.token}"
-        self.announce(f"halo: lend a browser to this cluster: open {self.url}")
+        self.urls = [f"{scheme}://{shown}:{self.port}/?token={token}" for token in self.tokens]
+        self.url = self.urls[0]
+        for url in self.urls:
+            self.announce(f"halo: lend a browser to this cluster: open {url}" + (" (one tab per address)"
+                                                                                 if len(self.urls) > 1 else ""))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -147,9 +166,13 @@ class BrowserHub:
     async def _socket(self, request):
         from aiohttp import WSMsgType, web
 
-        if not secrets.compare_digest(request.query.get("token", ""), self.token):
-            raise web.HTTPForbidden(text="wrong or missing token: open the address the coordinator printed")
-        ws = web.WebSocketResponse(max_msg_size=1 << 30, heartbeat=5.0)
+        given = request.query.get("token", "")
+        token = next((t for t in self.unused if secrets.compare_digest(given, t)), None)
+        if token is None:
+            raise web.HTTPForbidden(text="wrong, missing or already used token: open an address the coordinator "
+                                         "printed, one tab each")
+        self.unused.discard(token)
+        ws = web.WebSocketResponse(max_msg_size=self.max_message, heartbeat=5.0)
         await ws.prepare(request)
         tab = BrowserStage(self, ws, request.headers.get("User-Agent", "?"))
         with self.joined:
@@ -175,8 +198,8 @@ class BrowserHub:
             while len([t for t in self.tabs if t.alive]) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ConfigError(f"only {len(self.tabs)} of {n} browser workers opened {self.url} within "
-                                      f"{timeout_s:.0f} s")
+                    raise ConfigError(f"only {len(self.tabs)} of {n} browser workers opened their address "
+                                      f"({', '.join(self.urls)}) within {timeout_s:.0f} s")
                 self.joined.wait(min(left, 1.0))
             return [t for t in self.tabs if t.alive][:n]
 
@@ -258,7 +281,13 @@ class BrowserStage:
     def forward(self, inputs: np.ndarray, start_pos: int, head: HeadRequest) -> tuple[list[np.ndarray], float]:
         reply = self._call("forward", {"session": self.session, "start_pos": start_pos, "head": head.to_json()},
                            [inputs], what=f"the forward pass at position {start_pos}")
-        return [np.ascontiguousarray(a) for a in reply.arrays], float(reply.fields.get("compute_ms", 0.0))
+        outputs = [np.ascontiguousarray(a) for a in reply.arrays]
+        for a in outputs:  # a page's numbers go into the next stage: nothing non-finite or absurd
+            if a.dtype.kind == "f" and a.size and not (np.isfinite(a).all() and np.abs(a).max() <= MAX_HIDDEN_MAGNITUDE):
+                self.alive = False
+                raise StageFailed(self.name, f"browser worker {self.name} returned non-finite or out-of-range values "
+                                             f"(|x| > {MAX_HIDDEN_MAGNITUDE:g}) at position {start_pos}: dropped")
+        return outputs, float(reply.fields.get("compute_ms", 0.0))
 
     def reset(self) -> None:
         self._call("reset", {"session": self.session})

@@ -41,7 +41,8 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
                      browser_workers: int = 0, serve: str | None = None, key: str | None = "/etc/halo/cluster.key",
                      insecure: bool = False, context: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                      fmt: str = "fp32", head_top_k: int = 1, threads: int = 1,
-                     browser_timeout_s: float = 600.0, survive=None) -> PipelineModel:
+                     browser_timeout_s: float = 600.0, survive=None, tls_cert: str | None = None,
+                     tls_key: str | None = None) -> PipelineModel:
     """A coordinator over stage workers; `stack` (an ExitStack) owns whatever this starts. `survive`:
     halo/replanning.py's settings (None: a lost worker ends the generation, naming it)."""
     import zmq
@@ -78,7 +79,8 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
     if browser_workers:
         from .browser import BrowserHub
 
-        hub = stack.enter_context(BrowserHub(weights, serve or "127.0.0.1:8765", context))
+        hub = stack.enter_context(BrowserHub(weights, serve or "127.0.0.1:8765", context, tls_cert, tls_key,
+                                             tabs=browser_workers))
         tabs = hub.wait_for_workers(browser_workers, browser_timeout_s)
         for tab, name in zip(tabs, browser_names):
             tab.device_name = name

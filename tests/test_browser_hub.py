@@ -1,0 +1,90 @@
+"""The browser-worker hub as an attacker on the LAN meets it (no browser needed: aiohttp's client): a token per tab,
+used once; messages no larger than a stage's activations; TLS when asked; hidden states checked."""
+
+import asyncio
+import ssl
+import subprocess
+
+import numpy as np
+import pytest
+
+from halo.errors import ConfigError
+
+aiohttp = pytest.importorskip("aiohttp", reason="the browser extra (aiohttp) is not installed")
+
+
+def hub_or_skip(weights, **kwargs):
+    from halo.pipeline.browser import BrowserHub, assets_built
+
+    if not assets_built():
+        pytest.skip("the worker page is not built (npm --prefix web ci && npm --prefix web run build)")
+    return BrowserHub(weights, "127.0.0.1:0", 64, announce=lambda line: None, **kwargs)
+
+
+async def join(url: str, ssl_context=None, payload: bytes | None = None):
+    """Open the WebSocket a tab opens: 'joined', 'refused 403', or how a too-large message ended it."""
+    ws_url = url.replace("http", "ws", 1).replace("/?", "/ws?")
+    async with aiohttp.ClientSession() as session:
+        try:
+            async with session.ws_connect(ws_url, ssl=ssl_context or True) as ws:
+                if payload is None:
+                    return "joined"
+                await ws.send_bytes(payload)
+                message = await ws.receive(timeout=10)
+                return f"closed {ws.close_code}" if message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
+                                                                      aiohttp.WSMsgType.ERROR) else "answered"
+        except aiohttp.WSServerHandshakeError as e:
+            return f"refused {e.status}"
+
+
+def test_each_tab_has_a_token_of_its_own_and_each_admits_once(stories_weights):
+    with hub_or_skip(stories_weights, tabs=2) as hub:
+        assert len(set(hub.urls)) == 2
+        first, second = hub.urls
+        assert asyncio.run(join(first)) == "joined"
+        assert asyncio.run(join(first)) == "refused 403"  # sniffed or shared: it joins no second tab
+        assert asyncio.run(join(first.split("?")[0] + "?token=guess")) == "refused 403"
+        assert asyncio.run(join(second)) == "joined"
+
+
+def test_a_message_larger_than_a_stages_activations_ends_the_socket(stories_weights):
+    with hub_or_skip(stories_weights) as hub:
+        c = stories_weights.config
+        assert hub.max_message == 4 * 64 * max(c.dim, c.vocab_size) + (1 << 20)  # was 1 GiB
+        assert asyncio.run(join(hub.url, payload=bytes(hub.max_message + 1))) == "closed 1009"
+
+
+def test_tls_when_asked(stories_weights, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                           str(cert), "-days", "1", "-subj", "/CN=localhost"], capture_output=True, timeout=60)
+    if made.returncode:
+        pytest.skip(f"openssl could not make a test certificate: {made.stderr[-200:]}")
+    with pytest.raises(ConfigError, match="together"):
+        hub_or_skip(stories_weights, tls_cert=str(cert))
+    with hub_or_skip(stories_weights, tls_cert=str(cert), tls_key=str(key)) as hub:
+        assert hub.url.startswith("https://")
+        trusting = ssl.create_default_context(cafile=str(cert))
+        assert asyncio.run(join(hub.url, ssl_context=trusting)) == "joined"
+
+
+def test_a_tab_returning_non_finite_or_absurd_hidden_states_is_dropped(stories_weights):
+    from halo.pipeline.browser import BrowserStage
+    from halo.pipeline.links import StageFailed
+    from halo.pipeline.stage import HeadRequest
+    from halo.transport.reliable import Message
+
+    class Hub:
+        tabs = []
+
+    tab = BrowserStage(Hub(), None, "test")
+    good = np.ones((1, 8), np.float32)
+    for bad in (np.array([[np.nan]], np.float32), np.array([[np.inf]], np.float32), np.full((1, 8), 1e9, np.float32)):
+        tab.alive = True
+        tab._call = lambda *a, bad=bad, **k: Message("output", {"compute_ms": 1.0}, [bad])
+        with pytest.raises(StageFailed, match="non-finite or out-of-range"):
+            tab.forward(good, 0, HeadRequest())
+        assert not tab.alive
+    tab.alive = True
+    tab._call = lambda *a, **k: Message("output", {"compute_ms": 1.0}, [good, np.array([3], np.int64)])
+    assert len(tab.forward(good, 0, HeadRequest())[0]) == 2
