@@ -231,3 +231,34 @@ def test_the_view_shows_what_halo_sync_dropped(stories_weights, tokenizer):
     console.print(render(snapshot))
     out = console.export_text()
     assert "local-1#1" in out and "predicted rank of dropped groups" in out and "layer" in out
+
+
+def test_a_requests_own_error_fails_the_request_and_keeps_the_cluster(stories_weights, tokenizer, monkeypatch):
+    """Anything but the cluster's failure (here: the sampler raising, as "seed": -1 once did) fails that request
+    alone: the cluster answers a reset and serves the next request, no rebuild."""
+    from halo.serve import engine as engine_module
+
+    expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
+    engine = engine_for(stories_weights, tokenizer)
+    real = engine_module.generate
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a sampler's own error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "generate", failing_once)
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            failed = await collect(engine.submit(request(tokens=12), loop))
+            ok = await collect(engine.submit(request(tokens=12), loop))
+            return failed, ok
+
+        failed, ok = asyncio.run(run())
+        assert failed[1][0] == "error" and "a sampler's own error" in str(failed[1][1])
+        assert ok[0] == expected and engine.totals.rebuilds == 0 and engine.snapshot["state"] != "down"
+    finally:
+        engine.close()

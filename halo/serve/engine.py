@@ -283,6 +283,15 @@ class Engine:
                 self.totals.last_error = str(e)
                 self._publish(state="down")
 
+    def _check_after(self, error: Exception) -> None:
+        """After an error that was not the cluster's: keep the cluster if it answers a reset, else take it down."""
+        try:
+            self.model.reset()
+            self._publish()
+        except Exception as e:  # noqa: BLE001 - whatever the reset raised, the cluster is not usable
+            log.warning("after %s the cluster did not answer a reset: %s", type(error).__name__, e)
+            self._down(e)
+
     def _serve(self, job: Job) -> None:
         if not self._can_run(job):
             return
@@ -306,11 +315,13 @@ class Engine:
             self._down(e)
             job.put("error", ClusterUnavailable(f"the cluster failed during this request: {e}", "cluster_failed"))
             return
-        except Exception as e:  # noqa: BLE001 - a bug must not kill the server; the cluster state is unknown
+        except Exception as e:  # noqa: BLE001 - a bug must not kill the server
             log.exception("generation failed")
             self.totals.requests["error"] += 1
-            self._down(e)
             job.put("error", ServeError(f"internal error: {type(e).__name__}: {e}", "internal_error"))
+            # the request failed, not necessarily the cluster (a sampler's error once tore it down and reloaded every
+            # agent): it stays if its devices answer a reset, and goes down only if they do not
+            self._check_after(e)
             return
         self._finish(job, run, result, finish)
 
