@@ -26,6 +26,7 @@ import numpy as np
 
 from halo.cores import usable_cores
 from halo.errors import HaloError
+from halo.linear import FORMATS
 from halo.transport.reliable import Message
 
 from .daemon import ControlServer
@@ -144,8 +145,8 @@ class StageWorker(ControlServer):
             check_units(c, start, stop)
             if not isinstance(context, int) or not 0 < context <= c.max_seq_len:
                 return self._refuse(f"context {context!r} must be within 1..{c.max_seq_len}")
-            if fmt not in ("fp32", "int8"):
-                return self._refuse(f"unknown weight format {fmt!r}")
+            if fmt not in FORMATS:
+                return self._refuse(f"unknown weight format {fmt!r}; a stage computes in {', '.join(FORMATS)}")
             t = time.perf_counter()
             self.session = None  # a new coordinator replaces the old session (it is gone or done)
             engine = self._make_engine(start, stop, context, fmt)

@@ -313,11 +313,14 @@ def sum_and_norms(contributions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mlp_projections(layer: LayerWeights, layout: GroupLayout, groups: Sequence[int], fmt: str, threads: int = 1):
-    """The two projections of some MLP groups (W_gate and W_up rows fused; W_down columns), sessions not opened."""
+    """The two projections of some MLP groups (W_gate and W_up rows fused; W_down columns), sessions not opened.
+    W_down's int8 blocks are cut within groups (int8_block_for), as W_o's within heads: blocks of 128 over a share's
+    columns straddled groups differently in each share, so three devices' int8 MLP was not one device's."""
     neurons = np.concatenate([np.arange(r.start, r.stop) for r in map(layout.mlp_neurons, groups)])
     gate_up = make_projection([take_rows(layer.w_gate, neurons), take_rows(layer.w_up, neurons)], fmt, threads,
                               open_session=False)
-    return gate_up, make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads, open_session=False)
+    return gate_up, make_projection([take_cols(layer.w_down, neurons, fmt)], fmt, threads,
+                                    int8_block_for(layout.mlp_group_size), open_session=False)
 
 
 def mlp_group_kernels(layer: LayerWeights, layout: GroupLayout, group: int, fmt: str):

@@ -31,6 +31,7 @@ from halo.errors import ConfigError, HaloError
 from halo.config import DEFAULT_CONTEXT
 from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind
 from halo.scheduler.measure import MedianWindow
+from halo.scheduler.profiles import planning_format
 from halo.weights import ModelWeights
 
 from .links import StageFailed, StageRefused, Traffic
@@ -78,6 +79,7 @@ class PipelineModel:
         if head_top_k < 0:
             raise ConfigError(f"head_top_k must be >= 0 (0: full logits), got {head_top_k}")
         self.weights, self.fmt, self.head_top_k, self.recover = weights, fmt, head_top_k, recover
+        self.cost_fmt = planning_format(fmt, weights)  # what the stages' weights cost ("native": the file's blocks)
         self.workers = list(workers)
         self.traffic = Traffic()
         for w in self.workers:
@@ -96,7 +98,7 @@ class PipelineModel:
         if len(self.profiles) != len(self.workers):
             raise ConfigError(f"{len(self.profiles)} profiles for {len(self.workers)} workers")
         if stages is None:
-            stages, _ = plan_stages(self.devices(), c, fmt, self.max_seq_len)
+            stages, _ = plan_stages(self.devices(), c, self.cost_fmt, self.max_seq_len)
         validate_stages(stages, c, [w.name for w in self.workers])
         self.stages = list(stages)
         self.stats = {}
@@ -105,13 +107,13 @@ class PipelineModel:
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def devices(self, indices: list[int] | None = None, profiles: list[WorkerProfile] | None = None):
-        model = model_costs(self.config, self.fmt)
+        model = model_costs(self.config, self.cost_fmt)
         indices = range(len(self.workers)) if indices is None else indices
         return [(profiles or self.profiles)[i].to_device(model) for i in indices]
 
     def predicted_ms(self) -> float:
         """What the cost model says one decode step of the current plan takes."""
-        return 1e3 * predicted_s(self.stages, self.devices(), self.config, self.fmt, self.max_seq_len)
+        return 1e3 * predicted_s(self.stages, self.devices(), self.config, self.cost_fmt, self.max_seq_len)
 
     def _open(self) -> None:
         self.ready = {}
@@ -215,7 +217,7 @@ class PipelineModel:
     def _plan_over_alive(self, cause: str, profiles: list[WorkerProfile] | None = None) -> list[Stage]:
         alive = [i for i, ok in enumerate(self.alive) if ok]
         try:
-            planned, _ = plan_stages(self.devices(alive, profiles), self.config, self.fmt, self.max_seq_len)
+            planned, _ = plan_stages(self.devices(alive, profiles), self.config, self.cost_fmt, self.max_seq_len)
         except ConfigError as e:
             raise PipelineError(f"{cause}; re-planning over the workers left failed: {e}") from None
         return [Stage(alive[s.worker], s.start, s.stop) for s in planned]
@@ -271,8 +273,8 @@ class PipelineModel:
         observed = [replace(p, layer_s=p.layer_s * relative.get(i, 1.0), overhead_s=p.overhead_s * relative.get(i, 1.0))
                     for i, p in enumerate(self.profiles)]
         stages = self._plan_over_alive("rebalancing", observed)
-        now_s = predicted_s(self.stages, self.devices(profiles=observed), self.config, self.fmt, self.max_seq_len)
-        new_s = predicted_s(stages, self.devices(profiles=observed), self.config, self.fmt, self.max_seq_len)
+        now_s = predicted_s(self.stages, self.devices(profiles=observed), self.config, self.cost_fmt, self.max_seq_len)
+        new_s = predicted_s(stages, self.devices(profiles=observed), self.config, self.cost_fmt, self.max_seq_len)
         if stages == self.stages or not self._clock.worth_it(now_s, new_s):
             return
         before, after = {s.worker for s in self.stages}, {s.worker for s in stages}
@@ -285,7 +287,7 @@ class PipelineModel:
         """What the worker's profile says one decode call of `stage` costs on the worker itself (no link)."""
         from halo.scheduler.pipeline import model_units
 
-        costs = model_costs(self.config, self.fmt)
+        costs = model_costs(self.config, self.cost_fmt)
         flops = model_units(costs, self.max_seq_len).flops[stage.start:stage.stop].sum()
         profile = self.profiles[stage.worker]
         return profile.overhead_s + flops / profile.to_device(costs).compute_flops

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from halo.config import ModelConfig
 from halo.errors import ConfigError
 from halo.scheduler.pipeline import PipelinePlan, model_units, plan_units
-from halo.scheduler.profiles import DeviceProfile, ModelProfile, model_profile
+from halo.scheduler.profiles import BYTES_PER_WEIGHT, DeviceProfile, ModelProfile, model_profile
 
 from .stage import n_units, unit_name
 
@@ -26,7 +26,9 @@ class Stage:
 
 
 def model_costs(config: ModelConfig, fmt: str) -> ModelProfile:
-    return model_profile(config, "fp32" if fmt == "fp32" else "int8")
+    """fmt: a planning format (scheduler/profiles.py planning_format: "native" already resolved to the file's
+    block type, e.g. "Q4_0"); "int8" for anything else compact."""
+    return model_profile(config, fmt if fmt in BYTES_PER_WEIGHT else ("fp32" if fmt == "fp32" else "int8"))
 
 
 def plan_stages(devices: list[DeviceProfile], config: ModelConfig, fmt: str, context: int,
