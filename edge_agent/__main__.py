@@ -119,10 +119,8 @@ def prepare_main(argv: list[str]) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["prepare"]:
-        return prepare_main(argv[1:])
+def agent_parser() -> argparse.ArgumentParser:
+    """halo-agent's options (each may also come from --config's TOML file)."""
     parser = OneLineParser(prog="halo-agent", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Serve a share of a model's neuron groups to a halo master.")
     parser.add_argument("--config", help="TOML file with any of the options below")
@@ -154,7 +152,14 @@ def main(argv=None) -> int:
                              "sleeping core wakes tens of microseconds late at every round, but agents sharing cores "
                              "must not spin (default auto)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prepare"]:
+        return prepare_main(argv[1:])
+    args = agent_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -81,7 +81,8 @@ def test_without_a_key_only_loopback_names_are_served(tmp_path):
 
 
 @pytest.mark.parametrize("header, name", [("127.0.0.1:8000", "127.0.0.1"), ("[::1]:8000", "::1"), ("[::1]", "::1"),
-                                          ("localhost", "localhost"), ("evil.test:80", "evil.test"), ("", "")])
+                                          ("localhost", "localhost"), ("LocalHost:80", "localhost"),
+                                          ("evil.test:80", "evil.test"), ("", "")])
 def test_host_names(header, name):
     assert host_name(header) == name
 

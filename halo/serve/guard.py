@@ -32,6 +32,7 @@ SECURITY_HEADERS = [
 
 def host_name(host_header: str) -> str:
     """The name in a Host header, without its port ('[::1]:8000' -> '::1', 'localhost:8000' -> 'localhost')."""
+    host_header = host_header.lower()  # host names are case-insensitive
     if host_header.startswith("["):
         return host_header[1:].split("]", 1)[0]
     return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
