@@ -108,8 +108,10 @@ def _add_plan(sub) -> None:
     measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
                          "(default native: the model file's own)")
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
-    measure.add_argument("--key", default="/etc/halo/cluster.key")
-    measure.add_argument("--insecure", action="store_true")
+    measure.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key")
+    measure.add_argument("--authorized-agents", metavar="FILE", help="with a device key: the agents' public keys and "
+                         "addresses (as for generate)")
+    measure.add_argument("--insecure", action="store_true", help="plaintext, to loopback agents only")
     measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
                          "takes seconds for a small model, longer for a big one on a slow device (default 60)")
     measure.add_argument("--rebenchmark", action="store_true", help="ignore the devices' cached kernel benchmarks")
@@ -707,8 +709,9 @@ def _plan_measured(args) -> int:
     from .loader import load_weights
     from .neuron_groups import GroupLayout
     from .scheduler import plan_io
+    from .arguments import check_insecure
     from .sync import SyncSettings
-    from .transport.reliable import load_key
+    from .transport.reliable import load_authorized, load_key
 
     if args.mode != "tp" or args.model_config:
         raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "
@@ -725,7 +728,10 @@ def _plan_measured(args) -> int:
             endpoints, key = local.endpoints, local.key
         else:
             endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
-            key = None if args.insecure else load_key(args.key)
+            if args.insecure:
+                check_insecure(endpoints, False, "would talk plaintext to")
+            key = None if args.insecure else load_key(args.key).with_agents(
+                load_authorized(args.authorized_agents) if args.authorized_agents else None)
         plan, planning = measured_plan(weights, layout, settings, endpoints, key, args.insecure,
                                        select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
                                        same_machine=bool(args.local_agents))

@@ -101,3 +101,22 @@ def test_keygen_for_a_device_prints_its_line(tmp_path):
     key = load_key(tmp_path / "k")
     assert key.device == "pi-7" and f"{key.public.decode()} pi-7" in out.stdout
     assert key.udp_key == bytes(32)  # no secret in common: sessions' datagram keys come from their nonces
+
+
+def test_a_stage_worker_with_its_own_key_admits_only_its_masters(keys, tmp_path):
+    from halo.edge_agent.stage_worker import StageWorker
+
+    masters = authorized(tmp_path / "masters", f"{keys['master'].public.decode()} master")
+    sigterm = signal.getsignal(signal.SIGTERM)
+    worker = StageWorker(None, "tcp://127.0.0.1:0", keys["pi-1"], name="stage-1", masters=masters)
+    signal.signal(signal.SIGTERM, sigterm)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        where = worker.endpoint.split("://")[1]
+        agents = authorized(tmp_path / "agents", f"{keys['pi-1'].public.decode()} stage-1 {where}")
+        assert "error" not in ask_status([worker.endpoint], keys["master"].with_agents(agents), timeout_s=5)[worker.endpoint]
+        assert "error" in ask_status([worker.endpoint], keys["pi-2"].with_agents(agents), timeout_s=1.5)[worker.endpoint]
+    finally:
+        worker.stop()
+        thread.join(5)
