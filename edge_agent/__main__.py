@@ -9,13 +9,13 @@ import sys
 import tomllib
 from pathlib import Path
 
-from halo.arguments import (MAX_THREADS, check_insecure, OneLineParser, check_integer, check_number, check_path, integer,
-                            listen_argument, number, parse_endpoint)
+from halo.arguments import (DEFAULT_KEY, MAX_THREADS, OneLineParser, add_daemon_key_arguments, check_insecure,
+                            check_integer, check_number, check_path, integer, listen_argument, number, parse_endpoint)
 from halo.cores import usable_cores
-from halo.transport.udp import BUSY_POLL_MODES
 from halo.errors import ConfigError, HaloError
 from halo.linear import FORMATS
 from halo.models import resolve_model
+from halo.transport.udp import BUSY_POLL_MODES
 
 DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
 
@@ -126,16 +126,7 @@ def agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="TOML file with any of the options below")
     parser.add_argument("--listen", type=listen_argument,
                         help="where to listen (default tcp://0.0.0.0:7070; port 0 = any free port)")
-    parser.add_argument("--key", help="cluster key file (default /etc/halo/cluster.key)")
-    parser.add_argument("--authorized-masters", metavar="FILE",
-                        help="with a device key (halo-master keygen --device NAME): the masters allowed to use this "
-                             "device, a line `PUBLIC_KEY NAME` each (revoking one = deleting its line); with the shared "
-                             "cluster key, if given, only these too")
-    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: only on a loopback --listen address, "
-                        "unless --insecure-lan")
-    parser.add_argument("--insecure-lan", action="store_true",
-                        help="with --insecure: listen beyond this machine too (a trusted test bed only: anyone on the "
-                             "network can then act as master and forge datagrams; said in the log and in status)")
+    add_daemon_key_arguments(parser, key_default=None)  # (None: the config file's, else DEFAULT_KEY)
     parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
                                         "a fetched model's name (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
@@ -188,15 +179,14 @@ def main(argv=None) -> int:
 
     threadpool_limits(threads)
     try:
-        from halo.transport.reliable import load_authorized, load_key
+        from halo.transport.reliable import daemon_keys
 
         from .agent import Agent
 
         if args.insecure:
             check_insecure([listen], args.insecure_lan, "would listen in plaintext on")
-        key = None if args.insecure else load_key(pick("key", "/etc/halo/cluster.key"))
-        masters_file = pick("authorized_masters", None)
-        masters = load_authorized(masters_file) if masters_file and key is not None else None
+        key, masters = (None, None) if args.insecure else daemon_keys(pick("key", DEFAULT_KEY),
+                                                                       pick("authorized_masters", None))
         import socket
 
         agent = Agent(pick("model", None), listen, key, args.insecure,

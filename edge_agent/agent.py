@@ -29,7 +29,7 @@ from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
 from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport
 from halo.transport import wire
-from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message
+from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, spin_readable
 from halo.worker import DeviceWorker
 
@@ -131,7 +131,7 @@ class Agent(ControlServer):
         self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
-        self.udp_key = key.udp_key if key else bytes(wire.KEY_BYTES)  # each session's datagram key derives from it
+        self.udp_key = udp_base_key(key)  # each session's datagram key derives from it
         self.udp = UdpEndpoint(self.udp_key, 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
         self.profile = device_profile()
         self.busy_poll = set_busy_poll(busy_poll)

@@ -203,21 +203,15 @@ EPILOG = """examples:
 
 
 def main(argv=None) -> int:
-    from halo.arguments import (MAX_THREADS, OneLineParser, check_insecure, check_path, integer, listen_argument,
-                                number)
+    from halo.arguments import (MAX_THREADS, OneLineParser, add_daemon_key_arguments, check_insecure, check_path,
+                                integer, listen_argument, number)
     from halo.models import resolve_model
 
     parser = OneLineParser(prog="halo-stage-worker", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Serve a contiguous range of a model's layers to a halo pipeline "
                                        "coordinator (halo-master generate --mode pipeline).")
     parser.add_argument("--listen", type=listen_argument, default="tcp://0.0.0.0:7080", help="where to listen (port 0 = any free port)")
-    parser.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key file (default /etc/halo/cluster.key)")
-    parser.add_argument("--authorized-masters", metavar="FILE", help="with a device key (halo-master keygen --device "
-                        "NAME): the coordinators allowed to use this worker, a line `PUBLIC_KEY NAME` each")
-    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: only on a loopback --listen address, "
-                        "unless --insecure-lan")
-    parser.add_argument("--insecure-lan", action="store_true", help="with --insecure: listen beyond this machine too "
-                        "(a trusted test bed only)")
+    add_daemon_key_arguments(parser)
     parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the coordinator (default: the host name)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "torch-cpu"), default="auto",
@@ -233,13 +227,12 @@ def main(argv=None) -> int:
 
     threadpool_limits(threads)  # numpy's BLAS is loaded by now (halo imports numpy)
     try:
-        from halo.transport.reliable import load_authorized, load_key
+        from halo.transport.reliable import daemon_keys
 
         check_path("--model", str(resolve_model(args.model)) if args.model else None, "model file or directory")
         if args.insecure:
             check_insecure([args.listen], args.insecure_lan, "would listen in plaintext on")
-        key = None if args.insecure else load_key(args.key)
-        masters = load_authorized(args.authorized_masters) if args.authorized_masters and key is not None else None
+        key, masters = (None, None) if args.insecure else daemon_keys(args.key, args.authorized_masters)
         import socket
 
         worker = StageWorker(args.model, args.listen, key, args.insecure, args.name or socket.gethostname(),

@@ -241,16 +241,24 @@ def bed_for(args):
         yield bed
 
 
-def speedups(rows: list[dict]) -> dict[tuple, list[float]]:
-    """Per (nodes, plr, setup): its speedup over the one node of the same run, every run (the host's memory
-    traffic from outside changes by the hour: only ratios inside one run mean anything). A ceiling row's is what
-    its N processes streamed together: N x one node / each beside the others."""
-    one = {r["run"]: r["ms_mean"] for r in rows if r["setup"] == "one node"}
-    out: dict[tuple, list[float]] = {}
+def speedup(row: dict, one: dict[int, float]) -> float:
+    """A row's speedup over the one node of its own run (one: run -> that node's ms/token; the host's memory traffic
+    from outside changes by the hour: only ratios inside one run mean anything). A ceiling row's is what its N
+    processes streamed together: N x one node / each beside the others."""
+    return one[row["run"]] / row["ms_mean"] * (row["nodes"] if row["setup"] == "ceiling" else 1)
+
+
+def one_node(rows: list[dict]) -> dict[int, float]:
+    """run -> the one node's ms/token in it."""
+    return {r["run"]: r["ms_mean"] for r in rows if r["setup"] == "one node"}
+
+
+def by_setup(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """(nodes, plr, setup) -> its rows, one a run, in run order."""
+    groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        ratio = one[r["run"]] / r["ms_mean"] * (r["nodes"] if r["setup"] == "ceiling" else 1)
-        out.setdefault((r["nodes"], r["plr"], r["setup"]), []).append(ratio)
-    return out
+        groups.setdefault((r["nodes"], r["plr"], r["setup"]), []).append(r)
+    return groups
 
 
 def median(values: list[float]) -> float:
@@ -259,8 +267,8 @@ def median(values: list[float]) -> float:
 
 def render(result: dict) -> list[str]:
     rows, host, k = result["rows"], result["host"], result["threads_per_node"]
-    ratios = speedups(rows)
-    ceiling = {(r["nodes"], r["run"]): ratios_of(rows, r, ratios) for r in rows if r["setup"] == "ceiling"}
+    one, groups = one_node(rows), by_setup(rows)
+    ceiling = {(r["nodes"], r["run"]): speedup(r, one) for r in rows if r["setup"] == "ceiling"}
     lines = [f"# Scaling with a core set per node ({Path(result['model']).name})", "",
              f"Command: `{result['command']}`. Host: {host['cpu']}, {host['cores']} cores. Every node one process "
              f"pinned to {k} core{'s' if k > 1 else ''} of its own, {k} compute thread{'s' if k > 1 else ''}; sync exact "
@@ -275,18 +283,19 @@ def render(result: dict) -> list[str]:
              "round of the median run).", "",
              "| nodes | loss | setup | ms/token (median run) | speedup over one node | of ceiling | round overhead p50 "
              "| same tokens as one node |", "|---|---|---|---|---|---|---|---|"]
-    order = sorted(ratios, key=lambda key: (key[0], key[1], key[2] != "one node", key[2] != "ceiling",
+    order = sorted(groups, key=lambda key: (key[0], key[1], key[2] != "one node", key[2] != "ceiling",
                                            "halo" in key[2], key[2]))
     for key in order:
-        runs = [r for r in rows if (r["nodes"], r["plr"], r["setup"]) == key]
+        runs = groups[key]
+        ratios = [speedup(r, one) for r in runs]
         middle = sorted(runs, key=lambda r: r["ms_mean"])[(len(runs) - 1) // 2]
-        of_ceiling = [ratio / ceiling[(r["nodes"], r["run"])] for r, ratio in zip(runs, ratios[key])
+        of_ceiling = [ratio / ceiling[(r["nodes"], r["run"])] for r, ratio in zip(runs, ratios)
                       if (r["nodes"], r["run"]) in ceiling and key[2] != "ceiling" and key[0] > 1]
         overhead = (middle.get("round_overhead_ms") or {}).get("p50")
         same = "-" if "same_tokens" not in middle else ("yes" if all(r["same_tokens"] for r in runs) else "**no**")
         ms = f"{middle['ms_mean']:.2f}" if key[2] != "ceiling" else f"each {', '.join(f'{v:.1f}' for v in middle['ms_each'])}"
-        lines.append(f"| {key[0]} | {100 * key[1]:g} % | {key[2]} | {ms} | {median(ratios[key]):.2f}x "
-                     f"({', '.join(f'{v:.2f}' for v in ratios[key])}) | "
+        lines.append(f"| {key[0]} | {100 * key[1]:g} % | {key[2]} | {ms} | {median(ratios):.2f}x "
+                     f"({', '.join(f'{v:.2f}' for v in ratios)}) | "
                      f"{f'{median(of_ceiling):.2f}' if of_ceiling else '-'} | "
                      f"{f'{1e3 * overhead:.0f} us' if overhead is not None else '-'} | {same} |")
     return lines + peer_lines(rows)
@@ -303,7 +312,8 @@ def peer_lines(rows: list[dict]) -> list[str]:
         ratios = [alone[r["run"]] / r["ms_mean"] for r in peer if r["nodes"] == n and r["run"] in alone]
         if ratios:
             parts.append(f"{n} nodes {median(ratios):.2f}x ({', '.join(f'{v:.2f}' for v in ratios)})")
-    ours = [ms / one_node(rows, run) for run, ms in alone.items()]
+    one = one_node(rows)
+    ours = [ms / one[run] for run, ms in alone.items()]
     return ["", f"distributed-llama against its own one node: {'; '.join(parts)}. halo's one node is "
                 f"{median(ours):.2f}x as fast as the peer's."]
 
@@ -312,24 +322,15 @@ def nodes_of(rows: list[dict]) -> list[int]:
     return sorted({r["nodes"] for r in rows if r["nodes"] > 1})
 
 
-def one_node(rows: list[dict], run: int) -> float:
-    return next(r["ms_mean"] for r in rows if r["setup"] == "one node" and r["run"] == run)
-
-
-def ratios_of(rows: list[dict], row: dict, ratios: dict) -> float:
-    """A row's own speedup (its run's, from speedups())."""
-    key = (row["nodes"], row["plr"], row["setup"])
-    same = [r for r in rows if (r["nodes"], r["plr"], r["setup"]) == key]
-    return ratios[key][same.index(row)]
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ratios = {key: v for key, v in speedups(result["rows"]).items() if key[1] == 0.0 and key[2] != "one node"}
+    one = one_node(result["rows"])
+    ratios = {key: [speedup(r, one) for r in runs] for key, runs in by_setup(result["rows"]).items()
+              if key[1] == 0.0 and key[2] != "one node"}
     setups = sorted({s for (_, _, s) in ratios}, key=lambda s: (s != "ceiling", "halo" in s, s))
     nodes = sorted({n for (n, _, _) in ratios})
     fig, ax = plt.subplots(figsize=(8, 4.5))

@@ -89,6 +89,40 @@ def check_insecure(endpoints: list[str], insecure_lan: bool, who: str) -> None:
                           "--insecure-lan if this network is a trusted test bed")
 
 
+DEFAULT_KEY = "/etc/halo/cluster.key"
+
+
+def add_master_key_arguments(parser) -> None:
+    """How a master authenticates to its agents (generate, serve, status, plan): one set of flags, one meaning."""
+    parser.add_argument("--key", default=DEFAULT_KEY, help="the cluster key, or this master's device key (halo-master "
+                        f"keygen --device NAME) (default {DEFAULT_KEY})")
+    parser.add_argument("--authorized-agents", metavar="FILE",
+                        help="the agents this master trusts, a line `PUBLIC_KEY NAME HOST:PORT` each (needed with a "
+                             "device key; revoking an agent = deleting its line): an agent presenting another key at "
+                             "that address is refused")
+    parser.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure "
+                        "(loopback addresses only, unless --insecure-lan)")
+    parser.add_argument("--insecure-lan", action="store_true",
+                        help="with --insecure: also to agents beyond this machine (a trusted test bed only: anyone on "
+                             "the network can then read, forge and take over the cluster's traffic)")
+
+
+def add_daemon_key_arguments(parser, key_default: str | None = DEFAULT_KEY) -> None:
+    """How a daemon (halo-agent, halo-stage-worker) authenticates the masters it serves. key_default None: the
+    caller fills it (halo-agent: its config file, then DEFAULT_KEY)."""
+    parser.add_argument("--key", default=key_default, help=f"the cluster key, or this device's own key (halo-master "
+                        f"keygen --device NAME) (default {DEFAULT_KEY})")
+    parser.add_argument("--authorized-masters", metavar="FILE",
+                        help="the masters allowed to use this device, a line `PUBLIC_KEY NAME` each (needed with a "
+                             "device key; revoking one = deleting its line); with the shared cluster key, if given, "
+                             "only these too")
+    parser.add_argument("--insecure", action="store_true", help="no key, plaintext: only on a loopback --listen address, "
+                        "unless --insecure-lan")
+    parser.add_argument("--insecure-lan", action="store_true",
+                        help="with --insecure: listen beyond this machine too (a trusted test bed only: anyone on the "
+                             "network can then act as master and forge datagrams; said in the log and in status)")
+
+
 def parse_endpoints(text: str) -> list[str]:
     """A comma-separated list of agent addresses, each checked, none twice."""
     endpoints = [parse_endpoint(part) for part in text.split(",") if part.strip()]

@@ -8,7 +8,8 @@ import re
 import sys
 import time
 
-from .arguments import MAX_THREADS, OneLineParser, check_path, endpoints_argument, integer, number
+from .arguments import (MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path,
+                        endpoints_argument, integer, number)
 from .errors import ConfigError, HaloError
 from .linear import FORMATS, resolve_format
 
@@ -108,10 +109,7 @@ def _add_plan(sub) -> None:
     measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
                          "(default native: the model file's own)")
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
-    measure.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key")
-    measure.add_argument("--authorized-agents", metavar="FILE", help="with a device key: the agents' public keys and "
-                         "addresses (as for generate)")
-    measure.add_argument("--insecure", action="store_true", help="plaintext, to loopback agents only")
+    add_master_key_arguments(measure)
     measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
                          "takes seconds for a small model, longer for a big one on a slow device (default 60)")
     measure.add_argument("--rebenchmark", action="store_true", help="ignore the devices' cached kernel benchmarks")
@@ -205,11 +203,7 @@ def _add_status(sub) -> None:
     where.add_argument("--server", metavar="URL", help="a `halo-master serve` address, e.g. http://127.0.0.1:8000")
     st.add_argument("--api-key", metavar="KEY", help="the server's API key (--server)")
     st.add_argument("--api-key-file", metavar="FILE", help="... read from a file")
-    st.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key "
-                    "(default /etc/halo/cluster.key)")
-    st.add_argument("--authorized-agents", metavar="FILE", help="with a device key: the agents' public keys and "
-                    "addresses (as for generate)")
-    st.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure")
+    add_master_key_arguments(st)
     st.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                     help="wait at most S seconds for each agent (default 2)")
     st.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
@@ -252,17 +246,7 @@ def add_cluster_arguments(parser) -> None:
                          "between the master and one agent, the agents taking the layers in turn: two processes a "
                          "round, for agents that share the master's cores, e.g. --local-agents on a 2-core machine, "
                          "where it ran 1.1-1.4x as fast as even-mlp-only with 3 agents and 1.3-1.6x with 7 on the test bed)")
-    cluster.add_argument("--key", default="/etc/halo/cluster.key", help="cluster key, or this master's device key "
-                         "(halo-master keygen --device NAME) (default /etc/halo/cluster.key)")
-    cluster.add_argument("--authorized-agents", metavar="FILE",
-                         help="the agents this master trusts, a line `PUBLIC_KEY NAME HOST:PORT` each (needed with a "
-                              "device key; revoking an agent = deleting its line): an agent presenting another key at "
-                              "that address is refused")
-    cluster.add_argument("--insecure", action="store_true", help="talk plaintext to agents started with --insecure "
-                         "(loopback addresses only, unless --insecure-lan)")
-    cluster.add_argument("--insecure-lan", action="store_true",
-                         help="with --insecure: also to agents beyond this machine (a trusted test bed only: anyone on "
-                              "the network can then read, forge and take over the cluster's traffic)")
+    add_master_key_arguments(cluster)
     cluster.add_argument("--timeout", type=number(0, low_open=True), default=2.0, metavar="S",
                          help="give up on an agent that does not answer within S seconds (default 2)")
     cluster.add_argument("--on-agent-loss", choices=("replan", "stop"), default="replan",
@@ -379,10 +363,11 @@ def _agents_status(args) -> int:
 
 def _query_agents(args) -> tuple[list[dict], int]:
     from .distributed.remote import ask_status
-    from .transport.reliable import load_authorized, load_key
+    from .transport.reliable import master_key
 
-    key = None if args.insecure else load_key(args.key).with_agents(
-        load_authorized(args.authorized_agents) if args.authorized_agents else None)
+    if args.insecure:
+        check_insecure(args.agents, args.insecure_lan, "would talk plaintext to")
+    key = None if args.insecure else master_key(args.key, args.authorized_agents)
     answers = ask_status(args.agents, key, args.insecure, args.timeout)
     rows = [{"endpoint": endpoint, **answers[endpoint]} for endpoint in args.agents]
     return rows, sum("error" in r for r in rows)
@@ -709,9 +694,8 @@ def _plan_measured(args) -> int:
     from .loader import load_weights
     from .neuron_groups import GroupLayout
     from .scheduler import plan_io
-    from .arguments import check_insecure
     from .sync import SyncSettings
-    from .transport.reliable import load_authorized, load_key
+    from .transport.reliable import master_key
 
     if args.mode != "tp" or args.model_config:
         raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "
@@ -729,9 +713,8 @@ def _plan_measured(args) -> int:
         else:
             endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
             if args.insecure:
-                check_insecure(endpoints, False, "would talk plaintext to")
-            key = None if args.insecure else load_key(args.key).with_agents(
-                load_authorized(args.authorized_agents) if args.authorized_agents else None)
+                check_insecure(endpoints, args.insecure_lan, "would talk plaintext to")
+            key = None if args.insecure else master_key(args.key, args.authorized_agents)
         plan, planning = measured_plan(weights, layout, settings, endpoints, key, args.insecure,
                                        select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
                                        same_machine=bool(args.local_agents))

@@ -255,6 +255,21 @@ def load_key(path: str | os.PathLike) -> ClusterKey:
     return ClusterKey(public, secret, device)
 
 
+def master_key(path: str | os.PathLike, authorized_agents: str | os.PathLike | None = None) -> ClusterKey:
+    """A master's key pair, with the agents it trusts where a file names them (needed with a device key)."""
+    return load_key(path).with_agents(load_authorized(authorized_agents) if authorized_agents else None)
+
+
+def daemon_keys(path: str | os.PathLike, authorized_masters: str | os.PathLike | None = None):
+    """A daemon's key pair and the masters it admits (AuthorizedKeys, or None: the holders of the shared key)."""
+    return load_key(path), load_authorized(authorized_masters) if authorized_masters else None
+
+
+def udp_base_key(key: ClusterKey | None) -> bytes:
+    """The base of every session's datagram key (wire.session_key): the key's, or 32 zero bytes in plaintext mode."""
+    return key.udp_key if key is not None else bytes(32)
+
+
 # ---- sockets ---------------------------------------------------------------------------------------------
 def server_socket(context, key: ClusterKey | None, insecure: bool = False):
     """The agent's listening socket, a CURVE server with the cluster key. A ROUTER: every message

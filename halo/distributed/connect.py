@@ -165,7 +165,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     that return (survive.py); None: an agent failure ends the generation with its error.
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key)."""
-    from halo.transport.reliable import load_authorized, load_key
+    from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
         check_insecure([a if a.startswith("tcp://") else f"tcp://{a}" for a in agents], insecure_lan,
@@ -188,7 +188,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     elif agents:
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
     if cluster_key is None and not insecure:
-        cluster_key = load_key(key).with_agents(load_authorized(authorized_agents) if authorized_agents else None)
+        cluster_key = master_key(key, authorized_agents)
     sync = sync or SyncSettings()
     plan_file = None if plan is None or plan in PLAN_KEYWORDS else plan
     tp_plan = _load_plan(weights, layout, plan_file, cluster, sync) if plan_file or cluster else None

@@ -149,10 +149,11 @@ class Session:
 
     def _open_udp(self, key, settings: MasterSettings) -> dict:
         from halo.transport import wire
+        from halo.transport.reliable import udp_base_key
         from halo.transport.udp import UdpEndpoint
 
         udp_session, nonce = int.from_bytes(os.urandom(4), "little") or 1, os.urandom(wire.NONCE_BYTES)
-        session_key = wire.session_key(key.udp_key if key else bytes(wire.KEY_BYTES), nonce, udp_session)
+        session_key = wire.session_key(udp_base_key(key), nonce, udp_session)
         self.udp = UdpEndpoint(session_key, udp_session, 0, bind=("0.0.0.0", 0))
         self.udp.segment, self.udp.whole_vectors = settings.sync.udp_gso, settings.sync.whole_vectors
         if settings.sync.inject_plr:

@@ -26,9 +26,9 @@ class Stage:
 
 
 def model_costs(config: ModelConfig, fmt: str) -> ModelProfile:
-    """fmt: a planning format (scheduler/profiles.py planning_format: "native" already resolved to the file's
-    block type, e.g. "Q4_0"); "int8" for anything else compact."""
-    return model_profile(config, fmt if fmt in BYTES_PER_WEIGHT else ("fp32" if fmt == "fp32" else "int8"))
+    """fmt: a planning format (scheduler/profiles.py planning_format: "native" resolved to the file's block type,
+    e.g. "Q4_0"); an unresolved "native" is priced as int8."""
+    return model_profile(config, fmt if fmt in BYTES_PER_WEIGHT else "int8")
 
 
 def plan_stages(devices: list[DeviceProfile], config: ModelConfig, fmt: str, context: int,

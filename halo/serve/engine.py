@@ -270,27 +270,21 @@ class Engine:
         log.info("cluster rebuilt (%d rebuilds so far)", self.totals.rebuilds)
 
     def _ping(self) -> None:
+        """Whether the cluster is there: rebuilt where it is down, else kept if it answers a reset (also after a request
+        failed for a reason of its own) and taken down if it does not, whatever the reset raised."""
         try:
             if self.model is None:
                 self._rebuild()
             else:
                 self.model.reset()
                 self._publish()
-        except HaloError as e:
+        except Exception as e:  # noqa: BLE001 - a cluster that cannot reset is not usable, whatever the cause
             if self.model is not None:
+                log.warning("the cluster did not answer a reset: %s", e)
                 self._down(e)
             else:
                 self.totals.last_error = str(e)
                 self._publish(state="down")
-
-    def _check_after(self, error: Exception) -> None:
-        """After an error that was not the cluster's: keep the cluster if it answers a reset, else take it down."""
-        try:
-            self.model.reset()
-            self._publish()
-        except Exception as e:  # noqa: BLE001 - whatever the reset raised, the cluster is not usable
-            log.warning("after %s the cluster did not answer a reset: %s", type(error).__name__, e)
-            self._down(e)
 
     def _serve(self, job: Job) -> None:
         if not self._can_run(job):
@@ -321,7 +315,7 @@ class Engine:
             job.put("error", ServeError(f"internal error: {type(e).__name__}: {e}", "internal_error"))
             # the request failed, not necessarily the cluster (a sampler's error once tore it down and reloaded every
             # agent): it stays if its devices answer a reset, and goes down only if they do not
-            self._check_after(e)
+            self._ping()
             return
         self._finish(job, run, result, finish)
 
