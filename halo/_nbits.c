@@ -960,15 +960,21 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     Py_buffer views[8];
     int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
     const Py_ssize_t d = qkv.job.blocks * qkv.job.block;
-    if (floats(x_obj, &views[held], "x", d, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
+    if (floats(x_obj, &views[held], "x", -1, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
         || (++held, floats(cos_obj, &views[held], "cos", -1, 0) < 0)
         || (++held, floats(sin_obj, &views[held], "sin", -1, 0) < 0)
         || (++held, floats(k_obj, &views[held], "cache_k", -1, 1) < 0)
         || (++held, floats(v_obj, &views[held], "cache_v", -1, 1) < 0)
-        || (++held, floats(y_obj, &views[held], "y", wo.job.n, 1) < 0)
+        || (++held, floats(y_obj, &views[held], "y", -1, 1) < 0)
         || (++held, contiguous(heads_obj, &views[held], "kv_of_head", -1, "i", 0) < 0))
         return step_done(failed, views, held, &qkv, &wo);
     held++;
+    const Py_ssize_t tokens = views[0].len / 4 / d;  /* x [T, d]: T positions from pos on, y [T, out rows] */
+    if (tokens < 1 || views[0].len != tokens * d * 4 || views[6].len != tokens * wo.job.n * 4) {
+        PyErr_Format(PyExc_ValueError, "attention_step: x must be [T, %zd] and y [T, %zd] float32 (T >= 1 positions)",
+                     d, wo.job.n);
+        return step_done(failed, views, held, &qkv, &wo);
+    }
     const Py_buffer *cos = &views[2], *sin = &views[3], *ck = &views[4], *cv = &views[5];
     const Py_ssize_t kv = ck->ndim == 3 ? ck->shape[1] : 0, hd = ck->ndim == 3 ? ck->shape[2] : 0;
     const int32_t *kv_of_head = views[7].buf;
@@ -990,30 +996,44 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                      (heads + 2 * kv) * hd, heads * hd);
         return step_done(failed, views, held, &qkv, &wo);
     }
-    if (pos < 0 || pos >= ck->shape[0] || pos >= cos->shape[0]) {
-        PyErr_Format(PyExc_ValueError, "position %zd is beyond the context length %zd", pos,
-                     ck->shape[0] < cos->shape[0] ? ck->shape[0] : cos->shape[0]);
+    if (pos < 0 || pos + tokens > ck->shape[0] || pos + tokens > cos->shape[0]) {
+        const Py_ssize_t context = ck->shape[0] < cos->shape[0] ? ck->shape[0] : cos->shape[0];
+        if (tokens == 1)
+            PyErr_Format(PyExc_ValueError, "position %zd is beyond the context length %zd", pos, context);
+        else
+            PyErr_Format(PyExc_ValueError, "positions %zd..%zd are beyond the context length %zd", pos,
+                         pos + tokens - 1, context);
         return step_done(failed, views, held, &qkv, &wo);
     }
     Py_BEGIN_ALLOW_THREADS
     const int path = best_path();
     const Py_ssize_t width = (heads + 2 * kv) * hd;
-    float *scratch = malloc((size_t)(d + width + heads * hd + ATTEND_HEADS_MAX * (pos + 1)) * sizeof(float));
+    float *scratch = malloc((size_t)(tokens * (d + width + heads * hd) + ATTEND_HEADS_MAX * (pos + tokens))
+                            * sizeof(float));
     if (!scratch)
         failed = 1;
     else {
-        float *h = scratch, *q = h + d, *attended = q + width, *scores = attended + heads * hd;
+        /* T positions as T single steps would run them (the same bits: a projection's rows are computed token by
+         * token alike whatever T), with each weight read once: every position's keys and values are written
+         * first, and position t attends to the cache up to pos + t only */
+        float *h = scratch, *q = h + tokens * d, *attended = q + tokens * width, *scores = attended + tokens * heads * hd;
         float *cache_k = ck->buf, *cache_v = cv->buf;
-        rms_norm(views[0].buf, views[1].buf, d, eps, h);
-        failed = project(&qkv, h, 1, q, threads, path, NULL);
-        if (!failed) {
-            float *k = q + heads * hd, *v = k + kv * hd;
-            const float *c = (const float *)cos->buf + pos * (hd / 2), *s = (const float *)sin->buf + pos * (hd / 2);
-            rotate(q, heads, hd, c, s);
+        for (Py_ssize_t t = 0; t < tokens; t++)
+            rms_norm((const float *)views[0].buf + t * d, views[1].buf, d, eps, h + t * d);
+        failed = project(&qkv, h, tokens, q, threads, path, NULL);
+        for (Py_ssize_t t = 0; t < tokens && !failed; t++) {
+            float *qt = q + t * width, *k = qt + heads * hd, *v = k + kv * hd;
+            const Py_ssize_t at = pos + t;
+            const float *c = (const float *)cos->buf + at * (hd / 2), *s = (const float *)sin->buf + at * (hd / 2);
+            rotate(qt, heads, hd, c, s);
             rotate(k, kv, hd, c, s);
-            memcpy(cache_k + pos * kv * hd, k, (size_t)(kv * hd) * sizeof(float));
-            memcpy(cache_v + pos * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
-            const float scale = 1.0f / sqrtf((float)hd);
+            memcpy(cache_k + at * kv * hd, k, (size_t)(kv * hd) * sizeof(float));
+            memcpy(cache_v + at * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
+        }
+        const float scale = 1.0f / sqrtf((float)hd);
+        for (Py_ssize_t t = 0; t < tokens && !failed; t++) {
+            const float *qt = q + t * width;
+            float *at_out = attended + t * heads * hd;
             for (Py_ssize_t j = 0; j < kv; j++) {  /* the query heads of each KV head, up to ATTEND_HEADS_MAX a call */
                 const float *qs[ATTEND_HEADS_MAX];
                 float *outs[ATTEND_HEADS_MAX];
@@ -1021,17 +1041,19 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                 for (Py_ssize_t i = 0; i < heads; i++) {
                     if (kv_of_head[i] != j)
                         continue;
-                    qs[n] = q + i * hd, outs[n] = attended + i * hd;
+                    qs[n] = qt + i * hd, outs[n] = at_out + i * hd;
                     if (++n == ATTEND_HEADS_MAX) {
-                        attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores, outs);
+                        attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + t + 1, kv * hd, hd, scale, scores,
+                                     outs);
                         n = 0;
                     }
                 }
                 if (n)
-                    attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + 1, kv * hd, hd, scale, scores, outs);
+                    attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + t + 1, kv * hd, hd, scale, scores,
+                                 outs);
             }
-            failed = project(&wo, attended, 1, views[6].buf, threads, path, NULL);
         }
+        failed = failed || project(&wo, attended, tokens, views[6].buf, threads, path, NULL);
         free(scratch);
     }
     Py_END_ALLOW_THREADS
@@ -1110,13 +1132,23 @@ static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
     int held = 0, failed = 0;
     const int normed = norm_obj != Py_None;
     if (floats(x_obj, &views[held], "x", -1, 0) < 0 || (++held, floats(y_obj, &views[held], "y", -1, 1) < 0)
-        || (++held, normed && floats(norm_obj, &views[held], "norm", views[0].len / 4, 0) < 0)) {
+        || (++held, normed && floats(norm_obj, &views[held], "norm", views[0].ndim == 2 ? views[0].shape[1]
+                                                                                    : views[0].len / 4, 0) < 0)) {
         for (int i = 0; i < held; i++)
             PyBuffer_Release(&views[i]);
         return NULL;
     }
     held += normed;
-    const Py_ssize_t d = views[0].len / 4, d_out = views[1].len / 4;
+    /* x [T, d] and y [T, d_out] (1-D: one position) */
+    const Py_ssize_t d = views[0].ndim == 2 ? views[0].shape[1] : views[0].len / 4;
+    const Py_ssize_t tokens = views[0].ndim == 2 ? views[0].shape[0] : 1;
+    const Py_ssize_t d_out = views[1].ndim == 2 ? views[1].shape[1] : views[1].len / 4;
+    if (tokens < 1 || d < 1 || views[1].len != tokens * d_out * 4) {
+        PyErr_Format(PyExc_ValueError, "mlp_step: x [T, %zd] and y [T, D] must hold T >= 1 positions alike", d);
+        for (int i = 0; i < held; i++)
+            PyBuffer_Release(&views[i]);
+        return NULL;
+    }
     Weight *w;
     Py_ssize_t count, widest;
     if (mlp_groups_open(groups_obj, d, d_out, &w, &count, &widest) < 0) {
@@ -1126,24 +1158,29 @@ static PyObject *py_mlp_step(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     Py_BEGIN_ALLOW_THREADS
     const int path = best_path();
-    float *scratch = malloc((size_t)(d + 3 * widest + d_out) * sizeof(float));
+    float *scratch = malloc((size_t)(tokens * (d + 3 * widest + d_out)) * sizeof(float));
     if (!scratch)
         failed = 1;
     else {
-        float *h = scratch, *gu = h + d, *act = gu + 2 * widest, *part = act + widest, *y = views[1].buf;
-        if (normed)
-            rms_norm(views[0].buf, views[2].buf, d, eps, h);
-        else
-            memcpy(h, views[0].buf, (size_t)d * sizeof(float));
-        for (Py_ssize_t i = 0; i < d_out; i++)
+        /* T positions with each weight read once, each position's bits those of a step of its own */
+        float *h = scratch, *gu = h + tokens * d, *act = gu + tokens * 2 * widest, *part = act + tokens * widest;
+        float *y = views[1].buf;
+        for (Py_ssize_t t = 0; t < tokens; t++) {
+            if (normed)
+                rms_norm((const float *)views[0].buf + t * d, views[2].buf, d, eps, h + t * d);
+            else
+                memcpy(h + t * d, (const float *)views[0].buf + t * d, (size_t)d * sizeof(float));
+        }
+        for (Py_ssize_t i = 0; i < tokens * d_out; i++)
             y[i] = 0.f;
         Codes h_codes = {0};  /* h quantized once for every group's gate/up (the same codes each would make) */
         for (Py_ssize_t g = 0; g < count && !failed; g++) {  /* each group's output added in order, as numpy adds */
             const Py_ssize_t neurons = w[2 * g].job.n / 2;
-            failed = project(&w[2 * g], h, 1, gu, threads, path, &h_codes) < 0;
-            swiglu(gu, neurons, act);
-            failed = failed || project(&w[2 * g + 1], act, 1, part, threads, path, NULL) < 0;
-            for (Py_ssize_t i = 0; i < d_out && !failed; i++)
+            failed = project(&w[2 * g], h, tokens, gu, threads, path, &h_codes) < 0;
+            for (Py_ssize_t t = 0; t < tokens && !failed; t++)
+                swiglu(gu + t * 2 * neurons, neurons, act + t * neurons);
+            failed = failed || project(&w[2 * g + 1], act, tokens, part, threads, path, NULL) < 0;
+            for (Py_ssize_t i = 0; i < tokens * d_out && !failed; i++)
                 y[i] += part[i];
         }
         codes_free(&h_codes);

@@ -79,6 +79,7 @@ def _add_generate(sub) -> None:
                         "(what POST /v1/chat/completions of `halo-master serve` does)")
     g.add_argument("--system", metavar="TEXT", help="a system message before the user's (implies --chat)")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timings) instead of streaming")
+    add_speculation_arguments(g)
     add_cluster_arguments(g)
     add_sync_arguments(g)
     g.set_defaults(func=cmd_generate)
@@ -171,6 +172,7 @@ def _add_serve(sub) -> None:
     http.add_argument("--seed", type=integer(0), default=0, help="seed of --inject-plr's drops (each request carries its own "
                       "sampling seed)")
     http.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_speculation_arguments(sv)
     add_cluster_arguments(sv)
     add_sync_arguments(sv)
     sv.set_defaults(func=cmd_serve)
@@ -226,6 +228,22 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--context", type=integer(1), default=None, metavar="N",
                         help="KV-cache length in tokens (default: the model's, at most 2048)")
     parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8/4-bit kernels (default 1)")
+
+
+def add_speculation_arguments(parser) -> None:
+    """--speculate and --draft (generate, serve): drafted tokens verified in one pass (halo/speculative.py)."""
+    from .speculative import MAX_DRAFTS
+
+    s = parser.add_argument_group("speculative decoding (fewer passes through the cluster per token)")
+    s.add_argument("--speculate", type=integer(0, MAX_DRAFTS), default=None, metavar="K",
+                   help=f"draft up to K tokens (1-{MAX_DRAFTS}) and verify them in one pass: a pass costs one token's sync "
+                        "rounds, so every accepted draft saves a token's rounds. Drafts come from prompt lookup (the "
+                        "last tokens found earlier in the prompt or output: strong when the answer copies its input, "
+                        "e.g. rewriting or summarizing) or from --draft; K adapts to how many are accepted. Greedy "
+                        "output is the same as without it; sampling keeps the model's distribution (default 0: off; "
+                        "4 with --draft)")
+    s.add_argument("--draft", metavar="MODEL", help="a small model on the master that drafts (same tokenizer as "
+                   "--model: a file, directory or fetched name); implies --speculate 4")
 
 
 def add_cluster_arguments(parser) -> None:
@@ -460,6 +478,7 @@ def cmd_generate(args) -> int:
     from .chat import chat_prompt
     from .loader import load_tokenizer, load_weights
     from .sampling import SamplingSettings
+    from .speculative import speculation_from
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     check_model_and_cluster(args)  # every setting, before minutes of loading a large model
@@ -470,9 +489,10 @@ def cmd_generate(args) -> int:
     if args.chat:
         prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
                              + [{"role": "user", "content": args.prompt}])
+    speculation = speculation_from(args.speculate, args.draft, weights.config.vocab_size, args.context, args.threads)
     with ExitStack() as stack:
         model = open_model(args, weights, stack)
-        return _run_generation(args, weights, tokenizer, model, sampling, prompt)
+        return _run_generation(args, weights, tokenizer, model, sampling, prompt, speculation)
 
 
 def _distributed(args) -> bool:
@@ -534,12 +554,14 @@ def cmd_serve(args) -> int:
     return serve(args, open_model)
 
 
-def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> int:
+def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, speculation) -> int:
     from .generate import generate
 
+    settings, drafter = speculation
     echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
     if args.json:
-        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling)
+        result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, speculation=settings,
+                          drafter=drafter)
         out = result.to_json()
         if hasattr(model, "sync_report"):
             out["agents"] = model.report()
@@ -565,13 +587,21 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str) -> i
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show)
+    result = generate(model, tokenizer, prompt, args.max_new_tokens, sampling, on_text=show, speculation=settings,
+                      drafter=drafter)
     if not echoed[0]:
         sys.stdout.write(echo)
     sys.stdout.write("\n")
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
+    if result.speculation:
+        spec = result.speculation.to_json()
+        rate = "-" if spec["acceptance_rate"] is None else f"{100 * spec['acceptance_rate']:.0f} %"
+        err.print(f"[dim]speculation: {spec['accepted']} of {spec['drafted']} drafted tokens accepted ({rate}), "
+                  f"{spec['tokens_per_pass']} tokens a pass"
+                  + (f", {spec['rounds_per_token']:g} sync rounds a token" if "rounds_per_token" in spec else "")
+                  + "[/dim]")
     _print_planning_line(err, getattr(model, "planning", {}))
     if hasattr(model, "sync_report"):
         report = model.sync_report()

@@ -1,7 +1,7 @@
 """The generation loop: prefill the prompt, then decode one token at a time.
 
-Works with any model that has `forward(tokens) -> logits of the last token`, `reset()` and
-`max_seq_len`: the single-process reference or the distributed master.
+Works with any model that has `forward(tokens, start_pos, all_logits) -> logits of the last token (or of each)`,
+`reset()` and `max_seq_len`: the single-process reference or the distributed master.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import numpy as np
 
 from .errors import ConfigError, HaloError
 from .sampling import Sampler, SamplingSettings
+from .speculative import Drafter, SpeculationSettings, SpeculationStats, Speculator
 from .tokenizer import Tokenizer
 
 
 class LanguageModel(Protocol):
     max_seq_len: int
 
-    def forward(self, tokens: list[int] | np.ndarray) -> np.ndarray: ...
+    def forward(self, tokens: list[int] | np.ndarray, start_pos: int | None = None,
+                all_logits: bool = False) -> np.ndarray: ...
 
     def reset(self) -> None: ...
 
@@ -32,7 +34,8 @@ class GenerationResult:
     prompt_ids: list[int]
     stop_reason: str  # "eos", "max_new_tokens" or "context_full"
     prefill_ms: float
-    decode_ms: list[float] = field(default_factory=list)  # per generated token after the first
+    decode_ms: list[float] = field(default_factory=list)  # per token a pass after the prompt yielded: its time / its tokens
+    speculation: SpeculationStats | None = None
 
     @property
     def ms_per_token(self) -> float:
@@ -47,6 +50,7 @@ class GenerationResult:
             "timings": {"prefill_ms": round(self.prefill_ms, 3), "mean_ms_per_output_token": round(self.ms_per_token, 3),
                         "median_ms_per_output_token": round(float(np.median(self.decode_ms)), 3) if self.decode_ms else 0.0,
                         "output_tokens": len(self.token_ids)},
+            **({"speculation": self.speculation.to_json()} if self.speculation else {}),
         }
 
 
@@ -60,11 +64,14 @@ class GenerationCancelled(HaloError):
 
 def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
              sampling: SamplingSettings = SamplingSettings(), on_text: Callable[[str], None] | None = None,
-             stop_at_eos: bool = True, cancelled: Callable[[], bool] | None = None) -> GenerationResult:
+             stop_at_eos: bool = True, cancelled: Callable[[], bool] | None = None,
+             speculation: SpeculationSettings = SpeculationSettings(), drafter: Drafter | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt (BOS is prepended). on_text receives each new
     piece of text as soon as it is decoded. `cancelled` is asked before every forward pass: when it
     returns True the loop stops there (no message goes to the agents for this request any more) and
-    raises GenerationCancelled; the model needs no cleanup, the next generation resets it."""
+    raises GenerationCancelled; the model needs no cleanup, the next generation resets it.
+    speculation: draft up to `max_drafts` tokens a pass (halo/speculative.py) with `drafter` (default: prompt
+    lookup); greedy output is the same as without it, sampled output has the same distribution."""
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     prompt_ids = tokenizer.encode(prompt, bos=True)
@@ -83,30 +90,48 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
             result.text = "".join(pieces)
             raise GenerationCancelled(result)
 
-    check_cancelled()
-    model.reset()
-    t0 = time.perf_counter()
-    logits = model.forward(prompt_ids)
-    result.prefill_ms = (time.perf_counter() - t0) * 1e3
-    for step in range(max_new_tokens):
-        token = sample(logits)
+    def take(token: int) -> bool:
+        """One chosen token, in order; True: generation ends here (EOS, the token budget, a full context)."""
         if stop_at_eos and token in tokenizer.eos_ids:
             result.stop_reason = "eos"
-            break
+            return True
         result.token_ids.append(token)
         piece = emit(token)
         pieces.append(piece)
         if on_text and piece:
             on_text(piece)
-        if step == max_new_tokens - 1:
-            break
+        if len(result.token_ids) == max_new_tokens:
+            return True
         if len(prompt_ids) + len(result.token_ids) >= model.max_seq_len:
             result.stop_reason = "context_full"
+            return True
+        return False
+
+    def next_pass() -> list[int]:
+        """One forward pass after the prompt: the token(s) it yields."""
+        if speculator is None:
+            return [sample(model.forward(result.token_ids[-1:]))]
+        context = prompt_ids + result.token_ids
+        room = min(max_new_tokens - len(result.token_ids) - 1, model.max_seq_len - len(context))
+        return speculator.next_pass(model, context, room)
+
+    check_cancelled()
+    model.reset()
+    speculator = None
+    if speculation.enabled:
+        speculator = Speculator(speculation, drafter, sample, getattr(model, "rounds_per_pass", None))
+        result.speculation = speculator.stats
+    t0 = time.perf_counter()
+    logits = model.forward(prompt_ids)
+    result.prefill_ms = (time.perf_counter() - t0) * 1e3
+    chosen = [sample(logits)] if max_new_tokens else []
+    while chosen:
+        if any(take(token) for token in chosen):
             break
         check_cancelled()
         t = time.perf_counter()
-        logits = model.forward([token])
-        result.decode_ms.append((time.perf_counter() - t) * 1e3)
+        chosen = next_pass()
+        result.decode_ms.extend([(time.perf_counter() - t) * 1e3 / len(chosen)] * len(chosen))
     tail = emit(None)
     if on_text and tail:
         on_text(tail)

@@ -146,6 +146,11 @@ class KernelProjection:
         for kernel in self.kernels:
             kernel.open()
 
+    @property
+    def row_by_row(self) -> bool:
+        """Whether each row of x gets the bits it would get alone (halo's C kernel: activations quantized per row)."""
+        return all(kernel.in_c for kernel in self.kernels)
+
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         x = np.ascontiguousarray(x, dtype=np.float32)
         outputs = [kernel(x) for kernel in self.kernels]

@@ -203,10 +203,11 @@ class AttentionShard:
         return self.step_weights is not None
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary) -> np.ndarray:
-        """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
-        cache written at start_pos, attention, W_o) -> partial output [1, D]; as `forward` of the normed x."""
+        """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
+        cache written at start_pos.., attention, W_o) -> partial output [T, D]; as `forward` of the normed x, each
+        position with the bits of a call of its own."""
         qkv, out = self.step_weights
-        y = np.empty((1, out[1]), np.float32)
+        y = np.empty((len(x), out[1]), np.float32)
         _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, start_pos,
                               self.kv_of_head, y, self.threads)
         return y
@@ -407,9 +408,9 @@ class MlpShard:
         return self.step_weights is not None
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, *unused) -> np.ndarray:
-        """One token's residual stream x [1, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,
-        W_down) -> partial output [1, D]; as `forward` of the normed x."""
-        y = np.empty((1, self.step_weights[1][1]), np.float32)
+        """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,
+        W_down) -> partial output [T, D]; as `forward` of the normed x, each position with the bits of a call of its own."""
+        y = np.empty((len(x), self.step_weights[1][1]), np.float32)
         _nbits.mlp_step(x, norm, eps, [self.step_weights], y, self.threads)
         return y
 
@@ -530,6 +531,12 @@ class LmHeadShard:
     def forward(self, x: np.ndarray) -> np.ndarray:
         """x: [T, D] final-normed hidden state -> logits [T, len(token_ids)] for self.token_ids."""
         return self.proj(x)[0]
+
+    @property
+    def row_by_row(self) -> bool:
+        """Whether each position's logits have the bits they would have alone (halo's C kernel quantizes and sums each
+        row on its own; a BLAS matrix product may not)."""
+        return getattr(self.proj, "row_by_row", False)
 
     @property
     def nbytes(self) -> int:

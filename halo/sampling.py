@@ -37,13 +37,19 @@ class Sampler:
         self.rng = np.random.default_rng(settings.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        probs = self.probabilities(logits)
+        return int(np.argmax(logits)) if probs is None else self.draw(probs)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray | None:
+        """The distribution the next token is drawn from (temperature, top-k, top-p applied), float64; None where the
+        choice is greedy (temperature 0, or so small that the largest logit overflows: its limit)."""
         s = self.settings
         if s.temperature == 0:
-            return int(np.argmax(logits))
+            return None
         with np.errstate(over="ignore"):
             z = logits.astype(np.float64) / s.temperature
-        if not np.isfinite(z.max()):  # a temperature so small the largest logit overflows: its limit, greedy
-            return int(np.argmax(logits))
+        if not np.isfinite(z.max()):
+            return None
         if 0 < s.top_k < len(z):
             kth = np.partition(z, -s.top_k)[-s.top_k]
             z = np.where(z < kth, -np.inf, z)
@@ -57,4 +63,7 @@ class Sampler:
             mask[keep] = True
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
+        return probs
+
+    def draw(self, probs: np.ndarray) -> int:
         return int(self.rng.choice(len(probs), p=probs))

@@ -25,6 +25,8 @@ from .ops import Rotary, rmsnorm
 from .shares import Block, Shares, rank_range
 from .weights import ModelWeights
 
+STEPWISE_TOKENS = 9  # passes this short get a decode step's bits per position: a verification of up to 8 drafts
+
 
 class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
@@ -129,15 +131,22 @@ class DeviceWorker:
 
     def compute(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         """This device's partial output of a block for the residual stream x [T, D] at positions start..:
-        [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head)."""
-        t, cpu = time.perf_counter(), time.thread_time()
+        [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head). A pass of at most STEPWISE_TOKENS (a
+        speculative verification: halo/speculative.py) gives each position the bits of a decode step of its own, so
+        it is decoding the tokens one by one: the C steps take them together (each weight read once), other kernels
+        one at a time. HALO's re-mapped MLP groups (chosen per pass, never exact) run as one pass."""
         kind = block.kind
-        if kind == "attention" and not 0 <= start <= self.context - len(x):  # (numpy would wrap a negative one)
-            raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context 0..{self.context - 1}")
         norm = self.final_norm if kind == "lm_head" else self.norms[kind][block.layer]
         shard = (self.attention[block.layer] if kind == "attention" else None if kind == "lm_head" or self.remapper
                  else self.mlp[block.layer])
-        if len(x) == 1 and shard is not None and shard.fused:  # a decode step: the whole block in one C call
+        stepwise = len(x) <= STEPWISE_TOKENS and not (kind == "mlp" and self.remapper is not None)
+        fused = stepwise and shard is not None and shard.fused
+        if stepwise and len(x) > 1 and not fused and not (kind == "lm_head" and self.lm_head.row_by_row):
+            return np.concatenate([self.compute(block, x[i:i + 1], start + i) for i in range(len(x))])
+        t, cpu = time.perf_counter(), time.thread_time()
+        if kind == "attention" and not 0 <= start <= self.context - len(x):  # (numpy would wrap a negative one)
+            raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context 0..{self.context - 1}")
+        if fused:  # decode steps: the whole block in one C call
             out = shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, start, self.rotary)
         elif kind == "mlp" and shard is None:  # HALO's re-mapped groups: normed where they are computed
             out = self.remapper.mlp_partial(block.layer, x, norm, self.config.norm_eps)
@@ -240,6 +249,11 @@ class PiecedShard:
             where = np.empty(layout.vocab_size, dtype=np.int64)
             where[computed] = np.arange(len(computed))
             self._order = where[self.token_ids]
+
+    @property
+    def row_by_row(self) -> bool:
+        """LM-head pieces: whether each position's logits have the bits they would have alone (LmHeadShard)."""
+        return all(getattr(p, "row_by_row", False) for p in self.pieces)
 
     def forward(self, x: np.ndarray, *args) -> np.ndarray:
         outputs = [p.forward(x, *args) for p in self.pieces]

@@ -163,8 +163,14 @@ def test_a_step_refuses_what_does_not_fit(weights):
         step(kv_of_head=np.array([0, 0, 1, 1], np.int64))
     with pytest.raises(ValueError, match="caches must be"):
         step(cache_v=shard.cache_v[:, :1].copy())
-    with pytest.raises(ValueError, match="y holds 64 values; the shapes given need 128"):
+    with pytest.raises(ValueError, match=r"x must be \[T, 128\] and y \[T, 128\] float32"):
         step(y=y[:, :64].copy())
+    three = np.ones((3, c.dim), np.float32)  # T positions at once: all of them within the context
+    step(x=three, y=np.empty((3, c.dim), np.float32), pos=CONTEXT - 3)
+    with pytest.raises(ValueError, match=f"positions {CONTEXT - 2}..{CONTEXT} are beyond the context length {CONTEXT}"):
+        step(x=three, y=np.empty((3, c.dim), np.float32), pos=CONTEXT - 2)
+    with pytest.raises(ValueError, match=r"x must be \[T, 128\] and y \[T, 128\] float32"):
+        step(x=three)  # y for one position
     with pytest.raises(ValueError, match="cache_k holds values of type 'd'"):
         step(cache_k=shard.cache_k.astype(np.float64))
     with pytest.raises(TypeError, match=r"qkv must be a \(packed, n, bits, block, half, offsets, terms\) tuple"):

@@ -262,3 +262,31 @@ def test_a_requests_own_error_fails_the_request_and_keeps_the_cluster(stories_we
         assert ok[0] == expected and engine.totals.rebuilds == 0 and engine.snapshot["state"] != "down"
     finally:
         engine.close()
+
+
+def test_a_speculating_engine_serves_the_same_text_and_counts_its_drafts(stories_weights, tokenizer):
+    """serve --speculate K: each answer is plain decoding's (greedy), and /metrics counts drafted and accepted tokens
+    and the passes they took."""
+    from halo.serve.metrics import Metrics
+    from halo.speculative import SpeculationSettings
+
+    prompt = "Once upon a time, there was a little girl named Lily. Once upon a time, there was a little"
+    full = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, prompt, 60).text
+    engine = engine_for(stories_weights, tokenizer, speculation=(SpeculationSettings(max_drafts=4), None))
+    try:
+        async def run():
+            return await collect(engine.submit(request(prompt, tokens=60), asyncio.get_running_loop()))
+
+        text, (kind, outcome) = asyncio.run(run())
+        engine._publish()
+        metrics = Metrics(engine).exposition().decode()
+    finally:
+        engine.close()
+    totals = engine.totals
+    assert kind == "done" and text == full and outcome.completion_tokens == 60
+    assert 0 < totals.speculative_accepted_tokens <= totals.speculative_drafted_tokens
+    assert totals.speculative_passes < 59  # fewer passes than tokens after the first
+    for name, value in (("halo_speculative_drafted_tokens_total", totals.speculative_drafted_tokens),
+                        ("halo_speculative_accepted_tokens_total", totals.speculative_accepted_tokens),
+                        ("halo_speculative_passes_total", totals.speculative_passes)):
+        assert f"{name} {float(value)}" in metrics, name

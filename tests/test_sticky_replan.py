@@ -12,7 +12,7 @@ from halo.distributed.survive import InputLog
 from halo.neuron_groups import GroupLayout
 from halo.ops import rmsnorm
 from halo.shares import Block, even_plan, shares_from_plan, spread_lost, take_back
-from halo.worker import DeviceWorker, PiecedShard
+from halo.worker import STEPWISE_TOKENS, DeviceWorker, PiecedShard
 
 KINDS = ("attention", "mlp")
 
@@ -104,15 +104,17 @@ def test_a_fill_writes_the_kv_cache_a_forward_pass_writes(stories_weights, fmt):
     layout = layout_of(stories_weights)
     share = even_shares(stories_weights, layout, 2)[1]
     ran, filled = (DeviceWorker(stories_weights, layout, share, 32, fmt) for _ in range(2))
-    x = np.random.default_rng(1).standard_normal((7, c.dim)).astype(np.float32)
+    # a prompt's pass (longer than a verification pass, whose positions run as decode steps: worker.STEPWISE_TOKENS)
+    n = STEPWISE_TOKENS + 3
+    x = np.random.default_rng(1).standard_normal((n, c.dim)).astype(np.float32)
     for layer in ran.attention:
         ran.compute(Block("attention", layer), x, 0)
         filled.fill(layer, x)
         a, b = ran.attention[layer], filled.attention[layer]
         assert np.array_equal(a.cache_k, b.cache_k) and np.array_equal(a.cache_v, b.cache_v)
-        assert np.abs(b.cache_k[:7]).max() > 0 and not b.cache_k[7:].any()
+        assert np.abs(b.cache_k[:n]).max() > 0 and not b.cache_k[n:].any()
     y = rmsnorm(x, stories_weights.layers[0].attn_norm, c.norm_eps)[:1]  # the next position reads the filled cache
-    np.testing.assert_array_equal(ran.attention[0].forward(y, 7, ran.rotary), filled.attention[0].forward(y, 7, filled.rotary))
+    np.testing.assert_array_equal(ran.attention[0].forward(y, n, ran.rotary), filled.attention[0].forward(y, n, filled.rotary))
 
 
 def test_the_input_log_keeps_what_fits_and_says_when_it_cannot_serve():

@@ -217,6 +217,11 @@ class DistributedModel:
 
     # ---- reports and lifecycle --------------------------------------------------------------------------
     @property
+    def rounds_per_pass(self) -> int:
+        """Sync rounds a forward pass opens, whatever its length (blocks computed here alone open none)."""
+        return sum(1 for block in self.holders if block not in self.alone)
+
+    @property
     def own_compute_ms(self) -> float:
         return self.worker.compute_ms
 

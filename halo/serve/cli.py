@@ -72,6 +72,7 @@ def serve(args, open_model) -> int:
     from rich.console import Console
 
     from ..loader import load_tokenizer, load_weights
+    from ..speculative import speculation_from
 
     err = Console(stderr=True)
     api_key = read_api_key(args)
@@ -81,11 +82,13 @@ def serve(args, open_model) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
+    speculation = speculation_from(args.speculate, args.draft, weights.config.vocab_size, args.context, args.threads)
     name = args.model_name or default_model_name(args.model)
     sock = listen(args.host, args.port)
     err.print(f"[dim]loading {name} ...[/dim]")
     engine = Engine(lambda stack: open_model(args, weights, stack), tokenizer, weights, model_name=name,
-                    sync_mode=args.sync or "exact", max_queue=args.max_queue, request_timeout_s=args.request_timeout).start()
+                    sync_mode=args.sync or "exact", max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                    speculation=speculation).start()
     try:
         app = create_app(engine, api_key, loopback_only=api_key is None and is_loopback(args.host),
                          max_body_bytes=args.max_request_bytes)

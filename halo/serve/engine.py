@@ -30,6 +30,7 @@ from typing import Callable
 from ..errors import ConfigError, HaloError
 from ..generate import GenerationCancelled, generate
 from ..sampling import SamplingSettings
+from ..speculative import SpeculationSettings
 from . import view
 from .protocol import BadRequest, ClusterUnavailable, QueueFull, RequestTimeout, ServeError
 
@@ -126,12 +127,16 @@ class Totals:
     last_tokens_per_s: float = 0.0
     last_ms_per_token: float = 0.0
     last_error: str | None = None
+    speculative_drafted_tokens: int = 0  # --speculate: tokens drafted, those accepted, passes after the prompts
+    speculative_accepted_tokens: int = 0
+    speculative_passes: int = 0
+    last_rounds_per_token: float | None = None  # sync rounds a token in the last generation (None: one process)
 
 
 class Engine:
     def __init__(self, open_model: Callable[[ExitStack], object], tokenizer, weights, *, model_name: str,
                  sync_mode: str = "exact", max_queue: int = 32, request_timeout_s: float = 300.0,
-                 ping_interval_s: float = 5.0,
+                 ping_interval_s: float = 5.0, speculation=(SpeculationSettings(), None),
                  on_generation: Callable[[Outcome, list[float], float | None], None] | None = None):
         if max_queue < 0 or request_timeout_s <= 0 or ping_interval_s <= 0:
             raise ConfigError("--max-queue must be >= 0, --request-timeout and the ping interval > 0")
@@ -139,6 +144,7 @@ class Engine:
         self.model_name, self.sync_mode = model_name, sync_mode
         self.max_queue, self.request_timeout_s, self.ping_interval_s = max_queue, request_timeout_s, ping_interval_s
         self.on_generation = on_generation
+        self.speculation, self.drafter = speculation  # settings, drafter (None: prompt lookup)
         self.model = None
         self.max_seq_len = 0
         self.totals = Totals()
@@ -292,7 +298,8 @@ class Engine:
         run = _Run(self, job)
         try:
             result = generate(self.model, self.tokenizer, job.request.prompt, job.request.max_tokens,
-                              job.request.sampling, on_text=run.on_text, cancelled=run.cancelled)
+                              job.request.sampling, on_text=run.on_text, cancelled=run.cancelled,
+                              speculation=self.speculation, drafter=self.drafter)
             finish = "stop" if result.stop_reason == "eos" else "length"
         except GenerationCancelled as e:
             result = e.result
@@ -360,6 +367,12 @@ class Engine:
         t.requests["completed"] += 1
         t.prompt_tokens += outcome.prompt_tokens
         t.completion_tokens += outcome.completion_tokens
+        t.last_rounds_per_token = getattr(self.model, "rounds_per_pass", None)
+        if result.speculation is not None:
+            t.last_rounds_per_token = result.speculation.to_json().get("rounds_per_token", t.last_rounds_per_token)
+            t.speculative_drafted_tokens += result.speculation.drafted
+            t.speculative_accepted_tokens += result.speculation.accepted
+            t.speculative_passes += result.speculation.passes
         if result.decode_ms:
             t.last_ms_per_token = result.ms_per_token
             t.last_tokens_per_s = 1e3 / result.ms_per_token if result.ms_per_token else 0.0

@@ -58,6 +58,16 @@ class _SnapshotCollector:
         totals = s.get("totals", {})
         yield _gauge("halo_tokens_per_second", "decode speed of the last completed generation",
                      totals.get("tokens_per_s") or 0.0)
+        if totals.get("rounds_per_token") is not None:
+            yield _gauge("halo_sync_rounds_per_token", "sync rounds a token in the last completed generation (fewer "
+                         "with --speculate: a pass verifies several)", totals["rounds_per_token"])
+        for name, what in (("drafted_tokens", "tokens drafted for verification (--speculate)"),
+                           ("accepted_tokens", "drafted tokens the model accepted (acceptance rate: accepted / drafted)"),
+                           ("passes", "forward passes after the prompts with --speculate (tokens a pass: completion "
+                                      "tokens / passes)")):
+            counter = CounterMetricFamily(f"halo_speculative_{name}", what)
+            counter.add_metric([], totals.get(f"speculative_{name}", 0))
+            yield counter
         rebuilds = CounterMetricFamily("halo_cluster_rebuilds", "cluster re-connected (and re-planned) after a failure")
         rebuilds.add_metric([], totals.get("rebuilds", 0))
         yield rebuilds

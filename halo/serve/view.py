@@ -51,7 +51,9 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
         "totals": {"requests": dict(t.requests), "prompt_tokens": t.prompt_tokens,
                    "completion_tokens": t.completion_tokens, "rebuilds": t.rebuilds,
                    "tokens_per_s": _r(t.last_tokens_per_s, 2), "ms_per_token": _r(t.last_ms_per_token, 2),
-                   "last_error": t.last_error},
+                   "last_error": t.last_error, "speculative_drafted_tokens": t.speculative_drafted_tokens,
+                   "speculative_accepted_tokens": t.speculative_accepted_tokens,
+                   "speculative_passes": t.speculative_passes, "rounds_per_token": t.last_rounds_per_token},
         "gaps": list(GAPS),
     }
     if model is None:  # down: keep the last known devices, marked
