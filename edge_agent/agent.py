@@ -142,6 +142,7 @@ class Agent(ControlServer):
                        "rankings_overridden": 0}
         self.predictors_dir = predictors
         self._predictor_set = None
+        self._predictors_bytes = 0  # what loading the predictors made this process grow by (HALO mode)
         self._said_unprepared: set[str] = set()
         self.loading: Loading | None = None  # a hello whose share is being built
         self._wake = os.pipe()  # the loading thread's "done", which wakes the control loop's poll
@@ -271,7 +272,8 @@ class Agent(ControlServer):
         memory = {"budget_bytes": self.memory_budget, "weights_bytes": worker.nbytes if worker else 0,
                   "kv_cache_bytes": sum(s.cache_nbytes for s in worker.attention.values()) if worker else 0,
                   "retained_bytes": self.retired[0].nbytes if self.retired else 0,
-                  "rss_bytes": psutil.Process().memory_info().rss, **_storage_reads()}
+                  "rss_bytes": psutil.Process().memory_info().rss, "predictors_bytes": self._predictors_bytes,
+                  **_storage_reads()}
         if worker is not None and worker.remapper is not None:
             memory.update(worker.remapper.report())  # HALO mode: loading, and the built groups it keeps (group_cache)
         return memory
@@ -470,10 +472,19 @@ class Agent(ControlServer):
         return prepared
 
     def _predictors(self):
+        """The model's predictors, loaded once; what they made this process grow by (their onnxruntime sessions,
+        run once: a session allocates at its first run) is reported as `predictors_bytes` (a memory limit for HALO
+        mode is sized from the share plus this runtime memory)."""
         if self._predictor_set is None:
             from halo.loader import load_predictors
+            from halo.memory import resident_bytes
 
-            self._predictor_set = load_predictors(self.weights, self.predictors_dir)
+            before = resident_bytes()
+            predictors = load_predictors(self.weights, self.predictors_dir)
+            for layer in predictors.layers:
+                predictors.scores(layer, np.zeros(predictors.dim, np.float32))
+            self._predictors_bytes = max(0, resident_bytes() - before)
+            self._predictor_set = predictors
         return self._predictor_set
 
     def _fill(self, message: Message) -> Message:

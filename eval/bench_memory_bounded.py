@@ -6,7 +6,8 @@
 The namespace test bed (rpi/testbed.py, 0 % loss), the master unlimited, every agent in its own cgroup-v1
 memory group (rpi/limits.py) with its own copy of the model file. Per sync mode, first unlimited: each agent's
 share is what its process grew by in exact mode (peak resident set minus its idle size before the hello: weights
-as built, KV cache, buffers). Then every agent limited to its idle size + FACTOR x its share (--limits: share +
+as built, KV cache, buffers). Then every agent limited to its idle size + the mode's own runtime memory (HALO: its
+predictors' onnxruntime sessions, as the agent measured loading them) + FACTOR x its share (--limits: share +
 25 %, share + 10 %), the agent budgeting from what its cgroup leaves (its default budget). HALO mode re-maps
 MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
 keeps what its budget allows (halo/group_cache.py) and builds the rest when the predictors rank them onto it.
@@ -31,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +51,10 @@ def model_and_predictors(name: str) -> tuple[Path, Path]:
 
         path = q4_with_predictors(WORK / "master")
         return path, path.parent / "predictors"
-    from halo.loader import model_path
+    from halo.loader import model_path, predictors_path
 
     path = model_path(name)
-    return path, path.parent / "predictors"
+    return path, predictors_path(path)
 
 
 def agent_copies(model: Path, n: int) -> list[Path]:
@@ -186,32 +188,60 @@ def run(args) -> None:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         unlimited = list(dict.fromkeys(m.removesuffix("+prepared") for m in modes))  # unlimited, all built at start
-        limits = None
+        sizing = None
         for round_ in range(args.rounds):  # every configuration once per round, its ratio taken inside the round
             free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
                               limit="none", factor=None, round=round_) for m in unlimited}
-            if limits is None:  # the limits stay those of the first round's shares
-                base = free.get("exact") or free[unlimited[0]]
-                shares = [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]]
-                limits = {float(f): [int(a["idle_rss_bytes"] + float(f) * s) for a, s in zip(base["agents"], shares)]
-                          for f in args.limits.split(",")}
-            for factor, limit in limits.items():
+            if sizing is None:  # the limits stay those of the first round's shares
+                sizing = Sizing.of(free)
+
+            def limited(m: str, factor: float, **settings) -> None:
+                limit = sizing.limit(m, factor)
+                record(one_run(bed, args, model, predictors, copies, key, m, limit, **settings),
+                       limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=sizing.shares,
+                       runtime_bytes=sizing.runtime_of(m), round=round_)
+
+            for factor in [float(f) for f in args.limits.split(",")]:
                 for m in modes:
-                    record(one_run(bed, args, model, predictors, copies, key, m, limit),
-                           limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares, round=round_)
+                    limited(m, factor)
             if args.read_mbps:
-                factor, limit = next(iter(limits.items()))
+                factor = float(args.limits.split(",")[0])
                 for m in modes:
                     for overlap in ([True, False] if m.startswith("halo") else [True]):
-                        settings = {} if overlap else {"load_overlap": False}
-                        record(one_run(bed, args, model, predictors, copies, key, m, limit, args.read_mbps * 1e6,
-                                       settings), limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=shares,
-                               read_mbps=args.read_mbps, prefetch=overlap, round=round_)
+                        limited(m, factor, read_bps=args.read_mbps * 1e6,
+                                settings={} if overlap else {"load_overlap": False})
+                        rows[-1].update(read_mbps=args.read_mbps, prefetch=overlap)
     lines = render(rows, args, model)
     write_report(args.out, args.name, {"command": command_line("halo.eval.bench_memory_bounded", args.argv),
                                         "model": str(model), "weights": args.weights, "agents": args.agents,
                                         "rows": rows}, lines)
     partial.unlink(missing_ok=True)
+
+
+@dataclass
+class Sizing:
+    """What the limits are sized from, per agent: its idle resident set before the hello, its share (what it grew by
+    in exact mode: weights as built, KV cache, buffers) and, per mode, the runtime's own memory the mode needs
+    beyond the share (HALO: the predictors' onnxruntime sessions, as the agent measured loading them). A limit is
+    idle + runtime + FACTOR x share: "share + 10 %" leaves every mode the same 10 % of its share."""
+
+    idle: list[int]
+    shares: list[int]
+    runtime: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, free: dict[str, dict]) -> "Sizing":
+        base = free.get("exact") or next(iter(free.values()))
+        runtime = {m: [(a or {}).get("predictors_bytes", 0) for a in (row.get("agents_memory") or [{}] * len(base["agents"]))]
+                   for m, row in free.items()}
+        return cls([a["idle_rss_bytes"] for a in base["agents"]],
+                   [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]], runtime)
+
+    def runtime_of(self, mode: str) -> list[int]:
+        return self.runtime.get(mode.removesuffix("+prepared"), [0] * len(self.idle))
+
+    def limit(self, mode: str, factor: float) -> list[int]:
+        return [int(i + r + factor * s) for i, r, s in zip(self.idle, self.runtime_of(mode), self.shares)]
 
 
 def during_decoding(row: dict, field) -> float | None:
@@ -242,7 +272,7 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`", "",
              f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
              "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
-             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + factor x share. Storage \"page cache\": "
+             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + the mode's runtime memory (HALO: the predictors' sessions) + factor x share. Storage \"page cache\": "
              "each agent's model copy and prepared groups read into the host's page cache before the row (storage as "
              "fast as memory; outside the agent's limit); \"N MB/s\": evicted first and read through a blkio "
              "throttle. Per-token columns count "

