@@ -118,7 +118,8 @@ def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", 
     """Write a Llama GGUF as llama.cpp's converter does: `tensors` yields (Hugging Face name, float32 array)
     in llama_tensor_shapes order (a generator keeps memory at one tensor); matrices are stored as `qtype`
     (F32, F16, Q4_0, Q4_1, Q8_0), the embedding as `embedding_qtype` (default: qtype), norms as F32. A
-    byte-level tokenizer (256 byte tokens, <s>, </s>, filler) fills the vocabulary."""
+    byte-level tokenizer (256 byte tokens, <s>, </s>, one merge, filler) fills the vocabulary: llama.cpp loads the
+    file too (llama-bench, its RPC backend: the same blocks side by side)."""
     import gguf
     import gguf.quants
 
@@ -141,12 +142,14 @@ def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", 
     writer.add_vocab_size(vocab)
     specials = ["<s>", "</s>"]
     alphabet = [chr(c) for c in sorted(_byte_alphabet())]
-    tokens = specials + alphabet + [f"<filler_{i}>" for i in range(vocab - len(alphabet) - len(specials))]
+    # one merge ("~ ~" -> "~~"): llama.cpp refuses a BPE vocabulary without merges, and GGUF drops an empty array
+    merged = ["~~"]
+    tokens = specials + alphabet + merged + [f"<filler_{i}>" for i in range(vocab - len(alphabet) - len(specials) - 1)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3] + [1] * (vocab - 2))
-    writer.add_token_merges([])
+    writer.add_token_merges(["~ ~"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(True)

@@ -296,6 +296,13 @@ def test_random_llama_gguf_for_benchmarks(tmp_path, qtype):
     tokenizer = load_tokenizer(weights)
     logits = Transformer(weights, "native").forward(tokenizer.encode("random text"))
     assert logits.shape == (300,) and np.isfinite(logits).all()
+    # llama.cpp refuses a BPE vocabulary without merges ("cannot find tokenizer merges in model file": llama-bench
+    # failed to load these files), and GGUF drops an empty array: one merge is written, and used
+    import gguf
+
+    field = gguf.GGUFReader(str(tmp_path / "random.gguf")).fields["tokenizer.ggml.merges"]
+    assert [bytes(field.parts[i]).decode() for i in field.data] == ["~ ~"]
+    assert len(tokenizer.encode("~~", bos=False)) == 1 and tokenizer.decode(tokenizer.encode("a~~b", bos=False)) == "a~~b"
 
 
 def test_sentencepiece_style_vocabularies_use_the_llama2c_encoder(tmp_path):
