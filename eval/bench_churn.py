@@ -173,7 +173,7 @@ def run_mttf(mttf: float, args) -> dict:
         from .bench_halo_speed import checkpoint
 
         model = checkpoint(SHAPES[args.shape])
-    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=4, prefix="churn") as bed:
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=4, prefix="churn", links=args.profile) as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         Path(tmp).chmod(0o755)
@@ -320,6 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--duration", type=float, default=300.0, metavar="S", help="per MTTF (default 300)")
     parser.add_argument("--sync", default="exact", choices=("exact", "tcp"))
     parser.add_argument("--plr", type=float, default=0.0, help="silent loss on every agent link (default 0)")
+    from .bench_halo_speed import add_profile_argument
+
+    add_profile_argument(parser)
     parser.add_argument("--timeout", type=float, default=1.0, help="the master's --timeout (default 1 s)")
     parser.add_argument("--rejoin-after", type=float, default=5.0)
     parser.add_argument("--replan", default="sticky", help="sticky (sticky re-plans, KV refill), full (full re-plans, "

@@ -173,10 +173,21 @@ UDP_COUNTERS = ("chunks_expected", "chunks_recovered_parity", "chunks_recovered_
                 "nacks_answered", "resends", "observed_plr")
 
 
-def with_testbed(n: int):
+def with_testbed(n: int, profile: str | None = None, prefix: str = "hb"):
+    """The namespace bed with n agents; `profile`: every agent's link emulated (rpi/links.py: ethernet, wifi-good,
+    wifi-busy, wifi-bad), its loss in bursts on top of any --plr."""
     from halo.rpi.testbed import LossyTestbed
 
-    return LossyTestbed(n_agents=n, prefix="hb")
+    return LossyTestbed(n_agents=n, prefix=prefix, links=profile)
+
+
+def add_profile_argument(parser) -> None:
+    """--profile for every benchmark that runs the namespace bed."""
+    from halo.rpi.links import PROFILES
+
+    parser.add_argument("--profile", choices=tuple(PROFILES), default=None,
+                        help="emulate every agent's link (rpi/links.py: one-way delay, jitter, loss in bursts, rate; "
+                             "wifi-busy: 5 +- 3 ms, 5 %% in bursts of ~5, 100 Mbit/s); default: the plain bed")
 
 
 def speed(args) -> None:
@@ -192,7 +203,7 @@ def speed(args) -> None:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         for n in [int(a) for a in args.agents.split(",")]:
-            with with_testbed(n) as bed:
+            with with_testbed(n, args.profile) as bed:
                 cluster = None
                 try:
                     for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
@@ -275,7 +286,7 @@ def render_speed(rows: list[dict], args) -> list[str]:
     lines = [f"# Time per output token under real packet loss ({shape}{args.weights} weights)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
-             f"2 cores, one compute thread each. Mean ms per output token over up to {args.tokens} greedy steps after "
+             f"2 cores, one compute thread each{'' if not args.profile else f'; every agent link emulated as `{args.profile}` (rpi/links.py: delay, jitter, loss in bursts, rate)'}. Mean ms per output token over up to {args.tokens} greedy steps after "
              f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace. "
              + PLAN_TEXT[args.plan] + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
                 "parentheses), and the ratios compare median runs." if args.runs > 1 else ""), ""]
@@ -394,7 +405,7 @@ def ablation(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
-        with with_testbed(n) as bed:
+        with with_testbed(n, args.profile) as bed:
             cluster = Cluster(bed, model, key, n)
             try:
                 bed.set_loss(plr)
@@ -508,6 +519,7 @@ def main(argv=None) -> int:
     parser.add_argument("what", choices=("speed", "straggler", "ablation", "master"))
     parser.add_argument("--agents", default="3,7", help="agents besides the master (default 3,7: 4 and 8 nodes)")
     parser.add_argument("--plr", default="0,0.01,0.02,0.05")
+    add_profile_argument(parser)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--tokens", type=int, default=32)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import (MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
+from .bench_halo_speed import (add_profile_argument, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
                                summarize, with_testbed)
 from .random_checkpoint import TINYLLAMA_1_1B
 from .report import command_line, write_report
@@ -187,7 +187,7 @@ def bench(args) -> None:
         print(json.dumps({k: v for k, v in row.items() if k not in ("generated", "ms_per_token")}), flush=True)
         partial.write_text(json.dumps(rows, indent=1))  # an interrupted run keeps its rows
 
-    with tempfile.TemporaryDirectory() as tmp, with_testbed(args.agents) as bed:
+    with tempfile.TemporaryDirectory() as tmp, with_testbed(args.agents, args.profile) as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         cluster = Cluster(bed, model, key, args.agents)
@@ -331,6 +331,7 @@ def main(argv=None) -> int:
                                                               "master/root (default 3; the peer takes at most as many "
                                                               "nodes as the model has KV heads: 4)")
     parser.add_argument("--plr", default="0,0.02,0.05", help="packet loss rates, comma-separated (default 0,0.02,0.05)")
+    add_profile_argument(parser)
     parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo)")
     parser.add_argument("--plan", default="even-mlp-only", choices=PLANS, help="halo's plan (bench_halo_speed "
                                                                                "--plan; default even-mlp-only)")

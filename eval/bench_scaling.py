@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench_churn import add_model_argument, model_file
+from .bench_halo_speed import add_profile_argument
 from .report import command_line, cpu_model, write_report
 
 CONTEXT = 256
@@ -223,7 +224,7 @@ def bench(args) -> dict:
                                setup="distributed-llama"))
     return {"command": command_line("halo.eval.bench_scaling", args.argv), "model": str(model),
             "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))},
-            "threads_per_node": k, "tokens": args.tokens, "runs": args.runs, "bed": args.bed, "rows": rows}
+            "threads_per_node": k, "tokens": args.tokens, "runs": args.runs, "bed": args.bed, "profile": args.profile, "rows": rows}
 
 
 @contextmanager
@@ -237,7 +238,7 @@ def bed_for(args):
     ok, why = available()
     if not ok:
         raise SystemExit(f"--bed: the namespace test bed cannot run here: {why}")
-    with LossyTestbed(n_agents=max(args.nodes) - 1, prefix="hs") as bed:
+    with LossyTestbed(n_agents=max(args.nodes) - 1, prefix="hs", links=args.profile) as bed:
         yield bed
 
 
@@ -272,7 +273,9 @@ def render(result: dict) -> list[str]:
     lines = [f"# Scaling with a core set per node ({Path(result['model']).name})", "",
              f"Command: `{result['command']}`. Host: {host['cpu']}, {host['cores']} cores. Every node one process "
              f"pinned to {k} core{'s' if k > 1 else ''} of its own, {k} compute thread{'s' if k > 1 else ''}; sync exact "
-             + ("inside the namespace test bed (nftables loss on every link, both ways). " if result["bed"] else
+             + ("inside the namespace test bed (nftables loss on every link, both ways"
+                + (f"; every agent link emulated as `{result['profile']}`, rpi/links.py" if result.get("profile") else "")
+                + "). " if result["bed"] else
                 "over loopback UDP. ")
              + f"Greedy from BOS, mean ms per output token over {result['tokens']} tokens (`halo-master generate "
              f"--json`). Each setup ran {result['runs']} time(s), interleaved. Speedup: over the one node of the same "
@@ -386,6 +389,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bed", action="store_true", help="run the cluster in the namespace test bed (needs root)")
     parser.add_argument("--plr", type=lambda s: [float(p) for p in s.split(",")], default=[0.0],
                         help="with --bed: loss rates on every link, comma-separated (default 0)")
+    add_profile_argument(parser)
     parser.add_argument("--dllama", help="distributed-llama's dllama binary: run it alike in the same runs")
     parser.add_argument("--name", default="scaling")
     parser.add_argument("--out", default="eval/results")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_halo_speed import add_profile_argument
 from .report import command_line, write_report
 from halo.distributed.local import AgentProcess, module_command
 from halo.errors import HaloError
@@ -177,7 +178,7 @@ def testbed(args) -> dict:
     ok, why = available()
     if not ok:
         return {"setting": f"testbed {100 * args.plr:g} % loss", "skipped": why}
-    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=2, prefix="serve") as bed:
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=2, prefix="serve", links=args.profile) as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         os.chmod(tmp, 0o755)
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
     parser.add_argument("--duration", type=float, default=120.0, metavar="S")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--plr", type=float, default=0.02, help="test bed loss on every agent link (default 0.02)")
+    add_profile_argument(parser)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)

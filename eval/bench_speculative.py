@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_halo_speed import Cluster, with_testbed
+from .bench_halo_speed import Cluster, add_profile_argument, with_testbed
 from .report import command_line, cpu_model, write_report
 from halo.distributed.local import module_command
 
@@ -116,7 +116,7 @@ def run(args) -> None:
         key, draft = Path(tmp) / "cluster.key", Path(tmp) / "draft-random-Q8_0.gguf"
         generate_key(key)
         write_random_gguf(draft, DRAFT_SHAPE, "Q8_0")
-        with with_testbed(args.agents) as bed:
+        with with_testbed(args.agents, args.profile) as bed:
             bed.set_loss(args.plr)
             cluster = Cluster(bed, model, key, args.agents)
             try:
@@ -133,7 +133,7 @@ def run(args) -> None:
                 cluster.close()
     summary = summarize(rows, args.variants.split(","))
     data = {"command": command_line("halo.eval.bench_speculative", args.argv), "host": cpu_model(),
-            "model": str(model), "plan": args.plan, "plr": args.plr, "agents": args.agents, "drafts": args.drafts,
+            "model": str(model), "plan": args.plan, "plr": args.plr, "profile": args.profile, "agents": args.agents, "drafts": args.drafts,
             "draft_shape": DRAFT_SHAPE, "wall_s": wall, "dropped_frames": dropped, "summary": summary, "rows": rows}
     write_report(args.out, args.name, data, render(data))
 
@@ -169,7 +169,7 @@ def render(data: dict) -> list[str]:
     lines = [f"# Speculative decoding over master + {data['agents']} agents (SmolLM2-135M-Instruct, exact sync)", "",
              f"Command: `{data['command']}`. Host: {data['host']}, 2 cores shared by the master and the agents, each "
              f"in its own network namespace; {100 * data['plr']:g} % of every agent link's frames dropped both ways "
-             f"(nftables); plan `{data['plan']}`; greedy, up to {data['drafts']} drafted tokens a pass (adapting). "
+             f"(nftables){'' if not data.get('profile') else ', every agent link emulated as ' + data['profile'] + ' (rpi/links.py)'}; plan `{data['plan']}`; greedy, up to {data['drafts']} drafted tokens a pass (adapting). "
              "Per prompt the variants ran one after the other. tokens/s: the set's output tokens over its decode "
              "seconds (prefill excluded). Identical: answers token for token those of plain decoding. The draft model "
              "has random weights (hidden 128, 2 layers, SmolLM2's vocabulary): its drafts are noise, so its row is "
@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="default: the fetched smollm2-135m-instruct")
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--plr", type=float, default=0.02, help="loss on every agent link, both ways (default 0.02)")
+    add_profile_argument(parser)
     parser.add_argument("--plan", default="even-mlp-only", help="the cluster's plan (default even-mlp-only: every agent in every round)")
     parser.add_argument("--drafts", type=int, default=8, help="--speculate K (default 8)")
     parser.add_argument("--variants", default=",".join(VARIANTS))

@@ -2,6 +2,7 @@
 
     with LossyTestbed(n_agents=4) as bed:
         bed.set_loss(0.05)                       # 5 % silent loss on every agent link, both directions
+    LossyTestbed(n_agents=4, links="wifi-busy")  # or radio links: delay, jitter, bursty loss, rate (rpi/links.py)
         bed.set_losses({"agent-1": 0.02})        # or per link (the others lose nothing)
         p = bed.popen("agent-1", ["python", ...])  # run a program inside an agent's namespace
         bed.drop_counters()                      # frames actually dropped, per link
@@ -54,11 +55,20 @@ class LossyTestbed:
     n_agents: int
     prefix: str = "halo"
     rate_mbit: float | dict | None = None  # optional tc tbf cap on agent links, both ways (a dict: per agent)
+    # emulated radio links (rpi/links.py): a profile name or LinkProfile for every agent, or a dict per host (the
+    # master too, where named); delay, jitter, bursty loss and rate, each link in both directions
+    links: object = None
     hosts: dict = field(default_factory=dict)  # name -> (namespace, address, host-side veth)
+    forwarders: dict = field(default_factory=dict)  # host -> links.Forwarder
 
     def __post_init__(self):
         if not 1 <= self.n_agents <= 200:
             raise ValueError("between 1 and 200 agents")
+        from .links import profile
+
+        if self.links is not None and not isinstance(self.links, dict):
+            self.links = {f"agent-{i}": self.links for i in range(1, self.n_agents + 1)}
+        self.links = {host: profile(p) for host, p in (self.links or {}).items()}  # a bad name fails here
         self.bridge = f"{self.prefix}-br"
         self.table = f"{self.prefix}_loss"
         self.hosts["master"] = (f"{self.prefix}-m", f"{SUBNET}.1", f"{self.prefix}-vm")
@@ -85,7 +95,19 @@ class LossyTestbed:
         _run("ip", "link", "set", self.bridge, "up")
         for name, (ns, address, veth) in self.hosts.items():
             _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            if name in self.links:  # eth0 <-> device side | linkemu | wire side <-> veth in the bridge
+                device_side, wire_side = self._link_ends(veth)
+                _run("ip", "link", "add", device_side, "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", wire_side)
+                for end in (device_side, wire_side):
+                    _run("sysctl", "-qw", f"net.ipv6.conf.{end}.disable_ipv6=1", check=False)  # no frames of its own
+                    _run("ip", "link", "set", end, "up")
+                    _run("ip", "link", "set", end, "promisc", "on")
+                    for features in (("tso", "off", "gso", "off", "gro", "off"), ("tx-udp-segmentation", "off"),
+                                     ("tx-gso-list", "off")):
+                        _run("ethtool", "-K", end, *features, check=False)
+            else:
+                _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
             _run("ip", "link", "set", veth, "master", self.bridge)
             _run("ip", "link", "set", veth, "up")
             _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", "eth0")
@@ -93,6 +115,9 @@ class LossyTestbed:
             _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
             for where in ((), ("ip", "netns", "exec", ns)):
                 dev = veth if not where else "eth0"
+                if name in self.links:  # checksums computed by the sender: a frame the link emulator re-sends from a
+                    # raw socket carries what the kernel left in it (an offloaded checksum: garbage, dropped on receipt)
+                    _run(*where, "ethtool", "-K", dev, "tx", "off", check=False)
                 # UDP segmentation too: with it on, a segmented send (udp.py's UDP GSO) crossed the bridge as one
                 # frame and the drop rule lost all of its datagrams or none (measured: never a partial vector at 5 %)
                 for features in (("tso", "off", "gso", "off", "gro", "off"), ("tx-udp-segmentation", "off"),
@@ -107,6 +132,10 @@ class LossyTestbed:
                     _run(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
                          "burst", "1600", "latency", "50ms")
         self._pin_neighbours()
+        from .links import Forwarder
+
+        for i, (name, link) in enumerate(sorted(self.links.items())):
+            self.forwarders[name] = Forwarder(*self._link_ends(self.hosts[name][2]), link, seed=i + 1)
         _run("nft", "add", "table", "bridge", self.table)
         _run("nft", "add", "chain", "bridge", self.table, "forward",
              "{ type filter hook forward priority 0 ; policy accept ; }")
@@ -156,14 +185,28 @@ class LossyTestbed:
             dropped[host] = dropped.get(host, 0) + packets
         return dropped
 
+    @staticmethod
+    def _link_ends(veth: str) -> tuple[str, str]:
+        """An emulated link's two root-namespace interfaces: the device's side and the bridge's side."""
+        return veth + "d", veth + "w"
+
+    def link_counters(self) -> dict[str, dict]:
+        """Each emulated link's forwarder counters (frames received, lost, sent per direction), stopping them:
+        call at the end (teardown does it too)."""
+        return {host: forwarder.stop() for host, forwarder in self.forwarders.items()}
+
     def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
         """Run a program in a host's network namespace. nsenter enters only the network namespace: `ip netns exec`
         also remounts /sys, which hides /sys/fs/cgroup, so a process could not see its own memory or CPU limit."""
         return subprocess.Popen(["nsenter", f"--net=/run/netns/{self.hosts[host][0]}", *argv], **kwargs)
 
     def teardown(self) -> None:
+        for forwarder in self.forwarders.values():
+            forwarder.stop()
+        self.forwarders = {}
         _run("nft", "delete", "table", "bridge", self.table, check=False)
         for _, (ns, _, veth) in self.hosts.items():
-            _run("ip", "link", "del", veth, check=False)
+            for link in (veth, *self._link_ends(veth)):
+                _run("ip", "link", "del", link, check=False)
             _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
