@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import command_line, write_report
+from .report import command_line, host_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 CHAT_PROMPTS = Path(__file__).with_name("chat_prompts.txt")
@@ -171,7 +171,7 @@ def render(data: dict) -> list[str]:
     ref = data["reference"]
     commands = "; ".join(f"`{c}`" for c in data["commands"])
     lines = [f"# Accuracy under injected loss through the runtime: {data['model']}", "",
-             f"Commands (each appends its rows): {commands}.", "",
+             f"Commands (each appends its rows): {commands}. {data.get('host', '')}", "",
              f"Master + N local agents on loopback; every UDP sender drops PLR of its datagrams (seeded, "
              f"`--inject-plr`). Reference: the same weights in one process, perplexity {ref['perplexity']:.3f} over "
              f"{len(ref['nll'])} held-out tokens (teacher-forced, one token per forward), "
@@ -245,6 +245,7 @@ def main(argv=None) -> int:
                for plr in plrs]
     if args.exact_check:
         configs += [(n, "exact", max(plrs)) for n in (int(a) for a in args.agents.split(","))]
+    out.setdefault("host", host_line())  # where the first rows were measured (--append keeps it)
     for n, mode, plr in configs:
         row = run_cluster(model_path, weights, tokenizer, data, args, n, mode, plr)
         if "result" in row:

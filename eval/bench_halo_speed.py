@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import command_line, write_report
+from .report import command_line, host_line, write_report
 from halo.distributed.local import module_command
 from halo.shares import EVEN_PLANS
 
@@ -284,7 +284,7 @@ def render_speed(rows: list[dict], args) -> list[str]:
     modes = args.modes.split(",")
     shape = f"{args.model}, " if args.model else f"TinyLlama-1.1B shape, random weights, {args.layers} layers, "
     lines = [f"# Time per output token under real packet loss ({shape}{args.weights} weights)", "",
-             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. Namespace test bed: nftables drops "
+             f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. {host_line()} Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
              f"2 cores, one compute thread each{'' if not args.profile else f'; every agent link emulated as `{args.profile}` (rpi/links.py: delay, jitter, loss in bursts, rate)'}. Mean ms per output token over up to {args.tokens} greedy steps after "
              f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace. "

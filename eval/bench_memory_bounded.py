@@ -39,7 +39,7 @@ import numpy as np
 
 from .bench_churn import TINYLLAMA_Q4, add_model_argument
 from .bench_halo_speed import run_master, summarize
-from .report import command_line, write_report
+from .report import command_line, host_line, write_report
 
 WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 
@@ -269,7 +269,7 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
         runs.setdefault(configuration(r), []).append(r)
     mb = 1e6
     lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
-             f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`", "",
+             f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`. {host_line()}", "",
              f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
              "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
              "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + the mode's runtime memory (HALO: the predictors' sessions) + factor x share. Storage \"page cache\": "

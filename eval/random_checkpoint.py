@@ -142,14 +142,16 @@ def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", 
     writer.add_vocab_size(vocab)
     specials = ["<s>", "</s>"]
     alphabet = [chr(c) for c in sorted(_byte_alphabet())]
-    # one merge ("~ ~" -> "~~"): llama.cpp refuses a BPE vocabulary without merges, and GGUF drops an empty array
-    merged = ["~~"]
-    tokens = specials + alphabet + merged + [f"<filler_{i}>" for i in range(vocab - len(alphabet) - len(specials) - 1)]
+    # one merge ("~ ~" -> "~~") where the vocabulary has room: llama.cpp refuses a BPE vocabulary without merges,
+    # and GGUF drops an empty array
+    merged = ["~~"] if vocab > len(specials) + len(alphabet) else []
+    tokens = specials + alphabet + merged
+    tokens += [f"<filler_{i}>" for i in range(vocab - len(tokens))]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3] + [1] * (vocab - 2))
-    writer.add_token_merges(["~ ~"])
+    writer.add_token_merges([" ".join(m) for m in merged])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
     writer.add_add_bos_token(True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import sys
@@ -20,6 +21,11 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def host_line() -> str:
+    """'Host: CPU model, N cores.' for a results file: figures differ ~3x between hosts of the same kind."""
+    return f"Host: {cpu_model()}, {os.cpu_count()} cores."
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
