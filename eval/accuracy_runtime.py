@@ -95,8 +95,8 @@ def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def chat_questions(limit: int) -> list[str]:
-    return [q for q in CHAT_PROMPTS.read_text(encoding="utf-8").splitlines() if q.strip()][:limit]
+def chat_questions(limit: int, path: Path = CHAT_PROMPTS) -> list[str]:
+    return [q for q in Path(path).read_text(encoding="utf-8").splitlines() if q.strip()][:limit]
 
 
 def measure(model, tokenizer, data: dict, answer_tokens: int) -> dict:
@@ -213,6 +213,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts for greedy continuations (default: %(default)s)")
     parser.add_argument("--continuation-tokens", type=int, default=16)
     parser.add_argument("--chats", type=int, default=50, help="chat questions (at most 50; 0 for a base model)")
+    parser.add_argument("--chat-prompts", default=str(CHAT_PROMPTS), help="the questions, one a line (default: the "
+                        "project's 50; eval/chat_prompts_heldout.txt: 50 written 2026-11-28 and never tuned on)")
     parser.add_argument("--answer-tokens", type=int, default=16, help="greedy answer length per question (default: %(default)s)")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -229,7 +231,7 @@ def main(argv=None) -> int:
     after = held_out_tokens(tokenizer, args.data, args.ppl_tokens + 100 * args.prompts)[args.ppl_tokens:]
     prompts = [[start_token(tokenizer)] + after[100 * i:100 * i + 23] for i in range(args.prompts)]
     data = {"windows": windows, "prompts": prompts, "continuation_tokens": args.continuation_tokens,
-            "chats": chat_questions(args.chats) if tokenizer.chat_template is not None else [],
+            "chats": chat_questions(args.chats, args.chat_prompts) if tokenizer.chat_template is not None else [],
             "answer_tokens": args.answer_tokens}
     stem = args.name or f"accuracy_runtime_{Path(model_path).name.split('.')[0]}"
     out = previous_run(Path(args.out) / f"{stem}.json", Path(model_path).name, data) if args.append else None
