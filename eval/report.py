@@ -39,3 +39,50 @@ def write_report(out: str | Path, stem: str, data: dict, lines: list[str]) -> No
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+HOSTS = ("AMD EPYC", "Intel Xeon", "H200")  # the hosts results name in their text
+
+
+def index(results: Path) -> list[str]:
+    """eval/results/README.md: every result with the date it was committed (git; 'uncommitted' before), the host
+    its text names and its command, newest first."""
+    import re
+    import subprocess
+
+    rows = []
+    for md in sorted(results.glob("*.md")):
+        if md.name == "README.md":
+            continue
+        text = md.read_text()
+        title = text.split("\n", 1)[0].lstrip("# ").strip()
+        command = re.search(r"`(python -m [^`]+)`", text)
+        host = next((h for h in HOSTS if h in text), "-")
+        dated = subprocess.run(["git", "log", "--format=%cs", "--diff-filter=A", "-1", "--", md.name], cwd=results,
+                               capture_output=True, text=True).stdout.strip() or "uncommitted"
+        rows.append((dated, md.name, title, host, command.group(1) if command else "-"))
+    rows.sort(key=lambda r: (r[0], r[1]), reverse=True)
+    lines = ["# Results", "", "Every result under eval/results/, newest first: the date its file was added (git), the host "
+             "its text names (figures differ ~3x between hosts of one kind) and the command that wrote it. Written by "
+             "`python -m halo.eval.report index`.", "", "| added | file | what | host | command |",
+             "|---|---|---|---|---|"]
+    for dated, name, title, host, command in rows:
+        lines.append(f"| {dated} | [{name}]({name}) | {title.replace('|', '/')} | {host} | "
+                     f"`{command.replace('|', '/')}` |" if command != "-" else
+                     f"| {dated} | [{name}]({name}) | {title.replace('|', '/')} | {host} | - |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["index"]:
+        print("usage: python -m halo.eval.report index [RESULTS_DIR]  (writes RESULTS_DIR/README.md)", file=sys.stderr)
+        return 2
+    results = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parent / "results"
+    (results / "README.md").write_text("\n".join(index(results)) + "\n")
+    print(f"wrote {results / 'README.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
