@@ -23,6 +23,7 @@ EPILOG_GENERATE = """examples:
   halo-master fetch smollm2-135m-instruct                        once: download and verify a named model
   halo-master generate --model smollm2-135m-instruct --chat --prompt "What is the capital of France?"
   halo-master generate --model ./model.Q4_0.gguf --chat --system "Answer briefly." --prompt "Why is the sky blue?"
+  halo-master generate --model smollm2-135m-instruct --chat --speculate 8 --prompt "Fix the spelling: ..."   drafts
 """
 
 
