@@ -285,7 +285,7 @@ def main(argv=None) -> int:
 
 def fp32_table(result, rows, copy_bw, args, copy_samples) -> list[str]:
     lines = [f"# Single-process decode, one core ({result['model']}, {args.layers} layers)", "",
-             f"Command: `{result['command']}`. STREAM copy (read + write bytes) on one core, measured before and after "
+             f"Command: `{result['command']}`. Host: {result['machine']['cpu']}, {result['machine']['cores']} cores. STREAM copy (read + write bytes) on one core, measured before and after "
              f"each format in the same run, best of {len(copy_samples)}: **{copy_bw / 1e9:.2f} GB/s**. "
              f"Decode: median of {args.tokens} steps after an 8-token prefill.", "",
              "| format | ms/token (median) | weight bytes streamed/token | effective GB/s | % of copy BW | "
@@ -305,7 +305,7 @@ def fp32_table(result, rows, copy_bw, args, copy_samples) -> list[str]:
 def gguf_table(result, rows, copy_bw, file_bytes, read_bytes) -> list[str]:
     mb = 1e6
     lines = [f"# Single-process decode: {result['model']}", "",
-             f"Command: `{result['command']}`. Decode: median of {result['decode_tokens']} greedy steps after an "
+             f"Command: `{result['command']}`. Host: {result['machine']['cpu']}, {result['machine']['cores']} cores. Decode: median of {result['decode_tokens']} greedy steps after an "
              f"8-token prefill, context {result['context']}. STREAM copy on one core, best of "
              f"{len(result['stream_copy_samples_gb_s'])} samples taken between the runs: **{copy_bw / 1e9:.2f} GB/s**"
              + "".join(f"; on {t} cores: {bw:.2f} GB/s" for t, bw in result["stream_copy_gb_s_by_cores"].items() if t > 1)

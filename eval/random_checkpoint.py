@@ -15,6 +15,10 @@ import numpy as np
 TINYLLAMA_1_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
                       rope_theta=10000.0, tie_word_embeddings=False)
+LLAMA_3_1_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    rope_theta=500000.0, tie_word_embeddings=False)
+SHAPES = {"tinyllama-1.1b": TINYLLAMA_1_1B, "llama-3.1-8b": LLAMA_3_1_8B}
 
 
 def llama_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
@@ -174,6 +178,10 @@ def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", 
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, array in tensors:
+        if isinstance(array, RowChunks):  # written a run of rows at a time: memory stays at one run
+            kind = gguf.GGMLQuantizationType[stored(name, array.shape)]
+            writer.write_tensor_data(_Streamed(array, kind))
+            continue
         array = np.asarray(array, dtype=np.float32)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             array = to_llama_cpp_rope(array, heads if "q_proj" in name else kv_heads)
@@ -186,6 +194,51 @@ def write_llama_gguf(path: str | Path, cfg: dict, tensors, qtype: str = "Q4_0", 
     return path
 
 
+class RowChunks:
+    """A random matrix generated a run of rows at a time (a 128k x 4096 LM head is 2.1 GB as float32)."""
+
+    ROWS = 1024
+
+    def __init__(self, shape: tuple[int, ...], rng: np.random.Generator, std: float):
+        self.shape, self.rng, self.std = shape, rng, std
+
+    def __iter__(self):
+        if len(self.shape) == 1:
+            yield np.ones(self.shape, np.float32)
+            return
+        for start in range(0, self.shape[0], self.ROWS):
+            rows = min(self.ROWS, self.shape[0] - start)
+            yield self.rng.standard_normal((rows, *self.shape[1:]), dtype=np.float32) * self.std
+
+
+class _Streamed:
+    """What gguf's writer needs of a tensor (nbytes, tofile) for RowChunks quantized run by run: quantized blocks
+    lie row after row, so runs of rows written in turn are the whole tensor's bytes."""
+
+    def __init__(self, chunks: RowChunks, kind):
+        import gguf
+
+        self.chunks, self.kind = chunks, kind
+        block, type_size = gguf.GGML_QUANT_SIZES[kind]
+        self.nbytes = int(np.prod(chunks.shape)) // block * type_size
+
+    def tofile(self, fout) -> None:
+        import gguf.quants
+
+        for rows in self.chunks:
+            data = rows if self.kind.name == "F32" else rows.astype(np.float16) if self.kind.name == "F16" \
+                else gguf.quants.quantize(rows, self.kind)
+            data.tofile(fout)
+
+
+def streamed_random_tensors(cfg: dict, seed: int = 0, std: float = 0.02):
+    """(name, RowChunks) for every tensor of a random Llama: write_llama_gguf writes them a run of rows at a time.
+    Random rows need no rotary reordering (the file's rows are the weights)."""
+    rng = np.random.default_rng(seed)
+    for name, shape in llama_tensor_shapes(cfg).items():
+        yield name, RowChunks(shape, rng, std)
+
+
 def random_tensors(cfg: dict, seed: int = 0, std: float = 0.02):
     """(name, float32 array) for every tensor of a random Llama in llama_tensor_shapes order."""
     rng = np.random.default_rng(seed)
@@ -194,9 +247,32 @@ def random_tensors(cfg: dict, seed: int = 0, std: float = 0.02):
                      else rng.standard_normal(shape, dtype=np.float32) * std)
 
 
-def write_random_gguf(path: str | Path, cfg: dict, qtype: str = "Q4_0", seed: int = 0) -> Path:
-    """A random Llama-shaped GGUF (e.g. TinyLlama-1.1B in Q4_0) for speed benchmarks of the 4-bit kernels."""
-    return write_llama_gguf(path, cfg, random_tensors(cfg, seed), qtype)
+def write_random_gguf(path: str | Path, cfg: dict, qtype: str = "Q4_0", seed: int = 0, streamed: bool = False) -> Path:
+    """A random Llama-shaped GGUF (e.g. TinyLlama-1.1B in Q4_0) for speed benchmarks of the 4-bit kernels.
+    streamed: generated and written a run of rows at a time (the Llama-3.1-8B shape in < 1 GB of memory)."""
+    tensors = streamed_random_tensors(cfg, seed) if streamed else random_tensors(cfg, seed)
+    return write_llama_gguf(path, cfg, tensors, qtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m halo.eval.random_checkpoint --shape llama-3.1-8b --qtype Q4_0 --out PATH"""
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description="Write a random Llama-shaped GGUF, a run of rows at a time.")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.1-8b")
+    parser.add_argument("--qtype", choices=tuple(GGUF_FILE_TYPES), default="Q4_0")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    cfg = dict(SHAPES[args.shape])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    t = time.perf_counter()
+    path = write_random_gguf(args.out, cfg, args.qtype, streamed=True)
+    print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f} s")
+    return 0
+
 
 
 def _byte_alphabet() -> set[int]:
@@ -208,3 +284,7 @@ def _byte_alphabet() -> set[int]:
             codes.add(256 + extra)
             extra += 1
     return codes
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -337,3 +337,27 @@ def test_sentencepiece_style_vocabularies_use_the_llama2c_encoder(tmp_path):
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in texts:
         assert ours.encode(text) == theirs(text).input_ids, text
+
+
+def test_a_large_random_gguf_is_written_a_run_of_rows_at_a_time(tmp_path, monkeypatch):
+    """The Llama-3.1-8B shape's LM head is 2.1 GB as float32: streamed, each matrix is generated and quantized a run of
+    rows at a time, and the rows' blocks land where a whole-matrix write puts them."""
+    from halo.eval import random_checkpoint as rc
+
+    monkeypatch.setattr(rc.RowChunks, "ROWS", 7)  # runs that do not divide the rows
+    cfg = dict(rc.LLAMA_3_1_8B, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=300)
+    streamed = load_weights(rc.write_random_gguf(tmp_path / "streamed.gguf", cfg, "Q4_0", seed=3, streamed=True))
+    assert streamed.config.rope_theta == 500000.0 and streamed.config.n_kv_heads == 1
+    head = streamed.lm_head.dequantize()
+    rng = np.random.default_rng(3)
+    expected = {}
+    for name, shape in rc.llama_tensor_shapes(cfg).items():  # the same draws, in the same order, whole
+        rows = [rng.standard_normal((min(7, shape[0] - a), *shape[1:]), dtype=np.float32) * 0.02
+                for a in range(0, shape[0], 7)] if len(shape) > 1 else [np.ones(shape, np.float32)]
+        expected[name] = np.concatenate(rows) if len(shape) > 1 else rows[0]
+    import gguf.quants
+
+    want = gguf.quants.dequantize(gguf.quants.quantize(expected["lm_head.weight"], gguf.GGMLQuantizationType.Q4_0),
+                                  gguf.GGMLQuantizationType.Q4_0)
+    assert np.array_equal(head, want)
