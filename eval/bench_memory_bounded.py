@@ -132,7 +132,9 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
                     drop_cached(file)
                 else:  # storage as fast as memory: the host's page cache holds it (earlier rows had evicted it)
                     read_into_cache(file)
-            argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, copy, predictors)
+            # (a model without predictors runs exact mode: the agents are not told of a directory that is not there)
+            argv = agent_command(f"tcp://{bed.address(host)}:7070", key, host, 1, copy,
+                                 predictors if predictors.is_dir() else None)
             env = {**os.environ, "HALO_PREPARED_DIR": str(prepared_root(copy) if prepared else WORK / "none")}
             processes.append(AgentProcess(host, argv, popen=lambda a, host=host, device=device, env=env, preexec_fn=None,
                                           **kw: bed.popen(host, a, preexec_fn=_then(preexec_fn, device.join), env=env,
