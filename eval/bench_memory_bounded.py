@@ -192,6 +192,8 @@ def run(args) -> None:
         unlimited = list(dict.fromkeys(m.removesuffix("+prepared") for m in modes))  # unlimited, all built at start
         sizing = None
         for round_ in range(args.rounds):  # every configuration once per round, its ratio taken inside the round
+            alone = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights)
+            record({"mode": SINGLE, **summarize(alone)}, limit="none", factor=None, round=round_)
             free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
                               limit="none", factor=None, round=round_) for m in unlimited}
             if sizing is None:  # the limits stay those of the first round's shares
@@ -246,6 +248,9 @@ class Sizing:
         return [int(i + r + factor * s) for i, r, s in zip(self.idle, self.runtime_of(mode), self.shares)]
 
 
+SINGLE = "single process"  # the model in one process in the master's namespace, unlimited: the run's yardstick
+
+
 def during_decoding(row: dict, field) -> float | None:
     """A cumulative agent counter summed over agents, from the end of the warm-up to the end: per timed token."""
     start, end = row.get("agents_memory_at_timed_start"), row.get("agents_memory")
@@ -266,9 +271,11 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
     run of the same mode in the same round (the machine drifts between rounds); counters from its median round."""
     free = {(r.get("round", 0), r["mode"]): r for r in rows if r["limit"] == "none"}
     free.update({(k, m + "+prepared"): r for (k, m), r in list(free.items())})  # the same unlimited run
+    one = {r.get("round", 0): r["ms_median"] for r in rows if r["mode"] == SINGLE}
     runs: dict[tuple, list[dict]] = {}
     for r in rows:
-        runs.setdefault(configuration(r), []).append(r)
+        if r["mode"] != SINGLE:
+            runs.setdefault(configuration(r), []).append(r)
     mb = 1e6
     lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`. {host_line()}", "",
@@ -282,15 +289,18 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
              f"{args.rounds} round(s): every configuration once per round; ms/token is the median over rounds, the ratio "
              "the median of each round's ratio to that round's unlimited run (all rounds' ratios in brackets); the other "
              "columns are the median round's, but the last: in how many rounds the tokens equal that round's exact, "
-             "unlimited run's (HALO mode gives them within rounding unless it dropped partials).", "",
-             "| mode | limit | storage | ms/token (median) | vs unlimited | cgroup peak / limit (MB, max over agents) "
+             "unlimited run's (HALO mode gives them within rounding unless it dropped partials). vs one process: against "
+             "the same round's " + (f"single process (the model alone in the master's namespace, unlimited, one thread: "
+                                    f"{float(np.median(list(one.values()))):.0f} ms/token)" if one else "single process (not run)")
+             + ".", "",
+             "| mode | limit | storage | ms/token (median) | vs unlimited | vs one process | cgroup peak / limit (MB, max over agents) "
              "| OOM kills | agent peak RSS (MB) | groups built per token (in line) | storage MB read per token "
-             "| major faults per token | partials dropped | tokens = exact unlimited (rounds) |", "|" + "---|" * 13]
+             "| major faults per token | partials dropped | tokens = exact unlimited (rounds) |", "|" + "---|" * 14]
     for (mode, limit_name, read_mbps, prefetch), group in runs.items():
         storage = f"{read_mbps:g} MB/s, prefetch {'on' if prefetch else 'off'}" if read_mbps else "page cache"
         done = [r for r in group if "error" not in r]
         if not done:
-            lines.append(f"| {mode} | {limit_name} | {storage} | failed: {group[0]['error']} |" + " |" * 9)
+            lines.append(f"| {mode} | {limit_name} | {storage} | failed: {group[0]['error']} |" + " |" * 10)
             continue
         done.sort(key=lambda r: r["ms_median"])
         r = done[(len(done) - 1) // 2]
@@ -299,6 +309,8 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
                   if (x.get("round", 0), mode) in free]
         ratio = "-" if not ratios else f"{float(np.median(ratios)):.2f}x" + (
             f" ({', '.join(f'{v:.2f}' for v in ratios)})" if len(ratios) > 1 else "")
+        versus = [x["ms_median"] / one[x.get("round", 0)] for x in done if x.get("round", 0) in one]
+        versus_one = f"{float(np.median(versus)):.2f}x" if versus else "-"
         peak = max(a["max_usage_bytes"] for a in agents) / mb
         limit = f"{max(a['limit_bytes'] for a in agents) / mb:.0f}" if agents[0]["limit_bytes"] else "none"
         rss = max(a.get("peak_rss_bytes", 0) for a in agents) / mb
@@ -312,6 +324,7 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
         exact = [free.get((x.get("round", 0), "exact"), {}).get("generated") for x in done]
         same = f"{sum(x['generated'] == e for x, e in zip(done, exact) if e)} of {sum(1 for e in exact if e)}"
         lines.append(f"| {mode} | {limit_name} | {storage} | {float(np.median([x['ms_median'] for x in done])):.0f} | {ratio} "
+                     f"| {versus_one} "
                      f"| {peak:.0f} / {limit} | {max(sum(a['oom_kills'] for a in x['agents']) for x in done)} | {rss:.0f} "
                      f"| {show(built)} ({show(stalls)}) | {show(None if read is None else read / mb)} "
                      f"| {show(faults, '{:.0f}')} | {dropped} | {same} |")
