@@ -138,8 +138,7 @@ class DraftBudget:
         self.k = max(1, max_drafts // 2)
 
     def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
+        """After a pass that verified `drafted` (>= 1) drafts and accepted `accepted` of them."""
         self.k = min(self.max_drafts, self.k + 2) if accepted == drafted else max(1, self.k - 1)
 
 
@@ -166,14 +165,21 @@ class SpeculationStats:
             self.accepted += chosen - 1
             self.per_pass.append(chosen - 1)
 
+    @property
+    def rounds_per_token(self) -> float | None:
+        """Sync rounds a token cost (None: one process, or no pass yet)."""
+        if self.rounds_per_pass is None or not self.tokens:
+            return None
+        return self.passes * self.rounds_per_pass / self.tokens
+
     def to_json(self) -> dict:
         out = {"passes": self.passes, "drafting_passes": self.drafting_passes, "drafted": self.drafted,
                "accepted": self.accepted,
                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
                "tokens_per_pass": round(self.tokens / self.passes, 4) if self.passes else None,
                "draft_ms": round(self.draft_ms, 3)}
-        if self.rounds_per_pass is not None and self.tokens:
-            out["rounds_per_token"] = round(self.passes * self.rounds_per_pass / self.tokens, 3)
+        if self.rounds_per_token is not None:
+            out["rounds_per_token"] = round(self.rounds_per_token, 3)
         return out
 
 

@@ -16,8 +16,10 @@ wired unless it is named), so `wifi-busy` gives 5 +- 3 ms one way and a 10 +- 6 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +91,7 @@ class Forwarder:
     """A running linkemu between two interfaces of the root namespace (a: the device's side, b: the bridge's)."""
 
     def __init__(self, a: str, b: str, link: LinkProfile, seed: int = 0):
-        self.link = link
+        self.link, self.counters = link, None
         self.process = subprocess.Popen([str(linkemu_binary()), a, b, link.spec(), link.spec(), str(seed)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True)
@@ -100,7 +102,10 @@ class Forwarder:
                                f"{self.process.stderr.read().strip()[-400:]}")
 
     def stop(self) -> dict[str, dict[str, int]]:
-        """End it; its counters per direction (to the bridge: a2b, to the device: b2a)."""
+        """End it (once; later calls give the same); its counters per direction (to the bridge: a2b, to the device:
+        b2a)."""
+        if self.counters is not None:
+            return self.counters
         if self.process.poll() is None:
             self.process.terminate()
         try:
@@ -108,21 +113,18 @@ class Forwarder:
         except subprocess.TimeoutExpired:
             self.process.kill()
             _, err = self.process.communicate()
-        counters = {}
+        self.counters = {}
         for line in err.splitlines():
             words = line.split()
             if words and words[0] in ("a2b", "b2a"):
-                counters[words[0]] = {k: int(v) for k, v in zip(words[1::2], words[2::2])}
-        return counters
+                self.counters[words[0]] = {k: int(v) for k, v in zip(words[1::2], words[2::2])}
+        return self.counters
 
 
 def measure(bed, source: str, destination: str, count: int = 20000, interval_us: float = 250.0,
             port: int = 7300) -> dict:
     """One direction of a path between two bed hosts, measured with the bed's own probes (rpi/linkprobe.py):
     one-way delay, its spread, loss and the mean length of loss bursts."""
-    import json
-    import sys
-
     module = [sys.executable, "-P", "-m", "halo.rpi.linkprobe"]
     receiver = bed.popen(destination, [*module, "recv", str(port), str(count), "3"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

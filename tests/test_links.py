@@ -44,6 +44,8 @@ def test_what_the_forwarder_adds_at_zero_delay(bed):
     plain = measure(bed, "master", "agent-3", count=2000, interval_us=1000, port=7304)["delay_ms"]
     assert emulated["p50"] - plain["p50"] < 0.2, (emulated, plain)
     assert bed.drop_counters() == {}  # no nftables loss here: what the links lose is their own
+    forwarded = bed.forwarders["agent-2"].stop()  # the probes did cross the forwarder (the last test on agent-2)
+    assert forwarded["a2b"]["lost"] == 0 and forwarded["b2a"]["sent"] >= 2000, forwarded
 
 
 def test_profiles_are_checked():

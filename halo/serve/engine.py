@@ -369,7 +369,8 @@ class Engine:
         t.completion_tokens += outcome.completion_tokens
         t.last_rounds_per_token = getattr(self.model, "rounds_per_pass", None)
         if result.speculation is not None:
-            t.last_rounds_per_token = result.speculation.to_json().get("rounds_per_token", t.last_rounds_per_token)
+            if result.speculation.rounds_per_token is not None:
+                t.last_rounds_per_token = result.speculation.rounds_per_token
             t.speculative_drafted_tokens += result.speculation.drafted
             t.speculative_accepted_tokens += result.speculation.accepted
             t.speculative_passes += result.speculation.passes
