@@ -52,7 +52,7 @@ class StageWorker(ControlServer):
         super().__init__(model_path, listen, key, insecure, name, masters)
         self.device, self.threads, self.memory_limit = device, threads, memory_bytes
         self.session: StageSession | None = None
-        self._probe: dict | None = None
+        self._probes: dict[str, dict] = {}  # self-benchmark per weight format (once each)
         self.served = {"sessions": 0, "forwards": 0, "compute_ms": 0.0, "refused": 0, "errors": 0}
 
     def tick(self, events: dict) -> None:
@@ -86,7 +86,13 @@ class StageWorker(ControlServer):
             if f.get("model_sha256") != self.model_sha256:
                 return self._refuse(f"model mismatch: the coordinator runs sha256 {str(f.get('model_sha256'))[:12]}..., "
                                     f"this worker holds {self.model_sha256[:12]}... ({self.weights.source})")
-            return Message("probe", self.probe())
+            fmt = f.get("weights", "fp32")
+            if fmt not in FORMATS:
+                return self._refuse(f"unknown weight format {fmt!r}; a stage computes in {', '.join(FORMATS)}")
+            try:
+                return Message("probe", self.probe(fmt))
+            except HaloError as e:
+                return self._refuse(str(e))
         if message.kind == "hello":
             return self._hello(f, peer)
         if self.session is None:
@@ -116,18 +122,20 @@ class StageWorker(ControlServer):
 
         return make_engine(self.weights, start, stop, context, fmt, self.threads, self.device)
 
-    def probe(self) -> dict:
-        """Benchmark of this worker's own layer kernel (once; cached) and its memory."""
-        if self._probe is None:
+    def probe(self, fmt: str = "fp32") -> dict:
+        """Benchmark of this worker's own layer kernel in weight format `fmt` (once per format; cached) and its
+        memory: the plan prices the stage by what its session will really run."""
+        if fmt not in self._probes:
             from halo.pipeline.profile import time_engine
 
             c = self.weights.config
-            engine = self._make_engine(1, 2, 64)
-            per_layer, overhead = time_engine(lambda a, b: self._make_engine(a, b, 64), c.n_layers, c.dim)
-            self._probe = {"engine": engine.engine, "layer_s": per_layer, "overhead_s": overhead,
-                           "memory_bytes": self.memory_limit or _free_memory(engine.engine), "name": self.name}
+            engine = self._make_engine(1, 2, 64, fmt)
+            per_layer, overhead = time_engine(lambda a, b: self._make_engine(a, b, 64, fmt), c.n_layers, c.dim)
+            self._probes[fmt] = {"engine": engine.engine, "layer_s": per_layer, "overhead_s": overhead,
+                                 "memory_bytes": self.memory_limit or _free_memory(engine.engine), "name": self.name,
+                                 "weight_format": engine.weight_format}
             del engine
-        return self._probe
+        return self._probes[fmt]
 
     def _hello(self, f: dict, peer: bytes) -> Message:
         from halo.pipeline.protocol import STAGE_PROTOCOL

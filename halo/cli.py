@@ -506,18 +506,57 @@ def check_model_and_cluster(args) -> None:
     from .models import resolve_model
     from .shares import PLAN_KEYWORDS
 
-    sync_settings(args)
+    settings = sync_settings(args)
     if args.sync is not None and not _distributed(args):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
     if args.local_agents and (args.agents or args.cluster):
         raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
     if args.cluster and args.plan:
         raise ConfigError("give --cluster (plan now) or --plan (a saved plan), not both")
+    pipeline = pipeline_mode(args)
+    if pipeline:
+        check_pipeline_arguments(args)
     model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
     for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", None if args.plan in PLAN_KEYWORDS else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
+    if args.predictors and not (settings.policy.remap and not pipeline):
+        raise ConfigError("--predictors rank MLP groups for --sync halo / halo-tcp in tensor-parallel mode; without "
+                          "those nothing reads them (add --sync halo, or drop --predictors)")
+    if settings.policy.remap and settings.predict and not pipeline:
+        from .loader import model_path, trained_predictors_dir
+
+        trained_predictors_dir(model_path(model), args.predictors)  # HALO mode ranks groups with them
+
+
+def pipeline_mode(args) -> bool:
+    """--mode pipeline, browser workers (they run layer ranges) or a pipeline plan file."""
+    from .distributed.connect import plan_mode
+    from .shares import PLAN_KEYWORDS
+
+    plan_file = args.plan and args.plan not in PLAN_KEYWORDS
+    return args.mode == "pipeline" or bool(args.browser_workers) or bool(plan_file and plan_mode(args.plan) == "pipeline")
+
+
+def check_pipeline_arguments(args) -> None:
+    """--mode pipeline: refuse what only tensor-parallel mode uses, rather than ignore it."""
+    from .shares import PLAN_KEYWORDS
+
+    if not _distributed(args):
+        raise ConfigError("--mode pipeline runs layer ranges on stage workers: add --local-agents N (start them "
+                          "here), --agents HOST:PORT,... (running halo-stage-worker), --cluster, a pipeline --plan or "
+                          "--browser-workers N")
+    if args.sync is not None:
+        raise ConfigError(f"--sync {args.sync} synchronizes tensor-parallel agents' partial sums; pipeline stages pass "
+                          "the residual stream whole over the control connection (drop --sync, or use --mode tp)")
+    if args.plan in PLAN_KEYWORDS:
+        raise ConfigError(f"--plan {args.plan} is a tensor-parallel plan; --mode pipeline plans layer ranges itself "
+                          "(from the workers' measured profiles) or runs a file from `halo-master plan --mode pipeline "
+                          "--out plan.json`")
+    if args.local_agents and args.plan:
+        raise ConfigError("--local-agents N starts its own stage workers with an even split: do not combine it with "
+                          "--plan (a plan names the devices of its cluster file)")
 
 
 def open_model(args, weights, stack):
@@ -543,7 +582,7 @@ def open_model(args, weights, stack):
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")
                    if args.on_agent_loss == "replan" else None,
-                   mode="pipeline" if args.browser_workers else args.mode, pipeline={
+                   mode="pipeline" if pipeline_mode(args) else "tp", pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
                        "tls_cert": args.worker_tls_cert, "tls_key": args.worker_tls_key,
                        "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})

@@ -182,10 +182,17 @@ def load_predictors(weights: ModelWeights, directory: str | os.PathLike | None =
     from .predictors.runtime import PredictorSet
 
     source = Path(weights.source)
+    return PredictorSet(trained_predictors_dir(source, directory), model_fingerprint(source), threads)
+
+
+def trained_predictors_dir(source: Path, directory: str | os.PathLike | None = None) -> Path:
+    """predictors_path, or a ConfigError naming the command that trains them (generate checks it before loading)."""
+    from .errors import ConfigError
+
     path = predictors_path(source, directory)
     if not path.is_dir():
         shipped = ", ".join(p.name for p in sorted(SHIPPED_PREDICTORS.iterdir()) if p.is_dir()) or "none"
         raise ConfigError(f"{path}: no trained predictors for {source.name} (HALO mode ranks groups with them; the "
                           f"package ships them for: {shipped}); train them: halo-train-predictors --model {source} "
                           f"--data TEXT --out {path}")
-    return PredictorSet(path, model_fingerprint(source), threads)
+    return path

@@ -78,8 +78,8 @@ def test_master_refuses_bad_values(argv, expected, capsys):
     (["--agents", "10.0.0.2:7070", "--cluster", "/nonexistent.toml"], "--cluster /nonexistent.toml: no such file"),
     (["--model", "m" * 300], "File name too long"),  # was an OSError traceback
     # the plan keywords are not files (they were refused as "--plan even: no such file")
-    (["--plan", "even", "--predictors", "/nonexistent"], "--predictors /nonexistent: no such directory"),
-    (["--plan", "measured", "--predictors", "/nonexistent"], "--predictors /nonexistent: no such directory"),
+    (["--plan", "even", "--sync", "halo", "--predictors", "/nonexistent"], "--predictors /nonexistent: no such directory"),
+    (["--plan", "measured", "--sync", "halo", "--predictors", "/nonexistent"], "--predictors /nonexistent: no such directory"),
 ])
 def test_generate_checks_combinations_before_loading(argv, expected, capsys, monkeypatch):
     def no_loading(*args, **kwargs):

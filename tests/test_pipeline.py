@@ -56,6 +56,77 @@ def test_the_torch_engine_gives_the_greedy_tokens_of_the_numpy_engine(stories_we
     assert generate(model, load_tokenizer(stories_weights), "", 256).text == known_answer
 
 
+def test_a_gpu_stage_in_fp16_gives_the_known_answer_with_half_the_bytes(stories_weights, known_answer):
+    """--weights native (or int8) on a torch stage: fp16 matrices, as a CUDA worker holds them (here on torch's CPU)."""
+    pytest.importorskip("torch")
+    from halo.pipeline.torch_stage import TorchStageEngine
+
+    links = [LocalStage(stories_weights, "gpu-like", device="torch-cpu"), LocalStage(stories_weights, "cpu")]
+    model = PipelineModel(stories_weights, links, [Stage(0, 0, 4), Stage(1, 4, 7)], CONTEXT, "native")
+    assert model.ready[0]["engine"] == "torch-cpu-fp16"
+    assert generate(model, load_tokenizer(stories_weights), "", 256).text == known_answer
+    fp32 = TorchStageEngine(stories_weights, 1, 5, 64, "cpu", "fp32")
+    fp16 = TorchStageEngine(stories_weights, 1, 5, 64, "cpu", "int8")
+    norms = sum(fp32.weights[l][n].nbytes for l in fp32.layers for n in ("attn_norm", "mlp_norm"))
+    assert fp16.weight_nbytes - norms == (fp32.weight_nbytes - norms) // 2
+
+
+def test_the_graph_ready_decode_step_equals_the_eager_pass(stories_weights):
+    """The static decode step (the whole cache, later positions masked, the position a device tensor: what a CUDA
+    graph captures) against one eager pass over the same positions."""
+    pytest.importorskip("torch")
+    from halo.pipeline.torch_stage import TorchStageEngine
+
+    tokens = np.array([1, 403, 407, 261, 438, 300, 5, 90])
+    stepwise = TorchStageEngine(stories_weights, 0, 7, 64, "cpu", "fp32")
+    steps = np.concatenate([stepwise.forward(tokens[i:i + 1], i, HeadRequest(0))[0] for i in range(len(tokens))])
+    eager = TorchStageEngine(stories_weights, 0, 7, 64, "cpu", "fp32").forward(tokens, 0, HeadRequest(0, True))[0]
+    assert steps.shape == eager.shape == (len(tokens), stories_weights.config.vocab_size)
+    assert np.abs(steps - eager).max() < 1e-4
+    middle = TorchStageEngine(stories_weights, 2, 5, 64, "cpu", "fp32")  # a stage that takes and gives residuals
+    x = np.random.default_rng(0).standard_normal((3, stories_weights.config.dim)).astype(np.float32)
+    rows = np.concatenate([middle.forward(x[i:i + 1], i)[0] for i in range(3)])
+    middle.reset()
+    assert np.abs(rows - middle.forward(x, 0)[0]).max() < 1e-4
+
+
+@pytest.mark.skipif(not __import__("halo.pipeline.torch_stage", fromlist=["x"]).cuda_available(),
+                    reason="no CUDA device here: the graph capture runs only on a GPU (the device tool's machine)")
+def test_the_cuda_graph_replays_the_eager_step(stories_weights):
+    from halo.pipeline.torch_stage import TorchStageEngine
+
+    tokens = np.array([1, 403, 407, 261])
+    graphed, plain = (TorchStageEngine(stories_weights, 0, 7, 64, "cuda", "native", graphs=g) for g in (True, False))
+    for i, t in enumerate(tokens):
+        a, b = (e.forward(np.array([t]), i, HeadRequest(0))[0] for e in (graphed, plain))
+        assert np.abs(a - b).max() < 1e-5
+    assert graphed._graph is not None
+
+
+def test_mixed_plans_price_each_engine_by_the_bytes_it_holds(stories_weights):
+    """A GPU stage in fp16 next to CPU stages on 4-bit blocks: the GPU, far faster, takes every layer it can hold,
+    counted in fp16 (a plan that counted Q4_0 bytes would hand it ~3.5x the layers it has memory for)."""
+    from halo.pipeline.profile import WorkerProfile
+    from halo.pipeline.replan import model_costs
+    from halo.scheduler.pipeline import model_units
+
+    c = stories_weights.config
+    units = model_units(model_costs(c, "Q4_0"), 64).memory
+    gpu_memory = 0.5 * units.sum() * 2.0 / (18 / 32)  # half the model, at fp16's 2 bytes a weight
+    profiles = [WorkerProfile("gpu", "torch-cuda-fp16", gpu_memory, 1e-5, weight_format="fp16"),
+                WorkerProfile("pi", "numpy-cpu", 10 * units.sum(), 1e-3),
+                WorkerProfile("tab", "onnx-webgpu", 10 * units.sum(), 5e-3, weight_format="fp32")]
+    model = model_costs(c, "Q4_0")
+    devices = [p.to_device(model, "Q4_0") for p in profiles]
+    assert devices[0].memory_bytes == pytest.approx(0.5 * units.sum())
+    stages, plan = plan_stages(devices, c, "Q4_0", 64)
+    assert plan.complete
+    gpu_units = sum(s.stop - s.start for s in stages if s.worker == 0)
+    held = units[[u for s in stages if s.worker == 0 for u in range(s.start, s.stop)]].sum()
+    assert held <= 0.5 * units.sum() and gpu_units >= 2
+    assert all(s.worker != 2 for s in stages)  # the slow tab is not needed: the Pi holds the rest faster
+
+
 def test_top_k_is_argmax_first_and_breaks_ties_by_id():
     logits = np.array([0.5, 2.0, 2.0, -1.0, 1.0], dtype=np.float32)
     ids, values = top_k(logits, 3)

@@ -170,7 +170,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
         check_insecure([a if a.startswith("tcp://") else f"tcp://{a}" for a in agents], insecure_lan,
                        "would talk plaintext to")
-    if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and _plan_mode(plan) == "pipeline"):
+    if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and plan_mode(plan) == "pipeline"):
         from halo.pipeline.connect import connect_pipeline
 
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
@@ -298,7 +298,7 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
     return None
 
 
-def _plan_mode(path: str) -> str | None:
+def plan_mode(path: str) -> str | None:
     """A plan file's mode, or None where it cannot be read (plan_io.load then says why)."""
     import json
     from pathlib import Path

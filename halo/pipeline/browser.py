@@ -252,14 +252,15 @@ class BrowserStage:
             raise StageRefused(f"browser worker {self.name} {reply.kind} {what or kind}: {reply.fields.get('reason')}")
         return reply
 
-    def probe(self) -> dict:
+    def probe(self, fmt: str = "fp32") -> dict:
+        """(fmt: a tab computes the fp32 ONNX export, whatever the native workers run.)"""
         c = self.hub.weights.config
         parts = [self.hub.model_part(1, 2)] + ([self.hub.model_part(1, 3)] if c.n_layers >= 2 else [])
         reply = self._call("probe", {"parts": parts, "dim": c.dim, "n_kv_heads": c.n_kv_heads,
                                      "head_dim": c.head_dim}, what="the profile probe", timeout_s=300)
         self.engine = str(reply.fields.get("engine", "?"))
         self.name = f"{self.name}({self.engine})"
-        return dict(reply.fields)
+        return {**reply.fields, "weight_format": "fp32"}  # the ONNX export the tab runs
 
     def link(self) -> tuple[float, float]:
         return measure_link(lambda arrays: self._call("ping", {}, arrays, what="a ping"))

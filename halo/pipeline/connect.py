@@ -89,7 +89,7 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
         raise ConfigError("no stage workers: give --local-agents N, --agents, --cluster, --plan or --browser-workers")
     for link in links:
         stack.callback(link.close)
-    profiles = measure_profiles(links)
+    profiles = measure_profiles(links, fmt)
     if planned_names is not None:
         stages = _stages_from_plan(planned_names, links)
     for i, link in enumerate(links):  # a cluster file's memory budget caps what the worker reported

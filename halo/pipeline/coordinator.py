@@ -94,7 +94,7 @@ class PipelineModel:
         self.pos = 0
         self.step = 0
         self.ready: dict[int, dict] = {}
-        self.profiles = profiles if profiles is not None else measure_profiles(self.workers)
+        self.profiles = profiles if profiles is not None else measure_profiles(self.workers, fmt)
         if len(self.profiles) != len(self.workers):
             raise ConfigError(f"{len(self.profiles)} profiles for {len(self.workers)} workers")
         if stages is None:
@@ -109,7 +109,7 @@ class PipelineModel:
     def devices(self, indices: list[int] | None = None, profiles: list[WorkerProfile] | None = None):
         model = model_costs(self.config, self.cost_fmt)
         indices = range(len(self.workers)) if indices is None else indices
-        return [(profiles or self.profiles)[i].to_device(model) for i in indices]
+        return [(profiles or self.profiles)[i].to_device(model, self.cost_fmt) for i in indices]
 
     def predicted_ms(self) -> float:
         """What the cost model says one decode step of the current plan takes."""
@@ -312,7 +312,7 @@ class PipelineModel:
         for entry, s in zip(self.plan_json(), self.stages):
             st = self.stats.get(s.worker, StageStats())
             stages.append({**entry, "calls": st.calls, "compute_ms": round(st.compute_ms, 3),
-                           "wall_ms": round(st.wall_ms, 3)})
+                           "wall_ms": round(st.wall_ms, 3), "decode_compute_ms": _rounded(st.decode_ms.median())})
         return {"stages": stages, "bytes_sent": self.traffic.sent, "bytes_received": self.traffic.received,
                 "bytes_per_forward": self.traffic.total / steps, "predicted_ms_per_token": round(self.predicted_ms(), 3),
                 "profiles": [p.to_json() for p in self.profiles],
@@ -327,11 +327,16 @@ class PipelineModel:
                 pass
 
 
-def measure_profiles(links) -> list[WorkerProfile]:
-    """Every worker's self-benchmark and memory, and its link as measured from the coordinator."""
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
+
+
+def measure_profiles(links, fmt: str = "fp32") -> list[WorkerProfile]:
+    """Every worker's self-benchmark (of the weight format its stage will compute in) and memory, and its link
+    as measured from the coordinator."""
     out = []
     for link in links:
-        fields = link.probe()
+        fields = link.probe(fmt)
         rtt, bandwidth = link.link()
         out.append(WorkerProfile.from_json(link.name, {**fields, "rtt_s": rtt, "bandwidth_bps": bandwidth}))
     return out

@@ -150,8 +150,8 @@ class NativeStage:
                     raise StageRefused(f"stage worker {self.name} {reply.kind} {what or kind}: {reply.fields.get('reason')}")
                 return reply
 
-    def probe(self) -> dict:
-        reply = self._call("probe", {"model_sha256": self.model_sha256}, what="the profile probe",
+    def probe(self, fmt: str = "fp32") -> dict:
+        reply = self._call("probe", {"model_sha256": self.model_sha256, "weights": fmt}, what="the profile probe",
                            timeout_s=self.hello_timeout_s)
         self.name = f"{reply.fields.get('name', self.endpoint)}@{self.endpoint.split('://')[-1]}"
         return dict(reply.fields)
@@ -196,17 +196,19 @@ class LocalStage:
         self.engine = None
         self.alive = True
 
-    def probe(self) -> dict:
+    def probe(self, fmt: str = "fp32") -> dict:
         from .profile import time_engine
         from .engines import make_engine
 
         c = self.weights.config
-        make = lambda a, b: make_engine(self.weights, a, b, 64, "fp32", self.threads, self.device)  # noqa: E731
+        make = lambda a, b: make_engine(self.weights, a, b, 64, fmt, self.threads, self.device)  # noqa: E731
         per_layer, overhead = time_engine(make, c.n_layers, c.dim)
         import psutil
 
-        return {"engine": "numpy-cpu" if self.device == "cpu" else self.device, "layer_s": per_layer,
-                "overhead_s": overhead, "memory_bytes": float(psutil.virtual_memory().available), "name": self.name}
+        engine = make(1, 2)
+        return {"engine": engine.engine, "layer_s": per_layer, "overhead_s": overhead,
+                "memory_bytes": float(psutil.virtual_memory().available), "name": self.name,
+                "weight_format": engine.weight_format}
 
     def link(self) -> tuple[float, float]:
         return 0.0, 1e12

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from halo.errors import ConfigError
-from halo.scheduler.profiles import DeviceProfile, ModelProfile
+from halo.scheduler.profiles import BYTES_PER_WEIGHT, DeviceProfile, ModelProfile
 
 
 @dataclass
@@ -29,6 +29,7 @@ class WorkerProfile:
     overhead_s: float = 0.0  # fixed cost of a call into the engine
     rtt_s: float = 0.0  # coordinator <-> worker round trip
     bandwidth_bps: float = 1e9
+    weight_format: str | None = None  # what the engine holds weights in (a GPU's fp16, a tab's fp32); None: as planned
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -38,16 +39,24 @@ class WorkerProfile:
         try:
             profile = cls(name, str(raw["engine"]), float(raw["memory_bytes"]), float(raw["layer_s"]),
                           float(raw.get("overhead_s", 0.0)), float(raw.get("rtt_s", 0.0)),
-                          float(raw.get("bandwidth_bps", 1e9)))
+                          float(raw.get("bandwidth_bps", 1e9)), raw.get("weight_format"))
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"worker {name}: malformed profile {raw!r} ({e!r})") from None
+        if profile.weight_format is not None and profile.weight_format not in BYTES_PER_WEIGHT:
+            raise ConfigError(f"worker {name}: unknown weight format {profile.weight_format!r} in its profile")
         if not (profile.memory_bytes > 0 and profile.layer_s > 0 and profile.bandwidth_bps > 0):
             raise ConfigError(f"worker {name}: profile needs positive memory, layer time and bandwidth: {raw!r}")
         return profile
 
-    def to_device(self, model: ModelProfile) -> DeviceProfile:
+    def to_device(self, model: ModelProfile, plan_format: str | None = None) -> DeviceProfile:
+        """The scheduler's view. An engine that holds weights in a wider format than the plan prices (a GPU's fp16
+        where the plan counts Q4_0 blocks) offers proportionally less memory in the plan's terms (KV cache
+        included: conservative), so the planner never gives it more layers than it can hold."""
         layer_flops = sum(b.count * b.flops for b in model.tp_blocks)
-        return DeviceProfile(self.name, self.memory_bytes, layer_flops / self.layer_s, 0.0, self.bandwidth_bps,
+        memory = self.memory_bytes
+        if self.weight_format is not None and plan_format in BYTES_PER_WEIGHT:
+            memory *= min(1.0, BYTES_PER_WEIGHT[plan_format] / BYTES_PER_WEIGHT[self.weight_format])
+        return DeviceProfile(self.name, memory, layer_flops / self.layer_s, 0.0, self.bandwidth_bps,
                              max(0.0, self.overhead_s) + self.rtt_s)
 
 

@@ -81,6 +81,7 @@ class StageEngine:
     worker holding every group of its layers (and of the LM head when it holds the head)."""
 
     engine = "numpy-cpu"
+    weight_format = None  # the plan's own: halo's kernels hold the file's blocks (native) or what --weights says
 
     def __init__(self, weights: ModelWeights, start: int, stop: int, max_seq_len: int, fmt: str = "fp32",
                  threads: int = 1):
