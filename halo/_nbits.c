@@ -30,6 +30,11 @@
 #include <immintrin.h>
 #define HALO_X86 1
 #endif
+#if defined(__aarch64__) && defined(__GNUC__)
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#define HALO_ARM 1
+#endif
 
 /* Rows per tile (one AVX-512 vector of int32 sums). */
 #define TILE_ROWS 16
@@ -69,8 +74,17 @@ static inline float half_bits_to_float(uint16_t h)
 #define CLONES
 #endif
 
+/* The tile kernel's paths, slowest first: plain C, then this architecture's two vector levels (x86: AVX2, AVX-512
+ * VNNI; aarch64: NEON as every Arm v8 core has it, e.g. the Pi 4's Cortex-A72, and NEON with the v8.2 dot product
+ * instructions SDOT, e.g. the Pi 5's Cortex-A76). */
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+#define PATH_NEON PATH_AVX2
+#define PATH_NEON_DOTPROD PATH_AVX512
+#ifdef HALO_ARM
+static const char *PATH_NAMES[] = {"scalar", "neon", "neon_dotprod"};
+#else
 static const char *PATH_NAMES[] = {"scalar", "avx2", "avx512_vnni"};
+#endif
 
 /* One multiplication. Per token and block: `quads` int32 words of 4 activation codes each, lined up with a code
  * word (4-bit: word w's low nibbles meet inputs 8w, 8w+2, 8w+4, 8w+6, its high ones 8w+1, +3, +5, +7: two quads;
@@ -164,6 +178,17 @@ static void tile_scalar(const Job *job, Py_ssize_t i, float *y)
         unit_scalar(job, i, b, y);
 }
 
+/* Calls BLOCKS(WORDS, BITS, TERMS) with the job's block shape as constants (GGUF's blocks of 32: 4 words of 4-bit
+ * codes, 8 of 8-bit) or WORDS = 0 (any width). */
+#define BY_SHAPE(BLOCKS)                                                                                        \
+    do {                                                                                                        \
+        const int bits = job->bits, two = job->terms == 2, words = (int)job->words;                             \
+        if (bits == 4 && words == 4) two ? BLOCKS(4, 4, 2) : BLOCKS(4, 4, 1);                                   \
+        else if (bits == 8 && words == 8) two ? BLOCKS(8, 8, 2) : BLOCKS(8, 8, 1);                              \
+        else if (bits == 4) two ? BLOCKS(0, 4, 2) : BLOCKS(0, 4, 1);                                            \
+        else two ? BLOCKS(0, 8, 2) : BLOCKS(0, 8, 1);                                                           \
+    } while (0)
+
 #ifdef HALO_X86
 /* The lines of the unit job->ahead bytes past u (past the array's end: a hint, never a fault). */
 #define PREFETCH_AHEAD(u)                                                                                       \
@@ -247,16 +272,6 @@ static inline __attribute__((always_inline)) AVX512 void blocks_avx512(const Job
         unit_avx512(job, i, b, y, WORDS, BITS, TERMS);
 }
 
-/* Calls BLOCKS(WORDS, BITS, TERMS) with the job's block shape as constants (GGUF's blocks of 32: 4 words of 4-bit
- * codes, 8 of 8-bit) or WORDS = 0 (any width). */
-#define BY_SHAPE(BLOCKS)                                                                                        \
-    do {                                                                                                        \
-        const int bits = job->bits, two = job->terms == 2, words = (int)job->words;                             \
-        if (bits == 4 && words == 4) two ? BLOCKS(4, 4, 2) : BLOCKS(4, 4, 1);                                   \
-        else if (bits == 8 && words == 8) two ? BLOCKS(8, 8, 2) : BLOCKS(8, 8, 1);                              \
-        else if (bits == 4) two ? BLOCKS(0, 4, 2) : BLOCKS(0, 4, 1);                                            \
-        else two ? BLOCKS(0, 8, 2) : BLOCKS(0, 8, 1);                                                           \
-    } while (0)
 
 #define BLOCKS_AVX512(WORDS, BITS, TERMS) blocks_avx512(job, i, y, WORDS, BITS, TERMS)
 
@@ -334,6 +349,104 @@ AVX2 static void tile_avx2(const Job *job, Py_ssize_t i, float *y)
 }
 #endif
 
+#ifdef HALO_ARM
+/* Block b of tile i on Arm: four quarters of four rows, a NEON register of int32 sums each. A code word's 64 bytes
+ * are the 16 rows' 4 bytes, so a quarter's 16 bytes are its 4 rows' and one DOT4 (below) adds each row's 4 products.
+ * Both instructions are signed x signed: 4-bit codes (0..15) are already int8; 8-bit ones are taken as code - 128
+ * against the activations, the zero point applied early as the AVX2 path does (the same integer sums). Then the
+ * floats as block_term orders them, lane by lane: mul, fma, mul, add, fma. */
+#define ARM_UNIT(NAME, ATTRIBUTES, DOT4)                                                                        \
+    static inline __attribute__((always_inline)) ATTRIBUTES void NAME(const Job *job, Py_ssize_t i, Py_ssize_t b, \
+                                                                      float *y, const int WORDS, const int BITS,  \
+                                                                      const int TERMS)                            \
+    {                                                                                                           \
+        const Py_ssize_t words = WORDS ? WORDS : job->words;                                                    \
+        const uint8_t *unit = unit_of(job, i, b), *values = unit + words * 64;                                  \
+        for (Py_ssize_t at = 0; at < job->unit; at += 64)                                                       \
+            __builtin_prefetch(unit + job->ahead + at);                                                         \
+        for (int quarter = 0; quarter < 4; quarter++) {                                                         \
+            const uint8_t *codes = unit + 16 * quarter, *at = values + 4 * quarter * SCALE_BYTES(job);          \
+            const float32x4_t scale = LOAD4(at);                                                                \
+            const float32x4_t offset = job->has_offsets ? LOAD4(at + TILE_ROWS * SCALE_BYTES(job))              \
+                                                        : vdupq_n_f32(0.f);                                     \
+            for (Py_ssize_t t = 0; t < job->tokens; t++) {                                                      \
+                const int32_t *q = quads_of(job, t, b);                                                         \
+                int32x4_t dot[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};                                            \
+                for (int term = 0; term < TERMS; term++, q += job->quads)                                       \
+                    for (Py_ssize_t w = 0; w < words; w++) {                                                    \
+                        const uint8x16_t c = vld1q_u8(codes + w * 64);                                          \
+                        if (BITS == 8)                                                                          \
+                            dot[term] = DOT4(dot[term], vreinterpretq_s8_u8(veorq_u8(c, vdupq_n_u8(0x80))),     \
+                                             vreinterpretq_s8_s32(vdupq_n_s32(q[w])));                          \
+                        else {                                                                                  \
+                            dot[term] = DOT4(dot[term], vreinterpretq_s8_u8(vandq_u8(c, vdupq_n_u8(15))),       \
+                                             vreinterpretq_s8_s32(vdupq_n_s32(q[2 * w])));                      \
+                            dot[term] = DOT4(dot[term], vreinterpretq_s8_u8(vshrq_n_u8(c, 4)),                  \
+                                             vreinterpretq_s8_s32(vdupq_n_s32(q[2 * w + 1])));                  \
+                        }                                                                                       \
+                    }                                                                                           \
+                const int32_t *z = job->zero_sums + (t * job->blocks + b) * 2;                                  \
+                const float *steps = job->steps + (t * job->blocks + b) * 2;                                    \
+                const int early = BITS == 8; /* 8-bit sums already hold the zero point */                      \
+                float *yt = y + t * TILE_ROWS + 4 * quarter;                                                    \
+                float32x4_t s = vmulq_f32(vdupq_n_f32(steps[0]), vcvtq_f32_s32(                                 \
+                    early ? dot[0] : vsubq_s32(dot[0], vdupq_n_s32(z[0]))));                                    \
+                s = vfmaq_f32(s, vdupq_n_f32(steps[1]),                                                         \
+                              vcvtq_f32_s32(early ? dot[1] : vsubq_s32(dot[1], vdupq_n_s32(z[1]))));            \
+                float32x4_t acc = vaddq_f32(vld1q_f32(yt), vmulq_f32(scale, s));                                \
+                if (job->has_offsets)                                                                           \
+                    acc = vfmaq_f32(acc, offset, vdupq_n_f32(job->x_sums[t * job->blocks + b]));               \
+                vst1q_f32(yt, acc);                                                                             \
+            }                                                                                                   \
+        }                                                                                                       \
+    }
+
+/* 4 scales (or minimums) from `at` as float32. */
+#define LOAD4(at)                                                                                               \
+    (job->is_half ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(at))))                        \
+                  : vld1q_f32((const float *)(at)))
+
+/* Plain NEON (Cortex-A72): 8 products widened to int16 (|code x activation| <= 128 x 127), pairs added into int32,
+ * then pairs of those: each row's 4 products in one lane. */
+static inline int32x4_t dot4_neon(int32x4_t acc, int8x16_t codes, int8x16_t x)
+{
+    const int32x4_t low = vpaddlq_s16(vmull_s8(vget_low_s8(codes), vget_low_s8(x)));
+    const int32x4_t high = vpaddlq_s16(vmull_high_s8(codes, x));
+    return vaddq_s32(acc, vpaddq_s32(low, high));
+}
+ARM_UNIT(unit_neon, , dot4_neon)
+
+/* SDOT (Cortex-A76 and later): 4 rows' 4 products added into their lanes in one instruction. */
+#define DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+ARM_UNIT(unit_dotprod, DOTPROD, vdotq_s32)
+
+static inline __attribute__((always_inline)) void blocks_neon(const Job *job, Py_ssize_t i, float *y, const int WORDS,
+                                                              const int BITS, const int TERMS)
+{
+    for (Py_ssize_t b = 0; b < job->blocks; b++)
+        unit_neon(job, i, b, y, WORDS, BITS, TERMS);
+}
+static inline __attribute__((always_inline)) DOTPROD void blocks_dotprod(const Job *job, Py_ssize_t i, float *y,
+                                                                         const int WORDS, const int BITS,
+                                                                         const int TERMS)
+{
+    for (Py_ssize_t b = 0; b < job->blocks; b++)
+        unit_dotprod(job, i, b, y, WORDS, BITS, TERMS);
+}
+#define BLOCKS_NEON(WORDS, BITS, TERMS) blocks_neon(job, i, y, WORDS, BITS, TERMS)
+#define BLOCKS_DOTPROD(WORDS, BITS, TERMS) blocks_dotprod(job, i, y, WORDS, BITS, TERMS)
+
+static void tile_neon(const Job *job, Py_ssize_t i, float *y)
+{
+    BY_SHAPE(BLOCKS_NEON);
+}
+
+DOTPROD static void tile_dotprod(const Job *job, Py_ssize_t i, float *y)
+{
+    BY_SHAPE(BLOCKS_DOTPROD);
+}
+#endif
+
 /* Tile i's rows of the output on `path`, block after block (a tile at a time: tiles computed side by side, two
  * streams or more, read from memory at a quarter of the speed here). y: tokens x 16 floats of scratch (one token and
  * a whole tile: summed in `out` itself). */
@@ -350,6 +463,13 @@ static void tile_rows(const Job *job, int path, Py_ssize_t i, float *y)
         tile_avx512(job, i, y);
     else if (path == PATH_AVX2)
         tile_avx2(job, i, y);
+    else
+#endif
+#ifdef HALO_ARM
+    if (path == PATH_NEON_DOTPROD)
+        tile_dotprod(job, i, y);
+    else if (path == PATH_NEON)
+        tile_neon(job, i, y);
     else
 #endif
         tile_scalar(job, i, y);
@@ -390,6 +510,14 @@ static int best_path(void)
         return PATH_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         return PATH_AVX2;
+#endif
+#ifdef HALO_ARM
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)
+        return PATH_NEON_DOTPROD;
+    return PATH_NEON;  /* Advanced SIMD is part of every aarch64 core */
 #endif
     return PATH_SCALAR;
 }
@@ -654,8 +782,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kwargs)
     if (path_name) {
         path = path_named(path_name);
         if (path < 0 || path > best) {
-            PyErr_Format(PyExc_ValueError, "path %s: this CPU runs %s%s%s", path_name, PATH_NAMES[0],
-                         best >= 1 ? ", avx2" : "", best >= 2 ? ", avx512_vnni" : "");
+            PyErr_Format(PyExc_ValueError, "path %s: this CPU runs %s%s%s%s%s", path_name, PATH_NAMES[0],
+                         best >= 1 ? ", " : "", best >= 1 ? PATH_NAMES[1] : "", best >= 2 ? ", " : "",
+                         best >= 2 ? PATH_NAMES[2] : "");
             return NULL;
         }
     }
@@ -1228,8 +1357,8 @@ static PyMethodDef methods[] = {
      "matmul(weight, x, out, threads=1, path=None): out[T, n] = x[T, k] @ W.T for a compact weight given as "
      "(packed, n, bits, block, half, offsets, terms): packed [ceil(n / 16), blocks, unit] uint8 (halo.linear.pack: "
      "16-row tiles, each block's codes then scales then offsets, float16 if half), weight = (code - 2^(bits-1)) x "
-     "scale + offset; x quantized per block to `terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' "
-     "(default: the best this CPU runs; same results)."},
+     "scale + offset; x quantized per block to `terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' (x86), "
+     "'neon' or 'neon_dotprod' (aarch64) (default: the best this CPU runs; same results)."},
     {"attention_step", (PyCFunction)(void (*)(void))py_attention_step, METH_VARARGS | METH_KEYWORDS,
      "attention_step(x, norm, eps, qkv, out, cos, sin, cache_k, cache_v, pos, kv_of_head, y, threads=1): one token's "
      "attention share: y[1, D] = W_o (attention of the rotated queries over cache positions 0..pos) for x [1, D] "

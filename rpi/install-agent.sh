@@ -55,8 +55,14 @@ if [ -n "$key" ]; then
 elif [ ! -f /etc/halo/cluster.key ]; then
   echo "no cluster key yet: copy the one from \`halo-master keygen\` to /etc/halo/cluster.key (owner halo, mode 0600)"
 fi
+install -d -o root -g root -m 0755 /etc/systemd/system
 install -o root -g root -m 0644 "$here/halo-agent.service" /etc/systemd/system/halo-agent.service
-systemctl daemon-reload
-systemctl enable --now halo-agent
-systemctl --no-pager status halo-agent | head -5
-echo "logs: journalctl -u halo-agent -f"
+if [ -d /run/systemd/system ]; then
+  systemctl daemon-reload
+  systemctl enable --now halo-agent
+  systemctl --no-pager status halo-agent | head -5
+  echo "logs: journalctl -u halo-agent -f"
+else  # a chroot or container (the arm64 install test): the unit is in place for the next boot
+  echo "systemd is not running here: halo-agent.service is installed, not started; by hand:"
+  echo "  runuser -u halo -- /opt/halo/venv/bin/halo-agent --config /etc/halo/agent.toml"
+fi
