@@ -29,7 +29,10 @@ async def join(url: str, ssl_context=None, payload: bytes | None = None):
             async with session.ws_connect(ws_url, ssl=ssl_context or True) as ws:
                 if payload is None:
                     return "joined"
-                await ws.send_bytes(payload)
+                try:
+                    await ws.send_bytes(payload)
+                except ConnectionError:  # the hub ended the socket while the rest of the message was still going out
+                    return "reset while sending"
                 message = await ws.receive(timeout=10)
                 return f"closed {ws.close_code}" if message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED,
                                                                       aiohttp.WSMsgType.ERROR) else "answered"
@@ -51,7 +54,9 @@ def test_a_message_larger_than_a_stages_activations_ends_the_socket(stories_weig
     with hub_or_skip(stories_weights) as hub:
         c = stories_weights.config
         assert hub.max_message == 4 * 64 * max(c.dim, c.vocab_size) + (1 << 20)  # was 1 GiB
-        assert asyncio.run(join(hub.url, payload=bytes(hub.max_message + 1))) == "closed 1009"
+        # the hub closes with 1009 (message too big) as soon as it reads the frame's length; the rest of the frame, still
+        # being written, may then meet a reset connection instead of the close frame (a race of the OS, not the hub)
+        assert asyncio.run(join(hub.url, payload=bytes(hub.max_message + 1))) in ("closed 1009", "reset while sending")
 
 
 def test_tls_when_asked(stories_weights, tmp_path):
