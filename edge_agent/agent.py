@@ -29,7 +29,8 @@ from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
 from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport
 from halo.transport import wire
-from halo.transport.reliable import PROTOCOL_VERSION, ClusterKey, Message, udp_base_key
+from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
+from halo.transport.reliable import ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, spin_readable
 from halo.worker import DeviceWorker
 
@@ -50,7 +51,7 @@ class Loading:
 
     master: str
     peer: bytes
-    fields: dict
+    hello: Hello
     address: str | None
     sync: SyncSettings
     node_id: int
@@ -98,13 +99,6 @@ def _storage_reads() -> dict:
     except (OSError, ValueError, IndexError):
         return {}
     return {"storage_read_bytes": int(io["read_bytes"]), "major_faults": faults}
-
-
-def _is_nonce(value) -> bool:
-    try:
-        return isinstance(value, str) and len(bytes.fromhex(value)) == wire.NONCE_BYTES
-    except ValueError:
-        return False
 
 
 class Agent(ControlServer):
@@ -281,23 +275,27 @@ class Agent(ControlServer):
     def _hello(self, f: dict, peer: bytes, address: str | None) -> Message:
         def refuse(reason: str) -> Message:
             self.served["refused"] += 1
-            log.warning("refused master %s: %s", f.get("master", "?"), reason)
+            log.warning("refused master %s: %s", str(f.get("master", "?"))[:64], reason)
             return Message("refused", {"reason": reason})
 
-        mismatch = self._mismatch(f)
+        try:
+            hello = Hello.from_fields(f)
+        except ControlError as e:
+            return refuse(f"bad hello: {e}")
+        mismatch = self._mismatch(hello.model_sha256)
         if mismatch:
             return refuse(mismatch)
         if self.loading is not None:
             return refuse(f"busy: loading a share for master {self.loading.master} "
                           f"({100 * self.loading.fraction:.0f} %); say hello again when it is ready")
         try:
-            build, sync, node_id = self._worker_for(f)
+            build, sync = self._worker_for(hello)
         except HaloError as e:
             return refuse(str(e))
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
         self._end_session(retain=True)  # a new master replaces the old session now; its kernels wait for the build
-        loading = Loading(str(f.get("master", "?")), peer, f, address, sync, node_id)
+        loading = Loading(hello.master, peer, hello, address, sync, hello.node_id)
 
         def run() -> None:
             try:
@@ -336,30 +334,22 @@ class Agent(ControlServer):
             return
         worker = loading.worker
         self.retired = None  # what the new worker kept from it is in it; the rest goes
-        self._join_udp(loading.fields, loading.sync, loading.node_id, loading.address)
+        self._join_udp(loading.hello.udp, loading.sync, loading.node_id, loading.address)
         self.session = Session(loading.master, loading.peer, worker,
                                AgentRounds(worker, loading.sync, self.udp, self.served), loading.sync, time.monotonic())
         log.info("session with %s: %d attention and %d MLP layers, %.1f MB, loaded in %.0f ms (%d groups kept from "
                  "the last session)", self.session.master, len(worker.attention), sum(1 for g in worker.share.mlp if g),
                  worker.nbytes / 1e6, 1e3 * (time.perf_counter() - loading.started), worker.reused_groups)
         self.served["sessions"] += 1
-        self.reply(loading.peer, Message("ready", {"name": self.name, "weight_bytes": worker.nbytes,
-                                                   "profile": self.profile, "udp_port": self.udp.address[1],
-                                                   "kept_groups": worker.reused_groups, "fill": True,
-                                                   "loads_ahead": worker.loads_ahead, "takes_rankings": True}))
+        self.reply(loading.peer, Message("ready", Ready(self.name, worker.nbytes, self.profile, self.udp.address[1],
+                                                        worker.reused_groups, worker.loads_ahead).to_fields()))
 
-    def _mismatch(self, f: dict) -> str | None:
-        """Why a master's hello or profile request cannot be served (None: it can)."""
-        if f.get("protocol") != PROTOCOL_VERSION:
-            return f"protocol {f.get('protocol')} but this agent speaks {PROTOCOL_VERSION}: upgrade halo"
-        if "udp_session" in f and f.get("udp_wire", 2) != wire.VERSION:  # masters before version 3 did not say
-            return (f"UDP wire version {f.get('udp_wire', 2)} but this agent speaks {wire.VERSION}: run the same halo "
-                    "version on the master and every agent")
-        if "udp_session" in f and not _is_nonce(f.get("udp_nonce")):
-            return f"udp_nonce: the session's nonce must be {2 * wire.NONCE_BYTES} hex digits"
-        if f.get("model_sha256") != self.model_sha256:
-            return (f"model mismatch: the master runs sha256 {str(f.get('model_sha256'))[:12]}..., this agent "
-                    f"holds {self.model_sha256[:12]}... ({self.weights.source})")
+    def _mismatch(self, model_sha256: str) -> str | None:
+        """Why a master's hello or profile request cannot be served (None: it can; the fields themselves were checked
+        by transport/control.py)."""
+        if model_sha256 != self.model_sha256:
+            return (f"model mismatch: the master runs sha256 {model_sha256[:12]}..., this agent holds "
+                    f"{self.model_sha256[:12]}... ({self.weights.source})")
         return None
 
     def _profile(self, f: dict, peer: bytes, address: str | None = None) -> Message:
@@ -367,39 +357,43 @@ class Agent(ControlServer):
         UDP port at the address of its control connection, nowhere else)."""
         from .profile import measured_profile
 
-        reason = self._mismatch(f)
+        try:
+            request = ProfileRequest.from_fields(f)
+        except ControlError as e:
+            request, reason = None, f"bad profile request: {e}"
+        else:
+            reason = self._mismatch(request.model_sha256)
         if reason is None and self.loading is not None:
             reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
-            if f.get("take_over"):
+            if request.take_over:
                 self._end_session()  # the master that asks will say hello next: the old session is over
             else:
                 reason = f"busy: serving master {self.session.master}; profile it when it is idle"
         try:
-            answer = reason or measured_profile(self, f, address)
+            answer = reason or measured_profile(self, request, address)
         except (KeyError, TypeError, ValueError, HaloError) as e:
             answer = f"bad profile request: {e}"
         if isinstance(answer, str):
             self.served["refused"] += 1
-            log.warning("refused to profile for master %s: %s", f.get("master", "?"), answer)
+            log.warning("refused to profile for master %s: %s", str(f.get("master", "?"))[:64], answer)
             return Message("refused", {"reason": answer})
         return Message("profile", answer)
 
-    def _worker_for(self, f: dict) -> tuple:
+    def _worker_for(self, hello: Hello) -> tuple:
         """What a hello asks for, checked now (raises HaloError / KeyError / ValueError when it cannot be served):
-        build(progress) -> the device worker (run in the loading thread), the sync settings, the node id."""
+        build(progress) -> the device worker (run in the loading thread), and the sync settings."""
         c = self.weights.config
-        layout = GroupLayout.for_model(c, int(f["mlp_group_size"]), int(f["vocab_group_size"]))
-        context, share = int(f["context"]), Shares(f["attention"], f["mlp"], f["lm_head"])
+        layout = GroupLayout.for_model(c, hello.mlp_group_size, hello.vocab_group_size)
+        context, share = hello.context, Shares(**hello.share)
         if len(share.attention) != c.n_layers or len(share.mlp) != c.n_layers or not 0 < context <= c.max_seq_len:
             raise HaloError("the plan does not fit this model (layers or context)")
-        fmt = f.get("weights") or self.format  # the master's choice, so the whole cluster computes alike
+        fmt = hello.weights  # the master's choice, so the whole cluster computes alike
         if fmt not in FORMATS:
             raise HaloError(f"unknown weight format {fmt!r}")
-        sync = SyncSettings.from_json(f.get("sync") or {})
-        node_id = int(f.get("node_id", 0))
-        if sync.policy.uses_udp and not 0 < node_id < 255:
-            raise HaloError(f"node id {node_id} outside 1..254")
+        sync = SyncSettings.from_json(hello.sync)
+        if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
+            raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
         self._check_budget(share, layout, context, fmt)
         predictors = self._predictors() if sync.policy.remap and sync.predict else None
         prepared = self._prepared(fmt, layout) if sync.policy.remap else None
@@ -416,7 +410,7 @@ class Agent(ControlServer):
                 log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)
             return worker
 
-        return build, sync, node_id
+        return build, sync
 
     def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
         """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. (HALO mode
@@ -433,22 +427,18 @@ class Agent(ControlServer):
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
                             "(a plan from its measured memory, or a shorter --context) or more memory")
 
-    def session_key(self, f: dict) -> bytes:
-        """The key of the session a hello or profile request opens (wire.session_key); HaloError if its fields are bad
-        (_mismatch checked the nonce; the session id is checked where it is taken)."""
-        try:
-            return wire.session_key(self.udp_key, bytes.fromhex(f["udp_nonce"]), int(f["udp_session"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise HaloError(f"bad UDP session fields: {e}") from None
+    def session_key(self, udp: UdpSession) -> bytes:
+        """The key of the session a hello or profile request opens (wire.session_key)."""
+        return wire.session_key(self.udp_key, bytes.fromhex(udp.nonce), udp.session)
 
-    def _join_udp(self, f: dict, sync: SyncSettings, node_id: int, address: str | None) -> None:
+    def _join_udp(self, udp: UdpSession | None, sync: SyncSettings, node_id: int, address: str | None) -> None:
         """Our UDP identity in the session, its key, and where the master's endpoint is (from the control plane)."""
-        if "udp_session" not in f:
+        if udp is None:
             return
-        self.udp.join(int(f["udp_session"]), node_id, self.session_key(f))
+        self.udp.join(udp.session, node_id, self.session_key(udp))
         self.udp.segment, self.udp.whole_vectors = sync.udp_gso, sync.whole_vectors
-        if address and f.get("udp_port"):
-            self.udp.peers[MASTER] = (address, int(f["udp_port"]))
+        if address:
+            self.udp.peers[MASTER] = (address, udp.port)
         if sync.inject_plr:
             from halo.transport.loss import LossInjector
 

@@ -38,29 +38,21 @@ def device_profile() -> dict:
             "memory_available_bytes": memory.available, "compute_flops": measure_flops()}
 
 
-def measured_profile(agent, f: dict, address: str | None = None) -> dict | str:
-    """The reply to a `profile` request (fields: weights, mlp_group_size, vocab_group_size, fresh,
-    udp_session, node_id, udp_port), or why it cannot be served. address: the master's, from its control connection:
-    its probes are echoed to (address, udp_port) only."""
+def measured_profile(agent, request, address: str | None = None) -> dict | str:
+    """The reply to a `profile` request (transport/control.py ProfileRequest), or why it cannot be served. address:
+    the master's, from its control connection: its probes are echoed to (address, its UDP port) only."""
     from halo.linear import FORMATS
     from halo.neuron_groups import GroupLayout
     from halo.scheduler.measure import measure_device
 
-    layout = GroupLayout.for_model(agent.weights.config, int(f["mlp_group_size"]), int(f["vocab_group_size"]))
-    fmt = f.get("weights") or agent.format
-    if fmt not in FORMATS:
-        return f"unknown weight format {fmt!r}; this agent computes in {', '.join(FORMATS)}"
-    udp_session, node_id = int(f.get("udp_session", 0)), int(f.get("node_id", 0))
-    if not 0 <= udp_session < 1 << 32:
-        return f"udp_session {udp_session} is not a 32-bit session id"
-    if udp_session and not 0 < node_id < 255:
-        return f"node id {node_id} outside 1..254"
-    measured = measure_device(agent.weights, layout, fmt, agent.threads, agent.name, fresh=bool(f.get("fresh")))
-    if udp_session:  # probes of this master's session are echoed from now on, under our own sender id (each
-        agent.udp.join(udp_session, node_id, agent.session_key(f))  # sender has its own replay window there)
-        port = f.get("udp_port")
-        if address and isinstance(port, int) and 0 < port < 65536:
-            agent.udp.peers[0] = (address, port)  # the master's endpoint: the one address probes are echoed to
+    layout = GroupLayout.for_model(agent.weights.config, request.mlp_group_size, request.vocab_group_size)
+    if request.weights not in FORMATS:
+        return f"unknown weight format {request.weights!r}; this agent computes in {', '.join(FORMATS)}"
+    measured = measure_device(agent.weights, layout, request.weights, agent.threads, agent.name, fresh=request.fresh)
+    if request.udp is not None:  # probes of this master's session are echoed from now on, under our own sender id
+        agent.udp.join(request.udp.session, request.node_id, agent.session_key(request.udp))  # (each sender has its
+        if address:  # own replay window there); the master's endpoint: the one address probes are echoed to
+            agent.udp.peers[0] = (address, request.udp.port)
     return {"name": agent.name, "profile": agent.profile, "measured": measured, "udp_port": agent.udp.address[1]}
 
 

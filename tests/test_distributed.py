@@ -157,11 +157,10 @@ def ask(sock, frames, timeout_ms=3000):
 
 def hello_fields(weights, **overrides):
     from halo.loader import model_fingerprint
-    from halo.transport.reliable import PROTOCOL_VERSION
+    from halo.transport.control import Hello
 
-    fields = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source), "context": 64, "mlp_group_size": 22,
-              "vocab_group_size": 256, "attention": [[0]] * 5, "mlp": [[0]] * 5, "lm_head": [0], "master": "test",
-              "sync": {"mode": "tcp"}}
+    fields = Hello(model_fingerprint(weights.source), 64, 22, 256, "test", "fp32", {"mode": "tcp"}, 0, ((0,),) * 5,
+                   ((0,),) * 5, (0,)).to_fields()
     fields.update(overrides)
     return fields
 
@@ -170,13 +169,18 @@ def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weigh
     with LocalCluster(1) as cluster:
         context, sock = raw_client(cluster)
         try:
-            reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, protocol=99))))
-            assert reply.kind == "refused" and "protocol 99" in reply.fields["reason"]
+            older = encode(Message("hello", hello_fields(stories_weights)))
+            reply = ask(sock, [b"HALO\x01", *older[1:]])  # a master of control protocol 1
+            assert reply.kind == "error" and "protocol version 1 but this halo speaks 2" in reply.fields["reason"]
+            for bad, field in (({"context": "64"}, "context"), ({"attention": [[0], ["x"]]}, "attention[1]"),
+                               ({"node_id": 300}, "node_id"), ({"model_sha256": "xyz"}, "model_sha256")):
+                reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, **bad))))
+                assert reply.kind == "refused" and f"bad hello: {field}" in reply.fields["reason"], reply.fields
             reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, model_sha256="0" * 64))))
             assert reply.kind == "refused" and "model mismatch" in reply.fields["reason"]
             reply = ask(sock, [b"garbage", b"\xff" * 10])
             assert reply.kind == "error" and "malformed" in reply.fields["reason"]
-            reply = ask(sock, [b"HALO\x01", b"x" * (2 << 20)])
+            reply = ask(sock, [b"HALO\x02", b"x" * (2 << 20)])
             assert reply.kind == "error" and "exceeds" in reply.fields["reason"]
             reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0}, [np.zeros((1, 64), np.float32)])))
             assert reply.kind == "error" and "before hello" in reply.fields["reason"]

@@ -15,22 +15,25 @@ from halo.formats.safetensors_file import SafetensorsFile
 from halo.scheduler import plan_io
 from halo.scheduler.profiles import load_cluster
 from halo.tokenizer import HFTokenizer, Llama2cTokenizer, TokenIdError
-from halo.transport.reliable import MessageError, decode
+from halo.transport.reliable import PROTOCOL, PROTOCOL_VERSION, MessageError, decode
 
 
 # ---- control messages (transport/reliable.py decode) ---------------------------------------------------------
+PREAMBLE = PROTOCOL + bytes([PROTOCOL_VERSION])
+
+
 def header(**fields) -> bytes:
     return json.dumps({"kind": "x", "fields": {}, "arrays": [], **fields}).encode()
 
 
 @pytest.mark.parametrize("frames, message", [
-    ([b"HALO\x01", b"[" * 100_000], "nested deeper than 32 levels"),  # was RecursionError
-    ([b"HALO\x01", header(fields={"a": json.loads("[" * 40 + "]" * 40)})], "nested deeper than 32 levels"),
-    ([b"HALO\x01", header(arrays=[[["float32"], [1]]]), b"\0" * 4], "is not allowed"),  # was TypeError: unhashable
-    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [1e400]]]}', b""], "is not allowed"),  # OverflowError
-    ([b"HALO\x01", header(arrays=[["uint8", [1.5]]]), b"\0"], "is not allowed"),  # was silently truncated to 1
-    ([b"HALO\x01", header(arrays=[["uint8", [1] * 40]]), b"\0"], "is not allowed"),  # was ValueError from reshape
-    ([b"HALO\x01", header(arrays=[["uint8", [2**40, 2**40]]]), b""], "is not allowed"),
+    ([PREAMBLE, b"[" * 100_000], "nested deeper than 32 levels"),  # was RecursionError
+    ([PREAMBLE, header(fields={"a": json.loads("[" * 40 + "]" * 40)})], "nested deeper than 32 levels"),
+    ([PREAMBLE, header(arrays=[[["float32"], [1]]]), b"\0" * 4], "is not allowed"),  # was TypeError: unhashable
+    ([PREAMBLE, b'{"kind": "x", "fields": {}, "arrays": [["float32", [1e400]]]}', b""], "is not allowed"),  # OverflowError
+    ([PREAMBLE, header(arrays=[["uint8", [1.5]]]), b"\0"], "is not allowed"),  # was silently truncated to 1
+    ([PREAMBLE, header(arrays=[["uint8", [1] * 40]]), b"\0"], "is not allowed"),  # was ValueError from reshape
+    ([PREAMBLE, header(arrays=[["uint8", [2**40, 2**40]]]), b""], "is not allowed"),
 ])
 def test_control_decode_refuses(frames, message):
     with pytest.raises(MessageError, match=message):

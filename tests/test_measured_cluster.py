@@ -14,7 +14,8 @@ from halo.generate import generate
 from halo.loader import load_tokenizer, model_fingerprint
 from halo.sync import SyncSettings
 from halo.transport import wire
-from halo.transport.reliable import PROTOCOL_VERSION, Message, client_socket, decode, encode
+from halo.transport.control import ProfileRequest, UdpSession
+from halo.transport.reliable import Message, client_socket, decode, encode
 
 CONTEXT = 256
 
@@ -89,17 +90,18 @@ def ask(endpoint, key, kind, fields):
 
 
 def test_profile_requests_are_validated_and_a_busy_agent_is_not_taken_over(stories_weights, cluster):
-    request = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(stories_weights.source),
-               "weights": "fp32", "mlp_group_size": 22, "vocab_group_size": 256, "udp_session": 7, "node_id": 1,
-               "udp_wire": wire.VERSION, "udp_nonce": "ab" * wire.NONCE_BYTES}
+    request = ProfileRequest(model_fingerprint(stories_weights.source), "fp32", 22, 256, "test", False, False, 1,
+                             UdpSession(7, "ab" * wire.NONCE_BYTES, 9)).to_fields()
     reply = ask(cluster.endpoints[0], cluster.key, "profile", request)
     assert reply.kind == "profile" and reply.fields["measured"]["compute_flops"] > 0
     assert isinstance(reply.fields["udp_port"], int)
-    for bad, reason in (({"model_sha256": "0" * 64}, "model mismatch"), ({"protocol": 0}, "upgrade halo"),
+    for bad, reason in (({"model_sha256": "0" * 64}, "model mismatch"),
                         ({"weights": "fp8"}, "unknown weight format"), ({"mlp_group_size": "x"}, "bad profile request"),
-                        ({"udp_session": -1}, "32-bit session"), ({"node_id": 255}, "outside 1..254"),
+                        ({"udp_session": -1}, "udp_session must be an integer within 1..4294967295"),
+                        ({"node_id": 255}, "node_id must be an integer within 1..254"),
                         ({"udp_wire": 2}, f"UDP wire version 2 but this agent speaks {wire.VERSION}"),
-                        ({"udp_nonce": "ab"}, "udp_nonce"), ({"udp_nonce": None}, "udp_nonce")):
+                        ({"udp_nonce": "ab"}, "udp_nonce"), ({"udp_nonce": None}, "udp_nonce"),
+                        ({"take_over": 1}, "take_over must be true or false")):
         reply = ask(cluster.endpoints[0], cluster.key, "profile", {**request, **bad})
         assert reply.kind == "refused" and reason in reply.fields["reason"]
     model = cluster_model(stories_weights, cluster.endpoints[:1], cluster.key, context=CONTEXT)

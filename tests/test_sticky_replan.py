@@ -151,7 +151,7 @@ def test_an_agent_keeps_the_kernels_of_a_session_a_replan_ends_and_frees_a_finis
         model.close(retain=True)  # what a re-plan does
         assert retained(cluster, True) > 0
         again = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even", context=64)
-        assert again.agents[1].kept_groups > 0 and again.agents[1].fills
+        assert again.agents[1].kept_groups > 0
         again.close()  # the end of a generation
         assert retained(cluster, False) == 0
 

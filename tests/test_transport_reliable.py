@@ -88,11 +88,12 @@ def test_plaintext_needs_an_explicit_opt_in(key):
     ([b"HALO\x01"], "at least 2 frames"),
     ([b"XXXX\x01", b"{}"], "bad preamble"),
     ([b"HALO\x09", b"{}"], "protocol version 9"),
-    ([b"HALO\x01", b"{not json"], "malformed header"),
-    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}'], "announces 1 arrays but 0"),
-    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}', b"\0" * 15], "needs 16 bytes"),
-    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["object", [1]]]}', b"\0" * 8], "not allowed"),
-    ([b"HALO\x01", b'{"kind": "x", "fields": {}, "arrays": [["float32", [1048576, 1048576]]]}', b""], "needs"),
+    ([b"HALO\x01", b"{}"], "protocol version 1 but this halo speaks 2"),  # a peer of control protocol 1
+    ([b"HALO\x02", b"{not json"], "malformed header"),
+    ([b"HALO\x02", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}'], "announces 1 arrays but 0"),
+    ([b"HALO\x02", b'{"kind": "x", "fields": {}, "arrays": [["float32", [4]]]}', b"\0" * 15], "needs 16 bytes"),
+    ([b"HALO\x02", b'{"kind": "x", "fields": {}, "arrays": [["object", [1]]]}', b"\0" * 8], "not allowed"),
+    ([b"HALO\x02", b'{"kind": "x", "fields": {}, "arrays": [["float32", [1048576, 1048576]]]}', b""], "needs"),
 ])
 def test_malformed_messages_are_refused_with_a_reason(frames, message):
     with pytest.raises(MessageError, match=message):

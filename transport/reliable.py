@@ -32,7 +32,7 @@ import numpy as np
 from halo.errors import ConfigError
 
 PROTOCOL = b"HALO"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the control messages of transport/control.py; no capability flags
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAY_BYTES = 1 << 30
 MAX_ARRAY_DIMS = 8

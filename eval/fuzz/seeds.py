@@ -131,6 +131,19 @@ def control_seeds() -> dict[str, bytes]:
     return seeds
 
 
+def session_seeds() -> dict[str, bytes]:
+    """A hello over UDP, a profile request, a ready, each as the sender's JSON fields."""
+    from halo.transport import wire
+    from halo.transport.control import Hello, ProfileRequest, Ready, UdpSession
+
+    udp = UdpSession(7, "ab" * wire.NONCE_BYTES, 40000)
+    messages = {"hello": Hello("0" * 64, 256, 32, 256, "laptop", "native", {"mode": "exact"}, 1, ((0, 1), ()),
+                               ((0,), (1, 2)), (3,), udp),
+                "profile": ProfileRequest("f" * 64, "int8", 32, 256, "laptop", True, False, 2, udp),
+                "ready": Ready("pi-1", 1 << 20, {"cores": 4}, 40001, 0, False)}
+    return {name: json.dumps(m.to_fields()).encode() for name, m in messages.items()}
+
+
 def plan_seeds() -> dict[str, bytes]:
     from halo.scheduler import plan_io
     from halo.scheduler.pipeline import plan_pipeline
@@ -238,6 +251,7 @@ def write_seeds(corpus: Path = CORPUS) -> None:
         "wire": wire_seeds(),
         "address": {"list": b"192.168.1.20:7070, pi-1.local:7070,tcp://localhost:1", "one": b"10.0.0.2:65535"},
         "control": control_seeds(),
+        "session": session_seeds(),
         "plan": plan_seeds(),
         "cluster": {"two-devices": CLUSTER_TOML.encode(),
                     "minimal": b'[[device]]\nmemory_mb = 100\ncompute_gflops = 1\n',

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from halo.transport.reliable import PROTOCOL, PROTOCOL_VERSION
+
 CORPUS = Path(__file__).parent / "corpus"
 FIXTURES = CORPUS / "_fixtures"
 FRAME_SEPARATOR = b"\xfe\xfe"  # control-message target: frames joined by this
@@ -198,7 +200,7 @@ def _fresh(accepted: dict[int, set[int]], sender: int, counter: int) -> bool:
 
 
 @target("control", "control message: reliable.decode of frames (split at b'\\xfe\\xfe')",
-        dictionary=(b"HALO\x01", FRAME_SEPARATOR, b'"kind"', b'"fields"', b'"arrays"', b'"float32"', b'"int64"',
+        dictionary=(PROTOCOL + bytes([PROTOCOL_VERSION]), FRAME_SEPARATOR, b'"kind"', b'"fields"', b'"arrays"', b'"float32"', b'"int64"',
                     b'"uint8"', b"[[", b"]]", b"[[[[[[[[[[[[[[[["))
 def _control():
     from halo.transport.reliable import MessageError, decode
@@ -208,6 +210,31 @@ def _control():
         assert isinstance(message.kind, str) and isinstance(message.fields, dict)
 
     return one_input, (MessageError,)
+
+
+@target("session", "a session's control messages (JSON fields): transport/control.py Hello, ProfileRequest and Ready "
+        "from_fields", dictionary=(b'"udp_session"', b'"udp_nonce"', b'"attention"', b'"mlp"', b'"lm_head"',
+                                   b'"node_id"', b'"model_sha256"', b"true", b"null", b"[[", b"]]", b"-1"))
+def _session():
+    import json
+
+    from halo.transport.control import ControlError, Hello, ProfileRequest, Ready
+
+    def one_input(data: bytes):
+        try:
+            fields = json.loads(data)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(fields, dict):
+            return
+        for message in (Hello, ProfileRequest, Ready):
+            try:
+                parsed = message.from_fields(fields)
+            except ControlError:
+                continue
+            assert message.from_fields(parsed.to_fields()) == parsed  # what was taken goes out and back unchanged
+
+    return one_input, (ControlError,)
 
 
 @target("address", "agent addresses: arguments.parse_endpoints (--agents, cluster files)",

@@ -164,12 +164,11 @@ class DistributedModel:
     def _listeners(self, layer: int) -> list[int]:
         """Agents that need the input of layer-1's attention to predict `layer`'s ranking themselves. Over UDP an
         MLP input carries the master's ranking, so only agents that load their groups ahead (a memory budget:
-        the prediction starts the reading) or predate that still listen; over TCP every holder of the layer's
-        MLP does."""
+        the prediction starts the reading) still listen; over TCP every holder of the layer's MLP does."""
         holders = self.holders[Block("mlp", layer)]
         if self.sync.policy.input is not Transport.UDP:
             return holders
-        return [i for i in holders if self.agents[i].loads_ahead or not self.agents[i].takes_rankings]
+        return [i for i in holders if self.agents[i].loads_ahead]
 
     def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         if block.kind == "lm_head":
@@ -263,11 +262,6 @@ class DistributedModel:
             for layer in layers_of[i]:
                 agent.receive(f"fill of layer {layer}")
         self.pos = inputs.shape[1]
-
-    @property
-    def can_refill(self) -> bool:
-        """Whether every agent takes "fill" (an agent of an older halo says nothing of it in its hello)."""
-        return all(agent.fills for agent in self.agents.values())
 
     def reset(self) -> None:
         self.pos = self.step = 0

@@ -46,9 +46,7 @@ class RemoteAgent:
     udp_address: tuple | None = None
     weight_bytes: int = 0
     kept_groups: int = 0  # groups whose kernels it kept from its previous session (a sticky re-plan)
-    fills: bool = False  # it fills KV caches from recorded inputs ("fill"; said in its hello)
     loads_ahead: bool = False  # HALO: it reads its groups of the next layer from storage as soon as it predicts them
-    takes_rankings: bool = False  # HALO: it computes the ranking an MLP input carries (agents before it predict)
     stats: AgentStats = field(default_factory=AgentStats)
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice

@@ -32,6 +32,7 @@ from halo.shares import Shares, share_float32_bytes
 from halo.sync import SyncSettings
 from halo.weights import ModelWeights
 
+from halo.transport.control import ControlError, Ready
 from halo.transport.reliable import Message, encode
 
 from .remote import AgentError, RemoteAgent
@@ -79,26 +80,25 @@ class Session:
         after the hellos are sent, before their answers are awaited: the master builds its own share while the
         agents load theirs (a re-plan's rebuild then takes the slowest device's load, not the sum)."""
         from halo.loader import model_fingerprint
-        from halo.transport.reliable import PROTOCOL_VERSION
+        from halo.transport.control import Hello
 
         session = cls({}, None, master_context())
         try:
-            hello = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
-                     "context": context, "mlp_group_size": layout.mlp_group_size,
-                     "vocab_group_size": layout.vocab_group_size, "master": os.uname().nodename,
-                     "weights": settings.fmt, "sync": settings.sync.to_json()}
-            if settings.sync.policy.uses_udp or settings.probe_links:
-                hello.update(session._open_udp(key, settings))
+            udp = session._open_udp(key, settings) if settings.sync.policy.uses_udp or settings.probe_links else None
+            sha = model_fingerprint(weights.source)
             for node_id, (endpoint, share) in enumerate(zip(endpoints, shares), start=1):
                 agent = session._connect(node_id, endpoint, share, key, insecure,
                                          hello_timeout_s(share, layout, weights.config.dim, settings.hello_timeout_s), layout)
-                agent.send("hello", {**hello, "node_id": node_id, **share.to_json()})
+                hello = Hello(sha, context, layout.mlp_group_size, layout.vocab_group_size, os.uname().nodename,
+                              settings.fmt, settings.sync.to_json(), node_id, tuple(map(tuple, share.attention)),
+                              tuple(map(tuple, share.mlp)), tuple(share.lm_head), udp)
+                agent.send("hello", hello.to_fields())
             if meanwhile is not None:
                 meanwhile()
             for agent in session.agents.values():
                 session._welcome(agent, settings)
             if settings.sync.policy.uses_udp and any(a.udp_address is None for a in session.agents.values()):
-                raise AgentError(f"--sync {settings.sync.mode} needs every agent's UDP port; upgrade the agents")
+                raise AgentError(f"--sync {settings.sync.mode} needs every agent's UDP port, and one did not say it")
             if settings.probe_links:
                 session._probe_links()
         except BaseException:
@@ -114,20 +114,19 @@ class Session:
         master ends that session (we are about to say hello); else it refuses, busy. fresh: re-run cached
         benchmarks."""
         from halo.loader import model_fingerprint
+        from halo.transport.control import ProfileRequest
         from halo.transport.probe import PLANNING_INTERVAL_S, PLANNING_PROBES, probe
-        from halo.transport.reliable import PROTOCOL_VERSION
 
         session = cls({}, None, master_context())
         try:
-            request = {"protocol": PROTOCOL_VERSION, "model_sha256": model_fingerprint(weights.source),
-                       "weights": settings.fmt, "mlp_group_size": layout.mlp_group_size,
-                       "vocab_group_size": layout.vocab_group_size, "master": os.uname().nodename,
-                       "take_over": take_over, "fresh": fresh, **session._open_udp(key, settings)}
+            udp, sha = session._open_udp(key, settings), model_fingerprint(weights.source)
             nothing = Shares([[]] * weights.config.n_layers, [[]] * weights.config.n_layers, [])
             results = []
             for node_id, endpoint in enumerate(endpoints, start=1):
                 agent = session._connect(node_id, endpoint, nothing, key, insecure, settings.profile_timeout_s, layout)
-                agent.send("profile", {**request, "node_id": node_id})
+                request = ProfileRequest(sha, settings.fmt, layout.mlp_group_size, layout.vocab_group_size,
+                                         os.uname().nodename, take_over, fresh, node_id, udp)
+                agent.send("profile", request.to_fields())
                 try:
                     reply = agent.receive("the profile request")  # within profile_timeout_s: a first benchmark
                 except AgentError as e:
@@ -147,8 +146,10 @@ class Session:
         finally:
             session.close()
 
-    def _open_udp(self, key, settings: MasterSettings) -> dict:
+    def _open_udp(self, key, settings: MasterSettings):
+        """The master's UDP endpoint of this session, and the session as hellos and profile requests carry it."""
         from halo.transport import wire
+        from halo.transport.control import UdpSession
         from halo.transport.reliable import udp_base_key
         from halo.transport.udp import UdpEndpoint
 
@@ -160,8 +161,7 @@ class Session:
             from halo.transport.loss import LossInjector
 
             self.udp.send_hook = LossInjector(seed=settings.sync.seed, drop=settings.sync.inject_plr)
-        return {"udp_session": udp_session, "udp_nonce": nonce.hex(), "udp_port": self.udp.address[1],
-                "udp_wire": wire.VERSION}
+        return UdpSession(udp_session, nonce.hex(), self.udp.address[1])
 
     def _connect(self, node_id: int, endpoint: str, share: Shares, key, insecure: bool, timeout_s: float,
                  layout: GroupLayout) -> RemoteAgent:
@@ -195,15 +195,14 @@ class Session:
                 raise AgentError(f"agent {agent} built nothing of its share for {stall_s:.1f} s (at "
                                  f"{reply.fields.get('percent', 0)} % after {reply.fields.get('seconds', '?')} s): its "
                                  "storage or CPU stalls; give it less work or look at the device")
-        agent.name = f"{reply.fields.get('name', agent.name)}#{agent.node_id}"
-        agent.profile = reply.fields.get("profile", {})
-        agent.weight_bytes = int(reply.fields.get("weight_bytes", 0))
-        agent.kept_groups = int(reply.fields.get("kept_groups", 0))
-        agent.fills = reply.fields.get("fill") is True
-        agent.loads_ahead = reply.fields.get("loads_ahead") is True
-        agent.takes_rankings = reply.fields.get("takes_rankings") is True
-        port = reply.fields.get("udp_port")
-        agent.udp_address = (agent.host, int(port)) if port else None
+        try:
+            ready = Ready.from_fields(reply.fields)
+        except ControlError as e:
+            raise AgentError(f"agent {agent} answered its hello with a malformed ready: {e}") from None
+        agent.name = f"{ready.name}#{agent.node_id}"
+        agent.profile, agent.weight_bytes, agent.kept_groups = ready.profile, ready.weight_bytes, ready.kept_groups
+        agent.loads_ahead = ready.loads_ahead
+        agent.udp_address = (agent.host, ready.udp_port) if ready.udp_port else None
         agent.timeout_s = settings.timeout_s
         agent.socket.setsockopt(zmq.SNDTIMEO, int(settings.timeout_s * 1000))
         if self.udp is not None and agent.udp_address is not None:

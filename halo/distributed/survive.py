@@ -217,7 +217,7 @@ class SurvivingModel:
             if not sticky:
                 self._set_home(plan, endpoints)
             self.model.input_log = self.input_log
-            if inputs is not None and self.model.can_refill:
+            if inputs is not None:
                 self.model.refill(inputs)  # what the history left in the KV caches, without running it again
             elif prefix:
                 self.model.forward(prefix, 0)
@@ -226,7 +226,7 @@ class SurvivingModel:
         except AgentError as e:
             return str(e)
         finally:
-            refilled = inputs is not None and self._open and self.model.can_refill
+            refilled = inputs is not None and self._open
             kept, moved = self._kept_and_moved()
             self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix),
                                             time.perf_counter() - t0, sticky=sticky, refilled=refilled,

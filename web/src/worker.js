@@ -30,7 +30,7 @@ function unpack(buffer) {
     offset += 4 + length;
   }
   const preamble = new Uint8Array(frames[0]);
-  if (decoder.decode(preamble.subarray(0, 4)) !== 'HALO' || preamble[4] !== 1) throw new Error('not a halo message');
+  if (decoder.decode(preamble.subarray(0, 4)) !== 'HALO' || preamble[4] !== 2) throw new Error('not a halo message (or another halo version)');
   const header = JSON.parse(decoder.decode(frames[1]));
   const arrays = header.arrays.map(([dtype, shape], i) => {
     const Type = DTYPES[dtype];
@@ -42,7 +42,7 @@ function unpack(buffer) {
 
 function pack(kind, fields = {}, arrays = []) {
   const header = encoder.encode(JSON.stringify({ kind, fields, arrays: arrays.map((a) => [a.dtype, a.shape]) }));
-  const frames = [new Uint8Array([72, 65, 76, 79, 1]), header,
+  const frames = [new Uint8Array([72, 65, 76, 79, 2]), header,
     ...arrays.map((a) => new Uint8Array(a.data.buffer, a.data.byteOffset, a.data.byteLength))];
   const total = 4 + frames.reduce((n, f) => n + 4 + f.byteLength, 0);
   const out = new Uint8Array(total);
