@@ -190,6 +190,14 @@ def add_profile_argument(parser) -> None:
                              "wifi-busy: 5 +- 3 ms, 5 %% in bursts of ~5, 100 Mbit/s); default: the plain bed")
 
 
+def profile_sentence(profile: str | None) -> str:
+    """What a results file says of --profile (empty without one)."""
+    from halo.rpi.links import PROFILES
+
+    return "" if not profile else (f"; every agent link emulated as `{profile}` ({PROFILES[profile].describe()}; "
+                                   "rpi/links.py)")
+
+
 def speed(args) -> None:
     """Every sync mode under 0-5 % real loss, with the single-process time of the same weights in the same run."""
     from halo.transport.reliable import generate_key
@@ -286,7 +294,7 @@ def render_speed(rows: list[dict], args) -> list[str]:
     lines = [f"# Time per output token under real packet loss ({shape}{args.weights} weights)", "",
              f"Command: `{command_line('halo.eval.bench_halo_speed', args.argv)}`. {host_line()} Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; master + agents share this machine's "
-             f"2 cores, one compute thread each{'' if not args.profile else f'; every agent link emulated as `{args.profile}` (rpi/links.py: delay, jitter, loss in bursts, rate)'}. Mean ms per output token over up to {args.tokens} greedy steps after "
+             f"2 cores, one compute thread each{profile_sentence(args.profile)}. Mean ms per output token over up to {args.tokens} greedy steps after "
              f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace. "
              + PLAN_TEXT[args.plan] + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
                 "parentheses), and the ratios compare median runs." if args.runs > 1 else ""), ""]

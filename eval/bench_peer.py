@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import (add_profile_argument, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
+from .bench_halo_speed import (add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
                                summarize, with_testbed)
 from .random_checkpoint import TINYLLAMA_1_1B
-from .report import command_line, write_report
+from .report import command_line, host_line, write_report
 
 
 
@@ -128,8 +128,17 @@ class PeerWorkers:
             p.wait(timeout=10)
 
 
+class PeerStalled(RuntimeError):
+    """The peer's root produced no timed token before the watchdog or the deadline (a lossy link can stall its
+    blocking TCP sockets for minutes): recorded as such, not as a time."""
+
+    def __init__(self, short: str, detail: str):
+        super().__init__(detail)
+        self.short = short
+
+
 def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str], turbo: str, tokens: int,
-             time_limit: float, threads: int = 1) -> dict:
+             time_limit: float, threads: int = 1, stall_s: float = 600.0) -> dict:
     """The peer's root in the master's namespace (bed: anything with the test bed's popen(host, argv, **kwargs)):
     greedy steps from PEER_PROMPT, each token's wall time from the arrival of its line; stopped once time_limit has
     passed with 8 tokens timed."""
@@ -141,7 +150,8 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
         argv += ["--workers", *workers]
     p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                   encoding="utf-8", errors="replace")  # its lines carry emoji
-    watchdog = threading.Timer(time_limit + 600.0, p.kill)  # a root that hangs (its sockets wait forever) ends here
+    started = time.monotonic()
+    watchdog = threading.Timer(time_limit + stall_s, p.kill)  # a root that hangs (its sockets wait forever) ends here
     watchdog.start()
     arrivals, reported, tail = [], [], []
     deadline = time.monotonic() + time_limit + 120.0  # loading the model comes first
@@ -164,7 +174,8 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
         p.wait(timeout=30)
     times = np.diff(arrivals)[WARMUP:]  # the first line's token also waited for the prompt
     if len(times) == 0:
-        raise RuntimeError(f"the peer generated no timed tokens ({' '.join(argv)}):\n{''.join(tail)}")
+        raise PeerStalled(f"no timed token within {time.monotonic() - started:.0f} s ({len(arrivals)} lines)",
+                          f"the peer generated no timed tokens ({' '.join(argv)}):\n{''.join(tail)}")
     return {"ms_per_token": [1e3 * t for t in times], "reported_ms": reported[WARMUP + 1:]}
 
 
@@ -178,7 +189,7 @@ def bench(args) -> None:
     model = q4_with_predictors(WORK / f"{args.layers}L", args.layers)  # the weights peer_files gives the peer
     peer_model, peer_tokenizer = peer_files(args.layers)
     modes = args.modes.split(",")
-    rows = []
+    rows, stalled = [], []  # stalled: the peer's settings that timed no token (PeerStalled)
     partial = Path(args.out) / f"{args.name}.partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
 
@@ -209,8 +220,13 @@ def bench(args) -> None:
                         add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
                     for setting in PEER_SETTINGS:
                         peers.ready(setting)
-                        result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(setting),
-                                          setting.turbo, args.tokens, args.time_limit)
+                        try:
+                            result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(setting),
+                                              setting.turbo, args.tokens, args.time_limit, stall_s=args.peer_stall)
+                        except PeerStalled as e:  # a row of its own: the run goes on with the others
+                            print(f"{setting.name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
+                            stalled.append({"sync": setting.name, "plr": plr, "run": run, "why": e.short})
+                            continue
                         add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
         finally:
             if peers is not None:
@@ -219,10 +235,11 @@ def bench(args) -> None:
     for r in rows:
         r["agents"] = args.agents  # median_runs groups by (agents, PLR, sync)
     medians = median_runs(rows)
-    lines = render(medians, modes, args)
-    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_peer", args.argv), "model": str(model),
+    lines = render(medians, modes, args, stalled)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_peer", args.argv), "host": host_line(),
+                                        "model": str(model),
                                         "peer_model": str(peer_model), "runs": args.runs, "rows": medians,
-                                        "every_run": rows}, lines)
+                                        "every_run": rows, "stalled": stalled}, lines)
     plot(medians, modes, args, Path(args.out) / f"{args.name}.png")
     partial.unlink(missing_ok=True)
 
@@ -234,15 +251,17 @@ def peer_summary(result: dict) -> dict:
             "reported_ms_mean": float(np.mean(reported)) if reported else None}
 
 
-def render(rows: list[dict], modes: list[str], args) -> list[str]:
+def render(rows: list[dict], modes: list[str], args, stalled: list[dict] = ()) -> list[str]:
     by = {(r["plr"], r["sync"]): r for r in rows}
+    stuck = {(s["plr"], s["sync"]): s["why"] for s in stalled}
     halo_single, peer_single = by.get((0.0, ALONE["halo"])), by.get((0.0, ALONE["dllama"]))
     peers = [s.name for s in PEER_SETTINGS]
     columns = [*modes, *peers]
     lines = ["# halo and distributed-llama side by side under real packet loss", "",
-             f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. Namespace test bed: nftables drops "
+             f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. {host_line()} Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; 1 master/root + "
-             f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each. The same weights: "
+             f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each"
+             f"{profile_sentence(args.profile)}. The same weights: "
              f"TinyLlama-1.1B shape with {args.layers} layers, random, 4-bit (halo: the Q4_0 GGUF, --weights native; "
              "distributed-llama: the same blocks in its Q40 file, the embedding unquantized), greedy. Mean wall ms "
              f"per output token over up to {args.tokens} tokens after {WARMUP} warm-up tokens. halo plan "
@@ -255,11 +274,12 @@ def render(rows: list[dict], modes: list[str], args) -> list[str]:
              f"Alone (no network): halo {cell(halo_single)} ms, distributed-llama {cell(peer_single)} ms per token.", "",
              "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest dllama / fastest halo |",
              "|---|" + "---|" * (len(columns) + 1)]
-    for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()}):
+    for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()} | {p for p, _ in stuck}):
         ours = [by[(plr, m)]["ms_mean"] for m in modes if (plr, m) in by]
         theirs = [by[(plr, m)]["ms_mean"] for m in peers if (plr, m) in by]
         ratio = f"{min(theirs) / min(ours):.2f}x" if ours and theirs else "-"
-        lines.append(f"| {100 * plr:g} % | " + " | ".join(cell(by.get((plr, c))) for c in columns) + f" | {ratio} |")
+        lines.append(f"| {100 * plr:g} % | " + " | ".join(
+            cell(by.get((plr, c))) if (plr, c) not in stuck else stuck[plr, c] for c in columns) + f" | {ratio} |")
     lines.append("")
     zero = {c: by.get((0.0, c)) for c in columns}
     if halo_single and peer_single:
@@ -340,6 +360,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=1, help="run every configuration this many times, interleaved")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds of timed tokens per run, at most")
+    parser.add_argument("--peer-stall", type=float, default=600.0, metavar="S",
+                        help="the peer's run is ended after --time-limit + S seconds and recorded as stalled if it "
+                             "timed no token (on lossy links its blocking TCP can stall for minutes; default 600)")
     parser.add_argument("--name", default="peer_speed_tinyllama")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)

@@ -307,13 +307,16 @@ def add_sync_arguments(parser) -> None:
 
     d = SyncSettings()
     s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
-    s.add_argument("--sync", choices=SYNC_MODES + tuple(RENAMED), default=None, metavar="{" + ",".join(SYNC_MODES) + "}",
+    s.add_argument("--sync", choices=SYNC_MODES + ("auto",) + tuple(RENAMED), default=None,
+                   metavar="{" + ",".join(SYNC_MODES + ("auto",)) + "}",
                    help="exact (default): UDP, every lost packet recovered (parity, NACK), the same tokens as one "
                         "device · tcp: all over the control connection (a lost packet costs TCP's 200 ms timeout) · "
                         "lossy: UDP, partial sums dropped at a deadline, "
                         "static groups · halo: predictors route important groups to reliable links, recover lost "
                         "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
-                        "critical traffic")
+                        "critical traffic · auto: measure the agents' links and pick halo where they lose datagrams "
+                        "with round trips of a millisecond or more (Wi-Fi: HALO was 0.9x exact's time there), exact "
+                        "elsewhere (wired links: HALO was 1.1x); says which and why (--json: planning.sync_auto)")
     s.add_argument("--deadline-floor", type=number(0, low_open=True), default=d.deadline_floor_ms, metavar="MS",
                    help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
     s.add_argument("--deadline-ceiling", type=number(0, low_open=True), default=d.deadline_ceiling_ms, metavar="MS",
@@ -343,7 +346,7 @@ def add_sync_arguments(parser) -> None:
 def sync_settings(args):
     from .sync import SyncSettings
 
-    return SyncSettings(mode=args.sync or "exact", deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
+    return SyncSettings(mode="exact" if args.sync in (None, "auto") else args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed,
                         wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso)
@@ -516,12 +519,15 @@ def check_model_and_cluster(args) -> None:
     pipeline = pipeline_mode(args)
     if pipeline:
         check_pipeline_arguments(args)
+    if args.sync == "auto" and (args.cluster or (args.plan and args.plan != "measured")):
+        raise ConfigError("--sync auto picks the mode from the agents' measured links: drop --plan / --cluster (the "
+                          "measured plan), or name the sync mode")
     model = str(resolve_model(args.model)) if args.model else None  # a named model must be fetched
     for option, path, kind in (("--model", model, "model file or directory"),
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", None if args.plan in PLAN_KEYWORDS else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
-    if args.predictors and not (settings.policy.remap and not pipeline):
+    if args.predictors and not ((settings.policy.remap or args.sync == "auto") and not pipeline):
         raise ConfigError("--predictors rank MLP groups for --sync halo / halo-tcp in tensor-parallel mode; without "
                           "those nothing reads them (add --sync halo, or drop --predictors)")
     if settings.policy.remap and settings.predict and not pipeline:
@@ -578,6 +584,7 @@ def open_model(args, weights, stack):
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
                    insecure_lan=args.insecure_lan, authorized_agents=args.authorized_agents, context=args.context,
+                   auto_sync=args.sync == "auto",
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")
@@ -636,6 +643,9 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, spec
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
+    picked = (getattr(model, "planning", None) or {}).get("sync_auto")
+    if picked:
+        err.print(f"[dim]--sync auto picked {picked['mode']}: {picked['reason']}[/dim]")
     if result.speculation:
         spec = result.speculation.to_json()
         rate = "-" if spec["acceptance_rate"] is None else f"{100 * spec['acceptance_rate']:.0f} %"

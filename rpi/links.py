@@ -45,6 +45,15 @@ class LinkProfile:
             raise ValueError(f"link profile {self.name}: need 0 <= jitter <= delay, 0 <= loss < 1, burst >= 1 and a "
                              f"positive rate (got {self})")
 
+    def describe(self) -> str:
+        """For people: '5 +- 3 ms one way, 5 % lost in bursts of ~5, 100 Mbit/s'."""
+        parts = [f"{self.delay_ms:g}" + (f" +- {self.jitter_ms:g}" if self.jitter_ms else "") + " ms one way"]
+        if self.loss:
+            parts.append(f"{100 * self.loss:g} % lost" + (f" in bursts of ~{self.burst:g}" if self.burst > 1 else ""))
+        if self.rate_mbit:
+            parts.append(f"{self.rate_mbit:g} Mbit/s")
+        return ", ".join(parts)
+
     def spec(self) -> str:
         """linkemu's SPEC: delay_us,jitter_us,loss,burst,rate_kbit."""
         return (f"{self.delay_ms * 1e3:.0f},{self.jitter_ms * 1e3:.0f},{self.loss:g},{self.burst:g},"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from halo.arguments import check_insecure
 from halo.errors import ConfigError
@@ -80,13 +81,41 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
                   insecure: bool, select: bool = True, fresh: bool = False, take_over: bool = True,
                   same_machine: bool = False):
     """(plan, planning report) from measured profiles; the plan's participants carry their endpoints."""
+    cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over, same_machine)
+    return plan_measured(weights, layout, settings, cluster, select)
+
+
+def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], key, select: bool, same_machine: bool,
+              settings: dict):
+    """--sync auto: (plan, SyncChoice, planning report) from one measurement of the agents: the mode picked from
+    their links (scheduler/sync_choice.py), the plan made for it."""
+    from halo.linear import resolve_format
+    from halo.loader import trained_predictors_dir
+    from halo.scheduler.sync_choice import choose_sync
+
+    master_settings = MasterSettings(**{k: settings[k] for k in ("context", "timeout_s", "sync", "predictors")},
+                                     fmt=resolve_format(settings["fmt"], weights))
+    cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
+                              same_machine=same_machine)
+    try:
+        trained_predictors_dir(Path(weights.source), settings.get("predictors"))
+        predictors = True
+    except ConfigError:
+        predictors = False
+    chosen = choose_sync(cluster, predictors)
+    master_settings = replace(master_settings, sync=replace(master_settings.sync, mode=chosen.mode))
+    plan, planning = plan_measured(weights, layout, master_settings, cluster, select)
+    return plan, chosen, planning
+
+
+def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, cluster, select: bool = True):
+    """(plan, planning report) over a measured cluster, for settings.sync's mode."""
     from halo.scheduler.cost import estimate
     from halo.scheduler.plan_io import plan_summary
     from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile, planning_format
     from halo.scheduler.ratios import InsufficientMemory
     from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
-    cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over, same_machine)
     profile = model_profile(weights.config, planning_format(settings.fmt, weights),
                             mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
     mode = settings.sync.mode
@@ -154,7 +183,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
             survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False,
-            authorized_agents: str | None = None):
+            authorized_agents: str | None = None, auto_sync: bool = False):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -164,7 +193,9 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     survive: a tensor-parallel master re-plans over the agents left when one fails, and takes back agents
     that return (survive.py); None: an agent failure ends the generation with its error.
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
-    authorized_agents: a file of the agents' public keys and addresses (needed with a device key)."""
+    authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
+    auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
+    the other settings); what was picked and why: model.planning["sync_auto"]."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -203,8 +234,20 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     select = not (local_agents and plan is None)
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
                     sync=sync, predictors=predictors)
+    chosen = None
+    if auto_sync:
+        if tp_plan is not None or plan not in (None, "measured"):
+            raise ConfigError("--sync auto picks the mode from the agents' measured links: use the measured plan (no "
+                              "--plan, --cluster), or name the sync mode")
+        tp_plan, chosen, planning = auto_plan(weights, layout, endpoints, cluster_key, select, bool(local_agents),
+                                              settings)
+        sync = settings["sync"] = replace(sync, mode=chosen.mode)
+        endpoints = _plan_addresses(tp_plan)
+        log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
     model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
                           same_machine=bool(local_agents), **settings)
+    if chosen is not None:
+        model.planning = {**model.planning, **planning, "sync_auto": chosen.to_json()}
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
                             select, sync, context, tuple(model.planning.get("on_master", ())),

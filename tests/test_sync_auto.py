@@ -1,0 +1,65 @@
+"""--sync auto: exact or HALO sync from the agents' measured links (scheduler/sync_choice.py), said and applied."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from halo.cli import build_parser, check_model_and_cluster
+from halo.errors import ConfigError
+from halo.scheduler.profiles import Cluster, DeviceProfile
+from halo.scheduler.sync_choice import choose_sync
+
+
+def cluster(plr: float, one_way_ms: float, agents: int = 3) -> Cluster:
+    devices = [DeviceProfile("master", 4e9, 20e9, is_master=True)]
+    devices += [DeviceProfile(f"pi-{i}", 2e9, 5e9, plr=plr, latency_s=one_way_ms / 1e3) for i in range(1, agents + 1)]
+    return Cluster(tuple(devices), context=256, weights="Q4_0")
+
+
+@pytest.mark.parametrize("plr, one_way_ms, predictors, mode, said", [
+    (0.0, 0.1, True, "exact", "recovering a loss costs little"),  # wired (the ethernet profile)
+    (0.05, 0.04, True, "exact", "recovering a loss costs little"),  # the plain bed at 5 %: HALO was slower there
+    (0.0, 5.0, True, "exact", "recovering a loss costs little"),  # slow but clean
+    (0.01, 1.0, True, "halo", "a recovery costs a round trip"),  # wifi-good: 1 % lost, ~2 ms least round trip
+    (0.05, 2.5, True, "halo", "3 of 3 links"),  # wifi-busy
+    (0.05, 2.5, False, "exact", "no trained predictors"),
+    (0.10, 5.0, True, "exact", "loses more than 8 %"),  # wifi-bad: HALO measured no faster
+])
+def test_the_mode_follows_the_links(plr, one_way_ms, predictors, mode, said):
+    choice = choose_sync(cluster(plr, one_way_ms), predictors)
+    assert choice.mode == mode and said in choice.reason, choice
+
+
+def test_one_lossy_radio_link_is_enough_and_the_reason_names_it():
+    mixed = cluster(0.0, 0.1)
+    devices = list(mixed.devices)
+    devices[2] = DeviceProfile("pi-kitchen", 2e9, 5e9, plr=0.03, latency_s=3e-3)
+    choice = choose_sync(Cluster(tuple(devices), context=256, weights="Q4_0"), True)
+    assert choice.mode == "halo" and "1 of 3 links" in choice.reason and "pi-kitchen" in choice.reason
+    assert choose_sync(cluster(0.05, 3.0, agents=0), True).mode == "exact"
+
+
+def test_auto_needs_the_measured_plan():
+    for extra in (["--local-agents", "2", "--plan", "even"], ["--cluster", "x.toml"]):
+        args = build_parser().parse_args(["generate", "--sync", "auto", *extra])
+        with pytest.raises(ConfigError, match="--sync auto picks the mode from the agents' measured links"):
+            check_model_and_cluster(args)
+
+
+def test_auto_over_loopback_agents_picks_exact_says_why_and_gives_one_devices_tokens():
+    def run(*extra) -> dict:
+        out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--max-new-tokens", "8", "--json", *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout)
+
+    alone = run()
+    auto = run("--local-agents", "2", "--sync", "auto")
+    assert auto["planning"]["sync_auto"]["mode"] == "exact"
+    assert "recovering a loss costs little" in auto["planning"]["sync_auto"]["reason"]
+    assert auto["sync"]["settings"]["mode"] == "exact"
+    assert auto["token_ids"] == alone["token_ids"]
