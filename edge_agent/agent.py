@@ -388,6 +388,12 @@ class Agent(ControlServer):
         context, share = hello.context, Shares(**hello.share)
         if len(share.attention) != c.n_layers or len(share.mlp) != c.n_layers or not 0 < context <= c.max_seq_len:
             raise HaloError("the plan does not fit this model (layers or context)")
+        for name, groups, count in (("attention", share.attention, layout.n_attention_groups),
+                                    ("mlp", share.mlp, layout.n_mlp_groups), ("lm_head", [share.lm_head], layout.n_vocab_groups)):
+            for layer, ids in enumerate(groups):
+                if any(g >= count for g in ids) or len(set(ids)) != len(ids):
+                    raise HaloError(f"the plan's {name} groups {sorted(ids)[-3:]} (layer {layer}) are not distinct "
+                                    f"groups of this model's {count}")
         fmt = hello.weights  # the master's choice, so the whole cluster computes alike
         if fmt not in FORMATS:
             raise HaloError(f"unknown weight format {fmt!r}")

@@ -232,8 +232,8 @@ def main(argv=None) -> int:
     if 1 not in stages:
         parser.error("--stages must include 1: the single process is the yardstick")
     results: dict = {"host": host_line(), "weights": args.weights,
-                     "gpu": "no CUDA device here: the torch engine (what a CUDA worker runs) ran only on torch's CPU "
-                            "device, in tests"}
+                     "gpu": "the stage workers ran halo's CPU engine (local_stage_workers start them with --device "
+                            "cpu); the torch engine a CUDA worker runs is measured only where a GPU is lent"}
     path = q4_checkpoint(args.layers)
     weights = load_weights(path)
     rows = []

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from halo.rpi.links import PROFILES
 
-from .report import host_line, write_report
+from .report import write_report
 
 ORDER = ("ethernet", "wifi-good", "wifi-busy", "wifi-bad")
 
@@ -33,7 +33,8 @@ def row(profile: str, results: dict) -> dict:
     return {"profile": profile, "link": PROFILES[profile].describe(), "exact_ms": by["exact"], "halo_ms": by["halo"],
             "halo_vs_exact": by["halo"] / by["exact"], "dllama_ms": peer,
             "dllama_vs_halo": None if peer is None else peer / best_halo, "dllama_stalled": stalled,
-            "single_ms": by["halo single process"], "command": results["command"]}
+            "single_ms": by["halo single process"], "command": results["command"],
+            "host": results.get("host", "host not recorded")}
 
 
 def peer_cells(r: dict) -> str:
@@ -55,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"no peer_profile_*.json in {args.results}: run bench_peer per profile first (see --help)", file=sys.stderr)
         return 2
+    hosts = sorted({r["host"] for r in rows})
     lines = ["# halo and distributed-llama on emulated links (TinyLlama-1.1B shape, 8 layers, Q4_0, master + 3)", "",
-             f"{host_line()} One `bench_peer` run per profile (commands in the JSON); the 2 cores are shared by all "
+             f"{' / '.join(hosts)} One `bench_peer` run per profile (commands in the JSON); the 2 cores are shared by all "
              "four nodes. ms per output token, mean of 16 greedy tokens; dllama: the faster of its two socket modes.", "",
              "| profile | every agent's link | halo exact | halo (HALO sync) | HALO / exact | distributed-llama | "
              "dllama / best halo | one process |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['profile']} | {r['link']} | {r['exact_ms']:.1f} | {r['halo_ms']:.1f} | {r['halo_vs_exact']:.2f}x | "
               f"{peer_cells(r)} | {r['single_ms']:.1f} |" for r in rows]
-    write_report(args.results, "profiles_headline", {"host": host_line(), "rows": rows}, lines)
+    write_report(args.results, "profiles_headline", {"hosts": hosts, "rows": rows}, lines)
     print("\n".join(lines))
     return 0
 

@@ -527,9 +527,10 @@ def check_model_and_cluster(args) -> None:
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", None if args.plan in PLAN_KEYWORDS else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
-    if args.predictors and not ((settings.policy.remap or args.sync == "auto") and not pipeline):
-        raise ConfigError("--predictors rank MLP groups for --sync halo / halo-tcp in tensor-parallel mode; without "
-                          "those nothing reads them (add --sync halo, or drop --predictors)")
+    if args.predictors and (settings.policy.all_critical and args.sync != "auto" or pipeline):
+        raise ConfigError("--predictors rank neuron groups for the relaxed sync modes (lossy: heads placed by "
+                          "importance; halo, halo-tcp: MLP groups re-mapped per token) in tensor-parallel mode; with "
+                          f"--sync {args.sync or 'exact'} nothing reads them (add --sync halo, or drop --predictors)")
     if settings.policy.remap and settings.predict and not pipeline:
         from .loader import model_path, trained_predictors_dir
 
@@ -615,6 +616,8 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, spec
             out["agents"] = model.report()
             out["sync"] = model.sync_report()
             out["planning"] = model.planning  # what the plan was made from, and why (scheduler)
+            if getattr(model, "sync_auto", None):  # --sync auto's pick (kept across re-plans)
+                out["planning"] = {**out["planning"], "sync_auto": model.sync_auto}
             out["estimates"] = model.estimates.to_json()  # running estimates per device and link
         elif hasattr(model, "report"):
             out["pipeline"] = model.report()
@@ -643,7 +646,7 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, spec
     sys.stdout.flush()
     err.print(f"[dim]{len(result.token_ids)} tokens ({result.stop_reason}) · prefill {result.prefill_ms:.1f} ms "
               f"· {result.ms_per_token:.2f} ms/token · {args.weights} weights[/dim]")
-    picked = (getattr(model, "planning", None) or {}).get("sync_auto")
+    picked = getattr(model, "sync_auto", None)
     if picked:
         err.print(f"[dim]--sync auto picked {picked['mode']}: {picked['reason']}[/dim]")
     if result.speculation:

@@ -59,9 +59,9 @@ def missing_tools() -> list[str]:
             if shutil.which(command) is None]
 
 
-def _run(argv: list[str], what: str, cwd: Path | None = None) -> str:
+def _run(argv: list[str], what: str, cwd: Path | None = None, timeout_s: float = 600) -> str:
     try:
-        out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ConfigError(f"{what}: {e}") from None
     if out.returncode != 0:
@@ -108,6 +108,15 @@ def binfmt_ready() -> str | None:
     return None
 
 
+def unmount_under(root: Path) -> None:
+    """Every mount at or below `root`, deepest first (lazily: a process still inside does not stop it)."""
+    root = str(Path(root).resolve())
+    with open("/proc/self/mounts") as mounts:
+        targets = [line.split()[1].encode().decode("unicode_escape") for line in mounts]
+    for target in sorted((t for t in targets if t == root or t.startswith(root + "/")), key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True)
+
+
 def debian_root(root: Path | None = None) -> Path:
     """An arm64 Debian bookworm (debootstrap, minbase plus Python and gcc; cached: made once, ~10 minutes under
     emulation), for installing the agent as on a Pi."""
@@ -118,10 +127,14 @@ def debian_root(root: Path | None = None) -> Path:
         raise ConfigError("missing debootstrap: apt-get install debootstrap")
     if why := binfmt_ready():
         raise ConfigError(why)
-    if root.exists():
-        shutil.rmtree(root)  # a half-made root from an interrupted run
-    _run(["debootstrap", "--arch=arm64", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}", DEBIAN_SUITE,
-          str(root), DEBIAN_MIRROR], "debootstrap of an arm64 Debian")
+    if root.exists():  # a half-made root from an interrupted run: what it left mounted first, then the files
+        unmount_under(root)
+        shutil.rmtree(root)
+    try:
+        _run(["debootstrap", "--arch=arm64", "--variant=minbase", f"--include={','.join(DEBIAN_PACKAGES)}",
+              DEBIAN_SUITE, str(root), DEBIAN_MIRROR], "debootstrap of an arm64 Debian", timeout_s=3600)
+    finally:
+        unmount_under(root)  # debootstrap mounts /proc and /sys inside; killed, it leaves them
     (root / "halo-ready").write_text(f"{DEBIAN_SUITE} {' '.join(DEBIAN_PACKAGES)}\n")
     return root
 

@@ -40,6 +40,9 @@ install -d -o root -g halo -m 0750 /etc/halo
 python3 -m venv /opt/halo/venv
 /opt/halo/venv/bin/pip install -q --upgrade pip
 /opt/halo/venv/bin/pip install -q "$package"      # core only: numpy, pyzmq, onnxruntime, onnx, psutil
+# this very wheel's code, even where the same version is installed already (a rebuilt wheel keeps its version number:
+# pip would call it satisfied and leave the old code in place)
+/opt/halo/venv/bin/pip install -q --force-reinstall --no-deps "$package"
 /opt/halo/venv/bin/python -c 'from halo.linear import COMPACT_KERNEL; print("compact groups computed by", COMPACT_KERNEL)'
 
 if [ -n "$model" ]; then

@@ -50,6 +50,8 @@ def choose_sync(cluster: Cluster, predictors: bool) -> SyncChoice:
     if not predictors:
         return SyncChoice("exact", f"lossy radio-like links ({measured}) favour HALO sync, but this model has no trained "
                                    "predictors (halo-train-predictors makes them)")
+    radio = max(lossy, key=lambda d: (d.plr, d.latency_s))
     return SyncChoice("halo", f"{len(lossy)} of {len(agents)} links lose datagrams with round trips of milliseconds "
-                              f"({measured}): a recovery costs a round trip, HALO's deadline drops only unimportant "
-                              "partials instead")
+                              f"({radio.name}: {100 * radio.plr:.1f} % of probes lost, least round trip "
+                              f"{2e3 * radio.latency_s:.2f} ms): a recovery costs a round trip, HALO's deadline drops only "
+                              "unimportant partials instead")

@@ -176,6 +176,9 @@ def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weigh
                                ({"node_id": 300}, "node_id"), ({"model_sha256": "xyz"}, "model_sha256")):
                 reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, **bad))))
                 assert reply.kind == "refused" and f"bad hello: {field}" in reply.fields["reason"], reply.fields
+            for bad in ({"mlp": [[0]] * 4 + [[99]]}, {"attention": [[0, 0]] * 5}, {"lm_head": [10**6]}):
+                reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, **bad))))
+                assert reply.kind == "refused" and "are not distinct groups of this model's" in reply.fields["reason"]
             reply = ask(sock, encode(Message("hello", hello_fields(stories_weights, model_sha256="0" * 64))))
             assert reply.kind == "refused" and "model mismatch" in reply.fields["reason"]
             reply = ask(sock, [b"garbage", b"\xff" * 10])

@@ -71,6 +71,22 @@ def test_a_gpu_stage_in_fp16_gives_the_known_answer_with_half_the_bytes(stories_
     assert fp16.weight_nbytes - norms == (fp32.weight_nbytes - norms) // 2
 
 
+def test_a_ggufs_4bit_blocks_load_into_the_fp16_engine_and_agree_with_the_cpu_stage(tmp_path):
+    """A GGUF's matrices are QuantizedMatrix objects: dequantized once, whole (numpy took them row by row)."""
+    pytest.importorskip("torch")
+    from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+    from halo.pipeline.torch_stage import TorchStageEngine
+
+    small = {**TINYLLAMA_1_1B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 512}
+    weights = load_weights(write_random_gguf(tmp_path / "small-Q4_0.gguf", small, "Q4_0"))
+    gpu_like = TorchStageEngine(weights, 0, 4, 64, "cpu", "native")
+    cpu = StageEngine(weights, 0, 4, 64, "native")
+    tokens = np.array([1, 5, 9, 300])
+    a, b = (e.forward(tokens, 0, HeadRequest(0))[0] for e in (gpu_like, cpu))
+    assert gpu_like.engine == "torch-cpu-fp16" and np.abs(a - b).max() < 1e-2 * np.abs(b).max()
+
+
 def test_the_graph_ready_decode_step_equals_the_eager_pass(stories_weights):
     """The static decode step (the whole cache, later positions masked, the position a device tensor: what a CUDA
     graph captures) against one eager pass over the same positions."""

@@ -1,10 +1,12 @@
 """What a master and an agent say to each other to start a session, as frozen dataclasses: the sender builds one, the
-receiver takes one only through `from_fields`, which checks every field (type, range, shape) and names the one at
-fault, so a malformed or forged request is refused whole and never half-used.
+receiver takes one only through `from_fields`, which checks every field's type and shape, and the ranges it can know
+without the model (group indices are checked against the model's layout by the agent), and names the one at fault,
+so a malformed or forged request is refused whole and never half-used.
 
 Control protocol 2 (transport/reliable.py PROTOCOL_VERSION): a peer of another version is refused by the codec,
 before any message is read, with the version it speaks. Version 2 dropped what version 1 negotiated: every agent
-fills KV caches from recorded inputs, takes the ranking an MLP input carries, and says its UDP wire version.
+fills KV caches from recorded inputs and takes the ranking an MLP input carries, and every master's hello and profile
+request names its UDP wire version.
 
     master -> agent   profile  ProfileRequest     agent -> master   profile {name, profile, measured, udp_port}
     master -> agent   hello    Hello              agent -> master   loading ..., then ready (Ready) or refused

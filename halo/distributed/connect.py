@@ -90,19 +90,14 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     """--sync auto: (plan, SyncChoice, planning report) from one measurement of the agents: the mode picked from
     their links (scheduler/sync_choice.py), the plan made for it."""
     from halo.linear import resolve_format
-    from halo.loader import trained_predictors_dir
+    from halo.loader import predictors_path
     from halo.scheduler.sync_choice import choose_sync
 
     master_settings = MasterSettings(**{k: settings[k] for k in ("context", "timeout_s", "sync", "predictors")},
                                      fmt=resolve_format(settings["fmt"], weights))
     cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
                               same_machine=same_machine)
-    try:
-        trained_predictors_dir(Path(weights.source), settings.get("predictors"))
-        predictors = True
-    except ConfigError:
-        predictors = False
-    chosen = choose_sync(cluster, predictors)
+    chosen = choose_sync(cluster, predictors_path(Path(weights.source), settings.get("predictors")).is_dir())
     master_settings = replace(master_settings, sync=replace(master_settings.sync, mode=chosen.mode))
     plan, planning = plan_measured(weights, layout, master_settings, cluster, select)
     return plan, chosen, planning
@@ -195,7 +190,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.planning["sync_auto"]."""
+    the other settings); what was picked and why: model.sync_auto (also in the first plan's model.planning)."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -255,6 +250,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         model = SurvivingModel(model, endpoints, planner,
                                lambda p, e, **how: cluster_model(weights, e, cluster_key, plan=p, **how, **settings),
                                cluster_key, insecure, survive)
+    model.sync_auto = chosen.to_json() if chosen is not None else None  # kept across re-plans (the wrapper's own)
     stack.callback(model.close)
     return model
 

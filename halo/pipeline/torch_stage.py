@@ -24,6 +24,7 @@ import numpy as np
 from halo.errors import ConfigError
 from halo.linear import FORMATS
 from halo.ops import rope_inv_freq
+from halo.quant import as_float32
 from halo.weights import ModelWeights
 
 from .stage import HeadRequest, check_units, n_units, top_k
@@ -79,7 +80,7 @@ class TorchStageEngine:
         """A writable copy on the device; matrices in the engine's matrix dtype (converted on the host: the
         device never holds an fp32 copy of an fp16 engine's weights)."""
         dtype = np.float16 if matrix and self.matrix_dtype == self.torch.float16 else np.float32
-        return self.torch.from_numpy(np.array(array, dtype=dtype)).to(self.device)
+        return self.torch.from_numpy(np.array(as_float32(array), dtype=dtype)).to(self.device)
 
     @property
     def takes_tokens(self) -> bool:
