@@ -88,7 +88,7 @@ def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
 def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], key, select: bool, same_machine: bool,
               settings: dict):
     """--sync auto: (plan, SyncChoice, planning report) from one measurement of the agents: the mode picked from
-    their links (scheduler/sync_choice.py), the plan made for it."""
+    their links (scheduler/sync_choice.py; settings["sync"] is set to it), the plan made for it."""
     from halo.linear import resolve_format
     from halo.loader import predictors_path
     from halo.scheduler.sync_choice import choose_sync
@@ -98,7 +98,9 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
                               same_machine=same_machine)
     chosen = choose_sync(cluster, predictors_path(Path(weights.source), settings.get("predictors")).is_dir())
-    master_settings = replace(master_settings, sync=replace(master_settings.sync, mode=chosen.mode))
+    log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
+    settings["sync"] = replace(settings["sync"], mode=chosen.mode)  # what the master and every re-plan then use
+    master_settings = replace(master_settings, sync=settings["sync"])
     plan, planning = plan_measured(weights, layout, master_settings, cluster, select)
     return plan, chosen, planning
 
@@ -236,9 +238,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
                               "--plan, --cluster), or name the sync mode")
         tp_plan, chosen, planning = auto_plan(weights, layout, endpoints, cluster_key, select, bool(local_agents),
                                               settings)
-        sync = settings["sync"] = replace(sync, mode=chosen.mode)
-        endpoints = _plan_addresses(tp_plan)
-        log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
+        sync, endpoints = settings["sync"], _plan_addresses(tp_plan)
     model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
                           same_machine=bool(local_agents), **settings)
     if chosen is not None:
