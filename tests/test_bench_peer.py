@@ -123,9 +123,19 @@ def test_the_report_compares_the_fastest_of_each_system_at_every_loss_rate():
                 (0.0, "exact", "halo", 30.0), (0.0, "halo", "halo", 40.0), (0.0, "dllama", "dllama", 45.0),
                 (0.0, "dllama turbo", "dllama", 180.0), (0.05, "exact", "halo", 36.0), (0.05, "halo", "halo", 44.0),
                 (0.05, "dllama", "dllama", 1800.0), (0.05, "dllama turbo", "dllama", 1440.0)])]
-    args = argparse.Namespace(argv=[], agents=3, layers=22, tokens=32, plan="even-mlp-only", runs=1)
+    args = argparse.Namespace(argv=[], agents=3, layers=22, tokens=32, plan="even-mlp-only", runs=1, profile=None)
     text = "\n".join(bench_peer.render(rows, ["exact", "halo"], args))
     assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | 1.50x |" in text
     assert "| 5 % | 36.0 | 44.0 | 1800.0 | 1440.0 | 40.00x |" in text  # the peer's default was its faster there
     assert "exact 1.50x, halo 2.00x, dllama 0.75x" in text  # at 0 % against each system's own single process
     assert "exact 1.20x" in text  # at 5 % against its own 0 %
+    # a peer that timed no token is said so, and the ratio takes its other mode (it crashed the run before)
+    timed = [r for r in rows if not (r["plr"] == 0.05 and r["sync"] == "dllama turbo")]
+    stalled = [{"sync": "dllama turbo", "plr": 0.05, "run": 0, "why": "no timed token within 300 s (0 lines)"}]
+    text = "\n".join(bench_peer.render(timed, ["exact", "halo"], replace_profile(args, "wifi-busy"), stalled))
+    assert "| 5 % | 36.0 | 44.0 | 1800.0 | no timed token within 300 s (0 lines) | 50.00x |" in text
+    assert "every agent link emulated as `wifi-busy` (5 +- 3 ms one way, 5 % lost in bursts of ~5" in text
+
+
+def replace_profile(args, profile):
+    return argparse.Namespace(**{**vars(args), "profile": profile})
