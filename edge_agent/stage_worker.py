@@ -83,14 +83,10 @@ class StageWorker(ControlServer):
                 return Message("error", {"reason": f"a ping carries at most one payload of {MAX_PING_BYTES >> 20} MiB"})
             return Message("pong", {}, list(message.arrays))
         if message.kind == "probe":
-            if f.get("model_sha256") != self.model_sha256:
-                return self._refuse(f"model mismatch: the coordinator runs sha256 {str(f.get('model_sha256'))[:12]}..., "
-                                    f"this worker holds {self.model_sha256[:12]}... ({self.weights.source})")
-            fmt = f.get("weights", "fp32")
-            if fmt not in FORMATS:
-                return self._refuse(f"unknown weight format {fmt!r}; a stage computes in {', '.join(FORMATS)}")
+            if reason := self._unservable(f):
+                return self._refuse(reason)
             try:
-                return Message("probe", self.probe(fmt))
+                return Message("probe", self.probe(f.get("weights", "fp32")))
             except HaloError as e:
                 return self._refuse(str(e))
         if message.kind == "hello":
@@ -111,6 +107,16 @@ class StageWorker(ControlServer):
             self.session = None
             return Message("ok")
         return Message("error", {"reason": f"unknown message kind {message.kind!r}"})
+
+    def _unservable(self, f: dict) -> str | None:
+        """Why a probe or hello cannot be served on this worker's model (None: it can)."""
+        if f.get("model_sha256") != self.model_sha256:
+            return (f"model mismatch: the coordinator runs sha256 {str(f.get('model_sha256'))[:12]}..., this worker "
+                    f"holds {self.model_sha256[:12]}... ({self.weights.source})")
+        fmt = f.get("weights", "fp32")
+        if fmt not in FORMATS:
+            return f"unknown weight format {fmt!r}; a stage computes in {', '.join(FORMATS)}"
+        return None
 
     def _refuse(self, reason: str) -> Message:
         self.served["refused"] += 1
@@ -143,9 +149,8 @@ class StageWorker(ControlServer):
 
         if f.get("protocol") != STAGE_PROTOCOL:
             return self._refuse(f"stage protocol {f.get('protocol')} but this worker speaks {STAGE_PROTOCOL}: upgrade halo")
-        if f.get("model_sha256") != self.model_sha256:
-            return self._refuse(f"model mismatch: the coordinator runs sha256 {str(f.get('model_sha256'))[:12]}..., "
-                                f"this worker holds {self.model_sha256[:12]}... ({self.weights.source})")
+        if reason := self._unservable(f):
+            return self._refuse(reason)
         c = self.weights.config
         try:
             start, stop, context = f["start"], f["stop"], f["context"]
@@ -153,8 +158,6 @@ class StageWorker(ControlServer):
             check_units(c, start, stop)
             if not isinstance(context, int) or not 0 < context <= c.max_seq_len:
                 return self._refuse(f"context {context!r} must be within 1..{c.max_seq_len}")
-            if fmt not in FORMATS:
-                return self._refuse(f"unknown weight format {fmt!r}; a stage computes in {', '.join(FORMATS)}")
             t = time.perf_counter()
             self.session = None  # a new coordinator replaces the old session (it is gone or done)
             engine = self._make_engine(start, stop, context, fmt)

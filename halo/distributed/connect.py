@@ -192,7 +192,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.sync_auto (also in the first plan's model.planning)."""
+    the other settings); what was picked and why: model.sync_auto, kept across re-plans."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -242,7 +242,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     model = cluster_model(weights, endpoints, cluster_key, plan=tp_plan or plan or "measured", select=select,
                           same_machine=bool(local_agents), **settings)
     if chosen is not None:
-        model.planning = {**model.planning, **planning, "sync_auto": chosen.to_json()}
+        model.planning = {**model.planning, **planning}  # measured, for the mode picked (model.sync_auto: which, why)
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
                             select, sync, context, tuple(model.planning.get("on_master", ())),
