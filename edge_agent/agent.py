@@ -470,16 +470,16 @@ class Agent(ControlServer):
     def _predictors(self):
         """The model's predictors, loaded once; what they made this process grow by (their onnxruntime sessions,
         run once: a session allocates at its first run) is reported as `predictors_bytes` (a memory limit for HALO
-        mode is sized from the share plus this runtime memory)."""
+        mode is sized from the share plus this runtime memory), as the agent's cgroup counts it."""
         if self._predictor_set is None:
             from halo.loader import load_predictors
-            from halo.memory import resident_bytes
+            from halo.memory import charged_bytes
 
-            before = resident_bytes()
+            before = charged_bytes()
             predictors = load_predictors(self.weights, self.predictors_dir)
             for layer in predictors.layers:
                 predictors.scores(layer, np.zeros(predictors.dim, np.float32))
-            self._predictors_bytes = max(0, resident_bytes() - before)
+            self._predictors_bytes = max(0, charged_bytes() - before)
             self._predictor_set = predictors
         return self._predictor_set
 

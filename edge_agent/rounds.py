@@ -48,21 +48,29 @@ class AgentRounds:
         """HALO over UDP: the master's MLP inputs carry its ranking, so we predict only where that starts our loads."""
         return self.worker.loads_ahead or self.sync.policy.input is not Transport.UDP
 
+    def predicts_from(self, block: Block) -> bool:
+        """Whether we rank the next layer from this block's input. Over UDP an agent that loads ahead gets the next
+        layer's ranking with its MLP input of this layer (framing.py): it predicts only where it holds none of it."""
+        if not (self.predicts and self.worker.predicts_from(block)):
+            return False
+        return self.sync.policy.input is not Transport.UDP or not self.worker.holds(Block("mlp", block.layer))
+
     def reset(self) -> None:
         self.worker.reset()
         self.kv_gap = False
 
     # ---- one block ----------------------------------------------------------------------------------
     def run(self, block: Block, epoch: int, x: np.ndarray, start: int, digest: int, send,
-            ranking: np.ndarray | None = None) -> None:
+            ranking: np.ndarray | None = None, next_ranking: np.ndarray | None = None) -> None:
         """Compute our partial of a block, hand it to send(out, status, compute_ms, cpu_ms), and predict the
         next layer (before computing, or after sending when prediction overlaps communication). ranking: the
-        master's of an MLP block (HALO over UDP), computed instead of ours."""
+        master's of an MLP block (HALO over UDP), computed instead of ours; next_ranking: its ranking of the next
+        layer, whose groups we start loading once our partial is sent."""
         forward = Epoch.decode(epoch).forward
         if forward != self.forward:  # a new forward pass: rankings of the last one must not be reused
             self.forward = forward
             self.worker.begin_forward()
-        predicts = self.predicts and self.worker.predicts_from(block)
+        predicts = self.predicts_from(block)
         if predicts and not self.sync.pred_overlap:
             self._predict(block, x)
         t, cpu = time.perf_counter(), time.thread_time()
@@ -76,6 +84,8 @@ class AgentRounds:
         self.served["send_ms"] += 1e3 * (time.perf_counter() - t)
         if predicts and self.sync.pred_overlap:
             self._predict(block, x)
+        if next_ranking is not None and block.kind == "mlp":
+            self.worker.expect_ranking(block.layer + 1, next_ranking)
 
     def _predict(self, block: Block, x: np.ndarray) -> None:
         t = time.perf_counter()
@@ -86,7 +96,7 @@ class AgentRounds:
                  ranking: np.ndarray | None = None) -> tuple[np.ndarray | None, Status]:
         """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
         if not self.worker.holds(block):
-            if self.worker.predicts_from(block):
+            if self.predicts_from(block):
                 return None, Status.OK  # a listener: it only needed the input to predict
             raise HaloError(f"this agent holds no groups of the {block}")
         if block.kind == "attention" and self.kv_gap:
@@ -176,7 +186,8 @@ class AgentRounds:
         block = Block(KINDS[point.point], point.layer)
         try:
             self.run(block, epoch, broadcast.x, broadcast.start, broadcast.digest,
-                     lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms), broadcast.ranking)
+                     lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms), broadcast.ranking,
+                     broadcast.next_ranking)
         except HaloError as e:
             self.served["errors"] += 1
             log.warning("block refused: %s", e)

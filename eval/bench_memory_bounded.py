@@ -5,9 +5,10 @@
 
 The namespace test bed (rpi/testbed.py, 0 % loss), the master unlimited, every agent in its own cgroup-v1
 memory group (rpi/limits.py) with its own copy of the model file. Per sync mode, first unlimited: each agent's
-share is what its process grew by in exact mode (peak resident set minus its idle size before the hello: weights
-as built, KV cache, buffers). Then every agent limited to its idle size + the mode's own runtime memory (HALO: its
-predictors' onnxruntime sessions, as the agent measured loading them) + FACTOR x its share (--limits: share +
+share is what its cgroup's charge grew by in exact mode (peak usage minus its usage idle before the hello: weights
+as built, KV cache, buffers; what the limit counts, not the resident set, which also holds library pages other
+cgroups were charged for). Then every agent limited to its idle usage + the mode's own runtime memory (HALO: its
+predictors' onnxruntime sessions, as the agent measured loading them in its cgroup) + FACTOR x its share (--limits: share +
 25 %, share + 10 %), the agent budgeting from what its cgroup leaves (its default budget). HALO mode re-maps
 MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
 keeps what its budget allows (halo/group_cache.py) and builds the rest when the predictors rank them onto it.
@@ -142,7 +143,7 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
             limits.append(device)
         stack.callback(stop_processes, processes)
         endpoints = [p.wait_listening(120.0) for p in processes]
-        idle = [status_of(p.pid)["VmRSS"] for p in processes]
+        idle = [(status_of(p.pid)["VmRSS"], device.usage()["usage_bytes"]) for p, device in zip(processes, limits)]
         row = {"mode": mode + ("+prepared" if prepared else ""), "limits_bytes": limits_bytes, "read_bps": read_bps, "settings": settings or {}}
         try:
             result = run_master(bed, model, key, endpoints, mode, args.tokens, settings or {}, args.time_limit,
@@ -157,8 +158,8 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
         except (RuntimeError, OSError) as e:
             row["error"] = str(e).strip().splitlines()[-1][:400]
         row["agents"] = []
-        for p, device, rss in zip(processes, limits, idle):
-            agent = {"idle_rss_bytes": rss, **device.usage()}
+        for p, device, (rss, usage) in zip(processes, limits, idle):
+            agent = {"idle_rss_bytes": rss, "idle_usage_bytes": usage, **device.usage()}
             if p.poll() is None:
                 agent["peak_rss_bytes"] = status_of(p.pid)["VmHWM"]
             else:
@@ -224,8 +225,8 @@ def run(args) -> None:
 
 @dataclass
 class Sizing:
-    """What the limits are sized from, per agent: its idle resident set before the hello, its share (what it grew by
-    in exact mode: weights as built, KV cache, buffers) and, per mode, the runtime's own memory the mode needs
+    """What the limits are sized from, per agent, as its cgroup counts memory: its usage idle before the hello, its
+    share (what its usage grew by in exact mode: weights as built, KV cache, buffers) and, per mode, the runtime's own memory the mode needs
     beyond the share (HALO: the predictors' onnxruntime sessions, as the agent measured loading them). A limit is
     idle + runtime + FACTOR x share: "share + 10 %" leaves every mode the same 10 % of its share."""
 
@@ -238,8 +239,8 @@ class Sizing:
         base = free.get("exact") or next(iter(free.values()))
         runtime = {m: [(a or {}).get("predictors_bytes", 0) for a in (row.get("agents_memory") or [{}] * len(base["agents"]))]
                    for m, row in free.items()}
-        return cls([a["idle_rss_bytes"] for a in base["agents"]],
-                   [a["peak_rss_bytes"] - a["idle_rss_bytes"] for a in base["agents"]], runtime)
+        return cls([a["idle_usage_bytes"] for a in base["agents"]],
+                   [a["max_usage_bytes"] - a["idle_usage_bytes"] for a in base["agents"]], runtime)
 
     def runtime_of(self, mode: str) -> list[int]:
         return self.runtime.get(mode.removesuffix("+prepared"), [0] * len(self.idle))
@@ -280,8 +281,9 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
     lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`. {host_line()}", "",
              f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
-             "cgroup with its own model copy, the master unlimited. Share = what an agent's process grew by in exact "
-             "mode unlimited (peak RSS minus idle RSS); limit = idle RSS + the mode's runtime memory (HALO: the predictors' sessions) + factor x share. Storage \"page cache\": "
+             "cgroup with its own model copy, the master unlimited. Share = what an agent's cgroup charge grew by in exact "
+             "mode unlimited (peak usage minus idle usage); limit = idle usage + the mode's runtime memory (HALO: the "
+             "predictors' sessions, as its cgroup counted them) + factor x share. Storage \"page cache\": "
              "each agent's model copy and prepared groups read into the host's page cache before the row (storage as "
              "fast as memory; outside the agent's limit); \"N MB/s\": evicted first and read through a blkio "
              "throttle. Per-token columns count "

@@ -15,6 +15,7 @@ import resource
 import sys
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -222,22 +223,60 @@ def cgroups() -> list[tuple[list[str], str]]:
     return [(controllers.split(","), path) for _, controllers, path in (line.split(":", 2) for line in lines)]
 
 
-def memory_limit() -> tuple[int, int] | None:
-    """This process's cgroup memory limit and the cgroup's usage (bytes), None when unlimited or unknown."""
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """A memory cgroup's files (v1 or v2): its limit, its usage, and the memory.stat fields of what it holds that
+    reclaim cannot take back without a process reading it again (anonymous and shared memory, mapped file pages)."""
+
+    path: Path
+    limit_file: str
+    usage_file: str
+    in_use_fields: tuple[str, ...]
+
+
+def memory_cgroup() -> MemoryCgroup | None:
+    """This process's own memory cgroup (a systemd service's, the test bed's per-device group), limited or not; None
+    in the root group (its counts are the whole machine's) or where unknown."""
     for controllers, path in cgroups():
+        if path.strip("/") == "":
+            continue
         if "memory" in controllers:
-            files = Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"
-        elif controllers == [""]:
-            files = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current"
+            found = MemoryCgroup(Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes",
+                                 "memory.usage_in_bytes", ("total_rss", "total_shmem", "total_mapped_file"))
+        elif controllers == [""]:  # (on a v1 machine the unified line names a group /sys/fs/cgroup does not hold)
+            found = MemoryCgroup(Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current",
+                                 ("anon", "shmem", "file_mapped"))
         else:
             continue
-        try:
-            cap, usage = ((files[0] / name).read_text().strip() for name in files[1:])
-            if cap != "max" and int(cap) < 1 << 60:  # v1 writes "unlimited" as a huge number
-                return int(cap), int(usage)
-        except (OSError, ValueError):
-            continue
+        if (found.path / found.limit_file).exists():
+            return found
     return None
+
+
+def memory_limit() -> tuple[int, int] | None:
+    """This process's cgroup memory limit and the cgroup's usage (bytes), None when unlimited or unknown."""
+    cgroup = memory_cgroup()
+    try:
+        cap, usage = ((cgroup.path / name).read_text().strip() for name in (cgroup.limit_file, cgroup.usage_file))
+        if cap != "max" and int(cap) < 1 << 60:  # v1 writes "unlimited" as a huge number
+            return int(cap), int(usage)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return None
+
+
+def charged_bytes() -> int:
+    """What this process holds as its cgroup counts it (after returning freed heap to the OS): the cgroup's anonymous
+    and shared memory and mapped file pages, not the clean page cache it merely read through. This, not the resident
+    set, is what meets a limit: the resident set also counts library pages another cgroup was charged for (an agent
+    started after others: ~50 MB of Python's and onnxruntime's code). The resident set outside a cgroup of its own."""
+    cgroup = memory_cgroup()
+    release_freed_heap()  # (freed heap the allocator keeps is charged too)
+    try:
+        stat = dict(line.split() for line in (cgroup.path / "memory.stat").read_text().splitlines())
+        return sum(int(stat[field]) for field in cgroup.in_use_fields)
+    except (AttributeError, OSError, ValueError, KeyError):
+        return resident_bytes()
 
 
 HEADROOM_MARGIN = 0.10  # of a cgroup limit, and at least HEADROOM_MIN: transient memory of building a kernel,
@@ -250,12 +289,12 @@ GROUPS_HEADROOM_MIN = 8 << 20  # cache shrinks each pass where the limit runs sh
 
 def memory_headroom(margin: float = HEADROOM_MARGIN, least: int = HEADROOM_MIN) -> int | None:
     """What this process may still grow by under its cgroup's memory limit, less a margin (`margin` of the limit,
-    at least `least` bytes; None: no limit). The limit counts the page cache too; the process's resident set is
-    what reclaim cannot take back."""
+    at least `least` bytes; None: no limit). The limit counts the page cache too; what reclaim cannot take back
+    is what the cgroup holds in use (`charged_bytes`)."""
     limit = memory_limit()
     if limit is None:
         return None
-    return int(limit[0] - resident_bytes() - max(least, margin * limit[0]))
+    return int(limit[0] - charged_bytes() - max(least, margin * limit[0]))
 
 
 def groups_headroom() -> int | None:

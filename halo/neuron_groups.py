@@ -346,6 +346,10 @@ class CompactMlpGroup:
             raise ValueError(f"gate+up rows {gate_up.n} do not feed W_down's {down.k} columns")
         self.gate_up, self.down = gate_up, down
         self.nbytes = gate_up.nbytes + down.nbytes
+        # a decode step computes the device's groups in one C call (MlpGroupBank.forward), as held kernels are: called
+        # group by group from Python, a bounded SmolLM2 agent computed its share 1.5x slower with every group held
+        fused = _nbits is not None and not (gate_up.padded or down.padded)
+        self.step_weights = (gate_up.c_weight, down.c_weight) if fused else None
 
     @classmethod
     def build(cls, layer: LayerWeights, layout: GroupLayout, group: int, fmt: str,

@@ -188,21 +188,36 @@ class Remapper:
         heads, groups = self.predictors.rank(layer, np.atleast_2d(hidden))
         self.head_rankings[layer], self.rankings[layer] = heads, groups
         self.predict_ms += 1e3 * (time.perf_counter() - t)
-        if layer in self.ranges and self.pool is not None and self.loads:
-            self.loading[layer] = self.pool.submit(self._load, layer)
+        self._load_ahead(layer)
 
     def adopt(self, layer: int, ranking: np.ndarray) -> None:
         """The master's ranking of `layer` ([T, G], sent with its MLP input: halo/sync/framing.py) instead of ours:
         the groups computed are the ones it ranked, whatever our predictors said (or whether we predicted)."""
         self.rankings[layer] = np.asarray(ranking)
 
+    def expect(self, layer: int, ranking: np.ndarray) -> None:
+        """The master's ranking of a layer still to come (sent with the MLP input before it): load our groups of it
+        ahead, as our own prediction would have (the layer's MLP input brings the same ranking to compute)."""
+        if layer not in self.loading:
+            self.rankings[layer] = np.asarray(ranking)
+            self._load_ahead(layer)
+
+    def _load_ahead(self, layer: int) -> None:
+        if layer in self.ranges and self.pool is not None and self.loads:
+            self.loading[layer] = self.pool.submit(self._load, layer)
+
     @property
     def loads(self) -> bool:
         """Whether loading a layer's groups ahead does anything: not where every candidate group was built at the
         start and stays (an unbounded cache). There the load thread only cost the computation: it woke for nothing
         and took the GIL while the main thread waited for the partial sums (a TinyLlama-shaped token's prediction
-        time on the 2-core test bed: 7.1 -> 2.3 ms, eval/results/halo_speed_c_datagrams.md)."""
-        return self.cache is None or self.cache.capacity_bytes is not None
+        time on the 2-core test bed: 7.1 -> 2.3 ms, eval/results/halo_speed_c_datagrams.md). Nor where a bounded cache
+        holds every candidate (a budget that has room for them): there an agent predicted every layer for nothing, a
+        SmolLM2 agent's onnxruntime sessions on the shared cores making its tokens 1.2x slower than unbounded. (A cache
+        that shrinks later builds what a ranking lacks in line.)"""
+        if self.cache is None:
+            return True
+        return self.cache.capacity_bytes is not None and len(self.cache) < self.n_groups * len(self.ranges)
 
     def digest(self, layer: int) -> int:
         return ranking_digest(self.rankings.get(layer)) if self.predicts(layer) else 0

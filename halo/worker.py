@@ -194,6 +194,12 @@ class DeviceWorker:
         if self.remapper is not None:
             self.remapper.adopt(layer, ranking)
 
+    def expect_ranking(self, layer: int, ranking: np.ndarray) -> None:
+        """HALO: the master's ranking of a layer still to come ([T, G], sent with the previous layer's MLP input):
+        start loading our groups of it, as our own prediction would."""
+        if self.remapper is not None and 0 <= layer < self.config.n_layers:
+            self.remapper.expect(layer, ranking)
+
     def reset(self) -> None:
         for shard in self.attention.values():
             shard.reset()

@@ -81,10 +81,10 @@ class DeviceLimits:
             (self.blkio / "cgroup.procs").write_text(pid)
 
     def usage(self) -> dict:
-        """Peak memory (page cache included) and whether the limit was reached, the process memory and page cache
+        """Memory now and at its peak (page cache included) and whether the limit was reached, the process memory and page cache
         now, major faults, and bytes read from the model's disk."""
         stat = dict(line.split() for line in (self.memory / "memory.stat").read_text().splitlines())
-        out = {"limit_bytes": self.memory_bytes,
+        out = {"limit_bytes": self.memory_bytes, "usage_bytes": int((self.memory / "memory.usage_in_bytes").read_text()),
                "max_usage_bytes": int((self.memory / "memory.max_usage_in_bytes").read_text()),
                "limit_hits": int((self.memory / "memory.failcnt").read_text()),
                "rss_bytes": int(stat["rss"]), "cache_bytes": int(stat["cache"]), "major_faults": int(stat["pgmajfault"]),

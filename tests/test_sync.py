@@ -141,9 +141,10 @@ def test_halo_recovers_what_lossy_drops(stories_weights, cluster):
 
 @pytest.mark.parametrize("mode", ["halo", "halo-tcp"])
 def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tmp_path, mode):
-    """Over UDP the master's ranking rides in every MLP input, so agents whose predictors disagree compute the
-    master's groups (same tokens; they count the overrides); over TCP (halo-tcp) they rank with their own, and one
-    that disagrees makes the master stop loudly instead of merging a wrong sum."""
+    """Over UDP the master's ranking rides in every MLP input, and the next layer's too for agents that load ahead
+    (fp32 pages here), so agents whose predictors disagree compute the master's groups and never consult their own
+    (same tokens, nothing overridden); over TCP (halo-tcp) they rank with their own, and one that disagrees makes the
+    master stop loudly instead of merging a wrong sum."""
     from halo.distributed.remote import ask_status
 
     import onnx
@@ -173,7 +174,8 @@ def test_agents_with_other_predictors_are_refused_not_merged(stories_weights, tm
         finally:
             model.close()
         answers = ask_status(c.endpoints, c.key, timeout_s=5.0)
-    assert all(answers[e]["served"]["rankings_overridden"] > 0 for e in c.endpoints)
+    assert all(answers[e]["served"]["rankings_overridden"] == 0 for e in c.endpoints)
+    assert all(answers[e]["served"]["predict_ms"] == 0 for e in c.endpoints)
 
 
 def test_halo_mode_runs_compact_weights(stories_weights, cluster):
@@ -205,6 +207,32 @@ def test_halo_with_attention_on_the_master_sends_no_input_agents_only_listened_t
         assert report["breakdown"]["sync_rounds_per_token"] == stories_weights.config.n_layers + 1
     finally:
         model.close()
+
+
+def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_input(stories_weights):
+    """halo over UDP, --plan even-mlp, agents under a memory budget their candidate groups do not all fit: the MLP
+    input of layer l carries the master's ranking of layer l+1 too, so an agent that reads its groups ahead loads
+    them without predictors of its own and without the attention input it would predict from (it ran the
+    predictors every layer, and the master sent it every attention input): no prediction on any agent, groups
+    loaded ahead, a token still L + 1 rounds, the single-process int8 model's tokens (teacher-forced, as above)."""
+    from halo.distributed.remote import ask_status
+
+    tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
+    with LocalCluster(2, extra_args=("--memory-budget", "0.7")) as cluster:  # MB: ~21 of an agent's 40 groups fit
+        model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even-mlp", context=CONTEXT,
+                              fmt="int8", sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
+        try:
+            assert any(agent.loads_ahead for agent in model.agents.values())
+            assert forced_agreement(model, tokens) >= 0.95
+            report = model.sync_report()
+            assert report["loss"]["partials_dropped"] == 0
+            assert report["breakdown"]["sync_rounds_per_token"] == stories_weights.config.n_layers + 1
+            memory = [s["memory"] for s in ask_status(cluster.endpoints, cluster.key).values()]
+        finally:
+            model.close()
+    assert all(m["predict_ms"] == 0 for m in memory)
+    loading = [m["group_cache"] for m in memory if m["group_cache"]["groups"] < 40]
+    assert loading and all(c["prefetched"] > 0 for c in loading)
 
 
 def test_sync_settings_are_checked():

@@ -130,5 +130,28 @@ def test_a_broadcast_carries_the_masters_ranking_and_refuses_a_forged_one():
             read_broadcast(forged, 8)
 
 
+def test_a_broadcast_may_carry_the_next_layers_ranking_and_refuses_a_forged_one():
+    """An MLP input for agents that load ahead carries the next layer's ranking behind this layer's (G + NEXT in the
+    prefix): read back as given, checked to be an order of the groups (the digest covers this layer's)."""
+    from halo.sync.framing import NEXT
+
+    x = np.arange(2 * 8, dtype=np.float32).reshape(2, 8)
+    ranking, following = np.array([[2, 0, 1], [1, 2, 0]]), np.array([[0, 1, 2], [2, 1, 0]])
+    body = frame_broadcast(x, 5, ranking_digest(ranking), per_chunk=13, ranking=ranking, next_ranking=following)
+    assert body[3] == 3 + NEXT
+    got = read_broadcast(body, 8)
+    assert np.array_equal(got.ranking, ranking) and np.array_equal(got.next_ranking, following)
+    assert read_broadcast(frame_broadcast(x, 5, ranking_digest(ranking), 13, ranking), 8).next_ranking is None
+    with pytest.raises(ValueError, match="not shaped as"):
+        frame_broadcast(x, 5, 0, 13, ranking, following[:, :2])
+    for forge, reason in ((lambda b: b.__setitem__(26, 1), "not an order"),
+                          (lambda b: b.__setitem__(3, 30 + NEXT), "claims two rankings of 30 groups"),
+                          (lambda b: b.__setitem__(3, NEXT), "claims a ranking of 65536 groups")):
+        forged = body.copy()
+        forge(forged)
+        with pytest.raises(FramingError, match=reason):
+            read_broadcast(forged, 8)
+
+
 def test_policy_transports_are_named_values():
     assert {p.input for p in POLICIES.values()} == {Transport.TCP, Transport.UDP}

@@ -26,7 +26,7 @@
 #define HEADER_BYTES 32
 #define TAG_BYTES 16
 #define MAX_PAYLOAD (MAX_DATAGRAM - HEADER_BYTES - TAG_BYTES)
-#define WIRE_VERSION 4 /* wire.VERSION */
+#define WIRE_VERSION 5 /* wire.VERSION */
 #define MAX_KIND 4  /* PARITY_Q */
 #define MAX_DTYPE 2 /* INT8 */
 #define RECV_BATCH 64 /* also the module constant RECV_BATCH */

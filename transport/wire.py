@@ -44,7 +44,8 @@ except ImportError:  # pragma: no cover - a build without a C compiler
     _datagrams = None
 
 MAGIC = b"HL"
-VERSION = 4  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group; 4: a key per session
+VERSION = 5  # 3: parity Q (kind 4), parity prefix = group size + parity chunks per group; 4: a key per session;
+# 5: an MLP input may carry the next layer's ranking (halo/sync/framing.py)
 HEADER = struct.Struct("<2sBBBBIQQHHH")
 TAG_BYTES = 16
 MAX_DATAGRAM = 1472

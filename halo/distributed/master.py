@@ -156,19 +156,24 @@ class DistributedModel:
         plan = plan_round(self.sync.policy, holders, listeners, self._critical(block, holders))
         epoch = Epoch(self.forward_id, block.layer, POINTS[block.kind]).encode()
         digest = self.worker.digest(block.layer) if block.kind == "mlp" else 0
+        following = None
         if digest and plan.input_udp:  # the agents compute the groups of our ranking: it rides in the input
             ranking = remapper.rankings.get(block.layer)
+            if any(self.agents[i].loads_ahead for i in plan.input_udp):  # and the next layer's, to load ahead
+                following = remapper.rankings.get(block.layer + 1)
         label = f"{block.kind} of layer {block.layer} at position {start} (step {self.step})"
-        return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label, ranking)
+        return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label, ranking, following)
 
     def _listeners(self, layer: int) -> list[int]:
         """Agents that need the input of layer-1's attention to predict `layer`'s ranking themselves. Over UDP an
-        MLP input carries the master's ranking, so only agents that load their groups ahead (a memory budget:
-        the prediction starts the reading) still listen; over TCP every holder of the layer's MLP does."""
+        MLP input carries the master's ranking, and for agents that load their groups ahead (a memory budget) the
+        next layer's too: only such an agent that holds no MLP ranks of layer-1 (so gets no MLP input of it) still
+        listens; over TCP every holder of the layer's MLP does."""
         holders = self.holders[Block("mlp", layer)]
         if self.sync.policy.input is not Transport.UDP:
             return holders
-        return [i for i in holders if self.agents[i].loads_ahead]
+        before = self.holders[Block("mlp", layer - 1)]
+        return [i for i in holders if self.agents[i].loads_ahead and i not in before]
 
     def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         if block.kind == "lm_head":

@@ -38,10 +38,13 @@ class RoundContext:
 
 class MasterRound:
     def __init__(self, ctx: RoundContext, block: Block, epoch: int, x: np.ndarray, start: int, digest: int,
-                 plan: RoundPlan, label: str, ranking: np.ndarray | None = None):
-        """ranking: the master's MLP ranking of the block's layer (HALO), sent with a UDP input (framing.py)."""
+                 plan: RoundPlan, label: str, ranking: np.ndarray | None = None,
+                 next_ranking: np.ndarray | None = None):
+        """ranking: the master's MLP ranking of the block's layer (HALO), sent with a UDP input (framing.py);
+        next_ranking: the next layer's, sent with it where an agent loads its groups ahead."""
         self.ctx, self.block, self.epoch, self.x, self.start = ctx, block, epoch, x, start
         self.digest, self.plan, self.label, self.ranking = digest, plan, label, ranking
+        self.next_ranking = next_ranking
         self.tokens = len(x)
         self.expected = {i: partial_size(self.tokens, ctx.agents[i].width(block, ctx.dim)) for i in plan.partial_udp}
         self.sent_at = 0.0
@@ -51,7 +54,8 @@ class MasterRound:
         ctx, plan = self.ctx, self.plan
         self.sent_at = time.perf_counter()
         if plan.input_udp:
-            body = frame_broadcast(self.x, self.start, self.digest, wire.values_per_chunk(wire.FLOAT32), self.ranking)
+            body = frame_broadcast(self.x, self.start, self.digest, wire.values_per_chunk(wire.FLOAT32), self.ranking,
+                                   self.next_ranking)
             parity = ctx.sync.parity_group if ctx.udp.lossy(plan.input_udp) else 0
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
                                 parity_group=parity, parity_chunks=ctx.sync.parity_chunks)

@@ -10,11 +10,14 @@ The forward-pass counter only grows within a session: a re-run of the same posit
 an epoch.
 
 Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so digests are 24-bit):
-- broadcast (an input): [tokens, start position, ranking digest, G], then the input [T, D], then (G > 0,
-  HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G], padded with zeros to
-  whole chunks, so a receiver learns the size from the chunk count. With the ranking in the input an agent
-  needs no prediction of its own (nor the input of the attention block before, which it would predict from):
-  it computes the groups the master ranked; the ranking usually rides in the last chunk's padding;
+- broadcast (an input): [tokens, start position, ranking digest, G + NEXT x has-next], then the input [T, D],
+  then (G > 0, HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G] and (has-next)
+  its ranking of the next layer's [T, G], padded with zeros to whole chunks, so a receiver learns the size from
+  the chunk count. With the ranking in the input an agent needs no prediction of its own (nor the input of the
+  attention block before, which it would predict from): it computes the groups the master ranked; the rankings
+  usually ride in the last chunk's padding. The next layer's tells an agent that reads its groups from storage
+  (a memory budget) which to read while the master works on the next attention block: it loads ahead without
+  running predictors of its own (wire version 5);
 - partial (an answer): [compute ms, 0, status, 0].
 """
 
@@ -100,6 +103,7 @@ def forward_passes_between(after: int, newest: int) -> int:
 
 
 MAX_RANKED_GROUPS = 1 << 15  # groups a broadcast ranking may order (rankings are int16: ranking_digest)
+NEXT = 1 << 16  # added to the prefix's G where the next layer's ranking follows this layer's (exact in float32)
 
 
 @dataclass(frozen=True)
@@ -109,16 +113,19 @@ class Broadcast:
     digest: int
     x: np.ndarray  # [tokens, dim]
     ranking: np.ndarray | None = None  # [tokens, G] the master's MLP ranking (HALO), most important group first
+    next_ranking: np.ndarray | None = None  # [tokens, G] its ranking of the next layer (to load its groups ahead)
 
 
-def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int,
-                    ranking: np.ndarray | None = None) -> np.ndarray:
-    """An input [T, D] (and the master's ranking [T, G] of an MLP input) as one float32 vector, padded to whole
-    chunks of per_chunk values."""
+def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int, ranking: np.ndarray | None = None,
+                    next_ranking: np.ndarray | None = None) -> np.ndarray:
+    """An input [T, D] (and the master's ranking [T, G] of an MLP input, and of the next layer's) as one float32
+    vector, padded to whole chunks of per_chunk values."""
     if ranking is None:
         return _frame([len(x), start, digest, 0], [x], per_chunk)
-    ranking = np.asarray(ranking).reshape(len(x), -1)  # group ids, exact in float32
-    return _frame([len(x), start, digest, ranking.shape[1]], [x, ranking], per_chunk)
+    rankings = [np.asarray(r).reshape(len(x), -1) for r in (ranking, next_ranking) if r is not None]  # exact in float32
+    if len({r.shape for r in rankings}) != 1:
+        raise ValueError(f"the next layer's ranking {rankings[-1].shape} is not shaped as this layer's {rankings[0].shape}")
+    return _frame([len(x), start, digest, rankings[0].shape[1] + NEXT * (len(rankings) - 1)], [x, *rankings], per_chunk)
 
 
 def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
@@ -128,18 +135,22 @@ def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
     x = values[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim)
     if ranked == 0:
         return Broadcast(tokens, start, digest, x)
-    if not (0 < ranked <= MAX_RANKED_GROUPS and ranked == int(ranked)) or \
-            PREFIX + tokens * (dim + int(ranked)) > len(values):
-        raise FramingError(f"a broadcast of {len(values)} values claims a ranking of {ranked!r} groups for {tokens} "
-                           "tokens")
-    groups = int(ranked)
+    count = 2 if ranked > NEXT else 1
+    groups = ranked - NEXT * (count - 1)
+    if not (0 < groups <= MAX_RANKED_GROUPS and groups == int(groups)) or \
+            PREFIX + tokens * (dim + count * int(groups)) > len(values):
+        raise FramingError(f"a broadcast of {len(values)} values claims {'a ranking' if count == 1 else 'two rankings'} "
+                           f"of {float(groups):g} groups for {tokens} tokens")
+    groups = int(groups)
     at = PREFIX + tokens * dim
-    ranking = values[at:at + tokens * groups].reshape(tokens, groups)
-    if not (np.sort(ranking, axis=1) == np.arange(groups, dtype=np.float32)).all():
-        raise FramingError(f"a broadcast's ranking of {groups} groups is not an order of them")
-    if ranking_digest(ranking) != digest:
+    rankings = [values[at + i * tokens * groups:at + (i + 1) * tokens * groups].reshape(tokens, groups)
+                for i in range(count)]
+    for r in rankings:
+        if not (np.sort(r, axis=1) == np.arange(groups, dtype=np.float32)).all():
+            raise FramingError(f"a broadcast's ranking of {groups} groups is not an order of them")
+    if ranking_digest(rankings[0]) != digest:
         raise FramingError("a broadcast's ranking does not match the digest it came with")
-    return Broadcast(tokens, start, digest, x, ranking.astype(np.int64))
+    return Broadcast(tokens, start, digest, x, *(r.astype(np.int64) for r in rankings))
 
 
 def frame_partial(out: np.ndarray | None, status: Status, compute_ms: float) -> np.ndarray:
