@@ -27,7 +27,7 @@ from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
 from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
 from halo.memory import memory_limit, read_mapped_files_at_random
-from halo.sync import Status, SyncSettings, Transport
+from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
 from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
@@ -401,7 +401,9 @@ class Agent(ControlServer):
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
         self._check_budget(share, layout, context, fmt)
-        predictors = self._predictors() if sync.policy.remap and sync.predict else None
+        ranks = sync.policy.remap and sync.predict and any(ranks_next_layer_itself(sync.policy, share.mlp, l)
+                                                            for l in range(c.n_layers))
+        predictors = self._predictors() if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
         prepared = self._prepared(fmt, layout) if sync.policy.remap else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):

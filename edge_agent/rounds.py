@@ -18,7 +18,7 @@ import numpy as np
 
 from halo.errors import HaloError
 from halo.shares import Block
-from halo.sync import Epoch, FramingError, Point, Status, SyncSettings, Transport
+from halo.sync import Epoch, FramingError, Point, Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.sync.framing import (attention_inputs_between, forward_passes_between, frame_partial, is_reply,
                                read_broadcast, reply_epoch)
 from halo.transport import wire
@@ -49,11 +49,10 @@ class AgentRounds:
         return self.worker.loads_ahead or self.sync.policy.input is not Transport.UDP
 
     def predicts_from(self, block: Block) -> bool:
-        """Whether we rank the next layer from this block's input. Over UDP an agent that loads ahead gets the next
-        layer's ranking with its MLP input of this layer (framing.py): it predicts only where it holds none of it."""
-        if not (self.predicts and self.worker.predicts_from(block)):
-            return False
-        return self.sync.policy.input is not Transport.UDP or not self.worker.holds(Block("mlp", block.layer))
+        """Whether we rank the next layer from this block's input (over UDP only where the MLP input of this layer,
+        which carries the next layer's ranking, does not come to us)."""
+        return (self.predicts and self.worker.predicts_from(block)
+                and ranks_next_layer_itself(self.sync.policy, self.worker.share.mlp, block.layer))
 
     def reset(self) -> None:
         self.worker.reset()

@@ -283,8 +283,8 @@ HEADROOM_MARGIN = 0.10  # of a cgroup limit, and at least HEADROOM_MIN: transien
 HEADROOM_MIN = 24 << 20  # the page cache its weights pass through, the heap's own slack
 
 
-GROUPS_HEADROOM_MARGIN = 0.05  # HALO's re-mapped groups: buffers of their own, returned at eviction, and the
-GROUPS_HEADROOM_MIN = 8 << 20  # cache shrinks each pass where the limit runs short (halo/remap.py)
+GROUPS_HEADROOM_MARGIN = 0.02  # HALO's re-mapped groups: buffers of their own, returned at eviction, and the
+GROUPS_HEADROOM_MIN = 2 << 20  # cache shrinks each pass where the limit runs short (halo/remap.py)
 
 
 def memory_headroom(margin: float = HEADROOM_MARGIN, least: int = HEADROOM_MIN) -> int | None:

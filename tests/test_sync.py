@@ -218,7 +218,7 @@ def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_in
     from halo.distributed.remote import ask_status
 
     tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
-    with LocalCluster(2, extra_args=("--memory-budget", "0.7")) as cluster:  # MB: ~21 of an agent's 40 groups fit
+    with LocalCluster(2, extra_args=("--memory-budget", "0.9")) as cluster:  # MB: ~25 of an agent's 40 groups fit
         model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even-mlp", context=CONTEXT,
                               fmt="int8", sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
         try:
@@ -230,7 +230,7 @@ def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_in
             memory = [s["memory"] for s in ask_status(cluster.endpoints, cluster.key).values()]
         finally:
             model.close()
-    assert all(m["predict_ms"] == 0 for m in memory)
+    assert all(m["predict_ms"] == 0 and m["predictors_bytes"] == 0 for m in memory)  # none loaded: none needed
     loading = [m["group_cache"] for m in memory if m["group_cache"]["groups"] < 40]
     assert loading and all(c["prefetched"] > 0 for c in loading)
 

@@ -17,8 +17,10 @@ import numpy as np
 from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
 from halo.quant import embed
+from halo.remap import keep_in_place
 from halo.shares import Block, Shares, rank_range
-from halo.sync import AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round
+from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round,
+                       ranks_next_layer_itself)
 from halo.worker import DeviceWorker
 from halo.weights import ModelWeights
 
@@ -29,6 +31,7 @@ from .session import MasterSettings, Session
 from .timing import RoundTime, Timings
 
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
+TIER_PLR = 0.01  # agents whose probed links lose within this of each other are equally reliable (keep_in_place)
 
 
 class DistributedModel:
@@ -70,6 +73,9 @@ class DistributedModel:
         # who holds groups of which block, worked out once: the per-token loop only looks them up
         self.holders = {b: [i for i, a in self.agents.items() if a.holds(b)] for b in self._blocks()}
         self.listeners = {l: self._listeners(l) for l in range(1, c.n_layers)} if self.worker.remapper else {}
+        tiers = {l: self._tiers(l) for l in range(1, c.n_layers)} if self.worker.remapper else {}
+        self.tiers = {l: t for l, t in tiers.items() if t}  # HALO: where rankings keep groups in place (keep_in_place)
+        self.placed: dict[int, np.ndarray] = {}  # layer -> last token's ranking as placed
         # blocks the master computes alone, with nobody listening to their input: no round, nothing on the wire
         self.alone = {b for b, held in self.holders.items()
                       if not held and not (b.kind == "attention" and self.listeners.get(b.layer + 1))}
@@ -119,7 +125,7 @@ class DistributedModel:
         if block in self.alone:  # nothing to send or gather (~20 us of round bookkeeping a block saved)
             out = self._own(block, x, start)
             t1 = time.perf_counter()
-            self.worker.predict_next(block, x)
+            self._predict_next(block, x)
             if self.decoding:
                 t2 = time.perf_counter()
                 self.timings.record(RoundTime(1e3 * (t2 - t0), 0.0, 1e3 * (t1 - t0), 1e3 * (t2 - t1), 0.0, 0.0, 0.0),
@@ -131,7 +137,7 @@ class DistributedModel:
         out = self._own(block, x, start)
         t2 = time.perf_counter()
         if self.sync.pred_overlap:
-            self.worker.predict_next(block, x)  # while the partial sums are in flight
+            self._predict_next(block, x)  # while the partial sums are in flight
         t3 = time.perf_counter()
         partials = round_.collect()
         t4 = time.perf_counter()
@@ -140,13 +146,42 @@ class DistributedModel:
                 out = self._merge(block, out, self.agents[i], partial)
         t5 = time.perf_counter()
         if not self.sync.pred_overlap:
-            self.worker.predict_next(block, x)
+            self._predict_next(block, x)
         t6 = time.perf_counter()
         if self.decoding:
             self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
                                           1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
                                 round_.agent_compute, synced=bool(round_.plan.receivers))
         return out
+
+    def _predict_next(self, block: Block, x: np.ndarray) -> None:
+        """HALO: rank the next layer's groups (from an attention block's input) and, within each tier of equally
+        reliable agents that read groups from storage, keep the groups where they went last token."""
+        self.worker.predict_next(block, x)
+        layer = block.layer + 1
+        ranking = self.worker.remapper.rankings.get(layer) if layer in self.tiers else None
+        if ranking is None:
+            return
+        if len(ranking) == 1:  # a decode step (a prompt's rows: each token its own groups, the agents read them all)
+            ranking = self.worker.remapper.rankings[layer] = keep_in_place(ranking[0], self.placed.get(layer),
+                                                                            self.tiers[layer])[None]
+        self.placed[layer] = ranking[-1]
+
+    def _tiers(self, layer: int) -> list[list[tuple[int, int]]]:
+        """The rank ranges of agents holding MLP ranks of a layer, in rank order, in tiers of links that lose alike
+        (probed loss within TIER_PLR of the tier's first) where some agent of the tier reads its groups from storage:
+        `keep_in_place`'s tiers. Over TCP agents rank for themselves, so the master's ranking must stay as predicted."""
+        if self.sync.policy.input is not Transport.UDP:
+            return []
+        held = sorted((rank_range(self.agents[i].share.mlp[layer]), i) for i in self.holders[Block("mlp", layer)])
+        tiers, plr = [], lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)
+        for (a, b), i in held:
+            if tiers and tiers[-1][-1][0][1] == a and abs(plr(i) - plr(tiers[-1][0][1])) <= TIER_PLR:
+                tiers[-1].append(((a, b), i))
+            else:
+                tiers.append([((a, b), i)])
+        return [[r for r, _ in tier] for tier in tiers
+                if len(tier) > 1 and any(self.agents[i].loads_ahead for _, i in tier)]
 
     def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:
         holders = self.holders[block]
@@ -169,11 +204,9 @@ class DistributedModel:
         MLP input carries the master's ranking, and for agents that load their groups ahead (a memory budget) the
         next layer's too: only such an agent that holds no MLP ranks of layer-1 (so gets no MLP input of it) still
         listens; over TCP every holder of the layer's MLP does."""
-        holders = self.holders[Block("mlp", layer)]
-        if self.sync.policy.input is not Transport.UDP:
-            return holders
-        before = self.holders[Block("mlp", layer - 1)]
-        return [i for i in holders if self.agents[i].loads_ahead and i not in before]
+        ranks = self.sync.policy.input is not Transport.UDP
+        return [i for i in self.holders[Block("mlp", layer)] if (ranks or self.agents[i].loads_ahead)
+                and ranks_next_layer_itself(self.sync.policy, self.agents[i].share.mlp, layer - 1)]
 
     def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
         if block.kind == "lm_head":

@@ -13,7 +13,8 @@ which attention partials are critical, and MLP groups are re-mapped per token.
 from .deadline import AdaptiveDeadline
 from .framing import Epoch, FramingError, Point, Status, ranking_digest
 from .ledger import LossLedger
-from .modes import POLICIES, SYNC_MODES, ModePolicy, RoundPlan, SyncSettings, Transport, plan_round
+from .modes import (POLICIES, SYNC_MODES, ModePolicy, RoundPlan, SyncSettings, Transport, plan_round,
+                    ranks_next_layer_itself)
 
 __all__ = ["AdaptiveDeadline", "Epoch", "FramingError", "LossLedger", "ModePolicy", "POLICIES", "Point", "RoundPlan",
-           "SYNC_MODES", "Status", "SyncSettings", "Transport", "plan_round", "ranking_digest"]
+           "SYNC_MODES", "Status", "SyncSettings", "Transport", "plan_round", "ranking_digest", "ranks_next_layer_itself"]

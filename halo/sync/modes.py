@@ -138,6 +138,16 @@ class SyncSettings:
         return cls(**fields)
 
 
+def ranks_next_layer_itself(policy: ModePolicy, mlp_share, layer: int) -> bool:
+    """Whether a HALO device that ranks for itself (over TCP every one; over UDP one that loads its groups ahead)
+    predicts layer+1's ranking from layer's attention input. Over UDP the master's MLP input of `layer` carries the
+    next layer's ranking (framing.py), so only a device holding MLP ranks of layer+1 and none of `layer` predicts;
+    one that never does needs no predictors loaded. mlp_share: its MLP groups per layer."""
+    if not (0 <= layer < len(mlp_share) - 1 and mlp_share[layer + 1]):
+        return False
+    return policy.input is not Transport.UDP or not mlp_share[layer]
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     """One round's traffic, by peer id: who gets the input how, and how each partial comes back."""
