@@ -36,6 +36,7 @@ import numpy as np
 
 from .report import command_line, host_line, write_report
 from halo.distributed.local import module_command
+from halo.generate import prefill
 from halo.shares import EVEN_PLANS
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
@@ -68,14 +69,19 @@ def master(args) -> None:
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
+    started = time.perf_counter()
     weights = load_weights(args.model)
     fmt = resolved_format(args.weights, weights)
+    prompt = long_prompt(args.prompt_tokens, weights.config.vocab_size) if args.prompt_tokens else PROMPT
+    context = max(256, len(prompt) + args.tokens + WARMUP + 1)
     if args.sync == "single":
-        out = decode(Transformer(weights, fmt=fmt, max_seq_len=256), args.tokens, args.time_limit)
+        single = Transformer(weights, fmt=fmt, max_seq_len=context)
+        out = decode(single, args.tokens, args.time_limit, prompt=prompt)
+        out["load_s"] = out.pop("started_s") - started
         print("RESULT " + json.dumps(out), flush=True)
         return
     sync = SyncSettings(mode=args.sync, **json.loads(args.settings))
-    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), plan=args.plan, context=256,
+    model = cluster_model(weights, args.endpoints.split(","), load_key(args.key), plan=args.plan, context=context,
                           timeout_s=60.0, hello_timeout_s=600.0, sync=sync, fmt=fmt)
     endpoints = args.endpoints.split(",")
 
@@ -85,7 +91,9 @@ def master(args) -> None:
 
     try:
         start = {}
-        out = decode(model, args.tokens, args.time_limit, at_timed_start=lambda: start.update(memory=agents_memory()))
+        out = decode(model, args.tokens, args.time_limit, at_timed_start=lambda: start.update(memory=agents_memory()),
+                     prompt=prompt)
+        out["load_s"] = out.pop("started_s") - started
         out.update(sync=model.sync_report(), udp=[r.get("udp") for r in model.report()])
         out.update(agents_memory=agents_memory(), agents_memory_at_timed_start=start.get("memory"))
     finally:
@@ -99,12 +107,20 @@ def resolved_format(fmt: str, weights) -> str:
     return linear.resolve_format(fmt, weights) if hasattr(linear, "resolve_format") else fmt
 
 
-def decode(model, tokens: int, time_limit: float, at_timed_start=None) -> dict:
+def long_prompt(n: int, vocab_size: int) -> list[int]:
+    """A prompt of n token ids, the same in every run (BOS, then a seeded draw from the vocabulary)."""
+    return [1, *np.random.default_rng(0).integers(3, vocab_size, n - 1).tolist()]
+
+
+def decode(model, tokens: int, time_limit: float, at_timed_start=None, prompt: list[int] = PROMPT) -> dict:
     """Greedy from a fixed prompt: WARMUP steps, then up to `tokens` timed ones (or until time_limit);
-    at_timed_start(): called once, after the warm-up (untimed)."""
+    at_timed_start(): called once, after the warm-up (untimed). Also when decoding started (perf_counter seconds:
+    the model's load before it) and the prompt's pass (ms: the time to the first token)."""
     times, out = [], []
     deadline = time.monotonic() + time_limit
-    logits = model.forward(PROMPT)
+    started = time.perf_counter()
+    logits = prefill(model, prompt)
+    prefill_ms = 1e3 * (time.perf_counter() - started)
     for step in range(tokens + WARMUP):
         token = int(np.argmax(logits))
         out.append(token)
@@ -116,7 +132,8 @@ def decode(model, tokens: int, time_limit: float, at_timed_start=None) -> dict:
             times.append(time.perf_counter() - t)
         if time.monotonic() > deadline and len(times) >= 8:
             break
-    return {"ms_per_token": [1e3 * t for t in times], "tokens": out}
+    return {"ms_per_token": [1e3 * t for t in times], "tokens": out, "prefill_ms": prefill_ms,
+            "prompt_tokens": len(prompt), "started_s": started}
 
 
 class Cluster:
@@ -139,12 +156,16 @@ class Cluster:
 
 
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
-               time_limit: float, weights: str = "native", plan: str = "even") -> dict:
-    """sync "single": the single-process model, in the master's namespace (same machine, same weights)."""
+               time_limit: float, weights: str = "native", plan: str = "even", prompt_tokens: int = 0,
+               preexec_fn=None) -> dict:
+    """sync "single": the single-process model, in the master's namespace (same machine, same weights).
+    prompt_tokens: a prompt of that many tokens (0: the short fixed one); preexec_fn: run in the started process
+    before the program (e.g. joining a memory cgroup)."""
     argv = [*module_command("halo.eval.bench_halo_speed"), "master", "--model", str(model), "--key", str(key),
             "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
-            "--settings", json.dumps(settings), "--time-limit", str(time_limit), "--plan", plan]
-    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            "--settings", json.dumps(settings), "--time-limit", str(time_limit), "--plan", plan,
+            "--prompt-tokens", str(prompt_tokens)]
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     out, err = p.communicate(timeout=time_limit + 180)
     for line in out.splitlines():
         if line.startswith("RESULT "):
@@ -155,7 +176,8 @@ def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tok
 def summarize(result: dict) -> dict:
     ms = np.asarray(result["ms_per_token"])
     out = {"tokens": len(ms), "ms_mean": float(ms.mean()), "ms_median": float(np.median(ms)),
-           "ms_p90": float(np.percentile(ms, 90)), "generated": result["tokens"]}
+           "ms_p90": float(np.percentile(ms, 90)), "generated": result["tokens"],
+           **{k: result[k] for k in ("load_s", "prefill_ms", "prompt_tokens") if k in result}}
     if "sync" in result:
         loss, breakdown = result["sync"]["loss"], result["sync"].get("breakdown", {})
         out.update(partials_dropped=loss["partials_dropped"], partials=loss["partials"],
@@ -543,6 +565,8 @@ def main(argv=None) -> int:
     parser.add_argument("--key")
     parser.add_argument("--endpoints")
     parser.add_argument("--sync", default="exact")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="master: a prompt of this many tokens (0: the "
+                        "short fixed one)")
     parser.add_argument("--settings", default="{}", help="SyncSettings fields as JSON for every cluster run of speed "
                         "and master, e.g. '{\"parity_group\": 8}'")
     parser.add_argument("--variants", default="{}", help="speed: named SyncSettings overrides that --modes entries "

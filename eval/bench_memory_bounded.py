@@ -113,9 +113,11 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
 
 
 def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: Path, mode: str,
-            limits_bytes: list[int | None], read_bps: float | None = None, settings: dict | None = None) -> dict:
-    """Agents in fresh cgroups with these limits, one master decoding; what each agent used. Mode "halo+prepared":
-    halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare)."""
+            limits_bytes: list[int | None], read_bps: float | None = None, settings: dict | None = None,
+            master_bytes: int | None = None) -> dict:
+    """Agents in fresh cgroups with these limits, one master decoding (in a cgroup of its own: limited to
+    master_bytes, None unlimited; a prompt of args.prompt_tokens where args has it); what each used. Mode
+    "halo+prepared": halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare)."""
     prepared = mode.endswith("+prepared")
     mode = mode.removesuffix("+prepared")
     from contextlib import ExitStack
@@ -142,12 +144,13 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
                                                           **kw)))
             limits.append(device)
         stack.callback(stop_processes, processes)
+        master = stack.enter_context(DeviceLimits("mb-master", master_bytes))
         endpoints = [p.wait_listening(120.0) for p in processes]
         idle = [(status_of(p.pid)["VmRSS"], device.usage()["usage_bytes"]) for p, device in zip(processes, limits)]
         row = {"mode": mode + ("+prepared" if prepared else ""), "limits_bytes": limits_bytes, "read_bps": read_bps, "settings": settings or {}}
         try:
             result = run_master(bed, model, key, endpoints, mode, args.tokens, settings or {}, args.time_limit,
-                                args.weights)
+                                args.weights, prompt_tokens=getattr(args, "prompt_tokens", 0), preexec_fn=master.join)
             row.update(summarize(result))
             row["agents_memory"] = result.get("agents_memory")
             row["agents_memory_at_timed_start"] = result.get("agents_memory_at_timed_start")
@@ -157,6 +160,7 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
                 raise RuntimeError(f"agents {unprepared} built their groups from the model file in a +prepared row")
         except (RuntimeError, OSError) as e:
             row["error"] = str(e).strip().splitlines()[-1][:400]
+        row["master"] = master.usage()
         row["agents"] = []
         for p, device, (rss, usage) in zip(processes, limits, idle):
             agent = {"idle_rss_bytes": rss, "idle_usage_bytes": usage, **device.usage()}

@@ -350,3 +350,38 @@ def test_a_local_agent_that_dies_is_reaped_at_once():
             time.sleep(0.05)
         assert not os.path.exists(f"/proc/{pid}"), "the dead agent is still a zombie"
         assert cluster.processes[0].returncode == -signal.SIGKILL
+
+
+def test_a_long_prompt_goes_in_passes_whose_vectors_stay_small_and_keep_the_single_process_bits(tmp_path):
+    """A prompt's passes take prefill_chunk(dim) tokens each (a [T, dim] float32 vector within 512 KB: 64 tokens at
+    width 2048), on the cluster and in the single process alike, so no round carries a whole long prompt's partial
+    sums (the Llama-3.1-8B shape's 512-token prompt overflowed the master's receive buffer with 8.4 MB partials from
+    every agent at once) and exact sync's next token is the single process's."""
+    from gguf_models import tiny_gguf
+
+    from halo.generate import prefill, prefill_chunk
+    from halo.sync import SyncSettings
+
+    path = tiny_gguf(tmp_path / "wide.gguf", "Q4_0", seed=3, hidden_size=2048, num_attention_heads=16,
+                     num_key_value_heads=4)
+    weights = load_weights(path)
+    assert prefill_chunk(weights.config.dim) == 64
+    prompt = [1, *np.random.default_rng(1).integers(3, weights.config.vocab_size, 149).tolist()]
+    single = Transformer(weights, fmt="native", max_seq_len=256)
+    passes = []
+    forward = single.forward
+    single.forward = lambda tokens, *a, **k: passes.append(len(tokens)) or forward(tokens, *a, **k)
+    expected = prefill(single, prompt)
+    assert passes == [64, 64, 22]
+    with LocalCluster(2, model_path=str(path)) as cluster:
+        model = cluster_model(weights, cluster.endpoints, cluster.key, context=256, fmt="native",
+                              sync=SyncSettings(mode="exact"))
+        sizes = []
+        forward = model.forward
+        model.forward = lambda tokens, *a, **k: sizes.append(len(tokens)) or forward(tokens, *a, **k)
+        try:
+            got = prefill(model, prompt)
+        finally:
+            model.close()
+    assert sizes == [64, 64, 22] and int(np.argmax(got)) == int(np.argmax(expected))
+    np.testing.assert_allclose(got, expected, atol=5e-3)  # (partial sums merged in another order: rounding)

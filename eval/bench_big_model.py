@@ -1,0 +1,113 @@
+"""A model no single device can hold, across small-memory devices: every node of the cluster in a memory cgroup.
+
+    python -m halo.eval.random_checkpoint --shape llama-3.1-8b --qtype Q4_0 --out /tmp/halo-llama-3.1-8b-Q4_0.gguf
+    python -m halo.eval.bench_big_model --model /tmp/halo-llama-3.1-8b-Q4_0.gguf [--agents 3] [--limit-mb 1600]
+                                        [--master-limit-mb 1600] [--plr 0,0.05] [--prompt-tokens 512] [--tokens 16]
+
+The namespace test bed (rpi/testbed.py), master + N agents, each agent in its own cgroup-v1 memory group with its own
+copy of the model file (rpi/limits.py), the master in one too: exact sync at each loss rate (every node's port, both
+directions). The yardstick, in the same run: the model in one process in the master's namespace, unlimited (the
+Llama-3.1-8B shape's 4.5 GB fit no 1.6 GB device). Per row: load time (the master's start until the cluster is
+ready: its weights mapped, every agent's share built and said so), the time to the first token of a prompt of
+--prompt-tokens tokens (its prefill), ms per output token (median after a warm-up), each cgroup's peak against its
+limit, OOM kills, and whether the tokens are the single process's. Writes eval/results/<name>.{json,md}. Needs root
+(test bed, cgroups); skips otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from .bench_halo_speed import run_master, summarize
+from .bench_memory_bounded import agent_copies, one_run
+from .report import command_line, host_line, write_report
+
+MB = 1 << 20
+
+
+def run(args) -> list[dict]:
+    from halo.rpi.testbed import LossyTestbed
+    from halo.transport.reliable import generate_key
+
+    model = Path(args.model)
+    copies = agent_copies(model, args.agents)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="big") as bed:
+        key = Path(tmp) / "cluster.key"
+        generate_key(key)
+        single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights,
+                            prompt_tokens=args.prompt_tokens)
+        rows.append({"setup": "single process, unlimited", "plr": 0.0, **summarize(single)})
+        print(rows[-1], flush=True)
+        for plr in (float(p) for p in args.plr.split(",")):
+            bed.set_loss(plr)
+            row = one_run(bed, args, model, Path(tmp) / "no-predictors", copies, key, "exact",
+                          [args.limit_mb * MB] * args.agents, master_bytes=args.master_limit_mb * MB)
+            rows.append({"setup": f"master + {args.agents} agents, exact", "plr": plr, **row})
+            print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
+        bed.set_loss(0.0)
+    return rows
+
+
+def render(rows: list[dict], args) -> list[str]:
+    single = rows[0]
+    lines = [f"# A model no device holds: {Path(args.model).name}, master + {args.agents} agents, each in "
+             f"{args.limit_mb} MB", "", f"`{command_line('halo.eval.bench_big_model', args.argv)}`. {host_line()}", "",
+             f"Namespace test bed on this machine's cores (every node shares them), weights `{args.weights}`, exact "
+             f"sync; every agent in a memory cgroup of {args.limit_mb} MB with its own model copy, the master in one "
+             f"of {args.master_limit_mb} MB; loss on every node's port, both directions. Load: the master's start "
+             f"until every share is built; first token: the {single.get('prompt_tokens')}-token prompt's pass; "
+             f"ms/token: median of {args.tokens} after a warm-up. The single process (unlimited: the model does not "
+             "fit one such device) is the yardstick of the same run.", "",
+             "| setup | loss | load (s) | first token (s) | ms/token | vs single | agents' cgroup peak / limit (MB) | "
+             "master's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r or "ms_median" not in r:
+            lines.append(f"| {r['setup']} | {r['plr']:.0%} | failed: {r.get('error', '?')} | | | | | | | | |")
+            continue
+        agents, master = r.get("agents", []), r.get("master") or {}
+        peak = max((a["max_usage_bytes"] for a in agents), default=0) / MB
+        limit = f"{peak:.0f} / {args.limit_mb}" if agents else "-"
+        master_use = f"{master['max_usage_bytes'] / MB:.0f} / {args.master_limit_mb}" if master else "-"
+        ooms = sum(a.get("oom_kills", 0) for a in agents) + master.get("oom_kills", 0)
+        same = "yes" if r["generated"] == single["generated"] else "no"
+        dropped = f"{r['partials_dropped']} of {r['partials']}" if "partials" in r else "-"
+        lines.append(f"| {r['setup']} | {r['plr']:.0%} | {r['load_s']:.1f} | {r['prefill_ms'] / 1e3:.1f} | "
+                     f"{r['ms_median']:.1f} | {r['ms_median'] / single['ms_median']:.2f}x | {limit} | {master_use} | "
+                     f"{ooms} | {dropped} | {same} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a GGUF file (see above for the Llama-3.1-8B shape)")
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--limit-mb", type=int, default=1600, help="each agent's memory cgroup limit")
+    parser.add_argument("--master-limit-mb", type=int, default=1600, help="the master's memory cgroup limit")
+    parser.add_argument("--plr", default="0,0.05", help="loss rates of the cluster rows")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="the prompt's length (its pass: the first token)")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--weights", default="native")
+    parser.add_argument("--time-limit", type=float, default=1200.0)
+    parser.add_argument("--name", default="big_model")
+    parser.add_argument("--out", default="eval/results")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    from halo.rpi.limits import available as limits_available
+    from halo.rpi.testbed import available
+
+    for ok, why in (available(), limits_available()):
+        if not ok:
+            print(f"skipped: {why}")
+            return 0
+    rows = run(args)
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_big_model", args.argv),
+                                        "model": args.model, "rows": rows}, render(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
