@@ -25,7 +25,7 @@ import numpy as np
 from halo.errors import HaloError
 from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
-from halo.shares import Block, Shares, kv_cache_bytes, share_float32_bytes
+from halo.shares import Block, Shares, share_memory
 from halo.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
@@ -423,11 +423,7 @@ class Agent(ControlServer):
     def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
         """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. (HALO mode
         with compact weights also keeps re-mappable MLP groups within what the budget leaves: DeviceWorker.)"""
-        from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
-
-        weights = share_float32_bytes(share, layout, self.weights.config.dim) / 4 \
-            * BYTES_PER_WEIGHT[planning_format(fmt, self.weights)]
-        cache = kv_cache_bytes(share, layout, context)
+        weights, cache = share_memory(share, layout, self.weights, fmt, context)
         if weights + cache > self.memory_budget:
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
                             f"KV cache {cache / 1e6:.1f} MB for {context} positions) but this agent's memory budget is "

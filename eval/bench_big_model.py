@@ -7,7 +7,8 @@
 The namespace test bed (rpi/testbed.py), master + N agents, each agent in its own cgroup-v1 memory group with its own
 copy of the model file (rpi/limits.py), the master in one too: exact sync at each loss rate (every node's port, both
 directions). The yardstick, in the same run: the model in one process in the master's namespace, unlimited (the
-Llama-3.1-8B shape's 4.5 GB fit no 1.6 GB device). Per row: load time (the master's start until the cluster is
+Llama-3.1-8B shape's 4.5 GB fit no 1.6 GB device), and the same process under an agent's limit (it refuses, saying
+what it needs, rather than be killed loading). Per row: load time (the master's start until the cluster is
 ready: its weights mapped, every agent's share built and said so), the time to the first token of a prompt of
 --prompt-tokens tokens (its prefill), ms per output token (median after a warm-up), each cgroup's peak against its
 limit, OOM kills, and whether the tokens are the single process's. Writes eval/results/<name>.{json,md}. Needs root
@@ -42,6 +43,8 @@ def run(args) -> list[dict]:
                             prompt_tokens=args.prompt_tokens)
         rows.append({"setup": "single process, unlimited", "plr": 0.0, **summarize(single)})
         print(rows[-1], flush=True)
+        rows.append(one_process_limited(bed, args, model, key))
+        print(rows[-1], flush=True)
         for plr in (float(p) for p in args.plr.split(",")):
             bed.set_loss(plr)
             row = one_run(bed, args, model, Path(tmp) / "no-predictors", copies, key, "exact",
@@ -50,6 +53,22 @@ def run(args) -> list[dict]:
             print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
         bed.set_loss(0.0)
     return rows
+
+
+def one_process_limited(bed, args, model: Path, key: Path) -> dict:
+    """The model in one process under an agent's memory limit: it refuses, saying what it needs (or it runs)."""
+    from halo.rpi.limits import DeviceLimits
+
+    row = {"setup": f"single process in {args.limit_mb} MB", "plr": 0.0}
+    with DeviceLimits("big-single", args.limit_mb * MB) as limits:
+        try:
+            row.update(summarize(run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit,
+                                            args.weights, prompt_tokens=args.prompt_tokens, preexec_fn=limits.join)))
+        except RuntimeError as e:
+            last = next((line for line in reversed(str(e).splitlines()) if line.strip()), str(e))
+            row["error"] = last.split("Error: ", 1)[-1]  # (the refusal, without its exception's name)
+        row["master"] = limits.usage()
+    return row
 
 
 def render(rows: list[dict], args) -> list[str]:
@@ -66,7 +85,8 @@ def render(rows: list[dict], args) -> list[str]:
              "master's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r or "ms_median" not in r:
-            lines.append(f"| {r['setup']} | {r['plr']:.0%} | failed: {r.get('error', '?')} | | | | | | | | |")
+            ooms = (r.get("master") or {}).get("oom_kills", 0)
+            lines.append(f"| {r['setup']} | {r['plr']:.0%} | failed: {r.get('error', '?')} | | | | | | {ooms} | | |")
             continue
         agents, master = r.get("agents", []), r.get("master") or {}
         peak = max((a["max_usage_bytes"] for a in agents), default=0) / MB

@@ -13,11 +13,27 @@ from .errors import ConfigError
 from .linear import DenseProjection
 from .neuron_groups import GroupLayout
 from .quant import embed
-from .shares import Block, everything
+from .shares import Block, everything, share_memory
 from .weights import ModelWeights
 from .worker import DeviceWorker
 
 __all__ = ["DEFAULT_CONTEXT", "Transformer"]
+
+
+def _check_fits(weights: ModelWeights, layout: GroupLayout, fmt: str, context: int) -> None:
+    """Refuse, with the numbers, a model this process has no memory for (under a cgroup limit: a device's systemd
+    MemoryMax, a test bed's device), rather than be killed halfway through loading it."""
+    from .memory import memory_limit
+
+    limit = memory_limit()
+    if limit is None:
+        return
+    held, cache = share_memory(everything(weights.config, layout), layout, weights, fmt, context)
+    if held + cache > limit[0] - limit[1]:
+        raise ConfigError(f"the model needs {(held + cache) / 1e6:.1f} MB (weights {held / 1e6:.1f} MB in {fmt}, KV cache "
+                          f"{cache / 1e6:.1f} MB for {context} positions) but this process's memory cgroup leaves "
+                          f"{(limit[0] - limit[1]) / 1e6:.1f} MB of its {limit[0] / 1e6:.1f} MB: run it across devices "
+                          "(--agents, --cluster, --local-agents), or with a smaller --weights format or --context")
 
 
 class Transformer:
@@ -31,6 +47,7 @@ class Transformer:
         self.fmt = fmt
         self.weights = weights
         self.tok_embeddings = weights.tok_embeddings  # [V, D]; a lookup, never multiplied
+        _check_fits(weights, self.layout, fmt, self.max_seq_len)
         self.worker = DeviceWorker(weights, self.layout, everything(c, self.layout), self.max_seq_len, fmt, threads)
         self.pos = 0  # tokens already in the KV cache
 

@@ -42,4 +42,4 @@ def test_the_big_model_report_compares_each_cluster_row_with_the_single_process(
     text = "\n".join(render([single, {**cluster, "generated": [5, 7]}, failed], args))
     assert "| master + 3 agents, exact | 5% | 30.0 | 60.0 | 132.0 | 1.10x | 1300 / 1600 | 1100 / 1600 | 1 | 0 of 99 | no |" in text
     assert "| single process, unlimited | 0% | 20.0 | 90.0 | 120.0 | 1.00x | - | - | 0 | - | yes |" in text
-    assert "failed: agent-2 refused hello" in text and "512-token prompt" in text
+    assert "| failed: agent-2 refused hello | | | | | | 0 | | |" in text and "512-token prompt" in text

@@ -60,3 +60,19 @@ def test_pages_charged_to_another_cgroup_leave_a_limited_process_its_headroom(tm
     assert rss1 - rss0 >= 60, out.stdout  # the mapped file is resident...
     assert room0 - room1 <= 4, out.stdout  # ...and charged to the parent's cgroup: the headroom stays
     assert 30 <= room1 - room2 <= 36, out.stdout  # the process's own memory counts
+
+
+def test_one_process_under_a_limit_too_small_for_the_model_refuses_with_the_numbers(stories_weights, monkeypatch):
+    """The single-process model under a cgroup limit that cannot hold it says so before loading (what it needs, what
+    the cgroup leaves, what to do) instead of being killed halfway; within the limit, or with none, it loads."""
+    from halo.errors import ConfigError
+    from halo.model import Transformer
+
+    monkeypatch.setattr(memory, "memory_limit", lambda: (2 * MB, MB + MB // 2))  # 0.5 MB left
+    with pytest.raises(ConfigError, match=r"the model needs [1-9][\d.]* MB \(weights [\d.]+ MB in fp32, KV cache [\d.]+ MB "
+                                          r"for 64 positions\) but this process's memory cgroup leaves 0\.5 MB of its 2\.1 MB: run it across devices \(--agents"):
+        Transformer(stories_weights, fmt="fp32", max_seq_len=64)
+    monkeypatch.setattr(memory, "memory_limit", lambda: (64 * MB, MB))
+    assert Transformer(stories_weights, fmt="fp32", max_seq_len=64).forward([1]).shape == (512,)
+    monkeypatch.setattr(memory, "memory_limit", lambda: None)
+    Transformer(stories_weights, fmt="fp32", max_seq_len=64)
