@@ -45,7 +45,8 @@ class AgentRounds:
 
     @cached_property
     def predicts(self) -> bool:
-        """HALO over UDP: the master's MLP inputs carry its ranking, so we predict only where that starts our loads."""
+        """HALO over UDP: the master's MLP inputs carry its ranking (and the next layer's, for an agent that loads
+        ahead), so we predict only where that starts our loads and no MLP input brings it (predicts_from)."""
         return self.worker.loads_ahead or self.sync.policy.input is not Transport.UDP
 
     def predicts_from(self, block: Block) -> bool:

@@ -34,7 +34,7 @@ def prefill(model: "LanguageModel", prompt_ids: list[int]) -> np.ndarray:
     datagrams took minutes a round. The single process takes the same passes, so both round alike (a prompt passed
     whole rounds differently from one passed in pieces: 4e-4 on the logits of TinyLlama's shape)."""
     config = getattr(model, "config", None)
-    chunk = prefill_chunk(config.dim) if config is not None else len(prompt_ids)
+    chunk = prefill_chunk(config.dim) if config is not None else max(1, len(prompt_ids))
     for at in range(0, max(1, len(prompt_ids)), chunk):  # (an empty prompt: the model says what it needs)
         logits = model.forward(prompt_ids[at:at + chunk])
     return logits

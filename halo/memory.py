@@ -223,32 +223,44 @@ def cgroups() -> list[tuple[list[str], str]]:
     return [(controllers.split(","), path) for _, controllers, path in (line.split(":", 2) for line in lines)]
 
 
+CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+
+
 @dataclass(frozen=True)
 class MemoryCgroup:
     """A memory cgroup's files (v1 or v2): its limit, its usage, and the memory.stat fields of what it holds that
-    reclaim cannot take back without a process reading it again (anonymous and shared memory, mapped file pages)."""
+    reclaim cannot take back without a process reading it again: `in_use` (anonymous and shared memory, mapped file
+    pages) and, where the kernel reports them, `kernel` (v2: page tables, kernel stacks, sockets, unreclaimable slab)."""
 
     path: Path
     limit_file: str
     usage_file: str
-    in_use_fields: tuple[str, ...]
+    in_use: tuple[str, ...]
+    kernel: tuple[str, ...] = ()
+
+    def limited(self) -> bool:
+        try:
+            cap = (self.path / self.limit_file).read_text().strip()
+            return cap != "max" and int(cap) < 1 << 60  # v1 writes "unlimited" as a huge number
+        except (OSError, ValueError):
+            return False
 
 
 def memory_cgroup() -> MemoryCgroup | None:
-    """This process's own memory cgroup (a systemd service's, the test bed's per-device group), limited or not; None
-    in the root group (its counts are the whole machine's) or where unknown."""
+    """This process's own memory cgroup (a systemd service's, the test bed's per-device group), limited or not; the
+    root group only where it is limited (a container's own namespace: its limit is the root's), since the root's
+    counts are otherwise the whole machine's; None where unknown."""
     for controllers, path in cgroups():
-        if path.strip("/") == "":
-            continue
         if "memory" in controllers:
-            found = MemoryCgroup(Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes",
+            found = MemoryCgroup(CGROUP_V1 / path.lstrip("/"), "memory.limit_in_bytes",
                                  "memory.usage_in_bytes", ("total_rss", "total_shmem", "total_mapped_file"))
         elif controllers == [""]:  # (on a v1 machine the unified line names a group /sys/fs/cgroup does not hold)
-            found = MemoryCgroup(Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "memory.current",
-                                 ("anon", "shmem", "file_mapped"))
+            found = MemoryCgroup(CGROUP_V2 / path.lstrip("/"), "memory.max", "memory.current",
+                                 ("anon", "shmem", "file_mapped"),
+                                 ("pagetables", "kernel_stack", "sock", "slab_unreclaimable"))
         else:
             continue
-        if (found.path / found.limit_file).exists():
+        if (found.path / found.limit_file).exists() and (path.strip("/") or found.limited()):
             return found
     return None
 
@@ -256,13 +268,12 @@ def memory_cgroup() -> MemoryCgroup | None:
 def memory_limit() -> tuple[int, int] | None:
     """This process's cgroup memory limit and the cgroup's usage (bytes), None when unlimited or unknown."""
     cgroup = memory_cgroup()
+    if cgroup is None or not cgroup.limited():
+        return None
     try:
-        cap, usage = ((cgroup.path / name).read_text().strip() for name in (cgroup.limit_file, cgroup.usage_file))
-        if cap != "max" and int(cap) < 1 << 60:  # v1 writes "unlimited" as a huge number
-            return int(cap), int(usage)
-    except (AttributeError, OSError, ValueError):
-        pass
-    return None
+        return tuple(int((cgroup.path / name).read_text().strip()) for name in (cgroup.limit_file, cgroup.usage_file))
+    except (OSError, ValueError):
+        return None
 
 
 def charged_bytes() -> int:
@@ -274,7 +285,7 @@ def charged_bytes() -> int:
     release_freed_heap()  # (freed heap the allocator keeps is charged too)
     try:
         stat = dict(line.split() for line in (cgroup.path / "memory.stat").read_text().splitlines())
-        return sum(int(stat[field]) for field in cgroup.in_use_fields)
+        return sum(int(stat[field]) for field in cgroup.in_use) + sum(int(stat.get(f, 0)) for f in cgroup.kernel)
     except (AttributeError, OSError, ValueError, KeyError):
         return resident_bytes()
 

@@ -23,16 +23,17 @@ __all__ = ["DEFAULT_CONTEXT", "Transformer"]
 def _check_fits(weights: ModelWeights, layout: GroupLayout, fmt: str, context: int) -> None:
     """Refuse, with the numbers, a model this process has no memory for (under a cgroup limit: a device's systemd
     MemoryMax, a test bed's device), rather than be killed halfway through loading it."""
-    from .memory import memory_limit
+    from .memory import charged_bytes, memory_limit
 
     limit = memory_limit()
     if limit is None:
         return
     held, cache = share_memory(everything(weights.config, layout), layout, weights, fmt, context)
-    if held + cache > limit[0] - limit[1]:
+    left = limit[0] - charged_bytes()  # (page cache the cgroup merely read through is reclaimed as needed)
+    if held + cache > left:
         raise ConfigError(f"the model needs {(held + cache) / 1e6:.1f} MB (weights {held / 1e6:.1f} MB in {fmt}, KV cache "
                           f"{cache / 1e6:.1f} MB for {context} positions) but this process's memory cgroup leaves "
-                          f"{(limit[0] - limit[1]) / 1e6:.1f} MB of its {limit[0] / 1e6:.1f} MB: run it across devices "
+                          f"{left / 1e6:.1f} MB of its {limit[0] / 1e6:.1f} MB: run it across devices "
                           "(--agents, --cluster, --local-agents), or with a smaller --weights format or --context")
 
 

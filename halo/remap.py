@@ -4,9 +4,11 @@ Every device (master and agents) holds a priority range of MLP ranks per layer [
 (Algorithm 3: the master the top ranks, the least reliable link the bottom ones). For each token the
 predictors rank layer l's MLP groups from the hidden state entering layer l-1, and the device
 computes the groups ranked a..b-1. Over UDP (halo) the master's ranking rides in each MLP input
-(halo/sync/framing.py) and agents compute it (`adopt`): they predict only where a prediction starts
-reading their groups ahead (a memory budget, or fp32 pages), so an agent holding no heads of layer l-1
-needs no input of its attention. Over TCP (halo-tcp) every device predicts: all reach the same ranking
+(halo/sync/framing.py) and agents compute it (`adopt`); for an agent that reads its groups ahead (a memory
+budget, or fp32 pages) the MLP input of layer l-1 brings layer l's ranking too (`expect`), so agents need
+no predictors of their own (one that holds ranks of layer l and none of layer l-1 still predicts, from
+layer l-1's attention input). Among agents whose links lose alike the master keeps each group where it
+went last token (`keep_in_place`), so a bounded agent reads only the groups new to its tier. Over TCP (halo-tcp) every device predicts: all reach the same ranking
 because they run the same ONNX graph (one intra-op thread) on the same broadcast float32 bytes with a
 stable sort; the master sends a digest of its ranking with each MLP input and an agent that disagrees
 refuses the block (the master then stops with an error instead of merging a wrong sum).

@@ -692,3 +692,35 @@ def test_groups_stay_on_their_device_within_a_tier_of_equally_reliable_ones():
         assert set(placed[:4]) == set(ranking[:4]) and sorted(placed.tolist()) == list(range(16))
         last_raw, last_kept = ranking.copy(), placed
     assert kept_moves < 0.5 * raw_moves, (kept_moves, raw_moves)
+
+
+def test_tiers_join_consecutive_agents_that_lose_alike_are_alike_critical_and_take_the_masters_ranking():
+    """The master's tiers for keep_in_place: consecutive agent rank ranges whose probed loss is within TIER_PLR, on the
+    same side of the critical cut (a top group must not move to an agent whose partial may be zero-filled: a range the
+    cut crosses joins with its lower part), with an agent that reads groups from storage; none over TCP or where an
+    agent ranks the layer itself (a listener)."""
+    from types import SimpleNamespace
+
+    from halo.distributed.master import DistributedModel
+    from halo.shares import Block
+    from halo.sync import SyncSettings
+
+    def agent(a, b, plr, loads=True):
+        return SimpleNamespace(share=SimpleNamespace(mlp=[[], list(range(a, b))]), loads_ahead=loads,
+                               profile={"link": {"plr": plr}})
+
+    agents = {1: agent(2, 4, 0.0), 2: agent(4, 6, 0.01), 3: agent(6, 7, 0.0), 4: agent(7, 8, 0.08)}
+    fake = SimpleNamespace(sync=SyncSettings(mode="halo", critical_fraction=0.5), listeners={}, agents=agents,
+                           holders={Block("mlp", 1): [1, 2, 3, 4]}, layout=SimpleNamespace(n_mlp_groups=8))
+    assert DistributedModel._tiers(fake, 1) == [[(4, 6), (6, 7)]]  # 1 is critical (ranks < 4), 4 loses more
+    fake.sync = SyncSettings(mode="halo", critical_fraction=0.375)  # the cut at rank 3, inside agent 1's ranks
+    assert DistributedModel._tiers(fake, 1) == [[(3, 4), (4, 6), (6, 7)]]  # its rank 2 stays where it is ranked
+    fake.sync = SyncSettings(mode="halo", critical_fraction=0.25)
+    assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6), (6, 7)]]
+    agents[2].loads_ahead = agents[1].loads_ahead = agents[3].loads_ahead = False
+    assert DistributedModel._tiers(fake, 1) == []  # nobody reads groups: nothing to keep in place
+    agents[2].loads_ahead = True
+    fake.listeners = {1: [2]}
+    assert DistributedModel._tiers(fake, 1) == []
+    fake.listeners, fake.sync = {}, SyncSettings(mode="halo-tcp", critical_fraction=0.25)
+    assert DistributedModel._tiers(fake, 1) == []

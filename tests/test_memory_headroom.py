@@ -17,21 +17,39 @@ def test_headroom_is_the_limit_less_what_the_cgroup_holds_in_use(tmp_path, monke
     the resident set's pages charged elsewhere do not count."""
     if version == 1:
         files = ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_rss", "total_shmem", "total_mapped_file"))
+        kernel = ()
         stat = {"cache": 90 * MB, "rss": 1, "total_cache": 90 * MB, "total_rss": 30 * MB, "total_shmem": 2 * MB,
                 "total_mapped_file": 8 * MB}
-    else:
+    else:  # (v2 also counts the kernel memory reclaim cannot free; a field an older kernel lacks counts 0)
         files = ("memory.max", "memory.current", ("anon", "shmem", "file_mapped"))
-        stat = {"file": 90 * MB, "anon": 30 * MB, "shmem": 2 * MB, "file_mapped": 8 * MB}
+        kernel = ("pagetables", "sock", "slab_unreclaimable")
+        stat = {"file": 90 * MB, "anon": 29 * MB, "shmem": 2 * MB, "file_mapped": 8 * MB, "pagetables": MB // 2,
+                "slab_unreclaimable": MB // 2}
     (tmp_path / files[0]).write_text(str(200 * MB))
     (tmp_path / files[1]).write_text(str(130 * MB))
     (tmp_path / "memory.stat").write_text("".join(f"{k} {v}\n" for k, v in stat.items()))
-    monkeypatch.setattr(memory, "memory_cgroup", lambda: memory.MemoryCgroup(tmp_path, *files))
+    monkeypatch.setattr(memory, "memory_cgroup", lambda: memory.MemoryCgroup(tmp_path, *files, kernel))
     monkeypatch.setattr(memory, "resident_bytes", lambda: 150 * MB)  # (what the old headroom subtracted)
     assert memory.memory_limit() == (200 * MB, 130 * MB)
     assert memory.charged_bytes() == 40 * MB
     assert memory.memory_headroom(0.1, 1) == 200 * MB - 40 * MB - 20 * MB
     (tmp_path / "memory.stat").write_text("nothing 1\n")  # a stat without the fields: the resident set, as before
     assert memory.memory_headroom(0.1, 1) == 200 * MB - 150 * MB - 20 * MB
+
+
+@pytest.mark.parametrize("cap, found", [("1073741824", True), ("max", False)])
+def test_a_containers_own_root_group_is_its_limit_the_machines_is_not(tmp_path, monkeypatch, cap, found):
+    """In a container's cgroup namespace (v2) a process sits at "/" and the root's memory.max is the container's
+    limit: it counts (an agent in Docker budgets from it). The machine's own root (no limit) is everyone's memory."""
+    (tmp_path / "memory.max").write_text(cap)
+    (tmp_path / "memory.current").write_text(str(100 * MB))
+    (tmp_path / "memory.stat").write_text(f"anon {50 * MB}\nshmem 0\nfile_mapped {10 * MB}\n")
+    monkeypatch.setattr(memory, "CGROUP_V2", tmp_path)
+    monkeypatch.setattr(memory, "cgroups", lambda: [([""], "/")])
+    assert (memory.memory_cgroup() is not None) == found
+    assert memory.memory_limit() == ((1 << 30, 100 * MB) if found else None)
+    if found:
+        assert memory.charged_bytes() == 60 * MB
 
 
 def test_pages_charged_to_another_cgroup_leave_a_limited_process_its_headroom(tmp_path):
@@ -68,11 +86,12 @@ def test_one_process_under_a_limit_too_small_for_the_model_refuses_with_the_numb
     from halo.errors import ConfigError
     from halo.model import Transformer
 
-    monkeypatch.setattr(memory, "memory_limit", lambda: (2 * MB, MB + MB // 2))  # 0.5 MB left
+    monkeypatch.setattr(memory, "memory_limit", lambda: (2 * MB, 2 * MB))  # usage at the limit: page cache too
+    monkeypatch.setattr(memory, "charged_bytes", lambda: MB + MB // 2)  # 0.5 MB left of what reclaim cannot free
     with pytest.raises(ConfigError, match=r"the model needs [1-9][\d.]* MB \(weights [\d.]+ MB in fp32, KV cache [\d.]+ MB "
                                           r"for 64 positions\) but this process's memory cgroup leaves 0\.5 MB of its 2\.1 MB: run it across devices \(--agents"):
         Transformer(stories_weights, fmt="fp32", max_seq_len=64)
-    monkeypatch.setattr(memory, "memory_limit", lambda: (64 * MB, MB))
+    monkeypatch.setattr(memory, "memory_limit", lambda: (64 * MB, 64 * MB))  # full of page cache: it loads
     assert Transformer(stories_weights, fmt="fp32", max_seq_len=64).forward([1]).shape == (512,)
     monkeypatch.setattr(memory, "memory_limit", lambda: None)
     Transformer(stories_weights, fmt="fp32", max_seq_len=64)

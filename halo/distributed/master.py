@@ -19,7 +19,7 @@ from halo.neuron_groups import GroupLayout
 from halo.quant import embed
 from halo.remap import keep_in_place
 from halo.shares import Block, Shares, rank_range
-from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round,
+from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round, ranking_digest,
                        ranks_next_layer_itself)
 from halo.worker import DeviceWorker
 from halo.weights import ModelWeights
@@ -31,7 +31,8 @@ from .session import MasterSettings, Session
 from .timing import RoundTime, Timings
 
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
-TIER_PLR = 0.01  # agents whose probed links lose within this of each other are equally reliable (keep_in_place)
+TIER_PLR = 0.02  # agents whose probed links lose within this of each other are equally reliable (keep_in_place): the
+# session's probe of 50 datagrams tells losses apart no finer than ~2 points
 
 
 class DistributedModel:
@@ -170,13 +171,20 @@ class DistributedModel:
     def _tiers(self, layer: int) -> list[list[tuple[int, int]]]:
         """The rank ranges of agents holding MLP ranks of a layer, in rank order, in tiers of links that lose alike
         (probed loss within TIER_PLR of the tier's first) where some agent of the tier reads its groups from storage:
-        `keep_in_place`'s tiers. Over TCP agents rank for themselves, so the master's ranking must stay as predicted."""
-        if self.sync.policy.input is not Transport.UDP:
+        `keep_in_place`'s tiers. Ranges are cut at the critical ranks' end (`_critical`: the top ranks' groups go to
+        agents whose partials are all recovered), so a top group never moves to where a partial may be zero-filled.
+        Where agents rank for themselves (over TCP every one; over UDP a listener) the ranking must stay as predicted."""
+        if self.sync.policy.input is not Transport.UDP or self.listeners.get(layer):
             return []
-        held = sorted((rank_range(self.agents[i].share.mlp[layer]), i) for i in self.holders[Block("mlp", layer)])
+        cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
+        held = sorted((piece, i) for i in self.holders[Block("mlp", layer)]
+                      for a, b in [rank_range(self.agents[i].share.mlp[layer])]
+                      for piece in ([(a, cut), (cut, b)] if a < cut < b else [(a, b)]))
         tiers, plr = [], lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)
         for (a, b), i in held:
-            if tiers and tiers[-1][-1][0][1] == a and abs(plr(i) - plr(tiers[-1][0][1])) <= TIER_PLR:
+            first = tiers[-1][0] if tiers else None
+            if (first and tiers[-1][-1][0][1] == a and abs(plr(i) - plr(first[1])) <= TIER_PLR
+                    and (first[0][0] < cut) == (a < cut)):
                 tiers[-1].append(((a, b), i))
             else:
                 tiers.append([((a, b), i)])
@@ -192,10 +200,14 @@ class DistributedModel:
         epoch = Epoch(self.forward_id, block.layer, POINTS[block.kind]).encode()
         digest = self.worker.digest(block.layer) if block.kind == "mlp" else 0
         following = None
-        if digest and plan.input_udp:  # the agents compute the groups of our ranking: it rides in the input
-            ranking = remapper.rankings.get(block.layer)
-            if any(self.agents[i].loads_ahead for i in plan.input_udp):  # and the next layer's, to load ahead
+        if block.kind == "mlp" and plan.input_udp and remapper is not None:
+            if any(self.agents[i].loads_ahead for i in plan.input_udp):  # the next layer's ranking, to load ahead
                 following = remapper.rankings.get(block.layer + 1)
+            if digest:  # the agents compute the groups of our ranking: it rides in the input
+                ranking = remapper.rankings.get(block.layer)
+            elif following is not None:  # a layer nobody ranks (layer 0): its order, for the next layer's to ride with
+                ranking = np.tile(np.arange(self.layout.n_mlp_groups), (len(x), 1))
+                digest = ranking_digest(ranking)
         label = f"{block.kind} of layer {block.layer} at position {start} (step {self.step})"
         return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label, ranking, following)
 

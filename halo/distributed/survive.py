@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 
 from halo.errors import ConfigError, HaloError
+from halo.generate import prefill
 from halo.shares import Shares, spread_lost, take_back
 from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
 
@@ -220,7 +221,7 @@ class SurvivingModel:
             if inputs is not None:
                 self.model.refill(inputs)  # what the history left in the KV caches, without running it again
             elif prefix:
-                self.model.forward(prefix, 0)
+                prefill(self.model, prefix)  # (a fresh model starts at position 0; in passes whose vectors stay small)
             if timings is not None:  # the breakdown (--json, status) covers every token, not those since the re-plan
                 self.model.timings = timings
         except AgentError as e:
