@@ -159,8 +159,8 @@ class DistributedModel:
         """HALO: rank the next layer's groups (from an attention block's input) and, within each tier of equally
         reliable agents that read groups from storage, keep the groups where they went last token."""
         self.worker.predict_next(block, x)
-        layer = block.layer + 1
-        ranking = self.worker.remapper.rankings.get(layer) if layer in self.tiers else None
+        layer = block.layer + 1  # (an attention block's input ranks the next layer; other blocks rank nothing)
+        ranking = self.worker.remapper.rankings.get(layer) if block.kind == "attention" and layer in self.tiers else None
         if ranking is None:
             return
         if len(ranking) == 1:  # a decode step (a prompt's rows: each token its own groups, the agents read them all)
