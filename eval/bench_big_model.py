@@ -48,7 +48,8 @@ def run(args) -> list[dict]:
         for plr in (float(p) for p in args.plr.split(",")):
             bed.set_loss(plr)
             row = one_run(bed, args, model, Path(tmp) / "no-predictors", copies, key, "exact",
-                          [args.limit_mb * MB] * args.agents, master_bytes=args.master_limit_mb * MB)
+                          [args.limit_mb * MB] * args.agents, master_bytes=args.master_limit_mb * MB,
+                          prompt_tokens=args.prompt_tokens)
             rows.append({"setup": f"master + {args.agents} agents, exact", "plr": plr, **row})
             print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
         bed.set_loss(0.0)
@@ -82,7 +83,7 @@ def render(rows: list[dict], args) -> list[str]:
              f"ms/token: median of {args.tokens} after a warm-up. The single process (unlimited: the model does not "
              "fit one such device) is the yardstick of the same run.", "",
              "| setup | loss | load (s) | first token (s) | ms/token | vs single | agents' cgroup peak / limit (MB) | "
-             "master's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "master's or the one process's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r or "ms_median" not in r:
             ooms = (r.get("master") or {}).get("oom_kills", 0)
@@ -91,7 +92,7 @@ def render(rows: list[dict], args) -> list[str]:
         agents, master = r.get("agents", []), r.get("master") or {}
         peak = max((a["max_usage_bytes"] for a in agents), default=0) / MB
         limit = f"{peak:.0f} / {args.limit_mb}" if agents else "-"
-        master_use = f"{master['max_usage_bytes'] / MB:.0f} / {args.master_limit_mb}" if master else "-"
+        master_use = f"{master['max_usage_bytes'] / MB:.0f} / {master['limit_bytes'] // MB}" if master else "-"
         ooms = sum(a.get("oom_kills", 0) for a in agents) + master.get("oom_kills", 0)
         same = "yes" if r["generated"] == single["generated"] else "no"
         dropped = f"{r['partials_dropped']} of {r['partials']}" if "partials" in r else "-"

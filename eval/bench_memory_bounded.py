@@ -114,9 +114,9 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
 
 def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: Path, mode: str,
             limits_bytes: list[int | None], read_bps: float | None = None, settings: dict | None = None,
-            master_bytes: int | None = None) -> dict:
+            master_bytes: int | None = None, prompt_tokens: int = 0) -> dict:
     """Agents in fresh cgroups with these limits, one master decoding (in a cgroup of its own: limited to
-    master_bytes, None unlimited; a prompt of args.prompt_tokens where args has it); what each used. Mode
+    master_bytes, None unlimited; from a prompt of prompt_tokens tokens, 0: the short fixed one); what each used. Mode
     "halo+prepared": halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare)."""
     prepared = mode.endswith("+prepared")
     mode = mode.removesuffix("+prepared")
@@ -150,7 +150,7 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
         row = {"mode": mode + ("+prepared" if prepared else ""), "limits_bytes": limits_bytes, "read_bps": read_bps, "settings": settings or {}}
         try:
             result = run_master(bed, model, key, endpoints, mode, args.tokens, settings or {}, args.time_limit,
-                                args.weights, prompt_tokens=getattr(args, "prompt_tokens", 0), preexec_fn=master.join)
+                                args.weights, prompt_tokens=prompt_tokens, preexec_fn=master.join)
             row.update(summarize(result))
             row["agents_memory"] = result.get("agents_memory")
             row["agents_memory_at_timed_start"] = result.get("agents_memory_at_timed_start")

@@ -37,7 +37,7 @@ def test_the_big_model_report_compares_each_cluster_row_with_the_single_process(
                "generated": [5, 6], "partials_dropped": 0, "partials": 99,
                "agents": [{"max_usage_bytes": 1200 * mb, "oom_kills": 0}] * 2 + [{"max_usage_bytes": 1300 * mb,
                                                                                   "oom_kills": 1}],
-               "master": {"max_usage_bytes": 1100 * mb, "oom_kills": 0}}
+               "master": {"max_usage_bytes": 1100 * mb, "limit_bytes": 1600 * mb, "oom_kills": 0}}
     failed = {"setup": "master + 3 agents, exact", "plr": 0.0, "error": "agent-2 refused hello"}
     text = "\n".join(render([single, {**cluster, "generated": [5, 7]}, failed], args))
     assert "| master + 3 agents, exact | 5% | 30.0 | 60.0 | 132.0 | 1.10x | 1300 / 1600 | 1100 / 1600 | 1 | 0 of 99 | no |" in text
