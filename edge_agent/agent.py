@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from halo.batch import Rows
 from halo.errors import HaloError
 from halo.linear import FORMATS
 from halo.neuron_groups import GroupLayout
@@ -342,7 +343,8 @@ class Agent(ControlServer):
                  worker.nbytes / 1e6, 1e3 * (time.perf_counter() - loading.started), worker.reused_groups)
         self.served["sessions"] += 1
         self.reply(loading.peer, Message("ready", Ready(self.name, worker.nbytes, self.profile, self.udp.address[1],
-                                                        worker.reused_groups, worker.loads_ahead).to_fields()))
+                                                        worker.reused_groups, worker.loads_ahead,
+                                                        worker.slots).to_fields()))
 
     def _mismatch(self, model_sha256: str) -> str | None:
         """Why a master's hello or profile request cannot be served (None: it can; the fields themselves were checked
@@ -400,36 +402,37 @@ class Agent(ControlServer):
         sync = SyncSettings.from_json(hello.sync)
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
-        self._check_budget(share, layout, context, fmt)
+        self._check_budget(share, layout, context, fmt, hello.slots)
         ranks = sync.policy.remap and sync.predict and any(ranks_next_layer_itself(sync.policy, share.mlp, l)
                                                             for l in range(c.n_layers))
         predictors = self._predictors() if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
         prepared = self._prepared(fmt, layout) if sync.policy.remap else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
-        if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads):
+        if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads, hello.slots):
             self.retired = None  # nothing of it serves this hello: its memory goes back before the build
         previous = self.session.worker if self.session is not None else self.retired[0] if self.retired else None
 
         def build(progress) -> DeviceWorker:
             worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                   predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
-                                  progress=progress, memory_budget=self.memory_budget, prepared=prepared)
+                                  progress=progress, memory_budget=self.memory_budget, prepared=prepared,
+                                  slots=hello.slots)
             if memory_limit() is not None:  # pages of code and model evicted under the limit: no 8 MB read-around
                 log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)
             return worker
 
         return build, sync
 
-    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str) -> None:
-        """Refuse a share whose weights (in the session's format) and KV cache exceed the memory budget. (HALO mode
+    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, slots: int) -> None:
+        """Refuse a share whose weights (in the session's format) and KV caches exceed the memory budget. (HALO mode
         with compact weights also keeps re-mappable MLP groups within what the budget leaves: DeviceWorker.)"""
-        weights, cache = share_memory(share, layout, self.weights, fmt, context)
+        weights, cache = share_memory(share, layout, self.weights, fmt, context, slots)
         if weights + cache > self.memory_budget:
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
-                            f"KV cache {cache / 1e6:.1f} MB for {context} positions) but this agent's memory budget is "
-                            f"{self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
+                            f"KV cache {cache / 1e6:.1f} MB for {context} positions x {slots} slot(s)) but this agent's "
+                            f"memory budget is {self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
-                            "(a plan from its measured memory, or a shorter --context) or more memory")
+                            "(a plan from its measured memory, or a shorter --context, or fewer --slots) or more memory")
 
     def session_key(self, udp: UdpSession) -> bytes:
         """The key of the session a hello or profile request opens (wire.session_key)."""
@@ -501,8 +504,9 @@ class Agent(ControlServer):
     def _block(self, message: Message) -> Message | None:
         """A block over the control connection (reliable and halo-tcp modes)."""
         f, dim = message.fields, self.weights.config.dim
-        if len(message.arrays) != 1:
-            return Message("error", {"reason": "a block carries exactly one array"})
+        batched = f.get("start_pos") == -1  # a batched pass: each row's slot and position ride as a second array
+        if len(message.arrays) != 1 + batched:
+            return Message("error", {"reason": "a block carries its input (and, a batched pass, its rows) as arrays"})
         x = np.asarray(message.arrays[0], dtype=np.float32)
         kind, layer, reply_by = f.get("kind"), f.get("layer"), f.get("reply", "tcp")
         if x.ndim != 2 or x.shape[1] != dim:
@@ -512,7 +516,15 @@ class Agent(ControlServer):
             return Message("error", {"reason": f"bad block header kind={kind!r} layer={layer!r} reply={reply_by!r}"})
         if reply_by == "udp" and MASTER not in self.udp.peers:
             return Message("error", {"reason": "no UDP address of the master (its hello named no UDP port)"})
-        epoch, answer = int(f.get("epoch", 0)), []
+        epoch, answer, start = int(f.get("epoch", 0)), [], int(f.get("start_pos", 0))
+        if batched:
+            where = np.asarray(message.arrays[1])
+            try:
+                if where.shape != (len(x), 2) or where.dtype.kind not in "iu":
+                    raise ValueError(f"rows of shape {where.shape} ({where.dtype}) for {len(x)} tokens")
+                start = Rows.from_table(where[:, 0].tolist(), where[:, 1].tolist())
+            except ValueError as e:
+                return Message("error", {"reason": f"a batched block's rows make no sense: {e}"})
 
         def send(out, status, compute_ms, cpu_ms):
             if status is Status.RANKING_MISMATCH and reply_by != "udp":  # over UDP the partial's status says it
@@ -524,5 +536,5 @@ class Agent(ControlServer):
             elif reply_by == "udp":
                 self.session.rounds.send_partial(epoch, out, status, compute_ms)
 
-        self.session.rounds.run(Block(kind, layer), epoch, x, int(f.get("start_pos", 0)), int(f.get("digest", 0)), send)
+        self.session.rounds.run(Block(kind, layer), epoch, x, start, int(f.get("digest", 0)), send)
         return answer[0] if answer else None

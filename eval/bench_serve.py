@@ -1,19 +1,21 @@
-"""Load test of `halo-master serve`: concurrent streaming clients against one cluster.
+"""Load test of `halo-master serve`: concurrent streaming clients against one cluster, batched and one at a time.
 
-    python -m halo.eval.bench_serve                      # both settings below, 16 clients, 120 s each
-    python -m halo.eval.bench_serve --settings local --duration 30
+    python -m halo.eval.bench_serve                      # the settings below, 16 clients, 60 s each
+    python -m halo.eval.bench_serve --settings one,many --duration 30
 
-Settings:
-- local: stories260K over 2 local agents on loopback (`--local-agents 2`, exact sync);
-- testbed: the namespace test bed (rpi/testbed.py, prefix "serve"; needs root): 2 agents in their own
+Settings (--model over --agents local agents on loopback, exact sync, in one run):
+- one-sequential: one client, `--slots 1` (one generation at a time: the engine before continuous batching);
+- one: one client, `--slots --slots` (continuous batching, alone in the batch);
+- many: --clients clients, `--slots --slots`;
+- many-sequential: --clients clients, `--slots 1` (each waits in the queue for the one before);
+- testbed: the namespace test bed (rpi/testbed.py, prefix "serve"; needs root): --agents agents in their own
   namespaces behind silent nftables loss of --plr (default 2 %) on every agent link both ways, the
-  server in the master's namespace with `--sync halo`.
+  server in the master's namespace, --clients clients, `--slots --slots`, --testbed-sync (default exact).
 
 Each of --clients clients (the official openai client, asyncio) sends streaming completions back to
 back for --duration seconds (prompts from a fixed list, --max-tokens tokens, temperature 0.8, fresh
 seeds); a request started before the end runs to completion. Per request: time to first token (first
-non-empty text, queueing included: one generation runs at a time), completion tokens (the usage
-chunk), errors (HTTP errors, error events, a stream without [DONE]). The server's resident memory is
+non-empty text, queueing included), ms per token after the first, completion tokens (the usage chunk), errors (HTTP errors, error events, a stream without [DONE]). The server's resident memory is
 sampled every second (psutil) from the first request on: "flat" = its growth over the run.
 
 Writes eval/results/serve_load.{json,md}. The clients run in the server's namespace (a subprocess:
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -45,14 +48,17 @@ PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and
 
 
 # ---- the clients (inside the server's namespace) -----------------------------------------------------------------
+MODEL_NAME = "bench"  # the server's --model-name, what the clients ask for
+
+
 async def one_client(client, index: int, deadline: float, max_tokens: int, records: list) -> None:
     n = 0
     while time.monotonic() < deadline:
-        record = {"client": index, "start": time.time(), "ttft_s": None, "tokens": 0, "error": None}
+        record = {"client": index, "start": time.time(), "ttft_s": None, "tokens": 0, "error": None, "last_s": None}
         t0 = time.perf_counter()
         try:
             stream = await client.completions.create(
-                model="stories260K", prompt=PROMPTS[(index + n) % len(PROMPTS)], max_tokens=max_tokens,
+                model=MODEL_NAME, prompt=PROMPTS[(index + n) % len(PROMPTS)], max_tokens=max_tokens,
                 temperature=0.8, seed=1000 * index + n, stream=True, stream_options={"include_usage": True})
             finished = False
             async for chunk in stream:
@@ -61,6 +67,8 @@ async def one_client(client, index: int, deadline: float, max_tokens: int, recor
                 for choice in chunk.choices:
                     if choice.text and record["ttft_s"] is None:
                         record["ttft_s"] = time.perf_counter() - t0
+                    if choice.text:
+                        record["last_s"] = time.perf_counter() - t0
                     finished = finished or choice.finish_reason is not None
             if not finished:
                 record["error"] = "stream ended without a finish_reason"
@@ -90,7 +98,8 @@ def clients_main(args) -> None:
 # ---- one setting -------------------------------------------------------------------------------------------------
 def start_server(popen, argv: list[str]) -> tuple[AgentProcess, str]:
     server = AgentProcess("server", [*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning",
-                                     "--max-queue", "64", "--request-timeout", "600", *argv], popen)
+                                     "--max-queue", "64", "--request-timeout", "600", "--model-name", MODEL_NAME,
+                                     *argv], popen)
     try:
         return server, server.wait_listening(120)
     except HaloError as e:
@@ -111,19 +120,20 @@ def sample_memory(pid: int, stop: threading.Event, samples: list) -> None:
         stop.wait(1.0)
 
 
-def run_setting(name: str, popen, server_argv: list[str], args) -> dict:
+def run_setting(name: str, popen, server_argv: list[str], args, clients: int | None = None) -> dict:
     from halo.distributed import stop_processes
 
-    server, url = start_server(popen, server_argv)
+    clients = clients or args.clients
+    server, url = start_server(popen, ["--model", args.model, *server_argv])
     samples: list = []
     stop = threading.Event()
     sampler = threading.Thread(target=sample_memory, args=(server.pid, stop, samples), daemon=True)
     try:
         sampler.start()
-        clients = popen([*module_command("halo.eval.bench_serve"), "clients", "--url", url, "--clients",
-                         str(args.clients), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)],
+        process = popen([*module_command("halo.eval.bench_serve"), "clients", "--url", url, "--clients",
+                         str(clients), "--duration", str(args.duration), "--max-tokens", str(args.max_tokens)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        out, err = clients.communicate(timeout=args.duration + 900)
+        out, err = process.communicate(timeout=args.duration + 900)
         records = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         if records is None:
             raise RuntimeError(f"the clients failed: {err[-3000:]}")
@@ -135,24 +145,31 @@ def run_setting(name: str, popen, server_argv: list[str], args) -> dict:
         stop.set()
         sampler.join()
         stop_processes([server], grace_s=15)
-    return summarize(name, records, samples, alive, args, view)
+    return summarize(name, records, samples, alive, args, view, clients, slots_of(server_argv))
 
 
-def summarize(name: str, records: list[dict], samples: list, alive: bool, args, view) -> dict:
+def slots_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--slots") + 1])
+
+
+def summarize(name: str, records: list[dict], samples: list, alive: bool, args, view, clients: int, slots: int) -> dict:
     ok = [r for r in records if r["error"] is None]
     ttft = np.array([r["ttft_s"] for r in ok if r["ttft_s"] is not None])
+    pace = np.array([1e3 * (r["last_s"] - r["ttft_s"]) / (r["tokens"] - 1) for r in ok
+                     if r["ttft_s"] is not None and r["last_s"] is not None and r["tokens"] > 1])
     tokens = sum(r["tokens"] for r in ok)
     span = (max(r["start"] + r["seconds"] for r in records) - min(r["start"] for r in records)) if records else 0.0
     rss = np.array([s[1] for s in samples], dtype=float) / 2**20
     times = np.array([s[0] for s in samples])
     half = len(rss) // 2
     return {
-        "setting": name, "clients": args.clients, "duration_s": args.duration, "max_tokens": args.max_tokens,
+        "setting": name, "clients": clients, "slots": slots, "duration_s": args.duration, "max_tokens": args.max_tokens,
         "requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
         "error_examples": sorted({r["error"] for r in records if r["error"]})[:5],
         "ttft_p50_s": float(np.percentile(ttft, 50)) if len(ttft) else None,
         "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
         "ttft_min_s": float(ttft.min()) if len(ttft) else None,
+        "ms_per_token_p50": float(np.percentile(pace, 50)) if len(pace) else None,
         "completion_tokens": tokens, "wall_s": span, "tokens_per_s": tokens / span if span else None,
         "server_alive_after": alive,
         "rss_mb_first": float(rss[0]) if len(rss) else None, "rss_mb_last": float(rss[-1]) if len(rss) else None,
@@ -164,12 +181,18 @@ def summarize(name: str, records: list[dict], samples: list, alive: bool, args, 
     }
 
 
-def local(args) -> dict:
-    return run_setting("local: 2 agents on loopback, exact sync", subprocess.Popen, ["--local-agents", "2"], args)
+def local_setting(slots: int, clients: int):
+    def run(args) -> dict:
+        how = "one at a time" if slots == 1 else "batched"
+        result = run_setting(f"{clients} client{'s' if clients > 1 else ''}, {args.agents} local agents, exact sync, "
+                             f"--slots {slots} ({how})", subprocess.Popen,
+                             ["--local-agents", str(args.agents), "--slots", str(slots)], args, clients)
+        return {**result, "local": True}
+    return run
 
 
 def testbed(args) -> dict:
-    from halo import BUNDLED_MODEL
+    from halo.models import resolve_model
     from halo.rpi.testbed import LossyTestbed, available
     from halo.transport.reliable import generate_key
 
@@ -178,11 +201,12 @@ def testbed(args) -> dict:
     ok, why = available()
     if not ok:
         return {"setting": f"testbed {100 * args.plr:g} % loss", "skipped": why}
-    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=2, prefix="serve", links=args.profile) as bed:
+    with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="serve",
+                                                            links=args.profile) as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         os.chmod(tmp, 0o755)
-        cluster = Cluster(bed, Path(str(BUNDLED_MODEL)), key, 2)
+        cluster = Cluster(bed, Path(resolve_model(args.model)), key, args.agents)
         try:
             bed.set_loss(args.plr)
 
@@ -192,10 +216,11 @@ def testbed(args) -> dict:
             # --plan even and no re-plans for speed: the measured plan, and the running estimates, would leave both
             # lossy agents out for a model this small (the master alone is faster), and no load would cross a
             # lossy link
-            result = run_setting(f"test bed: 2 agents, {100 * args.plr:g} % loss on every agent link, halo sync, even plan", popen,
+            result = run_setting(f"test bed: {args.clients} clients, {args.agents} agents, {100 * args.plr:g} % loss on "
+                                 f"every agent link, {args.testbed_sync} sync, even plan, --slots {args.slots}", popen,
                                  ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
-                                  "--key", str(key), "--sync", "halo", "--timeout", "5", "--plan", "even",
-                                  "--rebalance-every", "0"], args)
+                                  "--key", str(key), "--sync", args.testbed_sync, "--timeout", "5", "--plan", "even",
+                                  "--rebalance-every", "0", "--slots", str(args.slots)], args)
             result["frames_dropped"] = bed.drop_counters()
             return result
         finally:
@@ -203,46 +228,75 @@ def testbed(args) -> dict:
 
 
 def report(results: list[dict], args) -> None:
-    lines = ["# `halo-master serve` under load (stories260K)", "",
-             f"Command: `{command_line('halo.eval.bench_serve', args.argv)}`. {args.clients} concurrent streaming "
-             f"clients (official openai client) for {args.duration:g} s, {args.max_tokens} tokens per request, "
-             "temperature 0.8. One generation runs at a time, so time to first token includes the wait in the queue. "
-             "Server memory: resident set sampled every second.", "",
+    rows = {r["setting"]: r for r in results if "skipped" not in r}
+    lines = [f"# `halo-master serve` under load ({args.model})", "",
+             f"Command: `{command_line('halo.eval.bench_serve', args.argv)}`. Streaming clients (official openai "
+             f"client) send completions back to back for {args.duration:g} s each, {args.max_tokens} tokens per "
+             "request, temperature 0.8, prompts of 4-9 words. Time to first token includes any wait for a slot. "
+             "Server memory: resident set sampled every second. --slots 1 is one generation at a time (the engine "
+             "before continuous batching); more slots decode the running requests together in every pass.", "",
              "| setting | devices (share of the groups) | requests completed | errors | TTFT p50 s | TTFT p99 s | "
-             "TTFT min s (no queue) | tokens/s | server up after | RSS first / max / last MB | "
-             "RSS growth, 2nd half vs 1st (MB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ms/token p50 (per request) | tokens/s (all clients) | server up after | RSS first / max / last MB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['setting']} | skipped: {r['skipped']} | | | | | | | | | |")
+            lines.append(f"| {r['setting']} | skipped: {r['skipped']} | | | | | | | | |")
             continue
-        f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         shares = ", ".join(f"{d['name']} {100 * d['share']:.0f} %" for d in (r.get("server_view") or {}).get("devices", [])
                            if d.get("share") is not None)
         lines.append(f"| {r['setting']} | {shares or '?'} | {r['completed']} | {r['errors']} | {f(r['ttft_p50_s'])} | "
-                     f"{f(r['ttft_p99_s'])} | {f(r['ttft_min_s'])} | {f(r['tokens_per_s'], 1)} | {'yes' if r['server_alive_after'] else 'NO'} | "
-                     f"{f(r['rss_mb_first'], 0)} / {f(r['rss_mb_max'], 0)} / {f(r['rss_mb_last'], 0)} | "
-                     f"{f(r['rss_mb_growth_second_half'], 1)} |")
+                     f"{f(r['ttft_p99_s'])} | {f(r['ms_per_token_p50'], 1)} | {f(r['tokens_per_s'], 1)} | "
+                     f"{'yes' if r['server_alive_after'] else 'NO'} | "
+                     f"{f(r['rss_mb_first'], 0)} / {f(r['rss_mb_max'], 0)} / {f(r['rss_mb_last'], 0)} |")
+    ratios = compare(results)
+    if ratios:
+        lines += ["", "Inside this run:", ""] + [f"- {line}" for line in ratios]
     for r in results:
         if r.get("error_examples"):
             lines += ["", f"Errors in '{r['setting']}': " + "; ".join(r["error_examples"])]
         if r.get("frames_dropped"):
             lines += ["", f"Frames dropped by the test bed in '{r['setting']}': {r['frames_dropped']}"]
-    lines += ["", f"Load average when the run started (2-core machine; above ~0.5 something else ran): "
-              f"{args.load_at_start:.2f}."]
+    lines += ["", f"Host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores. Load average when the "
+              f"run started (above ~0.5 something else ran): {args.load_at_start:.2f}."]
     data = {"command": command_line("halo.eval.bench_serve", args.argv), "load_at_start": args.load_at_start,
-            "results": results}
+            "ratios": ratios, "results": results}
     write_report(args.out, "serve_load", data, lines)
+
+
+def compare(results: list[dict]) -> list[str]:
+    """The goals' ratios between settings of this run: all clients' tokens/s batched against one client's, one
+    client's pace batched against one generation at a time."""
+    local = [r for r in results if r.get("local")]
+    one = {r["slots"]: r for r in local if r["clients"] == 1}
+    many = {r["slots"]: r for r in local if r["clients"] > 1}
+    out = []
+    for slots, r in many.items():
+        alone = one.get(slots) or one.get(1)
+        if alone and alone["tokens_per_s"] and r["tokens_per_s"]:
+            out.append(f"{r['clients']} clients, --slots {slots}: {r['tokens_per_s'] / alone['tokens_per_s']:.2f}x the "
+                       f"tokens/s of one client alone (--slots {alone['slots']}); TTFT p99 {r['ttft_p99_s']:.2f} s")
+    batched = [s for s in one if s > 1]
+    if batched and 1 in one and one[1]["ms_per_token_p50"] and one[batched[0]]["ms_per_token_p50"]:
+        out.append(f"one client: {one[batched[0]]['ms_per_token_p50'] / one[1]['ms_per_token_p50']:.2f}x the ms/token "
+                   f"of one generation at a time (--slots {batched[0]} against --slots 1)")
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="run", choices=("run", "clients"))
-    parser.add_argument("--settings", default="local,testbed", help="comma-separated: local, testbed")
+    parser.add_argument("--settings", default="one-sequential,one,many,many-sequential,testbed",
+                        help="comma-separated: one-sequential, one, many, many-sequential, testbed")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model file or fetched name (default "
+                        "smollm2-135m-instruct)")
+    parser.add_argument("--agents", type=int, default=3, help="local agents (and test-bed agents) beside the master")
+    parser.add_argument("--slots", type=int, default=16, help="KV-cache slots of the batched settings (default 16)")
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--duration", type=float, default=120.0, metavar="S")
+    parser.add_argument("--duration", type=float, default=60.0, metavar="S")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--plr", type=float, default=0.02, help="test bed loss on every agent link (default 0.02)")
+    parser.add_argument("--testbed-sync", default="exact", help="the test bed's sync mode (default exact)")
     add_profile_argument(parser)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="eval/results")
@@ -252,7 +306,12 @@ def main(argv=None) -> int:
     if args.what == "clients":
         clients_main(args)
         return 0
-    runners = {"local": local, "testbed": testbed}
+    runners = {"one-sequential": local_setting(1, 1), "one": local_setting(args.slots, 1),
+               "many": local_setting(args.slots, args.clients), "many-sequential": local_setting(1, args.clients),
+               "testbed": testbed}
+    unknown = [name for name in args.settings.split(",") if name not in runners]
+    if unknown:
+        parser.error(f"unknown settings {unknown}: choose from {', '.join(runners)}")
     results = []
     for name in args.settings.split(","):
         results.append(runners[name](args))

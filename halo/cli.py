@@ -10,6 +10,7 @@ import time
 
 from .arguments import (MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path,
                         endpoints_argument, integer, number)
+from .batch import DEFAULT_SLOTS, MAX_SLOTS
 from .errors import ConfigError, HaloError
 from .linear import FORMATS, resolve_format
 
@@ -165,8 +166,12 @@ def _add_serve(sub) -> None:
     http.add_argument("--max-request-bytes", type=integer(1), default=1_000_000, metavar="N",
                       help="refuse request bodies larger than N bytes with 413 (default 1000000: a prompt longer than "
                            "any context fits)")
+    http.add_argument("--slots", type=integer(1, MAX_SLOTS), default=DEFAULT_SLOTS, metavar="N",
+                      help=f"requests decoded together (continuous batching): every device keeps a KV cache of "
+                           f"--context positions for each, so the KV memory is N x --context (default {DEFAULT_SLOTS}; "
+                           "1: one request at a time; --speculate serves one at a time)")
     http.add_argument("--max-queue", type=integer(0), default=32, metavar="N",
-                      help="requests that may wait for the cluster; more get HTTP 429 (default 32)")
+                      help="requests that may wait for a free slot; more get HTTP 429 with Retry-After (default 32)")
     http.add_argument("--request-timeout", type=number(0, low_open=True), default=300.0, metavar="S",
                       help="a request that is not done S seconds after it arrived (queue time included) is stopped "
                            "with HTTP 504 / an error event (default 300)")
@@ -575,7 +580,8 @@ def open_model(args, weights, stack):
     if not _distributed(args):
         if args.sync is not None:
             raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
-        return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads)
+        return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads,
+                           slots=getattr(args, "slots", 1))
     from .distributed import connect
     from .distributed.survive import SurvivalSettings
     from .transport.udp import set_busy_poll
@@ -585,7 +591,7 @@ def open_model(args, weights, stack):
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
                    insecure_lan=args.insecure_lan, authorized_agents=args.authorized_agents, context=args.context,
-                   auto_sync=args.sync == "auto",
+                   auto_sync=args.sync == "auto", slots=getattr(args, "slots", 1),
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")
@@ -600,6 +606,8 @@ def cmd_serve(args) -> int:
     from .serve.cli import serve
 
     check_model_and_cluster(args)
+    if args.speculate or args.draft or pipeline_mode(args):
+        args.slots = 1  # a pass verifies one request's drafts; a pipeline carries one sequence: one request at a time
     return serve(args, open_model)
 
 

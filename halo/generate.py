@@ -84,6 +84,61 @@ class GenerationCancelled(HaloError):
         self.result = result
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str, context: int) -> list[int]:
+    """The prompt's token ids (BOS first), or ConfigError where it is empty or leaves no room in the context."""
+    prompt_ids = tokenizer.encode(prompt, bos=True)
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens and the tokenizer has no BOS token: give a prompt")
+    if len(prompt_ids) >= context:
+        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context}")
+    return prompt_ids
+
+
+class Continuation:
+    """What each chosen token does to one generation, in order: it ends it (EOS, the token budget, a full context) or
+    joins the text, streamed to on_text piece by piece. generate() and the serving engine's batches both use it."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int, context: int,
+                 on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True):
+        if max_new_tokens < 0:
+            raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        self.tokenizer, self.max_new_tokens, self.context = tokenizer, max_new_tokens, context
+        self.on_text, self.stop_at_eos = on_text, stop_at_eos
+        # the continuation's first piece keeps its leading space unless the prompt was empty
+        self.emit = tokenizer.stream(at_start=len(prompt_ids) == 1 and prompt_ids[0] == tokenizer.bos_id)
+        self.result = GenerationResult("", [], prompt_ids, "max_new_tokens", 0.0)
+        self.pieces: list[str] = []
+
+    def take(self, token: int) -> bool:
+        """One chosen token; True: the generation ends here."""
+        result = self.result
+        if self.stop_at_eos and token in self.tokenizer.eos_ids:
+            result.stop_reason = "eos"
+            return True
+        result.token_ids.append(token)
+        piece = self.emit(token)
+        self.pieces.append(piece)
+        if self.on_text and piece:
+            self.on_text(piece)
+        if len(result.token_ids) == self.max_new_tokens:
+            return True
+        if len(result.prompt_ids) + len(result.token_ids) >= self.context:
+            result.stop_reason = "context_full"
+            return True
+        return False
+
+    def text_so_far(self) -> str:
+        return "".join(self.pieces)
+
+    def finish(self) -> GenerationResult:
+        """The whole text, once the last token was taken (the detokenizer's held-back tail streamed too)."""
+        tail = self.emit(None)
+        if self.on_text and tail:
+            self.on_text(tail)
+        self.result.text = self.text_so_far() + tail
+        return self.result
+
+
 def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
              sampling: SamplingSettings = SamplingSettings(), on_text: Callable[[str], None] | None = None,
              stop_at_eos: bool = True, cancelled: Callable[[], bool] | None = None,
@@ -96,38 +151,15 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
     lookup); greedy output is the same as without it, sampled output has the same distribution."""
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    prompt_ids = tokenizer.encode(prompt, bos=True)
-    if not prompt_ids:
-        raise ConfigError("the prompt encodes to no tokens and the tokenizer has no BOS token: give a prompt")
-    if len(prompt_ids) >= model.max_seq_len:
-        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; the context holds {model.max_seq_len}")
+    prompt_ids = encode_prompt(tokenizer, prompt, model.max_seq_len)
     sample = Sampler(sampling)
-    # the continuation's first piece keeps its leading space unless the prompt was empty
-    emit = tokenizer.stream(at_start=len(prompt_ids) == 1 and prompt_ids[0] == tokenizer.bos_id)
-    result = GenerationResult("", [], prompt_ids, "max_new_tokens", 0.0)
-    pieces: list[str] = []
+    going = Continuation(tokenizer, prompt_ids, max_new_tokens, model.max_seq_len, on_text, stop_at_eos)
+    result = going.result
 
     def check_cancelled() -> None:
         if cancelled is not None and cancelled():
-            result.text = "".join(pieces)
+            result.text = going.text_so_far()
             raise GenerationCancelled(result)
-
-    def take(token: int) -> bool:
-        """One chosen token, in order; True: generation ends here (EOS, the token budget, a full context)."""
-        if stop_at_eos and token in tokenizer.eos_ids:
-            result.stop_reason = "eos"
-            return True
-        result.token_ids.append(token)
-        piece = emit(token)
-        pieces.append(piece)
-        if on_text and piece:
-            on_text(piece)
-        if len(result.token_ids) == max_new_tokens:
-            return True
-        if len(prompt_ids) + len(result.token_ids) >= model.max_seq_len:
-            result.stop_reason = "context_full"
-            return True
-        return False
 
     def next_pass() -> list[int]:
         """One forward pass after the prompt: the token(s) it yields."""
@@ -148,14 +180,10 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
     result.prefill_ms = (time.perf_counter() - t0) * 1e3
     chosen = [sample(logits)] if max_new_tokens else []
     while chosen:
-        if any(take(token) for token in chosen):
+        if any(going.take(token) for token in chosen):
             break
         check_cancelled()
         t = time.perf_counter()
         chosen = next_pass()
         result.decode_ms.extend([(time.perf_counter() - t) * 1e3 / len(chosen)] * len(chosen))
-    tail = emit(None)
-    if on_text and tail:
-        on_text(tail)
-    result.text = "".join(pieces) + tail
-    return result
+    return going.finish()

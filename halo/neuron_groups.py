@@ -32,7 +32,7 @@ from .errors import ConfigError
 from .group_cache import GroupCache
 from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
 from .linear import DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for, make_projection
-from .memory import BufferPool, load_pages, own_pages
+from .memory import BufferPool, load_pages, own_pages, zeros_by_page
 from .ops import Rotary, rmsnorm, silu, softmax
 from .quant import QuantizedMatrix, Weight, as_float32
 from .weights import LayerWeights
@@ -160,7 +160,8 @@ class AttentionShard:
     """A set of query heads of one layer, with the K/V heads they read and their KV cache."""
 
     def __init__(self, layer: LayerWeights, layout: GroupLayout, heads: Sequence[int], max_seq_len: int,
-                 fmt: str = "fp32", threads: int = 1):
+                 fmt: str = "fp32", threads: int = 1, slots: int = 1):
+        """slots: KV caches kept, one per sequence a batched pass may carry (halo/batch.py)."""
         self.heads = _check_groups(heads, layout.n_heads, "attention")
         self.kv_heads = tuple(sorted({layout.kv_head(h) for h in self.heads}))
         hd = self.head_dim = layout.head_dim
@@ -185,69 +186,73 @@ class AttentionShard:
         self.threads = threads
         self.kv_of_head = np.array(kv_of_head, np.int32)  # the decode step's: local KV head of each local query head
         self.step_weights = c_weights(self.qkv, self.out) if self.graph is None else None  # (qkv, out) for `step`
-        # [positions, local KV heads, hd]: the cache of positions 0..P-1 is one contiguous block (the graph's input)
-        self.cache_k = np.zeros((max_seq_len, len(self.kv_heads), hd), dtype=np.float32)
-        self.cache_v = np.zeros(self.cache_k.shape, np.float32)
+        # [slots, positions, local KV heads, hd]: a slot's cache of positions 0..P-1 is one contiguous block (the graph's
+        # input); memory follows the positions written, page by page
+        self.cache_k = zeros_by_page((slots, max_seq_len, len(self.kv_heads), hd))
+        self.cache_v = zeros_by_page(self.cache_k.shape)
 
-    def forward(self, x: np.ndarray, start_pos: int, rotary: Rotary, with_norms: bool = False):
-        """x: [T, D] normed input at positions start_pos.. -> partial output [T, D] (and head norms [T, H])."""
+    def forward(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0, with_norms: bool = False):
+        """x: [T, D] normed input at positions start_pos.. of the sequence in KV-cache `slot` -> partial output [T, D]
+        (and head norms [T, H])."""
         if with_norms:
-            return sum_and_norms(self.forward_groups(x, start_pos, rotary))
+            return sum_and_norms(self.forward_groups(x, start_pos, rotary, slot))
         if self.graph is not None:
-            return self._run_graph(x, start_pos, rotary)
-        return self.out(self._attend(x, start_pos, rotary))[0]
+            return self._run_graph(x, start_pos, rotary, slot)
+        return self.out(self._attend(x, start_pos, rotary, slot))[0]
 
     @property
     def fused(self) -> bool:
         """Whether a token runs through `step` (halo's C kernel holds both projections)."""
         return self.step_weights is not None
 
-    def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary) -> np.ndarray:
+    def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
         cache written at start_pos.., attention, W_o) -> partial output [T, D]; as `forward` of the normed x, each
         position with the bits of a call of its own."""
         qkv, out = self.step_weights
         y = np.empty((len(x), out[1]), np.float32)
-        _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, start_pos,
+        _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k[slot], self.cache_v[slot], start_pos,
                               self.kv_of_head, y, self.threads)
         return y
 
-    def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+    def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """Each head's contribution to the block output, [T, H, D] (for relaxed merging)."""
         if self._wo_dense is None:
             raise ValueError("per-group outputs need the fp32 weight format")
         hd = self.head_dim
-        return grouped_output(self._attend(x, start_pos, rotary), self._wo_dense,
+        return grouped_output(self._attend(x, start_pos, rotary, slot), self._wo_dense,
                               [slice(i * hd, (i + 1) * hd) for i in range(len(self.heads))])
 
-    def _run_graph(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+    def _run_graph(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """The compact formats' path: the whole block in one graph call; the new K/V go to the cache."""
         end = self._check_end(start_pos + len(x))
+        cache_k, cache_v = self.cache_k[slot], self.cache_v[slot]
         cos, sin = rotary.cos[start_pos:end, None, :], rotary.sin[start_pos:end, None, :]
-        y, k, v = self.graph(np.ascontiguousarray(x, dtype=np.float32), cos, sin, self.cache_k[:start_pos],
-                             self.cache_v[:start_pos], start_pos)
-        self.cache_k[start_pos:end], self.cache_v[start_pos:end] = k, v
+        y, k, v = self.graph(np.ascontiguousarray(x, dtype=np.float32), cos, sin, cache_k[:start_pos],
+                             cache_v[:start_pos], start_pos)
+        cache_k[start_pos:end], cache_v[start_pos:end] = k, v
         return y
 
     def _check_end(self, end: int) -> int:
-        if end > self.cache_k.shape[0]:
-            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[0]}")
+        if end > self.cache_k.shape[1]:
+            raise ValueError(f"position {end - 1} is beyond the context length {self.cache_k.shape[1]}")
         return end
 
-    def _attend(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
+    def _attend(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """Project, rotate, cache K/V, attend: [T, D] -> the heads' outputs [T, H * hd] before W_o."""
         T, hd = x.shape[0], self.head_dim
-        q = self._project(x, start_pos, rotary)
+        q = self._project(x, start_pos, rotary, slot)
+        cache_k, cache_v = self.cache_k[slot], self.cache_v[slot]
         if self.kv_batched:  # the query heads of each KV head as one product (the same per KV head as below)
             kv, r = len(self.kv_heads), len(self.heads_of_kv[0])
             qj = q.reshape(T, kv, r, hd).transpose(1, 0, 2, 3)  # [kv, T, r, hd]
-            keys, values = self.cache_k.transpose(1, 2, 0), self.cache_v.transpose(1, 0, 2)  # [kv, hd, S], [kv, S, hd]
+            keys, values = cache_k.transpose(1, 2, 0), cache_v.transpose(1, 0, 2)  # [kv, hd, S], [kv, S, hd]
             out = causal_attention(qj, keys, values, start_pos)  # [kv, T, r, hd]
             return out.transpose(1, 0, 2, 3).reshape(T, -1)
         attended = np.empty((T, len(self.heads), hd), dtype=np.float32)
         for j, local_heads in enumerate(self.heads_of_kv):
             qj = q[:, local_heads, :][None]  # [1, T, r, hd]
-            out = causal_attention(qj, self.cache_k[None, :, j].transpose(0, 2, 1), self.cache_v[None, :, j], start_pos)
+            out = causal_attention(qj, cache_k[None, :, j].transpose(0, 2, 1), cache_v[None, :, j], start_pos)
             attended[:, local_heads, :] = out[0]
         return attended.reshape(T, -1)
 
@@ -260,20 +265,20 @@ class AttentionShard:
         else:
             self._project(x, start_pos, rotary)
 
-    def _project(self, x: np.ndarray, start_pos: int, rotary: Rotary) -> np.ndarray:
-        """Project, rotate, write K/V to the cache at start_pos..: the rotated queries [T, H, hd]."""
+    def _project(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
+        """Project, rotate, write K/V to the slot's cache at start_pos..: the rotated queries [T, H, hd]."""
         T, hd = x.shape[0], self.head_dim
         end = self._check_end(start_pos + T)
         q, k, v = self.qkv(x)
-        self.cache_k[start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos)
-        self.cache_v[start_pos:end] = v.reshape(T, -1, hd)
+        self.cache_k[slot, start_pos:end] = rotary.apply(k.reshape(T, -1, hd), start_pos)
+        self.cache_v[slot, start_pos:end] = v.reshape(T, -1, hd)
         return rotary.apply(q.reshape(T, len(self.heads), hd), start_pos)
 
     def reset(self) -> None:
-        """Forget every position. Fresh zero arrays rather than zeroing these: the allocator maps untouched zero
-        pages, so a reset does not make the whole context's cache resident (94 MB for SmolLM2 at 2048)."""
-        self.cache_k = np.zeros(self.cache_k.shape, np.float32)  # np.zeros (calloc), not zeros_like (writes zeros)
-        self.cache_v = np.zeros(self.cache_v.shape, np.float32)
+        """Forget every position. Fresh zero arrays rather than zeroing these: a reset does not make the whole
+        context's cache resident (94 MB for SmolLM2 at 2048), and the old pages go back at once."""
+        self.cache_k = zeros_by_page(self.cache_k.shape)
+        self.cache_v = zeros_by_page(self.cache_v.shape)
 
     @property
     def nbytes(self) -> int:

@@ -141,12 +141,14 @@ def kv_cache_bytes(share: Shares, layout: GroupLayout, context: int) -> int:
     return 2 * 4 * kv_heads * context * layout.head_dim
 
 
-def share_memory(share: Shares, layout: GroupLayout, weights: ModelWeights, fmt: str, context: int) -> tuple[int, int]:
-    """What a share holds in memory: its weights in `fmt` and its KV cache for `context` positions (bytes)."""
+def share_memory(share: Shares, layout: GroupLayout, weights: ModelWeights, fmt: str, context: int,
+                 slots: int = 1) -> tuple[int, int]:
+    """What a share holds in memory: its weights in `fmt` and its KV caches for `context` positions in each of `slots`
+    (bytes)."""
     from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
 
     held = share_float32_bytes(share, layout, weights.config.dim) / 4 * BYTES_PER_WEIGHT[planning_format(fmt, weights)]
-    return int(held), kv_cache_bytes(share, layout, context)
+    return int(held), kv_cache_bytes(share, layout, context * slots)
 
 
 def rank_range(ranks: list[int]) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from .batch import Rows
 from .errors import HaloError
 from .memory import groups_headroom, resident_bytes
 from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
@@ -32,7 +33,7 @@ class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
                  threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
                  reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None,
-                 memory_budget: int | None = None, prepared=None):
+                 memory_budget: int | None = None, prepared=None, slots: int = 1):
         """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
         the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
         stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
@@ -41,13 +42,14 @@ class DeviceWorker:
         memory_budget: the most process memory the share's weights and KV cache may take; in HALO mode with compact
         weights, the built MLP groups it keeps are bounded by what the other shards (measured) and the KV cache
         leave of it (halo/group_cache.py; None: every candidate group, built now). prepared: HALO mode's groups
-        written group-major in kernel form (halo/prepared.py: `halo-agent prepare`), built from instead of the file."""
+        written group-major in kernel form (halo/prepared.py: `halo-agent prepare`), built from instead of the file.
+        slots: KV caches per attention shard, one per sequence a batched pass may carry (halo/batch.py)."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
-        self.context, self.fmt, self.threads = context, fmt, threads
+        self.context, self.fmt, self.threads, self.slots = context, fmt, threads, slots
         self.rotary = Rotary(c, context)
         self.norms, self.final_norm = _own_norms(weights)
-        old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads) else None
+        old = reuse if reuse is not None and reuse.compatible(weights, layout, context, fmt, threads, slots) else None
         self.reused_groups = 0  # groups whose kernels came from `reuse`
         bounded = remap and fmt != "fp32" and memory_budget is not None  # HALO's built groups: within the budget
         started = resident_bytes() if bounded else 0
@@ -67,7 +69,7 @@ class DeviceWorker:
             return pieces[0] if len(pieces) == 1 else PiecedShard(pieces, layout if kind == "lm_head" else None, groups)
 
         self.attention = {l: shard("attention", l, heads,
-                                   lambda g, l=l: AttentionShard(weights.layers[l], layout, g, context, fmt, threads))
+                                   lambda g, l=l: AttentionShard(weights.layers[l], layout, g, context, fmt, threads, slots))
                           for l, heads in enumerate(share.attention) if heads}
         self.lm_head = (shard("lm_head", c.n_layers, share.lm_head,
                               lambda g: LmHeadShard(weights.lm_head, layout, g, fmt, threads))
@@ -111,10 +113,10 @@ class DeviceWorker:
         headroom = groups_headroom()
         return budget if headroom is None else min(budget, headroom - kv)
 
-    def compatible(self, weights, layout, context, fmt, threads) -> bool:
+    def compatible(self, weights, layout, context, fmt, threads, slots: int = 1) -> bool:
         """Whether this worker's shards can serve a new session with these settings."""
         return (self.remapper is None and self.weights is weights and self.layout == layout
-                and (self.context, self.fmt, self.threads) == (context, fmt, threads))
+                and (self.context, self.fmt, self.threads, self.slots) == (context, fmt, threads, slots))
 
     def _shard(self, kind: str, layer: int):
         if kind == "lm_head":
@@ -129,31 +131,43 @@ class DeviceWorker:
         if self.remapper is not None:
             self.remapper.begin()
 
-    def compute(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
-        """This device's partial output of a block for the residual stream x [T, D] at positions start..:
-        [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head). A pass of at most STEPWISE_TOKENS (a
-        speculative verification: halo/speculative.py) gives each position the bits of a decode step of its own, so
-        it is decoding the tokens one by one: the C steps take them together (each weight read once), other kernels
-        one at a time. HALO's re-mapped MLP groups (chosen per pass, never exact) run as one pass."""
+    def compute(self, block: Block, x: np.ndarray, start: "int | Rows") -> np.ndarray:
+        """This device's partial output of a block for the residual stream x [T, D] at positions start.. (or, a batched
+        pass, where `Rows` says): [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head). A pass of at most
+        STEPWISE_TOKENS (a speculative verification: halo/speculative.py), and every batched pass, gives each position
+        the bits of a decode step of its own, so it is decoding the tokens one by one: the C steps take them together
+        (each weight read once), other kernels one at a time. Attention runs slot by slot. HALO's re-mapped MLP groups
+        (chosen per pass, never exact) run as one pass."""
+        if not isinstance(start, Rows):
+            return self._compute(block, x, start, 0, len(x) <= STEPWISE_TOKENS)
+        start.check(len(x), self.context, self.slots)
+        if block.kind != "attention":
+            return self._compute(block, x, 0, 0, True)
+        if len(start.segments) == 1:
+            s = start.segments[0]
+            return self._compute(block, x, s.start, s.slot, True)
+        return np.concatenate([self._compute(block, x[s.first:s.last], s.start, s.slot, True) for s in start.segments])
+
+    def _compute(self, block: Block, x: np.ndarray, start: int, slot: int, stepwise: bool) -> np.ndarray:
         kind = block.kind
         norm = self.final_norm if kind == "lm_head" else self.norms[kind][block.layer]
         shard = (self.attention[block.layer] if kind == "attention" else None if kind == "lm_head" or self.remapper
                  else self.mlp[block.layer])
-        stepwise = len(x) <= STEPWISE_TOKENS and not (kind == "mlp" and self.remapper is not None)
+        stepwise = stepwise and not (kind == "mlp" and self.remapper is not None)
         fused = stepwise and shard is not None and shard.fused
         if stepwise and len(x) > 1 and not fused and not (kind == "lm_head" and self.lm_head.row_by_row):
-            return np.concatenate([self.compute(block, x[i:i + 1], start + i) for i in range(len(x))])
+            return np.concatenate([self._compute(block, x[i:i + 1], start + i, slot, True) for i in range(len(x))])
         t, cpu = time.perf_counter(), time.thread_time()
         if kind == "attention" and not 0 <= start <= self.context - len(x):  # (numpy would wrap a negative one)
             raise HaloError(f"positions {start}..{start + len(x) - 1} are outside the context 0..{self.context - 1}")
         if fused:  # decode steps: the whole block in one C call
-            out = shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, start, self.rotary)
+            out = shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, start, self.rotary, slot)
         elif kind == "mlp" and shard is None:  # HALO's re-mapped groups: normed where they are computed
             out = self.remapper.mlp_partial(block.layer, x, norm, self.config.norm_eps)
         else:
             h = rmsnorm(x, norm, self.config.norm_eps)
             if shard is not None:
-                out = shard.forward(h, start, self.rotary) if kind == "attention" else shard.forward(h)
+                out = shard.forward(h, start, self.rotary, slot) if kind == "attention" else shard.forward(h)
             else:
                 out = self.lm_head.forward(h)
         self.last_compute_ms = 1e3 * (time.perf_counter() - t)

@@ -48,9 +48,9 @@ def test_an_attention_step_is_the_blocks_numpy_path(weights, heads):
         want = reference.forward(rmsnorm(x[pos:pos + 1], norm, c.norm_eps), pos, rotary)
         assert got.shape == want.shape == (1, c.dim) and relative_error(got, want) < 1e-4, (pos, relative_error(got, want))
     for cache in ("cache_k", "cache_v"):  # the step wrote the new positions' rotated keys and values
-        got, want = getattr(stepped, cache)[:9], getattr(reference, cache)[:9]
+        got, want = getattr(stepped, cache)[0, :9], getattr(reference, cache)[0, :9]
         assert np.array_equal(got[:5], want[:5]) and relative_error(got, want) < 1e-5
-        assert not getattr(stepped, cache)[9:].any()
+        assert not getattr(stepped, cache)[0, 9:].any()
 
 
 @needs_c
@@ -148,8 +148,8 @@ def test_a_step_refuses_what_does_not_fit(weights):
     x, norm, y = np.ones((1, c.dim), np.float32), np.ones(c.dim, np.float32), np.empty((1, c.dim), np.float32)
 
     def step(**changed):
-        args = dict(x=x, norm=norm, eps=1e-5, qkv=qkv, out=out, cos=rotary.cos, sin=rotary.sin, cache_k=shard.cache_k,
-                    cache_v=shard.cache_v, pos=3, kv_of_head=shard.kv_of_head, y=y)
+        args = dict(x=x, norm=norm, eps=1e-5, qkv=qkv, out=out, cos=rotary.cos, sin=rotary.sin, cache_k=shard.cache_k[0],
+                    cache_v=shard.cache_v[0], pos=3, kv_of_head=shard.kv_of_head, y=y)
         nbits.attention_step(**{**args, **changed})
 
     step()
@@ -162,7 +162,7 @@ def test_a_step_refuses_what_does_not_fit(weights):
     with pytest.raises(ValueError, match=r"kv_of_head holds values of type 'l'; it must be int32"):
         step(kv_of_head=np.array([0, 0, 1, 1], np.int64))
     with pytest.raises(ValueError, match="caches must be"):
-        step(cache_v=shard.cache_v[:, :1].copy())
+        step(cache_v=shard.cache_v[0, :, :1].copy())
     with pytest.raises(ValueError, match=r"x must be \[T, 128\] and y \[T, 128\] float32"):
         step(y=y[:, :64].copy())
     three = np.ones((3, c.dim), np.float32)  # T positions at once: all of them within the context
@@ -172,7 +172,7 @@ def test_a_step_refuses_what_does_not_fit(weights):
     with pytest.raises(ValueError, match=r"x must be \[T, 128\] and y \[T, 128\] float32"):
         step(x=three)  # y for one position
     with pytest.raises(ValueError, match="cache_k holds values of type 'd'"):
-        step(cache_k=shard.cache_k.astype(np.float64))
+        step(cache_k=shard.cache_k[0].astype(np.float64))
     with pytest.raises(TypeError, match=r"qkv must be a \(packed, n, bits, block, half, offsets, terms\) tuple"):
         step(qkv=qkv[:3])
     mlp = MlpShard(layer, layout, range(layout.n_mlp_groups), "native")

@@ -111,7 +111,7 @@ def test_kv_heads_follow_the_query_heads(stories_weights):
     layout = GroupLayout.for_model(stories_weights.config)
     shard = AttentionShard(stories_weights.layers[0], layout, [1, 4, 5], MAX_SEQ)
     assert shard.kv_heads == (0, 2)  # 8 query heads over 4 KV heads: head h reads KV head h // 2
-    assert shard.cache_k.shape == (MAX_SEQ, 2, 8)  # [positions, local KV heads, head_dim]
+    assert shard.cache_k.shape == (1, MAX_SEQ, 2, 8)  # [slots, positions, local KV heads, head_dim]
 
 
 @pytest.mark.parametrize("heads", [range(8), [2, 3, 6, 7], [1, 4, 5]])
@@ -181,8 +181,8 @@ def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights, monkeyp
     for pos, t in [(0, 5), (5, 1), (6, 1), (7, 2)]:
         x = rng.standard_normal((t, c.dim)).astype(np.float32)
         assert relative_error(graph.forward(x, pos, rotary), steps.forward(x, pos, rotary)) <= 1e-4
-    assert relative_error(graph.cache_k[:9], steps.cache_k[:9]) <= 1e-5 and not graph.cache_k[9:].any()
-    assert relative_error(graph.cache_v[:9], steps.cache_v[:9]) <= 1e-5
+    assert relative_error(graph.cache_k[0, :9], steps.cache_k[0, :9]) <= 1e-5 and not graph.cache_k[0, 9:].any()
+    assert relative_error(graph.cache_v[0, :9], steps.cache_v[0, :9]) <= 1e-5
 
     groups = [0, 2, 3]
     graph, steps = (MlpShard(layer, layout, groups, "int8") for _ in range(2))

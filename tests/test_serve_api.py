@@ -20,7 +20,8 @@ PROMPT = "Once upon a time"
 def server(tmp_path_factory):
     # no re-plans for speed: over a whole module of requests on a loaded 2-core machine, a rebalance could give a
     # device no groups (its compute per token 0) or restart the counters mid-request; re-plans have their own tests
-    process, url = start_server(tmp_path_factory.mktemp("serve"), "--local-agents", "2", "--max-queue", "2",
+    # one slot: the queue and 429 tests hold it with one stream (batching has its own tests)
+    process, url = start_server(tmp_path_factory.mktemp("serve"), "--local-agents", "2", "--max-queue", "2", "--slots", "1",
                                 "--request-timeout", "120", "--rebalance-every", "0",
                                 "--plan", "even")  # every agent has work: a benchmark taken on a busy machine may plan one out
     yield url
@@ -175,7 +176,7 @@ def test_429_when_the_queue_is_full_and_the_cluster_frees_up(server, client):
         deadline = time.monotonic() + 20
         while cluster(server)["queue"]["waiting"] < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert cluster(server)["queue"] == {"waiting": 2, "limit": 2, "running": True}
+        assert cluster(server)["queue"] == {"waiting": 2, "limit": 2, "running": True, "slots": 1, "slots_busy": 1}
         with pytest.raises(openai.RateLimitError) as e:
             client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=2)
         assert "--max-queue 2" in e.value.message
@@ -184,7 +185,8 @@ def test_429_when_the_queue_is_full_and_the_cluster_frees_up(server, client):
         for t in threads:
             t.join(timeout=30)
     deadline = time.monotonic() + 10
-    while cluster(server)["queue"] != {"waiting": 0, "limit": 2, "running": False} and time.monotonic() < deadline:
+    idle = {"waiting": 0, "limit": 2, "running": False, "slots": 1, "slots_busy": 0}
+    while cluster(server)["queue"] != idle and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
 

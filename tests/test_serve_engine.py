@@ -233,23 +233,38 @@ def test_the_view_shows_what_halo_sync_dropped(stories_weights, tokenizer):
     assert "local-1#1" in out and "predicted rank of dropped groups" in out and "layer" in out
 
 
-def test_a_requests_own_error_fails_the_request_and_keeps_the_cluster(stories_weights, tokenizer, monkeypatch):
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_requests_own_error_fails_the_request_and_keeps_the_cluster(stories_weights, tokenizer, monkeypatch, slots):
     """Anything but the cluster's failure (here: the sampler raising, as "seed": -1 once did) fails that request
-    alone: the cluster answers a reset and serves the next request, no rebuild."""
+    alone: the cluster answers a reset and serves the next request, no rebuild. One generation at a time and batched."""
     from halo.serve import engine as engine_module
 
     expected = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
-    engine = engine_for(stories_weights, tokenizer)
-    real = engine_module.generate
+    engine = engine_for(stories_weights, tokenizer, lambda stack: Transformer(stories_weights, max_seq_len=512,
+                                                                              slots=slots))
     calls = []
+    if slots == 1:
+        real = engine_module.generate
 
-    def failing_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise ValueError("a sampler's own error")
-        return real(*args, **kwargs)
+        def failing_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise ValueError("a sampler's own error")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "generate", failing_once)
+        monkeypatch.setattr(engine_module, "generate", failing_once)
+    else:
+        real = engine_module.Sampler
+
+        def failing_once(settings):
+            calls.append(1)
+            if len(calls) == 1:
+                def fail(logits):
+                    raise ValueError("a sampler's own error")
+                return fail
+            return real(settings)
+
+        monkeypatch.setattr(engine_module, "Sampler", failing_once)
     try:
         async def run():
             loop = asyncio.get_running_loop()

@@ -112,7 +112,7 @@ def test_a_fill_writes_the_kv_cache_a_forward_pass_writes(stories_weights, fmt):
         filled.fill(layer, x)
         a, b = ran.attention[layer], filled.attention[layer]
         assert np.array_equal(a.cache_k, b.cache_k) and np.array_equal(a.cache_v, b.cache_v)
-        assert np.abs(b.cache_k[:n]).max() > 0 and not b.cache_k[n:].any()
+        assert np.abs(b.cache_k[0, :n]).max() > 0 and not b.cache_k[0, n:].any()
     y = rmsnorm(x, stories_weights.layers[0].attn_norm, c.norm_eps)[:1]  # the next position reads the filled cache
     np.testing.assert_array_equal(ran.attention[0].forward(y, n, ran.rotary), filled.attention[0].forward(y, n, filled.rotary))
 
@@ -165,7 +165,7 @@ def test_an_agent_refuses_a_share_over_its_memory_budget_with_the_numbers(storie
 
     with LocalCluster(1, extra_args=("--memory-budget", "0.05")) as cluster:  # 50 kB: half of stories260K is ~0.5 MB
         with pytest.raises(HaloError, match=r"the share needs [\d.]+ MB \(weights [\d.]+ MB in fp32, KV cache [\d.]+ MB "
-                                            r"for 64 positions\) but this agent's memory budget is 0\.1 MB"):
+                                            r"for 64 positions x 1 slot\(s\)\) but this agent's memory budget is 0\.1 MB"):
             cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even", context=64)
         memory = ask_status(cluster.endpoints, cluster.key)[cluster.endpoints[0]]["memory"]
         assert memory["budget_bytes"] == 50_000 and memory["weights_bytes"] == 0 and memory["rss_bytes"] > 0

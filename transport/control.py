@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from halo.batch import MAX_SLOTS
 from halo.errors import HaloError
 
 from . import wire
@@ -148,9 +149,11 @@ class Hello:
     mlp: tuple[tuple[int, ...], ...]  # per layer: the MLP groups
     lm_head: tuple[int, ...]  # the LM-head (vocabulary) groups
     udp: UdpSession | None = None
+    slots: int = 1  # KV caches per attention shard: sequences a batched pass may carry (halo/batch.py)
 
     def to_fields(self) -> dict:
-        return {"model_sha256": self.model_sha256, "context": self.context, "mlp_group_size": self.mlp_group_size,
+        return {"model_sha256": self.model_sha256, "context": self.context, "slots": self.slots,
+                "mlp_group_size": self.mlp_group_size,
                 "vocab_group_size": self.vocab_group_size, "master": self.master, "weights": self.weights,
                 "sync": self.sync, "node_id": self.node_id, "attention": [list(g) for g in self.attention],
                 "mlp": [list(g) for g in self.mlp], "lm_head": list(self.lm_head), **_udp_fields(self.udp)}
@@ -161,7 +164,8 @@ class Hello:
         return cls(_hex(f, "model_sha256", 64), _int(f, "context", 1, 1 << 24), _int(f, "mlp_group_size", 1, 1 << 20),
                    _int(f, "vocab_group_size", 1, 1 << 20), _text(f, "master"), _text(f, "weights", 16),
                    _dict(f, "sync"), _int(f, "node_id", 1 if udp else 0, 254), _layers(f, "attention"),
-                   _layers(f, "mlp"), _ids(f.get("lm_head"), "lm_head"), udp)
+                   _layers(f, "mlp"), _ids(f.get("lm_head"), "lm_head"), udp,
+                   _int(f, "slots", 1, MAX_SLOTS) if "slots" in f else 1)
 
     @property
     def share(self) -> dict:
@@ -180,6 +184,7 @@ class Ready:
     udp_port: int | None
     kept_groups: int  # groups whose kernels it kept from its previous session (a sticky re-plan)
     loads_ahead: bool  # HALO: it reads its next layer's groups from storage as soon as it predicts them
+    slots: int = 1  # the KV-cache slots it keeps (an agent older than batched passes says nothing: one)
 
     def to_fields(self) -> dict:
         return asdict(self)
@@ -189,4 +194,4 @@ class Ready:
         port = f.get("udp_port")
         return cls(_text(f, "name"), _int(f, "weight_bytes", 0, 1 << 50), _dict(f, "profile"),
                    None if port is None else _int(f, "udp_port", 1, 65535), _int(f, "kept_groups", 0, 1 << 30),
-                   _bool(f, "loads_ahead"))
+                   _bool(f, "loads_ahead"), _int(f, "slots", 1, MAX_SLOTS) if "slots" in f else 1)

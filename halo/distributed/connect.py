@@ -59,8 +59,8 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         endpoints = [d.address for d in plan.profiles()[1:]]
     elif plan is None or (isinstance(plan, str) and plan in EVEN_PLANS):
         on_master, pair = EVEN_PLANS[plan or "even"], plan in PAIRED_PLANS
-        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context, on_master=on_master,
-                         paired=pair)
+        plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context * master_settings.slots,
+                         on_master=on_master, paired=pair)
         planning = {"source": "even" if compute is None else "relative compute", "on_master": list(on_master),
                     "paired": pair}
     elif isinstance(plan, str):
@@ -93,7 +93,7 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     from halo.loader import predictors_path
     from halo.scheduler.sync_choice import choose_sync
 
-    master_settings = MasterSettings(**{k: settings[k] for k in ("context", "timeout_s", "sync", "predictors")},
+    master_settings = MasterSettings(**{k: settings[k] for k in ("context", "slots", "timeout_s", "sync", "predictors")},
                                      fmt=resolve_format(settings["fmt"], weights))
     cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
                               same_machine=same_machine)
@@ -147,7 +147,7 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
     fastest = max([d.bandwidth_bps for d in devices], default=0.0)
     master = measured_device("master", own, None, "", is_master=True)
     master = replace(master, bandwidth_bps=max(1e9, fastest))  # its own link is at least as fast as its best path
-    context = min(weights.config.max_seq_len, settings.context)
+    context = min(weights.config.max_seq_len, settings.context) * settings.slots  # KV positions a device keeps
     return Cluster((master, *devices), context=context, weights=planning_format(settings.fmt, weights))
 
 
@@ -180,7 +180,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
             survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False,
-            authorized_agents: str | None = None, auto_sync: bool = False):
+            authorized_agents: str | None = None, auto_sync: bool = False, slots: int = 1):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -192,7 +192,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.sync_auto, kept across re-plans."""
+    the other settings); what was picked and why: model.sync_auto, kept across re-plans.
+    slots: KV caches on every device, one per sequence a batched pass carries (`forward_rows`; halo-master serve)."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -201,6 +202,9 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and plan_mode(plan) == "pipeline"):
         from halo.pipeline.connect import connect_pipeline
 
+        if slots != 1:
+            raise ConfigError("batched passes (--slots above 1) run over a tensor-parallel cluster; a pipeline carries one "
+                              "sequence at a time: serve it with --slots 1")
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
                                 cluster=cluster, plan=plan, key=key, insecure=insecure, context=context,
                                 timeout=timeout, fmt=fmt, survive=survive, **(pipeline or {}))
@@ -230,7 +234,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
                     ", ".join(endpoints))
     select = not (local_agents and plan is None)
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
-                    sync=sync, predictors=predictors)
+                    sync=sync, predictors=predictors, slots=slots)
     chosen = None
     if auto_sync:
         if tp_plan is not None or plan not in (None, "measured"):
@@ -245,7 +249,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         model.planning = {**model.planning, **planning}  # measured, for the mode picked (model.sync_auto: which, why)
     if survive is not None:
         planner = Replanner(weights, layout, model.plan, model.planning.get("source") in ("even", "relative compute"),
-                            select, sync, context, tuple(model.planning.get("on_master", ())),
+                            select, sync, context * slots, tuple(model.planning.get("on_master", ())),
                             bool(model.planning.get("paired")))
         model = SurvivingModel(model, endpoints, planner,
                                lambda p, e, **how: cluster_model(weights, e, cluster_key, plan=p, **how, **settings),
@@ -268,7 +272,7 @@ class Replanner:
     even: bool
     select: bool  # the scheduler may leave agents out
     sync: SyncSettings
-    context: int
+    context: int  # KV positions a device keeps: the context times the KV-cache slots
     on_master: tuple = ()  # an even plan's blocks kept on the master (EVEN_PLANS), kept when agents come and go
     paired: bool = False  # an even plan's MLP halved between the master and one agent a layer (PAIRED_PLANS), kept too
 

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from halo.batch import Rows, check_slots, check_tokens
 from halo.errors import HaloError
 from halo.neuron_groups import GroupLayout
 from halo.quant import embed
@@ -48,6 +49,7 @@ class DistributedModel:
         self.weights, self.settings, self.sync = weights, settings, settings.sync
         self.layout = layout or GroupLayout.for_model(c)
         self.max_seq_len = min(c.max_seq_len, settings.context)
+        self.slots = check_slots(settings.slots)
         self.timeout_s = settings.timeout_s
         predictors = None
         if self.sync.policy.remap and self.sync.predict:
@@ -58,7 +60,7 @@ class DistributedModel:
         def build_own_share():
             self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
                                        remap=self.sync.policy.remap, predictors=predictors,
-                                       load_overlap=self.sync.load_overlap, reuse=reuse)
+                                       load_overlap=self.sync.load_overlap, reuse=reuse, slots=self.slots)
 
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure, meanwhile=build_own_share)
@@ -95,31 +97,43 @@ class DistributedModel:
 
     # ---- one token ------------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = check_tokens(tokens, self.config.vocab_size)
         start = self.pos if start_pos is None else start_pos
-        if tokens.ndim != 1 or len(tokens) == 0 or tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise ValueError("forward needs a non-empty 1-D sequence of valid token ids")
         if start < 0:
             raise ValueError(f"start position {start} is negative")
         if start + len(tokens) > self.max_seq_len:
             raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
+        logits = self._pass(tokens, start, slice(None) if all_logits else slice(-1, None), len(tokens) == 1)
+        self.pos = start + len(tokens)
+        return logits if all_logits else logits[0]
+
+    def forward_rows(self, tokens, rows: Rows) -> np.ndarray:
+        """A batched pass: tokens of several sequences, each in its KV-cache slot at its positions (halo/batch.py) ->
+        the logits of each sequence's last row [sequences, V], in row order. Every device computes each row as a
+        decode step of its own; the rounds carry the rows' slots and positions with the attention inputs."""
+        tokens = check_tokens(tokens, self.config.vocab_size)
+        rows.check(len(tokens), self.max_seq_len, self.slots)
+        return self._pass(tokens, rows, rows.last_rows, all(s.last - s.first == 1 for s in rows.segments))
+
+    def _pass(self, tokens: np.ndarray, start: int | Rows, logits_of, decoding: bool) -> np.ndarray:
+        """One forward pass through every block's round -> the logits of rows `logits_of`."""
         self.forward_id += 1
-        self.decoding = len(tokens) == 1  # its rounds are timed (a prompt's LM-head round also has one position)
+        self.decoding = decoding  # its rounds are timed (a prompt's LM-head round also has one position)
         self.worker.begin_forward()
         x = embed(self.weights.tok_embeddings, tokens)  # [T, D]
         for l in range(self.config.n_layers):
-            if self.input_log is not None:
+            if self.input_log is not None and not isinstance(start, Rows):
                 self.input_log.record(l, start, x)
             x = x + self._block(Block("attention", l), x, start)
             x = x + self._block(Block("mlp", l), x, start)
-        logits = self._block(Block("lm_head", self.config.n_layers), x if all_logits else x[-1:], start)
-        self.pos = start + len(tokens)
+        head_start = start.last_only() if isinstance(start, Rows) else start  # (logits_of: its last rows)
+        logits = self._block(Block("lm_head", self.config.n_layers), x[logits_of], head_start)
         self.step += 1
         self.timings.forwards += self.decoding  # counted once done: a pass an agent failure cut short is tried again
         self.estimates.observe(len(tokens))  # scheduler hook (estimates.py)
-        return logits if all_logits else logits[0]
+        return logits
 
-    def _block(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+    def _block(self, block: Block, x: np.ndarray, start: int | Rows) -> np.ndarray:
         """One round: send the input, compute the own share, merge the partials (own share first, then
         agents by node id: deterministic). Decode rounds are timed (timing.py)."""
         t0 = time.perf_counter()
@@ -191,7 +205,7 @@ class DistributedModel:
         return [[r for r, _ in tier] for tier in tiers
                 if len(tier) > 1 and any(self.agents[i].loads_ahead for _, i in tier)]
 
-    def _open_round(self, block: Block, x: np.ndarray, start: int) -> MasterRound:
+    def _open_round(self, block: Block, x: np.ndarray, start: int | Rows) -> MasterRound:
         holders = self.holders[block]
         remapper, listeners, ranking = self.worker.remapper, [], None
         if remapper is not None and block.kind == "attention" and block.layer + 1 < self.config.n_layers:
@@ -208,7 +222,8 @@ class DistributedModel:
             elif following is not None:  # a layer nobody ranks (layer 0): its order, for the next layer's to ride with
                 ranking = np.tile(np.arange(self.layout.n_mlp_groups), (len(x), 1))
                 digest = ranking_digest(ranking)
-        label = f"{block.kind} of layer {block.layer} at position {start} (step {self.step})"
+        where = f"{len(start.segments)} sequences" if isinstance(start, Rows) else f"position {start}"
+        label = f"{block.kind} of layer {block.layer} at {where} (step {self.step})"
         return MasterRound(self.rounds, block, epoch, x, start, digest, plan, label, ranking, following)
 
     def _listeners(self, layer: int) -> list[int]:
@@ -220,7 +235,7 @@ class DistributedModel:
         return [i for i in self.holders[Block("mlp", layer)] if (ranks or self.agents[i].loads_ahead)
                 and ranks_next_layer_itself(self.sync.policy, self.agents[i].share.mlp, layer - 1)]
 
-    def _own(self, block: Block, x: np.ndarray, start: int) -> np.ndarray:
+    def _own(self, block: Block, x: np.ndarray, start: int | Rows) -> np.ndarray:
         if block.kind == "lm_head":
             if self.whole_lm_head:
                 return self.worker.compute(block, x, start)

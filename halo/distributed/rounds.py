@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from halo.batch import Rows
 from halo.shares import Block
 from halo.sync import AdaptiveDeadline, LossLedger, RoundPlan, Status, SyncSettings
 from halo.sync.framing import FramingError, frame_broadcast, partial_size, read_partial, reply_epoch
@@ -37,7 +38,7 @@ class RoundContext:
 
 
 class MasterRound:
-    def __init__(self, ctx: RoundContext, block: Block, epoch: int, x: np.ndarray, start: int, digest: int,
+    def __init__(self, ctx: RoundContext, block: Block, epoch: int, x: np.ndarray, start: int | Rows, digest: int,
                  plan: RoundPlan, label: str, ranking: np.ndarray | None = None,
                  next_ranking: np.ndarray | None = None):
         """ranking: the master's MLP ranking of the block's layer (HALO), sent with a UDP input (framing.py);
@@ -59,10 +60,13 @@ class MasterRound:
             parity = ctx.sync.parity_group if ctx.udp.lossy(plan.input_udp) else 0
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
                                 parity_group=parity, parity_chunks=ctx.sync.parity_chunks)
+        rows = isinstance(self.start, Rows)  # a batched pass: each row's slot and position ride as a second array
+        arrays = [self.x, self.start.table()] if rows else [self.x]
         for i in sorted(plan.input_tcp):
             reply = "tcp" if i in plan.partial_tcp else ("udp" if i in plan.partial_udp else "none")
-            ctx.agents[i].send("block", {"kind": self.block.kind, "layer": self.block.layer, "start_pos": self.start,
-                                         "epoch": self.epoch, "digest": self.digest, "reply": reply}, [self.x])
+            ctx.agents[i].send("block", {"kind": self.block.kind, "layer": self.block.layer,
+                                         "start_pos": -1 if rows else self.start, "epoch": self.epoch,
+                                         "digest": self.digest, "reply": reply}, arrays)
 
     def collect(self) -> dict[int, np.ndarray | None]:
         """Every holder's partial output (None: dropped), after the plan's waiting rules."""

@@ -57,6 +57,7 @@ def master_context() -> zmq.Context:
 @dataclass(frozen=True)
 class MasterSettings:
     context: int = DEFAULT_CONTEXT  # KV-cache length (clamped to the model's)
+    slots: int = 1  # KV caches on every device: sequences a batched pass may carry (halo/batch.py, halo-master serve)
     fmt: str = "fp32"  # weight format, cluster-wide
     timeout_s: float = DEFAULT_TIMEOUT_S  # an agent silent this long is an error
     hello_timeout_s: float = 10.0  # agents load their share while answering hello
@@ -91,7 +92,7 @@ class Session:
                                          hello_timeout_s(share, layout, weights.config.dim, settings.hello_timeout_s), layout)
                 hello = Hello(sha, context, layout.mlp_group_size, layout.vocab_group_size, os.uname().nodename,
                               settings.fmt, settings.sync.to_json(), node_id, tuple(map(tuple, share.attention)),
-                              tuple(map(tuple, share.mlp)), tuple(share.lm_head), udp)
+                              tuple(map(tuple, share.mlp)), tuple(share.lm_head), udp, settings.slots)
                 agent.send("hello", hello.to_fields())
             if meanwhile is not None:
                 meanwhile()
@@ -200,6 +201,9 @@ class Session:
         except ControlError as e:
             raise AgentError(f"agent {agent} answered its hello with a malformed ready: {e}") from None
         agent.name = f"{ready.name}#{agent.node_id}"
+        if ready.slots != settings.slots:
+            raise AgentError(f"agent {agent} keeps {ready.slots} KV-cache slot(s) where {settings.slots} were asked: it "
+                             "predates batched passes; upgrade halo on it, or serve with --slots 1")
         agent.profile, agent.weight_bytes, agent.kept_groups = ready.profile, ready.weight_bytes, ready.kept_groups
         agent.loads_ahead = ready.loads_ahead
         agent.udp_address = (agent.host, ready.udp_port) if ready.udp_port else None

@@ -45,8 +45,9 @@ from typing import Callable
 
 import numpy as np
 
+from halo.batch import Rows
 from halo.errors import ConfigError, HaloError
-from halo.generate import prefill
+from halo.generate import prefill, prefill_chunk
 from halo.shares import Shares, spread_lost, take_back
 from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
 
@@ -103,6 +104,7 @@ class SurvivingModel:
     insecure: bool = False
     settings: SurvivalSettings = field(default_factory=SurvivalSettings)
     history: list[int] = field(default_factory=list)
+    slot_history: dict[int, list[int]] = field(default_factory=dict)  # batched passes: the tokens each slot holds
     recoveries: list[Recovery] = field(default_factory=list)
 
     def __post_init__(self):
@@ -152,8 +154,45 @@ class SurvivingModel:
         raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
                           f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
 
+    def forward_rows(self, tokens, rows: Rows) -> np.ndarray:
+        """A batched pass (DistributedModel.forward_rows). After a re-plan every slot's history is replayed into the
+        new assignment, slot by slot, before the failed pass runs again (the input log holds one sequence)."""
+        tokens = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        for s in rows.segments:
+            if s.start > len(self.slot_history.get(s.slot, [])):
+                raise ValueError(f"slot {s.slot}: position {s.start} is beyond the "
+                                 f"{len(self.slot_history.get(s.slot, []))} positions the cluster holds")
+        model, stale = self.model, False
+        self._take_back_returning([])
+        for _ in range(self.settings.max_attempts):
+            try:
+                if stale or self.model is not model:
+                    self._replay_slots({s.slot: s.start for s in rows.segments})
+                    model, stale = self.model, False
+                out = self.model.forward_rows(tokens, rows)
+            except AgentError as e:
+                self._recover(str(e), [])
+                stale = True
+                continue
+            for s in rows.segments:
+                self.slot_history[s.slot] = self.slot_history.get(s.slot, [])[:s.start] + tokens[s.first:s.last]
+            return out
+        raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
+                          f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
+
+    def _replay_slots(self, kept: dict[int, int]) -> None:
+        """Every slot's history through a new assignment, in prompt-sized passes (`kept`: slots the next pass rewrites
+        from a position on: only what precedes it)."""
+        chunk = prefill_chunk(self.model.config.dim)
+        for slot, history in sorted(self.slot_history.items()):
+            history = history[:kept.get(slot, len(history))]
+            for at in range(0, len(history), chunk):
+                piece = history[at:at + chunk]
+                self.model.forward_rows(piece, Rows.of([(slot, at, len(piece))]))
+
     def reset(self) -> None:
         self.history = []
+        self.slot_history = {}
         try:
             self.model.reset()
         except AgentError as e:

@@ -1,11 +1,13 @@
-"""The serving engine: one thread owns the model and runs one generation at a time.
+"""The serving engine: one thread owns the model and runs every generation, batched.
 
-Why one at a time: a cluster master holds one KV cache (its own and, through its agents, theirs) and
-one set of connections, so generations cannot interleave; halo does not batch. Requests wait in a
-FIFO bounded by `max_queue` (QueueFull, HTTP 429, beyond it). Each request has a deadline counted
-from its arrival (queue time included); the loop stops at the next token once the client has gone,
-the deadline has passed or a stop string appeared (`generate(cancelled=...)`), so the cluster is free
-for the next request one token later and the agents get nothing more for the old one.
+The model keeps a KV cache per slot (--slots; on every device of a cluster). A request takes a free slot at the next
+forward pass and from then on every pass carries its rows with everyone else's (continuous batching: batching.py);
+it gives the slot back when it ends. Requests without a slot wait in a FIFO bounded by `max_queue` (QueueFull, HTTP
+429 with Retry-After, beyond it). Each request has a deadline counted from its arrival (queue time included); its rows
+leave the batch at the next pass once its client has gone, the deadline has passed or a stop string appeared, so its
+slot is free one pass later and the agents get nothing more for it. One slot, a model without batched passes (a
+pipeline) or --speculate (its passes verify one request's drafts) runs one generation at a time
+(`generate(cancelled=...)`).
 
 The thread also builds the model (through `open_model`, the same code path as `halo-master generate`),
 so local agents die with it (they are bound to the thread that started them). An agent failure
@@ -28,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import ConfigError, HaloError
-from ..generate import GenerationCancelled, generate
-from ..sampling import SamplingSettings
+from ..generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
+from ..sampling import Sampler, SamplingSettings
 from ..speculative import SpeculationSettings
 from . import view
+from .batching import Running, next_pass, take_pass
 from .protocol import BadRequest, ClusterUnavailable, QueueFull, RequestTimeout, ServeError
 
 log = logging.getLogger("halo.serve")
@@ -154,7 +157,11 @@ class Engine:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
-        self._running: Job | None = None
+        self._running: Job | None = None  # one generation at a time: the job running
+        self.slots = 1  # KV-cache slots of the model (batched: requests running at once), known once it is built
+        self.batched = False  # whether requests share forward passes (slots, batched passes, no --speculate)
+        self._active = 0  # batched: requests holding a slot
+        self._window: list | None = None  # batched: [device counters, passes, start] since the batch began yielding
         self._closing = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -171,7 +178,8 @@ class Engine:
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         with self._lock:
-            if self._waiting >= self.max_queue and (self._running is not None or self._waiting > 0):
+            busy = self._running is not None or self._active >= self.slots or self._waiting > 0
+            if self._waiting >= self.max_queue and busy:
                 raise QueueFull(f"{self._waiting} requests are already waiting (--max-queue {self.max_queue}); "
                                 "retry later", "queue_full")
             self._waiting += 1
@@ -192,7 +200,8 @@ class Engine:
 
     def queue_state(self) -> dict:
         """Now, not as of the last snapshot."""
-        return {"waiting": self._waiting, "limit": self.max_queue, "running": self._running is not None}
+        return {"waiting": self._waiting, "limit": self.max_queue, "running": self._running is not None or self._active > 0,
+                "slots": self.slots, "slots_busy": self._active if self.batched else int(self._running is not None)}
 
     def close(self) -> None:
         self._closing = True
@@ -209,6 +218,12 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
+        if self.batched:
+            try:
+                self._batches()
+            finally:
+                self._teardown()
+            return
         try:
             while not self._closing:
                 try:
@@ -243,6 +258,8 @@ class Engine:
             raise
         self._stack = stack
         self.max_seq_len = self.model.max_seq_len
+        self.slots = getattr(self.model, "slots", 1)
+        self.batched = self.slots > 1 and hasattr(self.model, "forward_rows") and not self.speculation.enabled
         self.agent_errors.clear()
         self._publish()
 
@@ -384,10 +401,143 @@ class Engine:
             self.on_generation(outcome, result.decode_ms, ttft)
         job.put("done", outcome)
 
+    # ---- batched generations ----------------------------------------------------------------------------------------
+    def _batches(self) -> None:
+        """Run every admitted request's rows together, pass after pass; admit waiting requests as slots free up."""
+        running: list[Running] = []
+        last_publish = time.monotonic()
+        while not self._closing:
+            if not self._admit(running):
+                break
+            self._leave(running)
+            step = next_pass(running, prefill_chunk(self.weights.config.dim))
+            if step is None:
+                continue
+            try:
+                logits = self.model.forward_rows(step.tokens, step.rows)
+                ended = take_pass(step, logits)
+            except Exception as e:  # noqa: BLE001 - every running request fails; the server goes on
+                self._fail_all(running, e)
+                continue
+            self._count_pass(step)
+            for member in ended:
+                self._end(running, member)
+            if not running and self._window is not None:  # the batch ran dry: its figures, final
+                self._publish(final=True)
+                self._window = None
+            elif time.monotonic() - last_publish > SNAPSHOT_EVERY_S:
+                last_publish = time.monotonic()
+                self._publish()
+
+    def _count_pass(self, step) -> None:
+        """The view's per-token figures: per pass since the first pass that chose a token (a lone request: its decode
+        steps, as one generation at a time counts them)."""
+        if self._window is not None:
+            self._window[1] += 1
+        elif any(not m.prefilling for m in step.members):
+            self._window = [view.counters(self.model), 0, time.perf_counter()]
+
+    def _admit(self, running: list[Running]) -> bool:
+        """Waiting requests into free slots (waiting for one, and pinging the cluster meanwhile, when nothing runs);
+        False once the engine closes."""
+        while len(running) < self.slots:
+            idle = not running
+            try:
+                job = self._queue.get(timeout=self.ping_interval_s) if idle else self._queue.get_nowait()
+            except queue.Empty:
+                if idle:
+                    self._ping()
+                    continue
+                return True
+            if job is None:
+                return False
+            with self._lock:
+                if job.state != "waiting":
+                    continue  # cancelled while it waited
+                job.state = "running"
+                self._waiting -= 1
+                self._active += 1
+            member = self._start(job, {r.slot for r in running})
+            if member is None:
+                self._release(job)
+            else:
+                running.append(member)
+        return True
+
+    def _start(self, job: Job, taken: set[int]) -> Running | None:
+        """A request's place in the batch (None: it ended before it began: cancelled, timed out, a prompt that does not
+        fit, no cluster)."""
+        if not self._can_run(job):
+            return None
+        try:
+            prompt_ids = encode_prompt(self.tokenizer, job.request.prompt, self.max_seq_len)
+            run = _Run(self, job)
+            going = Continuation(self.tokenizer, prompt_ids, job.request.max_tokens, self.max_seq_len, run.on_text)
+        except ConfigError as e:
+            self.totals.requests["error"] += 1
+            job.put("error", BadRequest(str(e), "invalid_request"))
+            return None
+        slot = min(set(range(self.slots)) - taken)
+        return Running(slot, prompt_ids, going, Sampler(job.request.sampling), (job, run))
+
+    def _leave(self, running: list[Running]) -> None:
+        """Requests whose stop string appeared end; those whose client left or whose deadline passed are cancelled."""
+        for member in list(running):
+            job, run = member.owner
+            if run.scanner.stopped:
+                self._end(running, member)
+            elif job.cancel_reason is not None or time.monotonic() > job.deadline:
+                running.remove(member)
+                self._cancelled(job, member.going.result)
+                self._release(job)
+
+    def _end(self, running: list[Running], member: Running) -> None:
+        job, run = member.owner
+        running.remove(member)
+        if member.error is not None:
+            log.error("a request failed: %s", member.error, exc_info=member.error)
+            self.totals.requests["error"] += 1
+            job.put("error", ServeError(f"internal error: {type(member.error).__name__}: {member.error}", "internal_error"))
+            self._release(job)
+            return
+        result = member.going.finish()
+        result.prefill_ms, result.decode_ms = member.prefill_ms, member.decode_ms
+        finish = "stop" if result.stop_reason == "eos" or run.scanner.stopped else "length"
+        self._finish(job, run, result, finish)
+        self._release(job)
+
+    def _release(self, job: Job) -> None:
+        """A request leaves its slot (or never took one): the view shows it at once."""
+        with self._lock:
+            job.state = "done"
+            self._active -= 1
+        self._publish()
+
+    def _fail_all(self, running: list[Running], error: Exception) -> None:
+        """A pass failed: every running request with it (an agent failure takes the cluster down, to be rebuilt)."""
+        if isinstance(error, HaloError) and not isinstance(error, ConfigError):
+            self._down(error)
+            reply = ClusterUnavailable(f"the cluster failed during this request: {error}", "cluster_failed")
+        else:
+            log.exception("a batched pass failed", exc_info=error)
+            reply = ServeError(f"internal error: {type(error).__name__}: {error}", "internal_error")
+        self._window = None
+        for member in running:
+            job, _ = member.owner
+            self.totals.requests["error"] += 1
+            job.put("error", reply)
+            self._release(job)
+        running.clear()
+        if not isinstance(reply, ClusterUnavailable):
+            self._ping()  # the cluster stays if its devices answer a reset
+
     def _publish(self, state: str | None = None, live=None, final: bool = False) -> None:
         """A new snapshot (engine thread only: it reads the model)."""
+        if live is None and self._window is not None and self.model is not None:
+            live = (self._window[0], self._window[1], time.perf_counter() - self._window[2])
         if state is None:
-            state = "down" if self.model is None else ("generating" if self._running is not None else "idle")
+            busy = self._running is not None or self._active > 0
+            state = "down" if self.model is None else ("generating" if busy else "idle")
         self.snapshot = view.build_snapshot(self, state, live, final, previous=self.snapshot)
 
 

@@ -11,7 +11,8 @@ an epoch.
 
 Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so digests are 24-bit):
 - broadcast (an input): [tokens, start position, ranking digest, G + NEXT x has-next], then the input [T, D],
-  then (G > 0, HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G] and (has-next)
+  then (start = ROWS: a batched pass of several sequences, halo/batch.py) each row's KV-cache slot and position
+  [T, 2], then (G > 0, HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G] and (has-next)
   its ranking of the next layer's [T, G], padded with zeros to whole chunks, so a receiver learns the size from
   the chunk count. With the ranking in the input an agent needs no prediction of its own (nor the input of the
   attention block before, which it would predict from): it computes the groups the master ranked; the rankings
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+
+from halo.batch import Rows
 
 PREFIX = 4
 FORWARD_SHIFT, LAYER_SHIFT = 20, 4
@@ -104,45 +107,59 @@ def forward_passes_between(after: int, newest: int) -> int:
 
 MAX_RANKED_GROUPS = 1 << 15  # groups a broadcast ranking may order (rankings are int16: ranking_digest)
 NEXT = 1 << 16  # added to the prefix's G where the next layer's ranking follows this layer's (exact in float32)
+ROWS = -1  # the prefix's start position of a batched pass: each row's slot and position follow the input
 
 
 @dataclass(frozen=True)
 class Broadcast:
     tokens: int
-    start: int
+    start: int | Rows  # a batched pass: where each row belongs
     digest: int
     x: np.ndarray  # [tokens, dim]
     ranking: np.ndarray | None = None  # [tokens, G] the master's MLP ranking (HALO), most important group first
     next_ranking: np.ndarray | None = None  # [tokens, G] its ranking of the next layer (to load its groups ahead)
 
 
-def frame_broadcast(x: np.ndarray, start: int, digest: int, per_chunk: int, ranking: np.ndarray | None = None,
+def frame_broadcast(x: np.ndarray, start: int | Rows, digest: int, per_chunk: int, ranking: np.ndarray | None = None,
                     next_ranking: np.ndarray | None = None) -> np.ndarray:
-    """An input [T, D] (and the master's ranking [T, G] of an MLP input, and of the next layer's) as one float32
-    vector, padded to whole chunks of per_chunk values."""
+    """An input [T, D] at positions start.. or where `Rows` says (and the master's ranking [T, G] of an MLP input, and
+    of the next layer's) as one float32 vector, padded to whole chunks of per_chunk values."""
+    if isinstance(start, Rows):
+        x, start = [x, start.table()], ROWS
+    else:
+        x = [x]
     if ranking is None:
-        return _frame([len(x), start, digest, 0], [x], per_chunk)
-    rankings = [np.asarray(r).reshape(len(x), -1) for r in (ranking, next_ranking) if r is not None]  # exact in float32
+        return _frame([len(x[0]), start, digest, 0], x, per_chunk)
+    rankings = [np.asarray(r).reshape(len(x[0]), -1) for r in (ranking, next_ranking) if r is not None]  # exact in float32
     if len({r.shape for r in rankings}) != 1:
         raise ValueError(f"the next layer's ranking {rankings[-1].shape} is not shaped as this layer's {rankings[0].shape}")
-    return _frame([len(x), start, digest, rankings[0].shape[1] + NEXT * (len(rankings) - 1)], [x, *rankings], per_chunk)
+    return _frame([len(x[0]), start, digest, rankings[0].shape[1] + NEXT * (len(rankings) - 1)], [*x, *rankings], per_chunk)
 
 
 def read_broadcast(values: np.ndarray, dim: int) -> Broadcast:
     tokens, start, digest, ranked = int(values[0]), int(values[1]), int(values[2]), values[3]
-    if tokens <= 0 or start < 0 or PREFIX + tokens * dim > len(values):
+    table = 2 * tokens if start == ROWS else 0
+    if tokens <= 0 or (start < 0 and start != ROWS) or PREFIX + tokens * dim + table > len(values):
         raise FramingError(f"a broadcast of {len(values)} values claims {tokens} tokens at position {start}")
     x = values[PREFIX:PREFIX + tokens * dim].reshape(tokens, dim)
+    at = PREFIX + tokens * dim + table
+    if table:
+        where = values[at - table:at].tolist()
+        try:
+            if any(v != int(v) for v in where):
+                raise ValueError("a row's slot or position is not a whole number")
+            start = Rows.from_table(map(int, where[0::2]), map(int, where[1::2]))
+        except (ValueError, OverflowError) as e:
+            raise FramingError(f"a batched broadcast's rows make no sense: {e}") from None
     if ranked == 0:
         return Broadcast(tokens, start, digest, x)
     count = 2 if ranked > NEXT else 1
     groups = ranked - NEXT * (count - 1)
     if not (0 < groups <= MAX_RANKED_GROUPS and groups == int(groups)) or \
-            PREFIX + tokens * (dim + count * int(groups)) > len(values):
+            at + tokens * count * int(groups) > len(values):
         raise FramingError(f"a broadcast of {len(values)} values claims {'a ranking' if count == 1 else 'two rankings'} "
                            f"of {float(groups):g} groups for {tokens} tokens")
     groups = int(groups)
-    at = PREFIX + tokens * dim
     rankings = [values[at + i * tokens * groups:at + (i + 1) * tokens * groups].reshape(tokens, groups)
                 for i in range(count)]
     for r in rankings:
