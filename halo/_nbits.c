@@ -1075,18 +1075,20 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
 {
     (void)self;
     static char *names[] = {"x", "norm", "eps", "qkv", "out", "cos", "sin", "cache_k", "cache_v", "pos", "kv_of_head",
-                            "y", "threads", NULL};
+                            "y", "threads", "rows", NULL};
     PyObject *x_obj, *norm_obj, *qkv_obj, *out_obj, *cos_obj, *sin_obj, *k_obj, *v_obj, *heads_obj, *y_obj;
+    PyObject *rows_obj = Py_None;  /* a batched pass: [T, 2] int32 (slot, position) per row; caches [slots, ...] */
     float eps;
     Py_ssize_t pos;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnOO|i", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
-                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads_obj, &y_obj, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnOO|iO", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
+                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads_obj, &y_obj, &threads, &rows_obj))
         return NULL;
     Weight qkv, wo;
     if (checked_threads(threads) < 0 || weight_pair(&qkv, qkv_obj, "qkv", &wo, out_obj, "out") < 0)
         return NULL;
-    Py_buffer views[8];
+    Py_buffer views[9];
+    const int batched = rows_obj != Py_None;
     int held = 0, failed = -1;  /* -1: refused (an error set), 1: out of memory */
     const Py_ssize_t d = qkv.job.blocks * qkv.job.block;
     if (floats(x_obj, &views[held], "x", -1, 0) < 0 || (++held, floats(norm_obj, &views[held], "norm", d, 0) < 0)
@@ -1095,7 +1097,8 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
         || (++held, floats(k_obj, &views[held], "cache_k", -1, 1) < 0)
         || (++held, floats(v_obj, &views[held], "cache_v", -1, 1) < 0)
         || (++held, floats(y_obj, &views[held], "y", -1, 1) < 0)
-        || (++held, contiguous(heads_obj, &views[held], "kv_of_head", -1, "i", 0) < 0))
+        || (++held, contiguous(heads_obj, &views[held], "kv_of_head", -1, "i", 0) < 0)
+        || (batched && (++held, contiguous(rows_obj, &views[held], "rows", -1, "i", 0) < 0)))
         return step_done(failed, views, held, &qkv, &wo);
     held++;
     const Py_ssize_t tokens = views[0].len / 4 / d;  /* x [T, d]: T positions from pos on, y [T, out rows] */
@@ -1105,18 +1108,22 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
         return step_done(failed, views, held, &qkv, &wo);
     }
     const Py_buffer *cos = &views[2], *sin = &views[3], *ck = &views[4], *cv = &views[5];
-    const Py_ssize_t kv = ck->ndim == 3 ? ck->shape[1] : 0, hd = ck->ndim == 3 ? ck->shape[2] : 0;
+    const int dims = 3 + batched, lead = batched;  /* caches [positions, kv, hd], batched [slots, positions, kv, hd] */
+    const Py_ssize_t kv = ck->ndim == dims ? ck->shape[lead + 1] : 0, hd = ck->ndim == dims ? ck->shape[lead + 2] : 0;
     const int32_t *kv_of_head = views[7].buf;
     const Py_ssize_t heads = views[7].len / 4;
     int heads_fit = heads > 0;
     for (Py_ssize_t i = 0; i < heads; i++)
         heads_fit &= kv_of_head[i] >= 0 && kv_of_head[i] < kv;
-    if (ck->ndim != 3 || cv->ndim != 3 || memcmp(ck->shape, cv->shape, 3 * sizeof(Py_ssize_t)) || kv == 0 || hd % 2
-        || !heads_fit || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
+    if (ck->ndim != dims || cv->ndim != dims || memcmp(ck->shape, cv->shape, dims * sizeof(Py_ssize_t)) || kv == 0
+        || hd % 2 || !heads_fit || cos->ndim != 2 || sin->ndim != 2 || cos->shape[1] != hd / 2
         || memcmp(cos->shape, sin->shape, 2 * sizeof(Py_ssize_t))) {
         PyErr_SetString(PyExc_ValueError,
-                        "attention_step: caches must be [positions, kv heads, head dim] (both alike), kv_of_head a KV "
-                        "head (0 .. kv heads - 1) for each query head, cos/sin [positions, head dim / 2]");
+                        batched ? "attention_step: caches must be [slots, positions, kv heads, head dim] (both alike) with "
+                                  "rows, kv_of_head a KV head (0 .. kv heads - 1) for each query head, cos/sin "
+                                  "[positions, head dim / 2]"
+                                : "attention_step: caches must be [positions, kv heads, head dim] (both alike), kv_of_head "
+                                  "a KV head (0 .. kv heads - 1) for each query head, cos/sin [positions, head dim / 2]");
         return step_done(failed, views, held, &qkv, &wo);
     }
     if (qkv.job.n != (heads + 2 * kv) * hd || wo.job.blocks * wo.job.block != heads * hd) {
@@ -1125,8 +1132,25 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                      (heads + 2 * kv) * hd, heads * hd);
         return step_done(failed, views, held, &qkv, &wo);
     }
-    if (pos < 0 || pos + tokens > ck->shape[0] || pos + tokens > cos->shape[0]) {
-        const Py_ssize_t context = ck->shape[0] < cos->shape[0] ? ck->shape[0] : cos->shape[0];
+    const Py_ssize_t context = ck->shape[lead] < cos->shape[0] ? ck->shape[lead] : cos->shape[0];
+    const Py_ssize_t slots = batched ? ck->shape[0] : 1, slot_size = ck->shape[lead] * kv * hd;
+    const int32_t *rows = batched ? views[8].buf : NULL;
+    Py_ssize_t end = pos + tokens;  /* positions the longest attention reads */
+    if (batched) {
+        if (views[8].len != tokens * 2 * 4) {
+            PyErr_Format(PyExc_ValueError, "attention_step: rows must be [%zd, 2] int32 (slot, position)", tokens);
+            return step_done(failed, views, held, &qkv, &wo);
+        }
+        end = 0;
+        for (Py_ssize_t t = 0; t < tokens; t++) {
+            if (rows[2 * t] < 0 || rows[2 * t] >= slots || rows[2 * t + 1] < 0 || rows[2 * t + 1] >= context) {
+                PyErr_Format(PyExc_ValueError, "attention_step: row %zd names slot %d at position %d; the caches hold "
+                             "slots 0..%zd of %zd positions", t, rows[2 * t], rows[2 * t + 1], slots - 1, context);
+                return step_done(failed, views, held, &qkv, &wo);
+            }
+            end = rows[2 * t + 1] + 1 > end ? rows[2 * t + 1] + 1 : end;
+        }
+    } else if (pos < 0 || pos + tokens > ck->shape[0] || pos + tokens > cos->shape[0]) {
         if (tokens == 1)
             PyErr_Format(PyExc_ValueError, "position %zd is beyond the context length %zd", pos, context);
         else
@@ -1137,14 +1161,13 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     Py_BEGIN_ALLOW_THREADS
     const int path = best_path();
     const Py_ssize_t width = (heads + 2 * kv) * hd;
-    float *scratch = malloc((size_t)(tokens * (d + width + heads * hd) + ATTEND_HEADS_MAX * (pos + tokens))
-                            * sizeof(float));
+    float *scratch = malloc((size_t)(tokens * (d + width + heads * hd) + ATTEND_HEADS_MAX * end) * sizeof(float));
     if (!scratch)
         failed = 1;
     else {
         /* T positions as T single steps would run them (the same bits: a projection's rows are computed token by
          * token alike whatever T), with each weight read once: every position's keys and values are written
-         * first, and position t attends to the cache up to pos + t only */
+         * first, and position t attends to the cache up to pos + t only (batched: row t's slot, up to its position) */
         float *h = scratch, *q = h + tokens * d, *attended = q + tokens * width, *scores = attended + tokens * heads * hd;
         float *cache_k = ck->buf, *cache_v = cv->buf;
         for (Py_ssize_t t = 0; t < tokens; t++)
@@ -1152,17 +1175,20 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
         failed = project(&qkv, h, tokens, q, threads, path, NULL);
         for (Py_ssize_t t = 0; t < tokens && !failed; t++) {
             float *qt = q + t * width, *k = qt + heads * hd, *v = k + kv * hd;
-            const Py_ssize_t at = pos + t;
+            const Py_ssize_t at = batched ? rows[2 * t + 1] : pos + t, base = batched ? rows[2 * t] * slot_size : 0;
             const float *c = (const float *)cos->buf + at * (hd / 2), *s = (const float *)sin->buf + at * (hd / 2);
             rotate(qt, heads, hd, c, s);
             rotate(k, kv, hd, c, s);
-            memcpy(cache_k + at * kv * hd, k, (size_t)(kv * hd) * sizeof(float));
-            memcpy(cache_v + at * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
+            memcpy(cache_k + base + at * kv * hd, k, (size_t)(kv * hd) * sizeof(float));
+            memcpy(cache_v + base + at * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
         }
         const float scale = 1.0f / sqrtf((float)hd);
         for (Py_ssize_t t = 0; t < tokens && !failed; t++) {
             const float *qt = q + t * width;
             float *at_out = attended + t * heads * hd;
+            const Py_ssize_t seen = batched ? rows[2 * t + 1] + 1 : pos + t + 1;  /* positions this row attends to */
+            const float *keys = cache_k + (batched ? rows[2 * t] * slot_size : 0);
+            const float *values = cache_v + (batched ? rows[2 * t] * slot_size : 0);
             for (Py_ssize_t j = 0; j < kv; j++) {  /* the query heads of each KV head, up to ATTEND_HEADS_MAX a call */
                 const float *qs[ATTEND_HEADS_MAX];
                 float *outs[ATTEND_HEADS_MAX];
@@ -1172,14 +1198,12 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                         continue;
                     qs[n] = qt + i * hd, outs[n] = at_out + i * hd;
                     if (++n == ATTEND_HEADS_MAX) {
-                        attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + t + 1, kv * hd, hd, scale, scores,
-                                     outs);
+                        attend_heads(qs, n, keys + j * hd, values + j * hd, seen, kv * hd, hd, scale, scores, outs);
                         n = 0;
                     }
                 }
                 if (n)
-                    attend_heads(qs, n, cache_k + j * hd, cache_v + j * hd, pos + t + 1, kv * hd, hd, scale, scores,
-                                 outs);
+                    attend_heads(qs, n, keys + j * hd, values + j * hd, seen, kv * hd, hd, scale, scores, outs);
             }
         }
         failed = failed || project(&wo, attended, tokens, views[6].buf, threads, path, NULL);

@@ -215,6 +215,15 @@ class AttentionShard:
                               self.kv_of_head, y, self.threads)
         return y
 
+    def step_rows(self, x: np.ndarray, norm: np.ndarray, eps: float, rows: np.ndarray, rotary: Rotary) -> np.ndarray:
+        """`step` for a batched pass: row t of x at position rows[t, 1] of slot rows[t, 0] (int32 [T, 2]), every row with
+        the bits of a step of its own, each weight read once for all of them."""
+        qkv, out = self.step_weights
+        y = np.empty((len(x), out[1]), np.float32)
+        _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k, self.cache_v, 0,
+                              self.kv_of_head, y, self.threads, rows)
+        return y
+
     def forward_groups(self, x: np.ndarray, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """Each head's contribution to the block output, [T, H, D] (for relaxed merging)."""
         if self._wo_dense is None:

@@ -182,8 +182,8 @@ class RoundModel:
         holders = [j for j in range(1, len(counts)) if counts[j] > 0]
         if not holders:
             return work[0], work[0], work[0]
-        n_in = PREFIX + m.dim
-        width = counts * (block.flops / (2 * m.dim)) if kind == "lm_head" else np.full(len(counts), m.dim)
+        n_in = PREFIX + m.rows * m.dim  # (an LM head's flops count its rows already)
+        width = counts * (block.flops / (2 * m.dim)) if kind == "lm_head" else np.full(len(counts), m.rows * m.dim)
         send, receive = self.message[0] / 2, self.message[0] / 2 * len(holders)
         arrivals, queued = [], 0.0
         for k, j in enumerate(holders):

@@ -28,7 +28,7 @@ def compute_seconds(plan: TensorParallelPlan) -> float:
 def transfer_seconds(cluster: Cluster, model: ModelProfile) -> float:
     """T_c: one hidden-state transfer on the master's link."""
     master = cluster.devices[cluster.master]
-    return master.latency_s + model.dim * SYNC_BYTES_PER_VALUE * 8 / master.bandwidth_bps
+    return master.latency_s + model.rows * model.dim * SYNC_BYTES_PER_VALUE * 8 / master.bandwidth_bps
 
 
 def sync_rounds(model: ModelProfile) -> int:

@@ -43,7 +43,7 @@ def _model_json(model: ModelProfile) -> dict:
     blocks = {b.kind: {"count": b.count, "bytes": b.bytes, "flops": b.flops, "kv_bytes_per_token": b.kv_bytes_per_token}
               for b in (model.attention, model.mlp, model.lm_head)}
     return {"name": model.name, "n_layers": model.n_layers, "dim": model.dim, "blocks": blocks,
-            "embedding_bytes": model.embedding_bytes, "predictor_bytes": model.predictor_bytes}
+            "embedding_bytes": model.embedding_bytes, "predictor_bytes": model.predictor_bytes, "rows": model.rows}
 
 
 def tp_plan_json(plan: TensorParallelPlan) -> dict:
@@ -146,7 +146,8 @@ def load(path: str | Path) -> TensorParallelPlan | tuple[PipelinePlan, Cluster, 
         model = ModelProfile(str(mj["name"]), check_integer(mj["n_layers"], "model.n_layers", 1),
                              check_integer(mj["dim"], "model.dim", 1), blocks["attention"], blocks["mlp"], blocks["lm_head"],
                              check_number(mj["embedding_bytes"], "model.embedding_bytes", 0),
-                             check_number(mj["predictor_bytes"], "model.predictor_bytes", 0))
+                             check_number(mj["predictor_bytes"], "model.predictor_bytes", 0),
+                             check_integer(mj.get("rows", 1), "model.rows", 1))  # (plans saved before batching: 1)
     except (KeyError, TypeError, IndexError) as e:
         raise ConfigError(f"{where}: malformed model or cluster section ({e!r:.200})") from e
     except ConfigError as e:

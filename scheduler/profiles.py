@@ -180,6 +180,7 @@ class ModelProfile:
     lm_head: BlockProfile
     embedding_bytes: float  # held by the master only
     predictor_bytes: float = 0.0  # every participant holds all predictors
+    rows: int = 1  # tokens a forward pass carries (a batched server: its slots); flops and vectors are per pass
 
     @property
     def tp_blocks(self) -> tuple[BlockProfile, BlockProfile]:
@@ -195,8 +196,10 @@ class ModelProfile:
 
 
 def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", mlp_group_size: int | None = None,
-                  vocab_group_size: int = 256, predictor_hidden: int = 0) -> ModelProfile:
-    """Per-group costs of a model; the same decomposition as halo.neuron_groups."""
+                  vocab_group_size: int = 256, predictor_hidden: int = 0, rows: int = 1) -> ModelProfile:
+    """Per-group costs of a model; the same decomposition as halo.neuron_groups. rows: tokens a pass carries (a
+    server decoding `rows` requests together): a group's compute and a round's vectors grow with them, its weights
+    do not, so a plan for a batch weighs compute more against the rounds' fixed costs."""
     if weights not in BYTES_PER_WEIGHT:
         raise ConfigError(f"unknown weight format {weights!r}; choose one of {', '.join(BYTES_PER_WEIGHT)}")
     bpw = BYTES_PER_WEIGHT[weights]
@@ -217,12 +220,13 @@ def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", ml
     return ModelProfile(
         name=name or f"{c.n_layers}L-{c.dim}d",
         n_layers=c.n_layers, dim=c.dim,
-        attention=BlockProfile("attention", c.n_heads, head_params * bpw, 2 * head_params,
+        attention=BlockProfile("attention", c.n_heads, head_params * bpw, 2 * head_params * rows,
                                kv_bytes_per_token=2 * c.head_dim * KV_BYTES / rep),
-        mlp=BlockProfile("mlp", n_mlp, mlp_params * bpw, 2 * mlp_params),
-        lm_head=BlockProfile("lm_head", n_vocab, vocab_params * bpw, 2 * vocab_params),
+        mlp=BlockProfile("mlp", n_mlp, mlp_params * bpw, 2 * mlp_params * rows),
+        lm_head=BlockProfile("lm_head", n_vocab, vocab_params * bpw, 2 * vocab_params * rows),
         embedding_bytes=c.vocab_size * c.dim * bpw,
         predictor_bytes=predictor,
+        rows=rows,
     )
 
 

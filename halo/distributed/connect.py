@@ -113,8 +113,8 @@ def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
     from halo.scheduler.ratios import InsufficientMemory
     from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
-    profile = model_profile(weights.config, planning_format(settings.fmt, weights),
-                            mlp_group_size=layout.mlp_group_size, vocab_group_size=layout.vocab_group_size)
+    profile = model_profile(weights.config, planning_format(settings.fmt, weights), mlp_group_size=layout.mlp_group_size,
+                            vocab_group_size=layout.vocab_group_size, rows=settings.slots)  # a batch's passes
     mode = settings.sync.mode
     try:
         plan = (plan_tp(cluster, profile, mode=mode, sync=settings.sync) if select

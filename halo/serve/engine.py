@@ -77,12 +77,40 @@ class Job:
     state: str = "waiting"
     cancel_reason: str | None = None
     first_text_at: float | None = None
+    outbox: "Outbox | None" = None  # batched: events go out once a pass, all jobs' together
 
     def put(self, kind: str, value) -> None:
+        if self.outbox is not None:
+            self.outbox.items.append((self, kind, value))
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is closed: the server is shutting down
             pass
+
+
+@dataclass
+class Outbox:
+    """A batched pass's events of every job, handed to the event loop in one call: a call per token woke the loop
+    (and took the GIL from the engine thread, mid-round) sixteen times a pass."""
+
+    items: list = field(default_factory=list)
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        by_loop: dict = {}
+        for job, kind, value in items:
+            by_loop.setdefault(job.loop, []).append((job, kind, value))
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the event loop is closed: the server is shutting down
+                pass
+
+
+def _deliver(events: list) -> None:
+    for job, kind, value in events:
+        job.events.put_nowait((kind, value))
 
 
 class StopScanner:
@@ -162,6 +190,7 @@ class Engine:
         self.batched = False  # whether requests share forward passes (slots, batched passes, no --speculate)
         self._active = 0  # batched: requests holding a slot
         self._window: list | None = None  # batched: [device counters, passes, start] since the batch began yielding
+        self._outbox = Outbox()
         self._closing = False
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -222,6 +251,7 @@ class Engine:
             try:
                 self._batches()
             finally:
+                self._outbox.flush()
                 self._teardown()
             return
         try:
@@ -407,6 +437,7 @@ class Engine:
         running: list[Running] = []
         last_publish = time.monotonic()
         while not self._closing:
+            self._outbox.flush()
             if not self._admit(running):
                 break
             self._leave(running)
@@ -442,6 +473,7 @@ class Engine:
         False once the engine closes."""
         while len(running) < self.slots:
             idle = not running
+            self._outbox.flush()
             try:
                 job = self._queue.get(timeout=self.ping_interval_s) if idle else self._queue.get_nowait()
             except queue.Empty:
@@ -457,6 +489,7 @@ class Engine:
                 job.state = "running"
                 self._waiting -= 1
                 self._active += 1
+                job.outbox = self._outbox
             member = self._start(job, {r.slot for r in running})
             if member is None:
                 self._release(job)
