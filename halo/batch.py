@@ -10,6 +10,7 @@ the rows together, each weight read once), so a request's tokens do not depend o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -89,12 +90,15 @@ class Rows:
     def __len__(self) -> int:
         return self.segments[-1].last
 
+    @cached_property
     def table(self) -> np.ndarray:
-        """[T, 2]: each row's slot and position."""
-        out = np.empty((len(self), 2), dtype=np.int64)
+        """[T, 2] int32: each row's slot and position (what the wire and the C attention step take; built once: every
+        round sends it, every attention block reads it). Read-only."""
+        out = np.empty((len(self), 2), dtype=np.int32)
         for s in self.segments:
             out[s.first:s.last, 0] = s.slot
             out[s.first:s.last, 1] = np.arange(s.start, s.start + s.last - s.first)
+        out.flags.writeable = False
         return out
 
     @property

@@ -150,7 +150,7 @@ class DeviceWorker:
         if shard.fused:  # every slot's rows in one C call
             t, cpu = time.perf_counter(), time.thread_time()
             out = shard.step_rows(np.ascontiguousarray(x, np.float32), self.norms["attention"][block.layer],
-                                  self.config.norm_eps, start.table().astype(np.int32), self.rotary)
+                                  self.config.norm_eps, start.table, self.rotary)
             self._timed(t, cpu)
             return out
         return np.concatenate([self._compute(block, x[s.first:s.last], s.start, s.slot, True) for s in start.segments])

@@ -32,8 +32,8 @@ def test_rows_are_runs_of_one_slots_consecutive_positions():
     assert rows.segments == (Segment(0, 3, 2, 7), Segment(3, 4, 0, 3), Segment(4, 5, 5, 0))
     assert len(rows) == 5 and rows.last_rows.tolist() == [2, 3, 4]
     assert rows.last_only() == Rows.of([(2, 9, 1), (0, 3, 1), (5, 0, 1)])
-    assert rows.table().tolist() == [[2, 7], [2, 8], [2, 9], [0, 3], [5, 0]]
-    assert Rows.from_table(*rows.table().T) == rows == Rows.of([(2, 7, 3), (0, 3, 1), (5, 0, 1)])
+    assert rows.table.tolist() == [[2, 7], [2, 8], [2, 9], [0, 3], [5, 0]] and rows.table.dtype == np.int32
+    assert Rows.from_table(*rows.table.T.tolist()) == rows == Rows.of([(2, 7, 3), (0, 3, 1), (5, 0, 1)])
     for slots, positions in (([1, 0, 1], [0, 0, 1]), ([1, 1], [4, 6]), ([-1], [0]), ([0], [-2]), ([], [])):
         with pytest.raises(ValueError):  # a slot in two runs (or a gap in its positions), negatives, nothing
             Rows.from_table(slots, positions)
@@ -247,3 +247,81 @@ def test_the_engine_serves_concurrent_requests_with_their_alone_text(stories_wei
     for request, text in zip(requests, together):
         assert serve([request])[0] == [text], request
     assert encode_prompt(tokenizer, prompts[0], 256)[0] == tokenizer.bos_id
+
+
+def test_full_slots_queue_then_refuse_and_a_cancelled_request_frees_its_slot_at_once(stories_weights):
+    """--slots 2 --max-queue 1: two requests run, a third waits, a fourth gets QueueFull (HTTP 429); the client of a
+    running one leaves: its slot goes to the waiting one at the next pass, and /metrics shows the slots."""
+    from halo.serve.engine import Cancelled, Engine, GenerationRequest
+    from halo.serve.metrics import Metrics
+    from halo.serve.protocol import QueueFull
+
+    tokenizer = load_tokenizer(stories_weights)
+    engine = Engine(lambda stack: Transformer(stories_weights, max_seq_len=512, slots=2), tokenizer, stories_weights,
+                    model_name="stories260K", max_queue=1).start()
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            long = [engine.submit(GenerationRequest("", 0, 400, SamplingSettings()), loop) for _ in range(2)]
+            for job in long:
+                assert (await job.events.get())[0] == "text"  # both run
+            waiting = engine.submit(GenerationRequest("Once upon a time", 0, 5, SamplingSettings()), loop)
+            assert engine.queue_state() == {"waiting": 1, "limit": 1, "running": True, "slots": 2, "slots_busy": 2}
+            with pytest.raises(QueueFull, match="--max-queue 1"):
+                engine.submit(GenerationRequest("x", 0, 5, SamplingSettings()), loop)
+            metrics = Metrics(engine).exposition().decode()
+            assert "halo_slots 2.0" in metrics and "halo_slots_busy 2.0" in metrics
+            engine.cancel(long[0])
+            events = [await waiting.events.get() for _ in range(2)]
+            assert events[0][0] == "text"
+            while (event := await long[0].events.get())[0] == "text":
+                pass
+            assert event[0] == "error" and isinstance(event[1], Cancelled)
+            while (event := await waiting.events.get())[0] == "text":
+                pass
+            assert event[0] == "done" and event[1].completion_tokens == 5
+            engine.cancel(long[1])
+            while (event := await long[1].events.get())[0] == "text":
+                pass
+            assert event[0] == "error" and isinstance(event[1], Cancelled)
+        asyncio.run(run())
+    finally:
+        engine.close()
+    assert engine.totals.requests["cancelled"] == 2 and engine.totals.requests["completed"] == 1
+
+
+def test_a_batch_survives_a_killed_agent_every_slot_replayed(stories_weights):
+    """Three sequences decoding together over three local agents; one agent is killed mid-batch: the master re-plans,
+    replays every slot's history into the new assignment and goes on; each sequence's greedy tokens are those of an
+    uninterrupted run (one process)."""
+    from halo.distributed import LocalCluster, connect
+    from halo.distributed.survive import SurvivalSettings
+
+    tokenizer = load_tokenizer(stories_weights)
+    prompts = [encode_prompt(tokenizer, p, 128) for p in ("Once upon a time", "The cat", "Lily had a big red")]
+
+    def decode(model, kill_at=None, kill=None):
+        running = [Running(slot, p, Continuation(tokenizer, p, 40, 128, stop_at_eos=False), Sampler(SamplingSettings()),
+                           slot) for slot, p in enumerate(prompts)]
+        out, passes = {}, 0
+        while running:
+            if passes == kill_at:
+                kill()
+            step = next_pass(running, 64)
+            for member in take_pass(step, model.forward_rows(step.tokens, step.rows)):
+                running.remove(member)
+                out[member.owner] = member.going.finish().token_ids
+            passes += 1
+        return [out[i] for i in range(len(prompts))]
+
+    expected = decode(Transformer(stories_weights, max_seq_len=128, slots=3))
+    with LocalCluster(3) as cluster, contextlib.ExitStack() as stack:
+        model = connect(stories_weights, stack, agents=cluster.endpoints, key=str(cluster.key_path), plan="even",
+                        timeout=1.0, context=128, slots=3, survive=SurvivalSettings(rejoin_after_s=60.0))
+
+        def kill():
+            cluster.processes[1].kill()
+            cluster.processes[1].wait()
+
+        assert decode(model, kill_at=17, kill=kill) == expected
+        assert len(model.recoveries) == 1 and cluster.endpoints[1] in model.recoveries[0].lost

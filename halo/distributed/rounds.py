@@ -61,7 +61,7 @@ class MasterRound:
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
                                 parity_group=parity, parity_chunks=ctx.sync.parity_chunks)
         rows = isinstance(self.start, Rows)  # a batched pass: each row's slot and position ride as a second array
-        arrays = [self.x, self.start.table()] if rows else [self.x]
+        arrays = [self.x, self.start.table] if rows else [self.x]
         for i in sorted(plan.input_tcp):
             reply = "tcp" if i in plan.partial_tcp else ("udp" if i in plan.partial_udp else "none")
             ctx.agents[i].send("block", {"kind": self.block.kind, "layer": self.block.layer,

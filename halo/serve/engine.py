@@ -207,8 +207,9 @@ class Engine:
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         with self._lock:
-            busy = self._running is not None or self._active >= self.slots or self._waiting > 0
-            if self._waiting >= self.max_queue and busy:
+            # waiting requests beyond the slots about to free up wait in the queue: at most max_queue of them
+            free = max(0, self.slots - self._active) if self.batched else int(self._running is None)
+            if self._waiting >= self.max_queue + free:
                 raise QueueFull(f"{self._waiting} requests are already waiting (--max-queue {self.max_queue}); "
                                 "retry later", "queue_full")
             self._waiting += 1
@@ -435,6 +436,15 @@ class Engine:
     def _batches(self) -> None:
         """Run every admitted request's rows together, pass after pass; admit waiting requests as slots free up."""
         running: list[Running] = []
+        try:
+            self._pass_after_pass(running)
+        finally:  # the server is closing: what still runs ends with an error, not silence
+            for member in running:
+                job, _ = member.owner
+                self.totals.requests["error"] += 1
+                job.put("error", ClusterUnavailable("the server is shutting down", "shutting_down"))
+
+    def _pass_after_pass(self, running: list[Running]) -> None:
         last_publish = time.monotonic()
         while not self._closing:
             self._outbox.flush()

@@ -53,6 +53,9 @@ class _SnapshotCollector:
         yield _gauge("halo_queue_waiting", "requests waiting for the cluster", queue.get("waiting", 0))
         yield _gauge("halo_queue_limit", "--max-queue", queue.get("limit", 0))
         yield _gauge("halo_generating", "1 while a generation runs", 1 if queue.get("running") else 0)
+        yield _gauge("halo_slots", "--slots: requests decoded together (each device keeps a KV cache per slot)",
+                     queue.get("slots", 1))
+        yield _gauge("halo_slots_busy", "slots a running request holds", queue.get("slots_busy", 0))
         yield _gauge("halo_cluster_up", "1 when the cluster is built and answered its last ping",
                      0 if s.get("state") == "down" else 1)
         totals = s.get("totals", {})

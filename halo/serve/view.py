@@ -166,6 +166,7 @@ def render(snapshot: dict):
     colour = {"idle": "green", "generating": "cyan", "down": "red"}.get(state, "yellow")
     head = Text.assemble(
         (f"{snapshot.get('model', '?')} ", "bold"), f"· sync {snapshot.get('sync', '?')} · ", (state, colour),
+        f" · slots {snapshot.get('queue', {}).get('slots_busy', 0)}/{snapshot.get('queue', {}).get('slots', 1)}"
         f" · queue {snapshot.get('queue', {}).get('waiting', 0)}/{snapshot.get('queue', {}).get('limit', 0)}"
         f" · {_fmt(cur.get('ms_per_token'), ' ms/token')} ({_fmt(cur.get('tokens_per_s'), ' tokens/s')})"
         f" · requests {sum(t.get('requests', {}).values())} · rebuilds {t.get('rebuilds', 0)}"

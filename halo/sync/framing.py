@@ -125,7 +125,7 @@ def frame_broadcast(x: np.ndarray, start: int | Rows, digest: int, per_chunk: in
     """An input [T, D] at positions start.. or where `Rows` says (and the master's ranking [T, G] of an MLP input, and
     of the next layer's) as one float32 vector, padded to whole chunks of per_chunk values."""
     if isinstance(start, Rows):
-        x, start = [x, start.table()], ROWS
+        x, start = [x, start.table], ROWS
     else:
         x = [x]
     if ranking is None:

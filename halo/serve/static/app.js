@@ -154,6 +154,7 @@ function render(s) {
   $("tokens-per-s").textContent = fmt(cur.tokens_per_s, 1);
   $("ms-per-token").textContent = fmt(cur.ms_per_token, 2);
   $("queue").textContent = s.queue.waiting + " / " + s.queue.limit;
+  $("slots").textContent = (s.queue.slots_busy ?? 0) + " / " + (s.queue.slots ?? 1);
   const req = s.totals.requests;
   $("requests").textContent = Object.values(req).reduce((a, b) => a + b, 0);
   $("requests").parentElement.title = Object.entries(req).map(([k, v]) => k + " " + v).join(", ");
