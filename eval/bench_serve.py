@@ -10,12 +10,17 @@ Settings (--model over --agents local agents on loopback, exact sync, in one run
 - many-sequential: --clients clients, `--slots 1` (each waits in the queue for the one before);
 - testbed: the namespace test bed (rpi/testbed.py, prefix "serve"; needs root): --agents agents in their own
   namespaces behind silent nftables loss of --plr (default 2 %) on every agent link both ways, the
-  server in the master's namespace, --clients clients, `--slots --slots`, --testbed-sync (default exact).
+  server in the master's namespace, one client and then --clients clients, `--slots --slots`, --testbed-sync
+  (default exact).
+
+"Inside this run" compares settings of the run: all clients' tokens/s against one client's, and one client's pace
+batched against one generation at a time.
 
 Each of --clients clients (the official openai client, asyncio) sends streaming completions back to
 back for --duration seconds (prompts from a fixed list, --max-tokens tokens, temperature 0.8, fresh
 seeds); a request started before the end runs to completion. Per request: time to first token (first
-non-empty text, queueing included), ms per token after the first, completion tokens (the usage chunk), errors (HTTP errors, error events, a stream without [DONE]). The server's resident memory is
+non-empty text, queueing included), ms per token after the first, completion tokens (the usage chunk), errors
+(HTTP errors, error events, a stream without [DONE]). The server's resident memory is
 sampled every second (psutil) from the first request on: "flat" = its growth over the run.
 
 Writes eval/results/serve_load.{json,md}. The clients run in the server's namespace (a subprocess:
@@ -187,11 +192,12 @@ def local_setting(slots: int, clients: int):
         result = run_setting(f"{clients} client{'s' if clients > 1 else ''}, {args.agents} local agents, exact sync, "
                              f"--slots {slots} ({how})", subprocess.Popen,
                              ["--local-agents", str(args.agents), "--slots", str(slots)], args, clients)
-        return {**result, "local": True}
+        return [{**result, "place": "local"}]
     return run
 
 
-def testbed(args) -> dict:
+def testbed(args) -> list[dict]:
+    """One client, then --clients clients, each against its own server on one bed (the agents stay up between)."""
     from halo.models import resolve_model
     from halo.rpi.testbed import LossyTestbed, available
     from halo.transport.reliable import generate_key
@@ -200,7 +206,7 @@ def testbed(args) -> dict:
 
     ok, why = available()
     if not ok:
-        return {"setting": f"testbed {100 * args.plr:g} % loss", "skipped": why}
+        return [{"setting": f"testbed {100 * args.plr:g} % loss", "skipped": why}]
     with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="serve",
                                                             links=args.profile) as bed:
         key = Path(tmp) / "cluster.key"
@@ -216,19 +222,24 @@ def testbed(args) -> dict:
             # --plan even and no re-plans for speed: the measured plan, and the running estimates, would leave both
             # lossy agents out for a model this small (the master alone is faster), and no load would cross a
             # lossy link
-            result = run_setting(f"test bed: {args.clients} clients, {args.agents} agents, {100 * args.plr:g} % loss on "
-                                 f"every agent link, {args.testbed_sync} sync, even plan, --slots {args.slots}", popen,
-                                 ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
-                                  "--key", str(key), "--sync", args.testbed_sync, "--timeout", "5", "--plan", "even",
-                                  "--rebalance-every", "0", "--slots", str(args.slots)], args)
-            result["frames_dropped"] = bed.drop_counters()
-            return result
+            results = []
+            for clients in (1, args.clients):
+                before = bed.drop_counters()
+                result = run_setting(
+                    f"test bed: {clients} client{'s' if clients > 1 else ''}, {args.agents} agents, {100 * args.plr:g} % "
+                    f"loss on every agent link, {args.testbed_sync} sync, even plan, --slots {args.slots}", popen,
+                    ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
+                     "--key", str(key), "--sync", args.testbed_sync, "--timeout", "5", "--plan", "even",
+                     "--rebalance-every", "0", "--slots", str(args.slots)], args, clients)
+                after = bed.drop_counters()
+                results.append({**result, "place": "bed",
+                                "frames_dropped": {k: v - before.get(k, 0) for k, v in after.items()}})
+            return results
         finally:
             cluster.close()
 
 
 def report(results: list[dict], args) -> None:
-    rows = {r["setting"]: r for r in results if "skipped" not in r}
     lines = [f"# `halo-master serve` under load ({args.model})", "",
              f"Command: `{command_line('halo.eval.bench_serve', args.argv)}`. Streaming clients (official openai "
              f"client) send completions back to back for {args.duration:g} s each, {args.max_tokens} tokens per "
@@ -267,19 +278,21 @@ def report(results: list[dict], args) -> None:
 def compare(results: list[dict]) -> list[str]:
     """The goals' ratios between settings of this run: all clients' tokens/s batched against one client's, one
     client's pace batched against one generation at a time."""
-    local = [r for r in results if r.get("local")]
-    one = {r["slots"]: r for r in local if r["clients"] == 1}
-    many = {r["slots"]: r for r in local if r["clients"] > 1}
     out = []
-    for slots, r in many.items():
-        alone = one.get(slots) or one.get(1)
-        if alone and alone["tokens_per_s"] and r["tokens_per_s"]:
-            out.append(f"{r['clients']} clients, --slots {slots}: {r['tokens_per_s'] / alone['tokens_per_s']:.2f}x the "
-                       f"tokens/s of one client alone (--slots {alone['slots']}); TTFT p99 {r['ttft_p99_s']:.2f} s")
-    batched = [s for s in one if s > 1]
-    if batched and 1 in one and one[1]["ms_per_token_p50"] and one[batched[0]]["ms_per_token_p50"]:
-        out.append(f"one client: {one[batched[0]]['ms_per_token_p50'] / one[1]['ms_per_token_p50']:.2f}x the ms/token "
-                   f"of one generation at a time (--slots {batched[0]} against --slots 1)")
+    for place in ("local", "bed"):
+        here = [r for r in results if r.get("place") == place]
+        one = {r["slots"]: r for r in here if r["clients"] == 1}
+        many = {r["slots"]: r for r in here if r["clients"] > 1}
+        for slots, r in many.items():
+            alone = one.get(slots) or one.get(1)
+            if alone and alone["tokens_per_s"] and r["tokens_per_s"]:
+                out.append(f"{place}: {r['clients']} clients, --slots {slots}: "
+                           f"{r['tokens_per_s'] / alone['tokens_per_s']:.2f}x the tokens/s of one client alone (--slots "
+                           f"{alone['slots']}); TTFT p99 {r['ttft_p99_s']:.2f} s")
+        batched = [s for s in one if s > 1]
+        if batched and 1 in one and one[1]["ms_per_token_p50"] and one[batched[0]]["ms_per_token_p50"]:
+            out.append(f"{place}: one client: {one[batched[0]]['ms_per_token_p50'] / one[1]['ms_per_token_p50']:.2f}x "
+                       f"the ms/token of one generation at a time (--slots {batched[0]} against --slots 1)")
     return out
 
 
@@ -314,8 +327,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown settings {unknown}: choose from {', '.join(runners)}")
     results = []
     for name in args.settings.split(","):
-        results.append(runners[name](args))
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("records", "server_view")}), flush=True)
+        for result in runners[name](args):
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k not in ("records", "server_view")}), flush=True)
     report(results, args)
     return 0
 
