@@ -8,6 +8,8 @@ Settings (--model over --agents local agents on loopback, exact sync, in one run
 - one: one client, `--slots --slots` (continuous batching, alone in the batch);
 - many: --clients clients, `--slots --slots`;
 - many-sequential: --clients clients, `--slots 1` (each waits in the queue for the one before);
+  (--plan: the local settings' plan, default the measured one `halo-master serve` makes; no re-plans from the running
+  estimates: on 2 shared cores they move a lone client's work to the master, and settings would compare plans);
 - testbed: the namespace test bed (rpi/testbed.py, prefix "serve"; needs root): --agents agents in their own
   namespaces behind silent nftables loss of --plr (default 2 %) on every agent link both ways, the
   server in the master's namespace, one client and then --clients clients, `--slots --slots`, --testbed-sync
@@ -189,9 +191,11 @@ def summarize(name: str, records: list[dict], samples: list, alive: bool, args, 
 def local_setting(slots: int, clients: int):
     def run(args) -> dict:
         how = "one at a time" if slots == 1 else "batched"
+        plan = ["--plan", args.plan] if args.plan else []
         result = run_setting(f"{clients} client{'s' if clients > 1 else ''}, {args.agents} local agents, exact sync, "
-                             f"--slots {slots} ({how})", subprocess.Popen,
-                             ["--local-agents", str(args.agents), "--slots", str(slots)], args, clients)
+                             f"{args.plan or 'measured'} plan, --slots {slots} ({how})", subprocess.Popen,
+                             ["--local-agents", str(args.agents), "--slots", str(slots), "--rebalance-every", "0", *plan],
+                             args, clients)
         return [{**result, "place": "local"}]
     return run
 
@@ -305,6 +309,8 @@ def main(argv=None) -> int:
                         "smollm2-135m-instruct)")
     parser.add_argument("--agents", type=int, default=3, help="local agents (and test-bed agents) beside the master")
     parser.add_argument("--slots", type=int, default=16, help="KV-cache slots of the batched settings (default 16)")
+    parser.add_argument("--plan", help="the local settings' plan (default: measured, as halo-master serve plans; "
+                        "paired-mlp suits agents on the master's cores)")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=60.0, metavar="S")
     parser.add_argument("--max-tokens", type=int, default=48)
