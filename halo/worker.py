@@ -41,9 +41,8 @@ class DeviceWorker:
         progress(done, total): called as each block's share is ready (an agent reports its loading with it).
         memory_budget: the most process memory the share's weights and KV cache may take; in HALO mode with compact
         weights, the built MLP groups it keeps are bounded by what the other shards (measured) and the KV cache
-        leave of it (halo/group_cache.py; None: every candidate group, built now). prepared: HALO mode's groups
-        written group-major in kernel form (halo/prepared.py: `halo-agent prepare`), built from instead of the file.
-        slots: KV caches per attention shard, one per sequence a batched pass may carry (halo/batch.py)."""
+        leave of it (halo/group_cache.py; None: every candidate group, built now). prepared: HALO's groups in kernel
+        form (halo/prepared.py), built from instead of the file. slots: KV caches per sequence (halo/batch.py)."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads, self.slots = context, fmt, threads, slots

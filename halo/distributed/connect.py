@@ -185,15 +185,13 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
     for the sync mode; local agents are measured too but all take part (the user asked for N of them).
-    mode "pipeline" (or a pipeline plan) builds a pipeline coordinator over stage workers instead
-    (halo/pipeline/connect.py; `pipeline` holds its own options).
+    mode "pipeline" (or a pipeline plan) builds a pipeline coordinator instead (halo/pipeline/connect.py; `pipeline`).
     survive: a tensor-parallel master re-plans over the agents left when one fails, and takes back agents
     that return (survive.py); None: an agent failure ends the generation with its error.
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.sync_auto, kept across re-plans.
-    slots: KV caches on every device, one per sequence a batched pass carries (`forward_rows`; halo-master serve)."""
+    the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/batch.py)."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -203,8 +201,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         from halo.pipeline.connect import connect_pipeline
 
         if slots != 1:
-            raise ConfigError("batched passes (--slots above 1) run over a tensor-parallel cluster; a pipeline carries one "
-                              "sequence at a time: serve it with --slots 1")
+            raise ConfigError("a pipeline carries one sequence at a time: --slots above 1 needs tensor-parallel mode")
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
                                 cluster=cluster, plan=plan, key=key, insecure=insecure, context=context,
                                 timeout=timeout, fmt=fmt, survive=survive, **(pipeline or {}))
