@@ -16,6 +16,7 @@ from functools import cached_property
 
 import numpy as np
 
+from halo.batch import Rows
 from halo.errors import HaloError
 from halo.shares import Block
 from halo.sync import Epoch, FramingError, Point, Status, SyncSettings, Transport, ranks_next_layer_itself
@@ -60,7 +61,7 @@ class AgentRounds:
         self.kv_gap = False
 
     # ---- one block ----------------------------------------------------------------------------------
-    def run(self, block: Block, epoch: int, x: np.ndarray, start: int, digest: int, send,
+    def run(self, block: Block, epoch: int, x: np.ndarray, start: int | Rows, digest: int, send,
             ranking: np.ndarray | None = None, next_ranking: np.ndarray | None = None) -> None:
         """Compute our partial of a block, hand it to send(out, status, compute_ms, cpu_ms), and predict the
         next layer (before computing, or after sending when prediction overlaps communication). ranking: the
@@ -92,7 +93,7 @@ class AgentRounds:
         self.worker.predict_next(block, x)
         self.served["predict_ms"] += 1e3 * (time.perf_counter() - t)
 
-    def _compute(self, block: Block, x: np.ndarray, start: int, digest: int,
+    def _compute(self, block: Block, x: np.ndarray, start: int | Rows, digest: int,
                  ranking: np.ndarray | None = None) -> tuple[np.ndarray | None, Status]:
         """Our partial output of a block for the residual x [T, D] (None: we hold none of it, an acknowledgement)."""
         if not self.worker.holds(block):
@@ -188,7 +189,7 @@ class AgentRounds:
             self.run(block, epoch, broadcast.x, broadcast.start, broadcast.digest,
                      lambda out, status, ms, _cpu: self.send_partial(epoch, out, status, ms), broadcast.ranking,
                      broadcast.next_ranking)
-        except HaloError as e:
+        except (HaloError, ValueError) as e:  # (a kernel's refusal too: nothing a master sends stops the agent)
             self.served["errors"] += 1
             log.warning("block refused: %s", e)
 

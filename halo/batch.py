@@ -14,7 +14,12 @@ from functools import cached_property
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, HaloError
+
+class RowsError(HaloError, ValueError):
+    """Rows that make no sense, or that a model cannot hold (a slot it lacks, a position past its context): a device
+    refuses the pass and goes on."""
+
 
 MAX_SLOTS = 256  # KV-cache slots one device keeps (a row's slot travels as a float: any such count is exact)
 DEFAULT_SLOTS = 8  # halo-master serve's: requests decoded together
@@ -57,12 +62,12 @@ class Rows:
         at, seen = 0, set()
         for s in self.segments:
             if s.first != at or s.last <= s.first or s.slot < 0 or s.start < 0 or s.slot in seen:
-                raise ValueError("a pass's rows are runs of one slot's consecutive positions, each slot in one run, "
+                raise RowsError("a pass's rows are runs of one slot's consecutive positions, each slot in one run, "
                                  "none negative")
             at = s.last
             seen.add(s.slot)
         if not self.segments:
-            raise ValueError("a batched pass has at least one row")
+            raise RowsError("a batched pass has at least one row")
 
     @classmethod
     def of(cls, pieces) -> "Rows":
@@ -79,7 +84,7 @@ class Rows:
         consecutive positions form a run."""
         s, p = list(slots), list(positions)
         if len(s) != len(p):
-            raise ValueError(f"{len(s)} slots for {len(p)} positions")
+            raise RowsError(f"{len(s)} slots for {len(p)} positions")
         segments, first = [], 0
         for i in range(1, len(s) + 1):
             if i == len(s) or s[i] != s[i - 1] or p[i] != p[i - 1] + 1:
@@ -113,10 +118,10 @@ class Rows:
     def check(self, tokens: int, context: int, slots: int) -> None:
         """ValueError unless the rows fit `tokens` rows, a context of `context` positions and `slots` slots."""
         if len(self) != tokens:
-            raise ValueError(f"{len(self)} rows named for a pass of {tokens} tokens")
+            raise RowsError(f"{len(self)} rows named for a pass of {tokens} tokens")
         last_slot = max(s.slot for s in self.segments)
         if last_slot >= slots:
-            raise ValueError(f"slot {last_slot} named; this model keeps {slots} KV-cache slots (0..{slots - 1})")
+            raise RowsError(f"slot {last_slot} named; this model keeps {slots} KV-cache slots (0..{slots - 1})")
         end = max(s.start + s.last - s.first for s in self.segments)
         if end > context:
-            raise ValueError(f"position {end - 1} exceeds the context length {context}")
+            raise RowsError(f"position {end - 1} exceeds the context length {context}")

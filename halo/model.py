@@ -33,7 +33,7 @@ def _check_fits(weights: ModelWeights, layout: GroupLayout, fmt: str, context: i
     left = limit[0] - charged_bytes()  # (page cache the cgroup merely read through is reclaimed as needed)
     if held + cache > left:
         raise ConfigError(f"the model needs {(held + cache) / 1e6:.1f} MB (weights {held / 1e6:.1f} MB in {fmt}, KV cache "
-                          f"{cache / 1e6:.1f} MB for {context} positions x {slots} slots) but this process's memory cgroup leaves "
+                          f"{cache / 1e6:.1f} MB for {context} positions x {slots} slot(s)) but this process's memory cgroup leaves "
                           f"{left / 1e6:.1f} MB of its {limit[0] / 1e6:.1f} MB: run it across devices "
                           "(--agents, --cluster, --local-agents), or with a smaller --weights format, --context or --slots")
 

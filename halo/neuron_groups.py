@@ -207,8 +207,8 @@ class AttentionShard:
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
-        cache written at start_pos.., attention, W_o) -> partial output [T, D]; as `forward` of the normed x, each
-        position with the bits of a call of its own."""
+        cache of `slot` written at start_pos.., attention, W_o) -> partial output [T, D]; as `forward` of the normed x,
+        each position with the bits of a call of its own."""
         qkv, out = self.step_weights
         y = np.empty((len(x), out[1]), np.float32)
         _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k[slot], self.cache_v[slot], start_pos,

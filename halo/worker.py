@@ -132,11 +132,12 @@ class DeviceWorker:
 
     def compute(self, block: Block, x: np.ndarray, start: "int | Rows") -> np.ndarray:
         """This device's partial output of a block for the residual stream x [T, D] at positions start.. (or, a batched
-        pass, where `Rows` says): [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head). A pass of at most
-        STEPWISE_TOKENS (a speculative verification: halo/speculative.py), and every batched pass, gives each position
-        the bits of a decode step of its own, so it is decoding the tokens one by one: the C steps take them together
-        (each weight read once), other kernels one at a time. Attention runs slot by slot. HALO's re-mapped MLP groups
-        (chosen per pass, never exact) run as one pass."""
+        pass, where `Rows` says): [T, D] (attention, MLP) or [T, its vocabulary slice] (LM head). Each position gets
+        the bits of a decode step of its own wherever halo's C steps hold the block (they take the positions together,
+        each weight read once, as fast as a prompt's kernels: 162 against 163 ms for 128 SmolLM2 tokens), so a
+        prompt, a speculative verification and a batch of requests round alike, whatever they are passed with; other
+        kernels do so in passes of at most STEPWISE_TOKENS (a verification: halo/speculative.py) and in batched
+        passes, a position at a time. HALO's re-mapped MLP groups (chosen per pass, never exact) run as one pass."""
         if not isinstance(start, Rows):
             return self._compute(block, x, start, 0, len(x) <= STEPWISE_TOKENS)
         start.check(len(x), self.context, self.slots)
@@ -160,7 +161,7 @@ class DeviceWorker:
         shard = (self.attention[block.layer] if kind == "attention" else None if kind == "lm_head" or self.remapper
                  else self.mlp[block.layer])
         stepwise = stepwise and not (kind == "mlp" and self.remapper is not None)
-        fused = stepwise and shard is not None and shard.fused
+        fused = shard is not None and shard.fused
         if stepwise and len(x) > 1 and not fused and not (kind == "lm_head" and self.lm_head.row_by_row):
             return np.concatenate([self._compute(block, x[i:i + 1], start + i, slot, True) for i in range(len(x))])
         t, cpu = time.perf_counter(), time.thread_time()
@@ -186,9 +187,13 @@ class DeviceWorker:
 
     def fill(self, layer: int, x: np.ndarray) -> None:
         """The KV cache of layer `layer` at positions 0.. from the residual stream that entered its attention block
-        there, x [T, D] (a re-plan's new shares, from the master's InputLog)."""
-        self.attention[layer].fill(rmsnorm(x, self.norms["attention"][layer], self.config.norm_eps), 0,
-                                   self.rotary)
+        there, x [T, D] (a re-plan's new shares, from the master's InputLog): the K/V a forward pass writes, through
+        the same C step where it holds the block (its output dropped: fills are rare)."""
+        shard, norm = self.attention[layer], self.norms["attention"][layer]
+        if shard.fused:
+            shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, 0, self.rotary)
+        else:
+            shard.fill(rmsnorm(x, norm, self.config.norm_eps), 0, self.rotary)
 
     def predicts_from(self, block: Block) -> bool:
         """Whether this device ranks the next layer's groups from this block's input (HALO: it holds MLP

@@ -164,8 +164,8 @@ def test_a_pass_reads_prompts_within_its_budget_and_decodes_everyone():
     a = Running(0, [1, 2, 3, 4, 5], Going(), None, "a", read=5, chosen=7)
     b = Running(1, list(range(20)), Going(), None, "b", read=4)
     c = Running(2, list(range(9)), Going(), None, "c")
-    step = next_pass([a, b, c], prompt_rows=10)
-    assert step.rows == Rows.of([(0, 5, 1), (1, 4, 10)]) and step.tokens == [7, *range(4, 14)]
+    step = next_pass([a, b, c], pass_rows=10)  # a's decode row, then 9 of b's prompt
+    assert step.rows == Rows.of([(0, 5, 1), (1, 4, 9)]) and step.tokens == [7, *range(4, 13)]
     assert [m.owner for m in step.members] == ["a", "b"]  # c's prompt waits for the next pass's budget
     assert next_pass([Running(0, [1], Going(), None, "idle", read=1)], 10) is None
 
@@ -203,10 +203,16 @@ def test_an_agent_refuses_a_batched_block_whose_rows_make_no_sense(q4_weights):
             x = np.zeros((2, q4_weights.config.dim), np.float32)
             for table, why in ((np.array([[0, 0], [0, 2]]), "rows make no sense"),
                                (np.array([[0, 0]]), "rows make no sense"),
-                               (np.array([[0.0, 0.0], [1.0, 0.0]], np.float32), "rows make no sense")):
-                agent.send("block", {"kind": "mlp", "layer": 0, "start_pos": -1, "epoch": 1, "reply": "tcp"}, [x, table])
+                               (np.array([[0.0, 0.0], [1.0, 0.0]], np.float32), "rows make no sense"),
+                               (np.array([[5, 0], [1, 0]], np.int32), "slot 5 named; this model keeps 2"),
+                               (np.array([[0, 63], [0, 64]], np.int32), "position 64 exceeds the context length 64")):
+                agent.send("block", {"kind": "attention", "layer": 0, "start_pos": -1, "epoch": 1, "reply": "tcp"},
+                           [x, table])
                 with pytest.raises(AgentError, match=why):
                     agent.receive("a batched block")
+            agent.send("block", {"kind": "attention", "layer": 0, "start_pos": -1, "epoch": 1, "reply": "tcp"},
+                       [x, np.array([[1, 0], [0, 0]], np.int32)])
+            assert agent.receive("a batched block").arrays[0].shape == x.shape  # and it goes on
         finally:
             model.close()
 
@@ -325,3 +331,37 @@ def test_a_batch_survives_a_killed_agent_every_slot_replayed(stories_weights):
 
         assert decode(model, kill_at=17, kill=kill) == expected
         assert len(model.recoveries) == 1 and cluster.endpoints[1] in model.recoveries[0].lost
+
+
+def test_batched_serving_gives_generates_greedy_text_for_long_prompts(q4_weights):
+    """A prompt far longer than a verification pass, served in a batch with another: its greedy text is
+    `halo-master generate`'s (halo's C steps compute every position of any pass as a decode step of its own)."""
+    from halo.generate import generate
+    from halo.serve.engine import Engine, GenerationRequest
+
+    tokenizer = load_tokenizer(q4_weights)
+    prompts = ["once upon a time there was a little girl who lived in a village near the forest " * 2, "the cat sat"]
+    ids = encode_prompt(tokenizer, prompts[0], 256)
+    assert len(ids) > 20
+    alone = Transformer(q4_weights, fmt="native", max_seq_len=256).forward(ids)  # a prompt's pass
+    beside = Transformer(q4_weights, fmt="native", max_seq_len=256, slots=2).forward_rows(
+        [5, *ids], Rows.of([(1, 0, 1), (0, 0, len(ids))]))[1]
+    assert np.array_equal(alone, beside)
+    expected = [generate(Transformer(q4_weights, fmt="native", max_seq_len=256), tokenizer, p, 12).text
+                for p in prompts]
+    engine = Engine(lambda stack: Transformer(q4_weights, fmt="native", max_seq_len=256, slots=4), tokenizer,
+                    q4_weights, model_name="q4").start()
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            jobs = [engine.submit(GenerationRequest(p, 0, 12, SamplingSettings()), loop) for p in prompts]
+            texts = []
+            for job in jobs:
+                while (event := await job.events.get())[0] == "text":
+                    pass
+                assert event[0] == "done", event
+                texts.append(event[1].text)
+            return texts
+        assert asyncio.run(run()) == expected
+    finally:
+        engine.close()

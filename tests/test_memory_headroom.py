@@ -89,7 +89,7 @@ def test_one_process_under_a_limit_too_small_for_the_model_refuses_with_the_numb
     monkeypatch.setattr(memory, "memory_limit", lambda: (2 * MB, 2 * MB))  # usage at the limit: page cache too
     monkeypatch.setattr(memory, "charged_bytes", lambda: MB + MB // 2)  # 0.5 MB left of what reclaim cannot free
     with pytest.raises(ConfigError, match=r"the model needs [1-9][\d.]* MB \(weights [\d.]+ MB in fp32, KV cache [\d.]+ MB "
-                                          r"for 64 positions\) but this process's memory cgroup leaves 0\.5 MB of its 2\.1 MB: run it across devices \(--agents"):
+                                          r"for 64 positions x 1 slot\(s\)\) but this process's memory cgroup leaves 0\.5 MB of its 2\.1 MB: run it across devices \(--agents"):
         Transformer(stories_weights, fmt="fp32", max_seq_len=64)
     monkeypatch.setattr(memory, "memory_limit", lambda: (64 * MB, 64 * MB))  # full of page cache: it loads
     assert Transformer(stories_weights, fmt="fp32", max_seq_len=64).forward([1]).shape == (512,)

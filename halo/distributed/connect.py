@@ -220,7 +220,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         cluster_key = master_key(key, authorized_agents)
     sync = sync or SyncSettings()
     plan_file = None if plan is None or plan in PLAN_KEYWORDS else plan
-    tp_plan = _load_plan(weights, layout, plan_file, cluster, sync) if plan_file or cluster else None
+    tp_plan = _load_plan(weights, layout, plan_file, cluster, sync, slots) if plan_file or cluster else None
     if tp_plan is None and endpoints is None:
         raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
     if endpoints is None:
@@ -317,9 +317,10 @@ class Replanner:
             estimate(new, self.sync.mode, sync=self.sync).total_s
 
 
-def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings):
-    """A saved plan, a plan over a cluster file's devices (for the sync mode, its links' loss included), or
-    None (measure the given agents)."""
+def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings,
+               slots: int = 1):
+    """A saved plan, a plan over a cluster file's devices (for the sync mode, its links' loss included, and the
+    batch's slots), or None (measure the given agents)."""
     if plan:
         from halo.scheduler import plan_io
 
@@ -333,8 +334,8 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
 
         cluster_file = load_cluster(cluster)
         profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
-                                vocab_group_size=layout.vocab_group_size)
-        return plan_tp(cluster_file, profile, mode=sync.mode, sync=sync)
+                                vocab_group_size=layout.vocab_group_size, rows=slots)  # a batch's passes, KV per slot
+        return plan_tp(replace(cluster_file, context=cluster_file.context * slots), profile, mode=sync.mode, sync=sync)
     return None
 
 

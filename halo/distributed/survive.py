@@ -180,6 +180,10 @@ class SurvivingModel:
         raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
                           f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
 
+    def release_slot(self, slot: int) -> None:
+        """The sequence in `slot` is done: nothing of it is replayed after a re-plan."""
+        self.slot_history.pop(slot, None)
+
     def _replay_slots(self, kept: dict[int, int]) -> None:
         """Every slot's history through a new assignment, in prompt-sized passes (`kept`: slots the next pass rewrites
         from a position on: only what precedes it)."""

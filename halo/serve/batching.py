@@ -4,9 +4,9 @@ A request takes a free KV-cache slot (the model keeps `slots` of them: halo/batc
 pass, and gives it back when it ends (EOS, its token budget, a stop string, its client gone, its deadline). Each pass:
 
 - one row per request that is decoding (its last chosen token, at its next position);
-- pieces of the prompts still being read, oldest request first, together at most `prompt_rows` rows (a pass's
-  vectors stay within what a round carries at once: generate.prefill_chunk), so a long prompt never stalls the others
-  more than one such piece a pass;
+- pieces of the prompts still being read, oldest request first, in what the decode rows leave of `pass_rows`
+  (generate.prefill_chunk: a pass's vectors stay within what a round carries at once; the engine keeps its slots
+  within it), so a long prompt never stalls the others more than one such piece a pass;
 - then each request whose last row was in the pass samples its next token with its own sampler.
 
 Every device computes each row of a batched pass as a decode step of its own (the same bits whatever else is in the
@@ -38,7 +38,6 @@ class Running:
     read: int = 0  # positions in its KV cache: prompt tokens read, then tokens fed back
     chosen: int | None = None  # the token sampled last, to be fed in the next pass
     error: Exception | None = None  # its own failure (its sampler's): it alone ends
-    error: Exception | None = None  # its own failure (its sampler's): it alone ends
     joined: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)  # when each token was chosen
 
@@ -65,10 +64,11 @@ class Pass:
     members: list[Running]  # in row order, one per sequence
 
 
-def next_pass(running: list[Running], prompt_rows: int) -> Pass | None:
-    """The rows of the next pass over the running requests (oldest first), or None when none has anything to read."""
+def next_pass(running: list[Running], pass_rows: int) -> Pass | None:
+    """The rows of the next pass over the running requests (oldest first), or None when none has anything to read:
+    every decoding request's row, and prompt pieces in what is left of `pass_rows` (at least one row)."""
     tokens, pieces, members = [], [], []
-    budget = prompt_rows
+    budget = max(1, pass_rows - sum(1 for r in running if not r.prefilling and r.chosen is not None))
     for r in running:
         if r.prefilling:
             if budget <= 0:

@@ -291,6 +291,11 @@ class Engine:
         self.max_seq_len = self.model.max_seq_len
         self.slots = getattr(self.model, "slots", 1)
         self.batched = self.slots > 1 and hasattr(self.model, "forward_rows") and not self.speculation.enabled
+        if self.batched and self.slots > prefill_chunk(self.weights.config.dim):  # a pass's decode rows alone
+            self._teardown()
+            raise ConfigError(f"--slots {self.slots}: a pass of that many rows of this model's width ({self.weights.config.dim}) "
+                              f"is more than a round carries at once; use --slots {prefill_chunk(self.weights.config.dim)} "
+                              "or fewer")
         self.agent_errors.clear()
         self._publish()
 
@@ -376,7 +381,9 @@ class Engine:
 
     def _can_run(self, job: Job) -> bool:
         """Whether the job may run now: not cancelled, not timed out in the queue, a cluster to run on."""
-        if job.cancel_reason:
+        if job.cancel_reason:  # (cancelled between leaving the queue and now: its client still hears why)
+            self.totals.requests["cancelled"] += 1
+            job.put("error", Cancelled(job.cancel_reason))
             return False
         if time.monotonic() > job.deadline:
             self.totals.requests["timeout"] += 1
@@ -451,6 +458,9 @@ class Engine:
             if not self._admit(running):
                 break
             self._leave(running)
+            if not running and self._window is not None:  # the batch ended by stops, cancels or deadlines
+                self._publish(final=True)
+                self._window = None
             step = next_pass(running, prefill_chunk(self.weights.config.dim))
             if step is None:
                 continue
@@ -520,6 +530,9 @@ class Engine:
             self.totals.requests["error"] += 1
             job.put("error", BadRequest(str(e), "invalid_request"))
             return None
+        except Exception as e:  # noqa: BLE001 - a request's own failure (its tokenization): it alone ends
+            self._own_error(job, e)
+            return None
         slot = min(set(range(self.slots)) - taken)
         return Running(slot, prompt_ids, going, Sampler(job.request.sampling), (job, run))
 
@@ -530,24 +543,36 @@ class Engine:
             if run.scanner.stopped:
                 self._end(running, member)
             elif job.cancel_reason is not None or time.monotonic() > job.deadline:
-                running.remove(member)
+                self._leaves(running, member)
                 self._cancelled(job, member.going.result)
                 self._release(job)
 
     def _end(self, running: list[Running], member: Running) -> None:
         job, run = member.owner
-        running.remove(member)
-        if member.error is not None:
-            log.error("a request failed: %s", member.error, exc_info=member.error)
-            self.totals.requests["error"] += 1
-            job.put("error", ServeError(f"internal error: {type(member.error).__name__}: {member.error}", "internal_error"))
-            self._release(job)
-            return
-        result = member.going.finish()
-        result.prefill_ms, result.decode_ms = member.prefill_ms, member.decode_ms
-        finish = "stop" if result.stop_reason == "eos" or run.scanner.stopped else "length"
-        self._finish(job, run, result, finish)
+        self._leaves(running, member)
+        try:
+            if member.error is not None:
+                raise member.error
+            result = member.going.finish()
+            result.prefill_ms, result.decode_ms = member.prefill_ms, member.decode_ms
+            finish = "stop" if result.stop_reason == "eos" or run.scanner.stopped else "length"
+            self._finish(job, run, result, finish)
+        except Exception as e:  # noqa: BLE001 - a request's own failure (its sampler, its text): it alone ends
+            self._own_error(job, e)
         self._release(job)
+
+    def _leaves(self, running: list[Running], member: Running) -> None:
+        """A request out of the batch; a master that keeps every slot's history (to replay it after a re-plan)
+        forgets its slot's."""
+        running.remove(member)
+        release = getattr(self.model, "release_slot", None)
+        if release is not None:
+            release(member.slot)
+
+    def _own_error(self, job: Job, error: Exception) -> None:
+        log.error("a request failed: %s", error, exc_info=error)
+        self.totals.requests["error"] += 1
+        job.put("error", ServeError(f"internal error: {type(error).__name__}: {error}", "internal_error"))
 
     def _release(self, job: Job) -> None:
         """A request leaves its slot (or never took one): the view shows it at once."""
