@@ -481,11 +481,12 @@ class Engine:
                 self._publish()
 
     def _count_pass(self, step) -> None:
-        """The view's per-token figures: per pass since the first pass that chose a token (a lone request: its decode
-        steps, as one generation at a time counts them)."""
+        """The view's per-token figures: per token chosen since the first pass that chose one (a lone request: its
+        decode steps, as one generation at a time counts them; a batch: every request's tokens)."""
+        tokens = sum(1 for m in step.members if not m.prefilling)
         if self._window is not None:
-            self._window[1] += 1
-        elif any(not m.prefilling for m in step.members):
+            self._window[1] += tokens
+        elif tokens:
             self._window = [view.counters(self.model), 0, time.perf_counter()]
 
     def _admit(self, running: list[Running]) -> bool:
