@@ -1075,14 +1075,15 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
 {
     (void)self;
     static char *names[] = {"x", "norm", "eps", "qkv", "out", "cos", "sin", "cache_k", "cache_v", "pos", "kv_of_head",
-                            "y", "threads", "rows", NULL};
+                            "y", "threads", "rows", "attend", NULL};
     PyObject *x_obj, *norm_obj, *qkv_obj, *out_obj, *cos_obj, *sin_obj, *k_obj, *v_obj, *heads_obj, *y_obj;
     PyObject *rows_obj = Py_None;  /* a batched pass: [T, 2] int32 (slot, position) per row; caches [slots, ...] */
     float eps;
     Py_ssize_t pos;
-    int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnOO|iO", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
-                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads_obj, &y_obj, &threads, &rows_obj))
+    int threads = 1, attend = 1;  /* attend 0: only the keys and values written (a cache filled from a history) */
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOfOOOOOOnOO|iOp", names, &x_obj, &norm_obj, &eps, &qkv_obj, &out_obj,
+                                     &cos_obj, &sin_obj, &k_obj, &v_obj, &pos, &heads_obj, &y_obj, &threads, &rows_obj,
+                                     &attend))
         return NULL;
     Weight qkv, wo;
     if (checked_threads(threads) < 0 || weight_pair(&qkv, qkv_obj, "qkv", &wo, out_obj, "out") < 0)
@@ -1183,7 +1184,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
             memcpy(cache_v + base + at * kv * hd, v, (size_t)(kv * hd) * sizeof(float));
         }
         const float scale = 1.0f / sqrtf((float)hd);
-        for (Py_ssize_t t = 0; t < tokens && !failed; t++) {
+        for (Py_ssize_t t = 0; t < tokens && !failed && attend; t++) {
             const float *qt = q + t * width;
             float *at_out = attended + t * heads * hd;
             const Py_ssize_t seen = batched ? rows[2 * t + 1] + 1 : pos + t + 1;  /* positions this row attends to */
@@ -1206,7 +1207,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
                     attend_heads(qs, n, keys + j * hd, values + j * hd, seen, kv * hd, hd, scale, scores, outs);
             }
         }
-        failed = failed || project(&wo, attended, tokens, views[6].buf, threads, path, NULL);
+        failed = failed || (attend && project(&wo, attended, tokens, views[6].buf, threads, path, NULL));
         free(scratch);
     }
     Py_END_ALLOW_THREADS

@@ -215,6 +215,13 @@ class AttentionShard:
                               self.kv_of_head, y, self.threads)
         return y
 
+    def write_kv(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary) -> None:
+        """The keys and values `step` writes for positions start_pos.. (the same bits), without attending: a cache
+        filled from a history costs its projections, not its attention."""
+        qkv, out = self.step_weights
+        _nbits.attention_step(x, norm, eps, qkv, out, rotary.cos, rotary.sin, self.cache_k[0], self.cache_v[0], start_pos,
+                              self.kv_of_head, np.empty((len(x), out[1]), np.float32), self.threads, attend=False)
+
     def step_rows(self, x: np.ndarray, norm: np.ndarray, eps: float, rows: np.ndarray, rotary: Rotary) -> np.ndarray:
         """`step` for a batched pass: row t of x at position rows[t, 1] of slot rows[t, 0] (int32 [T, 2]), every row with
         the bits of a step of its own, each weight read once for all of them."""

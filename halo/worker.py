@@ -188,10 +188,10 @@ class DeviceWorker:
     def fill(self, layer: int, x: np.ndarray) -> None:
         """The KV cache of layer `layer` at positions 0.. from the residual stream that entered its attention block
         there, x [T, D] (a re-plan's new shares, from the master's InputLog): the K/V a forward pass writes, through
-        the same C step where it holds the block (its output dropped: fills are rare)."""
+        the same C step where it holds the block (projections only: no attention over the history)."""
         shard, norm = self.attention[layer], self.norms["attention"][layer]
         if shard.fused:
-            shard.step(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, 0, self.rotary)
+            shard.write_kv(np.ascontiguousarray(x, np.float32), norm, self.config.norm_eps, 0, self.rotary)
         else:
             shard.fill(rmsnorm(x, norm, self.config.norm_eps), 0, self.rotary)
 

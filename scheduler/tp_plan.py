@@ -471,8 +471,8 @@ def plan_tp(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax", se
 
 def plan_everyone(cluster: Cluster, model: ModelProfile, mode: str | None = None, sync=None) -> TensorParallelPlan:
     """Min-Max over every device, none left out (`--local-agents N`: the user asked for N), with the attention heads
-    and the LM head split or on the master (`on_master`), whichever the cost model prices lower in sync `mode`
-    (None: split)."""
+    and the LM head split or on the master (`on_master`), and the MLP split or paired (`paired`), whichever the cost
+    model prices lower in sync `mode` (None: split)."""
     plan = build_plan(cluster, model, "minmax", prune=False)
     if mode is None:
         return plan
@@ -502,12 +502,13 @@ def _with_blocks_on_master(plans: list[TensorParallelPlan]) -> list[TensorParall
 def _paired_variants(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan]:
     """Each plan with agents in it with its MLP paired (`paired`: every MLP round engages the master and one agent),
     where the devices have the memory. The cost model prices its fewer messages a round against the master's larger
-    half: for SmolLM2 over 3 local agents on 2 cores it predicts 6.3 against 10.5 ms a token (measured 10.7 against
-    15) and, for a 16-row batch, 41 against 61 ms (measured 36 against 56)."""
+    half: for SmolLM2 over 3 local agents on 2 cores it predicts 6.3 against 10.5 ms a token (measured 10.6 against
+    15) and, for a 16-row batch, 41 against 61 ms (measured 36 against 56). (With one agent the even split is
+    already a pair.)"""
     out = []
     for plan in plans:
         if plan.n < 3:
-            continue  # one agent: pairing changes nothing
+            continue
         try:
             out.append(paired(plan))
         except InsufficientMemory:

@@ -73,7 +73,7 @@ def run_models(tmp: Path) -> None:
         weights = load_weights(tiny_gguf(tmp / f"tiny-{qtype}.gguf", qtype, seed=1))
         for fmt in ("native", "int8") if qtype == "Q4_0" else ("native",):
             model = Transformer(weights, fmt, max_seq_len=64)
-            model.forward([1, 5, 9, 12, 3, 40, 41, 42, 43, 44, 45, 46])  # prefill (longer than a stepwise pass)
+            model.forward([1, 5, 9, 12, 3, 40, 41, 42, 43, 44, 45, 46])  # prefill (the C steps take any pass's length)
             model.forward([7])
             model.forward([8, 9, 10])  # a verification pass: each position a decode step's bits
             layout = GroupLayout.for_model(weights.config)

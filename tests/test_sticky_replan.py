@@ -104,7 +104,8 @@ def test_a_fill_writes_the_kv_cache_a_forward_pass_writes(stories_weights, fmt):
     layout = layout_of(stories_weights)
     share = even_shares(stories_weights, layout, 2)[1]
     ran, filled = (DeviceWorker(stories_weights, layout, share, 32, fmt) for _ in range(2))
-    # a prompt's pass (longer than a verification pass, whose positions run as decode steps: worker.STEPWISE_TOKENS)
+    # a prompt's pass, longer than a verification pass (worker.STEPWISE_TOKENS): fp32 takes the whole-pass kernels, int8
+    # halo's C step (every position a decode step's bits), which a fill writes through too
     n = STEPWISE_TOKENS + 3
     x = np.random.default_rng(1).standard_normal((n, c.dim)).astype(np.float32)
     for layer in ran.attention:

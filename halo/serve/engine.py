@@ -29,6 +29,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..batch import RowsError
 from ..errors import ConfigError, HaloError
 from ..generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
 from ..sampling import Sampler, SamplingSettings
@@ -393,7 +394,7 @@ class Engine:
         if self.model is None:
             try:
                 self._rebuild()
-            except HaloError as e:
+            except Exception as e:  # noqa: BLE001 - whatever opening the model raised, the request hears it
                 self.totals.requests["error"] += 1
                 self.totals.last_error = str(e)
                 job.put("error", ClusterUnavailable(f"the cluster is down and could not be rebuilt: {e}",
@@ -584,7 +585,7 @@ class Engine:
 
     def _fail_all(self, running: list[Running], error: Exception) -> None:
         """A pass failed: every running request with it (an agent failure takes the cluster down, to be rebuilt)."""
-        if isinstance(error, HaloError) and not isinstance(error, ConfigError):
+        if isinstance(error, HaloError) and not isinstance(error, (ConfigError, RowsError)):
             self._down(error)
             reply = ClusterUnavailable(f"the cluster failed during this request: {error}", "cluster_failed")
         else:

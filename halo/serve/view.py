@@ -41,7 +41,8 @@ def _r(value, digits: int = 3):
 
 
 def build_snapshot(engine, state: str, live=None, final: bool = False, previous: dict | None = None) -> dict:
-    """live: (counters at the end of the prefill, decode steps since, seconds since) or None (idle)."""
+    """live: (counters at the end of the prefill, decode steps since (a batch: tokens chosen since), seconds since) or
+    None (idle)."""
     previous = previous or {}
     model = engine.model
     t = engine.totals
