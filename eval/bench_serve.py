@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench_halo_speed import add_profile_argument
-from .report import command_line, write_report
+from .report import command_line, cpu_model, write_report
 from halo.distributed.local import AgentProcess, module_command
 from halo.errors import HaloError
 
@@ -272,10 +271,10 @@ def report(results: list[dict], args) -> None:
             lines += ["", f"Errors in '{r['setting']}': " + "; ".join(r["error_examples"])]
         if r.get("frames_dropped"):
             lines += ["", f"Frames dropped by the test bed in '{r['setting']}': {r['frames_dropped']}"]
-    lines += ["", f"Host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores. Load average when the "
+    lines += ["", f"Host: {cpu_model()}, {os.cpu_count()} cores. Load average when the "
               f"run started (above ~0.5 something else ran): {args.load_at_start:.2f}."]
     data = {"command": command_line("halo.eval.bench_serve", args.argv), "load_at_start": args.load_at_start,
-            "ratios": ratios, "results": results}
+            "host": {"cpu": cpu_model(), "cores": os.cpu_count()}, "ratios": ratios, "results": results}
     write_report(args.out, "serve_load", data, lines)
 
 
