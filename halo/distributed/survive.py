@@ -151,8 +151,7 @@ class SurvivingModel:
                 continue
             self.history = self.history[:start] + tokens
             return out
-        raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
-                          f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
+        raise self._gave_up()
 
     def forward_rows(self, tokens, rows: Rows) -> np.ndarray:
         """A batched pass (DistributedModel.forward_rows). After a re-plan every slot's history is replayed into the
@@ -177,8 +176,11 @@ class SurvivingModel:
             for s in rows.segments:
                 self.slot_history[s.slot] = self.slot_history.get(s.slot, [])[:s.start] + tokens[s.first:s.last]
             return out
-        raise ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
-                          f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
+        raise self._gave_up()
+
+    def _gave_up(self) -> ClusterLost:
+        return ClusterLost(f"the cluster failed {self.settings.max_attempts} times in one pass; last recoveries: "
+                           f"{[r.cause for r in self.recoveries[-self.settings.max_attempts:]]}")
 
     def release_slot(self, slot: int) -> None:
         """The sequence in `slot` is done: nothing of it is replayed after a re-plan."""

@@ -190,7 +190,8 @@ class Engine:
         self.slots = 1  # KV-cache slots of the model (batched: requests running at once), known once it is built
         self.batched = False  # whether requests share forward passes (slots, batched passes, no --speculate)
         self._active = 0  # batched: requests holding a slot
-        self._window: list | None = None  # batched: [device counters, passes, start] since the batch began yielding
+        self._window: list | None = None  # batched: [device counters, tokens, start] since the batch began yielding
+        self._view_stale, self._published_at = False, 0.0  # batched: a request came or went since the last snapshot
         self._outbox = Outbox()
         self._closing = False
         self._ready = threading.Event()
@@ -292,11 +293,11 @@ class Engine:
         self.max_seq_len = self.model.max_seq_len
         self.slots = getattr(self.model, "slots", 1)
         self.batched = self.slots > 1 and hasattr(self.model, "forward_rows") and not self.speculation.enabled
-        if self.batched and self.slots > prefill_chunk(self.weights.config.dim):  # a pass's decode rows alone
+        self.pass_rows = prefill_chunk(self.weights.config.dim)  # what a round carries at once (generate.prefill)
+        if self.batched and self.slots > self.pass_rows:  # a pass's decode rows alone
             self._teardown()
             raise ConfigError(f"--slots {self.slots}: a pass of that many rows of this model's width ({self.weights.config.dim}) "
-                              f"is more than a round carries at once; use --slots {prefill_chunk(self.weights.config.dim)} "
-                              "or fewer")
+                              f"is more than a round carries at once; use --slots {self.pass_rows} or fewer")
         self.agent_errors.clear()
         self._publish()
 
@@ -453,16 +454,13 @@ class Engine:
                 job.put("error", ClusterUnavailable("the server is shutting down", "shutting_down"))
 
     def _pass_after_pass(self, running: list[Running]) -> None:
-        last_publish = time.monotonic()
         while not self._closing:
             self._outbox.flush()
+            self._refresh_view(running)
             if not self._admit(running):
                 break
             self._leave(running)
-            if not running and self._window is not None:  # the batch ended by stops, cancels or deadlines
-                self._publish(final=True)
-                self._window = None
-            step = next_pass(running, prefill_chunk(self.weights.config.dim))
+            step = next_pass(running, self.pass_rows)
             if step is None:
                 continue
             try:
@@ -474,12 +472,18 @@ class Engine:
             self._count_pass(step)
             for member in ended:
                 self._end(running, member)
-            if not running and self._window is not None:  # the batch ran dry: its figures, final
-                self._publish(final=True)
-                self._window = None
-            elif time.monotonic() - last_publish > SNAPSHOT_EVERY_S:
-                last_publish = time.monotonic()
-                self._publish()
+
+    def _refresh_view(self, running: list[Running]) -> None:
+        """A new snapshot at most once a pass: final when the batch has run dry (its requests ended, stopped, were
+        cancelled), else when a request came or went or SNAPSHOT_EVERY_S has passed."""
+        if not running and self._window is not None:
+            self._publish(final=True)
+            self._window = None
+        elif self._view_stale or time.monotonic() - self._published_at > SNAPSHOT_EVERY_S:
+            self._publish()
+        else:
+            return
+        self._view_stale, self._published_at = False, time.monotonic()
 
     def _count_pass(self, step) -> None:
         """The view's per-token figures: per token chosen since the first pass that chose one (a lone request: its
@@ -496,6 +500,8 @@ class Engine:
         while len(running) < self.slots:
             idle = not running
             self._outbox.flush()
+            if idle:
+                self._refresh_view(running)  # before waiting: what ended shows now, not at the next request
             try:
                 job = self._queue.get(timeout=self.ping_interval_s) if idle else self._queue.get_nowait()
             except queue.Empty:
@@ -577,11 +583,11 @@ class Engine:
         job.put("error", ServeError(f"internal error: {type(error).__name__}: {error}", "internal_error"))
 
     def _release(self, job: Job) -> None:
-        """A request leaves its slot (or never took one): the view shows it at once."""
+        """A request leaves its slot (or never took one): the view shows it by the next pass."""
         with self._lock:
             job.state = "done"
             self._active -= 1
-        self._publish()
+        self._view_stale = True
 
     def _fail_all(self, running: list[Running], error: Exception) -> None:
         """A pass failed: every running request with it (an agent failure takes the cluster down, to be rebuilt)."""
