@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     try:
         from halo.transport.reliable import daemon_keys
 
-        from .agent import Agent
+        from halo.edge_agent.agent import Agent
 
         if args.insecure:
             check_insecure([listen], args.insecure_lan, "would listen in plaintext on")

@@ -35,8 +35,8 @@ from halo.transport.reliable import ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, spin_readable
 from halo.worker import DeviceWorker
 
-from .daemon import ControlServer
-from .rounds import MASTER, AgentRounds
+from halo.edge_agent.daemon import ControlServer
+from halo.edge_agent.rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
@@ -112,7 +112,7 @@ class Agent(ControlServer):
         cores). masters: the authorized masters' keys (daemon.py)."""
         from halo.transport.udp import UdpEndpoint, set_busy_poll
 
-        from .profile import device_profile
+        from halo.edge_agent.profile import device_profile
 
         super().__init__(model_path, listen, key, insecure, name, masters)
         self.format, self.threads = weights_format, threads
@@ -357,7 +357,7 @@ class Agent(ControlServer):
     def _profile(self, f: dict, peer: bytes, address: str | None = None) -> Message:
         """Measure this device for a master about to plan (edge_agent/profile.py), and echo its link probes (to its
         UDP port at the address of its control connection, nowhere else)."""
-        from .profile import measured_profile
+        from halo.edge_agent.profile import measured_profile
 
         try:
             request = ProfileRequest.from_fields(f)

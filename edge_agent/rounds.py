@@ -26,7 +26,7 @@ from halo.transport import wire
 from halo.transport.udp import GatherPolicy, UdpEndpoint
 from halo.worker import DeviceWorker
 
-from .profile import BlockTimes
+from halo.edge_agent.profile import BlockTimes
 
 log = logging.getLogger("halo.agent")
 MASTER = 0  # the master's UDP sender id

@@ -29,7 +29,7 @@ from halo.errors import HaloError
 from halo.linear import FORMATS
 from halo.transport.reliable import Message
 
-from .daemon import ControlServer
+from halo.edge_agent.daemon import ControlServer
 
 log = logging.getLogger("halo.stage_worker")
 IDLE_SESSION_S = 120.0

@@ -26,7 +26,7 @@ from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
 from halo.predictors.profiler import split_text
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 

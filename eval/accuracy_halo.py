@@ -32,7 +32,7 @@ from halo.loader import load_tokenizer, load_weights
 from halo.tracing import TracingTransformer
 from halo.predictors.profiler import split_text
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 POLICIES = ("none", "random", "static", "halo", "oracle-low", "oracle-high")

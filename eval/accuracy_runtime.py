@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 CHAT_PROMPTS = Path(__file__).with_name("chat_prompts.txt")

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 CAPTURED_KEPT = 2000
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="with --http: attacking clients at once")
     args = parser.parse_args(argv)
     if args.http:
-        from .adversarial_http import run
+        from halo.eval.adversarial_http import run
 
         if args.requests < 1 or args.concurrency < 1:
             raise SystemExit("--requests and --concurrency: 1 or more")

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, cpu_model, write_report
 
 PROMPT = "Once upon a time"
 STREAM_TOKENS = 120

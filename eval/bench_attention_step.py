@@ -20,8 +20,8 @@ import time
 
 import numpy as np
 
-from .bench_churn import add_model_argument, model_file
-from .report import command_line, write_report
+from halo.eval.bench_churn import add_model_argument, model_file
+from halo.eval.report import command_line, write_report
 
 
 def load_build(path: str):

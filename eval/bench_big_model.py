@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .bench_halo_speed import run_master, summarize
-from .bench_memory_bounded import agent_copies, one_run
-from .report import command_line, host_line, write_report
+from halo.eval.bench_halo_speed import run_master, summarize
+from halo.eval.bench_memory_bounded import agent_copies, one_run
+from halo.eval.report import command_line, host_line, write_report
 
 MB = 1 << 20
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from halo.distributed.local import module_command
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
            "The sun was shining", "Sam had a red ball", "There was a cat who", "Mom said"]
@@ -170,7 +170,7 @@ def run_mttf(mttf: float, args) -> dict:
     elif args.shape == "tinyllama-q4":
         model = q4_checkpoint(SHAPES[args.shape])
     else:
-        from .bench_halo_speed import checkpoint
+        from halo.eval.bench_halo_speed import checkpoint
 
         model = checkpoint(SHAPES[args.shape])
     with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=4, prefix="churn", links=args.profile) as bed:
@@ -231,7 +231,7 @@ def add_model_argument(parser, default: str = TINYLLAMA_Q4, why: str = "") -> No
 def q4_checkpoint(layers: int) -> Path:
     """A TinyLlama-shaped random GGUF in Q4_0 (written once, ~0.6 GB): agents slice its 4-bit blocks as stored
     (--weights native), nothing to quantize at a hello, as with the GGUF files users run."""
-    from .random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
+    from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
 
     path = Path(tempfile.gettempdir()) / f"halo-bench-tinyllama-{layers}L-Q4_0.gguf"
     if not path.exists():
@@ -244,7 +244,7 @@ def q4_checkpoint(layers: int) -> Path:
 def q4_with_predictors(directory: Path, layers: int = 22) -> Path:
     """q4_checkpoint's file in `directory` (a hard link: the same file) with untrained predictors beside it, where a
     master looks for them: HALO mode ranks groups with them (speed does not depend on what they rank)."""
-    from .random_checkpoint import write_random_predictors
+    from halo.eval.random_checkpoint import write_random_predictors
 
     original = q4_checkpoint(layers)
     path = Path(directory) / original.name
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     parser.add_argument("--duration", type=float, default=300.0, metavar="S", help="per MTTF (default 300)")
     parser.add_argument("--sync", default="exact", choices=("exact", "tcp"))
     parser.add_argument("--plr", type=float, default=0.0, help="silent loss on every agent link (default 0)")
-    from .bench_halo_speed import add_profile_argument
+    from halo.eval.bench_halo_speed import add_profile_argument
 
     add_profile_argument(parser)
     parser.add_argument("--timeout", type=float, default=1.0, help="the master's --timeout (default 1 s)")

@@ -16,7 +16,7 @@ import numpy as np
 
 from halo.transport import wire
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 NAMES = {wire.FLOAT32: "fp32", wire.FLOAT16: "fp16", wire.INT8: "int8 (64-value blocks)"}
 

@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .accuracy_runtime import held_out_windows, teacher_forced
-from .report import command_line, write_report
+from halo.eval.accuracy_runtime import held_out_windows, teacher_forced
+from halo.eval.report import command_line, write_report
 from halo.distributed.local import module_command
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-costmodel-2048"
@@ -64,7 +64,7 @@ DATA = next((p / "shared" / "data" / "tinystories_valid_dev.txt" for p in Path(_
 
 
 def checkpoint() -> Path:
-    from .random_checkpoint import write_random_llama, write_random_predictors
+    from halo.eval.random_checkpoint import write_random_llama, write_random_predictors
 
     if not (CHECKPOINT / "predictors" / "manifest.json").exists():
         write_random_llama(CHECKPOINT, MODEL_SHAPE)
@@ -284,7 +284,7 @@ class ThrottledAgents:
 
         from halo.rpi.throttle import CpuThrottle
 
-        from .bench_halo_speed import Cluster
+        from halo.eval.bench_halo_speed import Cluster
 
         self.stack = ExitStack()
         self.cluster = Cluster(bed, model, key, len(AGENTS))

@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             for segment in (False, True, False, True):  # interleaved, twice: the VM drifts
                 rows.append({"where": "test bed", "plr": plr, **_measure(lambda host, argv: bed.popen(host, argv, **pipe),
                                                                          hosts, "master", args.vectors, segment)})
-    from .report import command_line, write_report
+    from halo.eval.report import command_line, write_report
 
     command = command_line("halo.eval.bench_datagram_cost", argv)
     lines = ["# CPU per datagram: loopback vs the namespace test bed", "",

@@ -36,8 +36,8 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
-from .report import command_line, cpu_model, write_report  # noqa: E402
+from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
+from halo.eval.report import command_line, cpu_model, write_report  # noqa: E402
 from halo.distributed.local import module_command
 
 FORMATS = ("fp32", "int8")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, write_report
 from halo.distributed.local import module_command
 from halo.generate import prefill
 from halo.shares import EVEN_PLANS
@@ -51,7 +51,7 @@ ABLATIONS = {"no overlap": dict(pred_overlap=False, load_overlap=False),
 
 
 def checkpoint(layers: int) -> Path:
-    from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama, write_random_predictors
+    from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_llama, write_random_predictors
 
     path = CHECKPOINT.with_name(f"{CHECKPOINT.name}-{layers}L")
     if not (path / "predictors" / "manifest.json").exists():

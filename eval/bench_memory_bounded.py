@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_churn import TINYLLAMA_Q4, add_model_argument
-from .bench_halo_speed import run_master, summarize
-from .report import command_line, host_line, write_report
+from halo.eval.bench_churn import TINYLLAMA_Q4, add_model_argument
+from halo.eval.bench_halo_speed import run_master, summarize
+from halo.eval.report import command_line, host_line, write_report
 
 WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 
@@ -48,7 +48,7 @@ WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 def model_and_predictors(name: str) -> tuple[Path, Path]:
     """The model file the master reads and the predictors every agent ranks with."""
     if name == TINYLLAMA_Q4:
-        from .bench_churn import q4_with_predictors
+        from halo.eval.bench_churn import q4_with_predictors
 
         path = q4_with_predictors(WORK / "master")
         return path, path.parent / "predictors"

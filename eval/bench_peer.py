@@ -34,10 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import (add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master,
-                               summarize, with_testbed)
-from .random_checkpoint import TINYLLAMA_1_1B
-from .report import command_line, host_line, write_report
+from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master, summarize, with_testbed
+from halo.eval.random_checkpoint import TINYLLAMA_1_1B
+from halo.eval.report import command_line, host_line, write_report
 
 
 
@@ -60,7 +59,7 @@ ALONE = {"halo": "halo single process", "dllama": "dllama single process"}
 
 def peer_files(layers: int) -> tuple[Path, Path]:
     """The peer's model and tokenizer for the benchmark GGUF's weights (written once, ~0.8 GB)."""
-    from .dllama_files import write_model, write_tokenizer
+    from halo.eval.dllama_files import write_model, write_tokenizer
 
     cfg = {**TINYLLAMA_1_1B, "num_hidden_layers": layers}
     model = Path(tempfile.gettempdir()) / f"halo-bench-tinyllama-{layers}L-dllama-q40.m"
@@ -180,7 +179,7 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
 
 
 def bench(args) -> None:
-    from .bench_churn import q4_with_predictors
+    from halo.eval.bench_churn import q4_with_predictors
     from halo.transport.reliable import generate_key
 
     binary = Path(args.dllama).resolve()

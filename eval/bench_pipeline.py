@@ -31,8 +31,8 @@ from halo.sync import SyncSettings
 
 from halo.linear import FORMATS
 
-from .bench_churn import q4_checkpoint
-from .report import command_line, host_line, write_report
+from halo.eval.bench_churn import q4_checkpoint
+from halo.eval.report import command_line, host_line, write_report
 
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975]
 

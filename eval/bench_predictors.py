@@ -21,7 +21,7 @@ import numpy as np
 
 from halo import BUNDLED_MODEL
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .accuracy_gguf import DATA
-from .bench_churn import add_model_argument, model_file
-from .report import command_line, write_report
+from halo.eval.accuracy_gguf import DATA
+from halo.eval.bench_churn import add_model_argument, model_file
+from halo.eval.report import command_line, write_report
 
 
 # A worker: seconds per prompt length in one process (a model loaded once, every prompt the first n tokens of the

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_churn import add_model_argument, model_file
-from .bench_halo_speed import decode, median_runs
-from .report import command_line, write_report
+from halo.eval.bench_churn import add_model_argument, model_file
+from halo.eval.bench_halo_speed import decode, median_runs
+from halo.eval.report import command_line, write_report
 
 CONTEXT = 256
 FLOATS_PER_DATAGRAM = 350  # 1,400 bytes of payload: one Ethernet frame, as halo's chunks

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, cpu_model, write_report
 
 STEPS = ("master: frame + send input", "agent: take the input whole", "agent: frame + send partial",
          "master: gather the partial", "master: read the partial")

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_churn import add_model_argument, model_file
-from .bench_halo_speed import add_profile_argument
-from .report import command_line, cpu_model, write_report
+from halo.eval.bench_churn import add_model_argument, model_file
+from halo.eval.bench_halo_speed import add_profile_argument
+from halo.eval.report import command_line, cpu_model, write_report
 
 CONTEXT = 256
 START_TIMEOUT_S = 120.0
@@ -144,7 +144,7 @@ class Pinned:
 def run_dllama(binary: Path, model: Path, tokenizer: Path, cores: list[set[int]], tokens: int) -> dict:
     """distributed-llama's root + len(cores)-1 workers on loopback, pinned alike (its blocking sockets, as on the
     bed): the wall time between its per-token lines (bench_peer.run_peer)."""
-    from .bench_peer import run_peer
+    from halo.eval.bench_peer import run_peer
 
     hosts = Pinned({"master": cores[0], **{f"agent-{i}": c for i, c in enumerate(cores[1:], start=1)}})
     ports = [free_port() for _ in cores[1:]]
@@ -181,7 +181,7 @@ def bench(args) -> dict:
 
     peer = None
     if args.dllama:
-        from .bench_peer import peer_files
+        from halo.eval.bench_peer import peer_files
 
         peer = peer_files(22)
     with tempfile.TemporaryDirectory(prefix="halo-scaling-") as tmp, bed_for(args) as bed:

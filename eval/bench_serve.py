@@ -44,8 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench_halo_speed import add_profile_argument
-from .report import command_line, cpu_model, write_report
+from halo.eval.bench_halo_speed import add_profile_argument
+from halo.eval.report import command_line, cpu_model, write_report
 from halo.distributed.local import AgentProcess, module_command
 from halo.errors import HaloError
 
@@ -205,7 +205,7 @@ def testbed(args) -> list[dict]:
     from halo.rpi.testbed import LossyTestbed, available
     from halo.transport.reliable import generate_key
 
-    from .bench_halo_speed import Cluster
+    from halo.eval.bench_halo_speed import Cluster
 
     ok, why = available()
     if not ok:

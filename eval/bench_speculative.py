@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_halo_speed import Cluster, add_profile_argument, with_testbed
-from .report import command_line, cpu_model, write_report
+from halo.eval.bench_halo_speed import Cluster, add_profile_argument, with_testbed
+from halo.eval.report import command_line, cpu_model, write_report
 from halo.distributed.local import module_command
 
 HERE = Path(__file__).resolve().parent

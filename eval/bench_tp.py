@@ -26,8 +26,8 @@ from halo.loader import load_tokenizer, load_weights
 from halo.model import Transformer
 from halo.sync import SyncSettings
 
-from .random_checkpoint import TINYLLAMA_1_1B, write_random_llama
-from .report import command_line, write_report
+from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_llama
+from halo.eval.report import command_line, write_report
 
 
 def measure(model_path, agents: list[int], tokens: int, context: int, sync: str) -> list[dict]:

@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                 rows[-1]["frames_dropped_at_this_plr"] = sum(bed.drop_counters().values()) - before
-    from .report import command_line, write_report
+    from halo.eval.report import command_line, write_report
 
     command = command_line("halo.eval.bench_transport", argv)
     lines = ["# One synchronization round under real packet loss (namespace test bed)", "",

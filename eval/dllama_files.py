@@ -44,7 +44,7 @@ def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
     """The random Llama of `cfg` (Hugging Face config keys, eval/random_checkpoint.py) as a Q40 .m file."""
     import gguf.quants
 
-    from .random_checkpoint import llama_tensor_shapes, random_tensors, to_llama_cpp_rope
+    from halo.eval.random_checkpoint import llama_tensor_shapes, random_tensors, to_llama_cpp_rope
 
     eps = NORM_EPS_CODES.get(cfg["rms_norm_eps"])
     if eps is None:

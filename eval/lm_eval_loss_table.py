@@ -17,7 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .report import command_line, write_report
+from halo.eval.report import command_line, write_report
 
 TASKS = ["tinystories_ppl", "tinystories_cloze"]
 METRICS = [("tinystories_ppl", "word_perplexity,none", "word ppl"), ("tinystories_ppl", "bits_per_byte,none", "bits/byte"),
@@ -28,8 +28,8 @@ def run(agents: int, sync: str, plr: float, limit: int | None, seed: int, model:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from .lm_eval_plugin import HaloLM
-    from .lm_eval_tasks import TASKS_DIR
+    from halo.eval.lm_eval_plugin import HaloLM
+    from halo.eval.lm_eval_tasks import TASKS_DIR
 
     lm = HaloLM(model=model, local_agents=agents, sync=sync, inject_plr=plr, seed=seed, weights="native")
     t = time.perf_counter()

@@ -17,7 +17,7 @@ import argparse
 import sys
 from dataclasses import asdict, dataclass
 
-from .report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, write_report
 
 # published peak bandwidth: bus width x transfer rate
 BOARDS = {"Raspberry Pi 4 (Cortex-A72, LPDDR4-3200, 32-bit)": 3200e6 * 4,
@@ -54,7 +54,7 @@ def estimates(models: dict[str, float]) -> list[Estimate]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench_churn import q4_checkpoint
+    from halo.eval.bench_churn import q4_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="eval/results")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from halo.rpi.links import PROFILES
 
-from .report import write_report
+from halo.eval.report import write_report
 
 ORDER = ("ethernet", "wifi-good", "wifi-busy", "wifi-bad")
 

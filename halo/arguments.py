@@ -17,7 +17,7 @@ import socket
 from pathlib import Path
 from typing import Callable
 
-from .errors import ConfigError
+from halo.errors import ConfigError
 
 HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 MAX_THREADS = 1024

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .errors import ConfigError, HaloError
+from halo.errors import ConfigError, HaloError
 
 class RowsError(HaloError, ValueError):
     """Rows that make no sense, or that a model cannot hold (a slot it lacks, a position past its context): a device

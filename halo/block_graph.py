@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .linear import GraphBuilder, GraphSession, KernelProjection
+from halo.linear import GraphBuilder, GraphSession, KernelProjection
 
 
 def graph_or_sessions(build, *projections):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
-from .errors import ConfigError, ModelFormatError
+from halo.errors import ConfigError, ModelFormatError
 
 ROLES = ("system", "user", "assistant", "tool")
 

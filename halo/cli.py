@@ -8,11 +8,10 @@ import re
 import sys
 import time
 
-from .arguments import (MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path,
-                        endpoints_argument, integer, number)
-from .batch import DEFAULT_SLOTS, MAX_SLOTS
-from .errors import ConfigError, HaloError
-from .linear import FORMATS, resolve_format
+from halo.arguments import MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path, endpoints_argument, integer, number
+from halo.batch import DEFAULT_SLOTS, MAX_SLOTS
+from halo.errors import ConfigError, HaloError
+from halo.linear import FORMATS, resolve_format
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 
@@ -89,7 +88,7 @@ def _add_generate(sub) -> None:
 
 def _add_plan(sub) -> None:
     """halo-master plan: who computes what on a cluster file's devices, or on running agents measured now."""
-    from .sync.modes import SYNC_MODES
+    from halo.sync.modes import SYNC_MODES
 
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -239,7 +238,7 @@ def add_model_arguments(parser) -> None:
 
 def add_speculation_arguments(parser) -> None:
     """--speculate and --draft (generate, serve): drafted tokens verified in one pass (halo/speculative.py)."""
-    from .speculative import MAX_DRAFTS
+    from halo.speculative import MAX_DRAFTS
 
     s = parser.add_argument_group("speculative decoding (fewer passes through the cluster per token)")
     s.add_argument("--speculate", type=integer(0, MAX_DRAFTS), default=None, metavar="K",
@@ -307,8 +306,8 @@ def add_cluster_arguments(parser) -> None:
 
 def add_sync_arguments(parser) -> None:
     """--sync and its knobs (shared by generate and the benchmarks)."""
-    from .sync import SYNC_MODES, SyncSettings
-    from .sync.modes import RENAMED
+    from halo.sync import SYNC_MODES, SyncSettings
+    from halo.sync.modes import RENAMED
 
     d = SyncSettings()
     s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
@@ -349,7 +348,7 @@ def add_sync_arguments(parser) -> None:
 
 
 def sync_settings(args):
-    from .sync import SyncSettings
+    from halo.sync import SyncSettings
 
     return SyncSettings(mode="exact" if args.sync in (None, "auto") else args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
@@ -359,7 +358,7 @@ def sync_settings(args):
 
 def cmd_status(args) -> int:
     if args.server:
-        from .serve.cli import status_from_server
+        from halo.serve.cli import status_from_server
 
         return status_from_server(args)
     if not args.watch:
@@ -390,8 +389,8 @@ def _agents_status(args) -> int:
 
 
 def _query_agents(args) -> tuple[list[dict], int]:
-    from .distributed.remote import ask_status
-    from .transport.reliable import master_key
+    from halo.distributed.remote import ask_status
+    from halo.transport.reliable import master_key
 
     if args.insecure:
         check_insecure(args.agents, args.insecure_lan, "would talk plaintext to")
@@ -449,7 +448,7 @@ def _agents_table(rows: list[dict]):
 
 
 def cmd_fetch(args) -> int:
-    from .models import MODELS, cached_path, fetch
+    from halo.models import MODELS, cached_path, fetch
 
     if args.list or not args.name:
         for model in MODELS.values():
@@ -463,7 +462,7 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from .transport.reliable import generate_key
+    from halo.transport.reliable import generate_key
 
     if args.device is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.device):
         raise ConfigError(f"--device {args.device!r}: a name of letters, digits, '.', '_' or '-' (64 at most)")
@@ -485,10 +484,10 @@ def cmd_keygen(args) -> int:
 def cmd_generate(args) -> int:
     from contextlib import ExitStack
 
-    from .chat import chat_prompt
-    from .loader import load_tokenizer, load_weights
-    from .sampling import SamplingSettings
-    from .speculative import speculation_from
+    from halo.chat import chat_prompt
+    from halo.loader import load_tokenizer, load_weights
+    from halo.sampling import SamplingSettings
+    from halo.speculative import speculation_from
 
     sampling = SamplingSettings(args.temperature, args.top_k, args.top_p, args.seed)
     check_model_and_cluster(args)  # every setting, before minutes of loading a large model
@@ -511,8 +510,8 @@ def _distributed(args) -> bool:
 
 def check_model_and_cluster(args) -> None:
     """What argparse cannot check alone (generate, serve): combinations, files, the settings objects' own rules."""
-    from .models import resolve_model
-    from .shares import PLAN_KEYWORDS
+    from halo.models import resolve_model
+    from halo.shares import PLAN_KEYWORDS
 
     settings = sync_settings(args)
     if args.sync is not None and not _distributed(args):
@@ -537,15 +536,15 @@ def check_model_and_cluster(args) -> None:
                           "importance; halo, halo-tcp: MLP groups re-mapped per token) in tensor-parallel mode; with "
                           f"--sync {args.sync or 'exact'} nothing reads them (add --sync halo, or drop --predictors)")
     if settings.policy.remap and settings.predict and not pipeline:
-        from .loader import model_path, trained_predictors_dir
+        from halo.loader import model_path, trained_predictors_dir
 
         trained_predictors_dir(model_path(model), args.predictors)  # HALO mode ranks groups with them
 
 
 def pipeline_mode(args) -> bool:
     """--mode pipeline, browser workers (they run layer ranges) or a pipeline plan file."""
-    from .distributed.connect import plan_mode
-    from .shares import PLAN_KEYWORDS
+    from halo.distributed.connect import plan_mode
+    from halo.shares import PLAN_KEYWORDS
 
     plan_file = args.plan and args.plan not in PLAN_KEYWORDS
     return args.mode == "pipeline" or bool(args.browser_workers) or bool(plan_file and plan_mode(args.plan) == "pipeline")
@@ -553,7 +552,7 @@ def pipeline_mode(args) -> bool:
 
 def check_pipeline_arguments(args) -> None:
     """--mode pipeline: refuse what only tensor-parallel mode uses, rather than ignore it."""
-    from .shares import PLAN_KEYWORDS
+    from halo.shares import PLAN_KEYWORDS
 
     if not _distributed(args):
         raise ConfigError("--mode pipeline runs layer ranges on stage workers: add --local-agents N (start them "
@@ -574,7 +573,7 @@ def check_pipeline_arguments(args) -> None:
 def open_model(args, weights, stack):
     """The model the arguments describe: a single-process Transformer, or the master of a cluster from
     --local-agents / --agents / --cluster / --plan (what it starts is closed with `stack`)."""
-    from .model import Transformer
+    from halo.model import Transformer
 
     args.weights = resolve_format(args.weights, weights)
     if not _distributed(args):
@@ -582,9 +581,9 @@ def open_model(args, weights, stack):
             raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
         return Transformer(weights, fmt=args.weights, max_seq_len=args.context, threads=args.threads,
                            slots=getattr(args, "slots", 1))
-    from .distributed import connect
-    from .distributed.survive import SurvivalSettings
-    from .transport.udp import set_busy_poll
+    from halo.distributed import connect
+    from halo.distributed.survive import SurvivalSettings
+    from halo.transport.udp import set_busy_poll
 
     set_busy_poll(args.busy_poll)
 
@@ -603,7 +602,7 @@ def open_model(args, weights, stack):
 
 
 def cmd_serve(args) -> int:
-    from .serve.cli import serve
+    from halo.serve.cli import serve
 
     check_model_and_cluster(args)
     if args.speculate or args.draft or pipeline_mode(args):
@@ -612,7 +611,7 @@ def cmd_serve(args) -> int:
 
 
 def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, speculation) -> int:
-    from .generate import generate
+    from halo.generate import generate
 
     settings, drafter = speculation
     echo = "" if args.chat or args.system else args.prompt  # a chat prints the answer alone
@@ -698,13 +697,13 @@ def cmd_plan(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .loader import load_config
-    from .scheduler import plan_io
-    from .scheduler.cost import ESTIMATE_MODES, estimate
-    from .scheduler.milp import solve_exact
-    from .scheduler.pipeline import plan_pipeline
-    from .scheduler.profiles import load_cluster, model_profile, named_config
-    from .scheduler.tp_plan import plan_tp
+    from halo.loader import load_config
+    from halo.scheduler import plan_io
+    from halo.scheduler.cost import ESTIMATE_MODES, estimate
+    from halo.scheduler.milp import solve_exact
+    from halo.scheduler.pipeline import plan_pipeline
+    from halo.scheduler.profiles import load_cluster, model_profile, named_config
+    from halo.scheduler.tp_plan import plan_tp
 
     if args.cluster is None:
         return _plan_measured(args)
@@ -721,7 +720,7 @@ def cmd_plan(args) -> int:
         table = Table(title=f"pipeline plan: {name}, {cluster.weights}, context {cluster.context}")
         for column in ("worker", "units", "layers", "memory (MB)", "budget (MB)"):
             table.add_column(column)
-        from .scheduler.pipeline import model_units
+        from halo.scheduler.pipeline import model_units
         units = model_units(model, cluster.context)
         for w, a, b in plan.stages:
             d = plan.workers[w]
@@ -779,15 +778,15 @@ def _plan_measured(args) -> int:
     """`plan --agents / --local-agents`: measure the agents and print the plan `generate` would use, and why."""
     from contextlib import ExitStack
 
-    from .config import DEFAULT_CONTEXT
-    from .distributed import LocalCluster
-    from .distributed.connect import measured_plan
-    from .distributed.session import MasterSettings
-    from .loader import load_weights
-    from .neuron_groups import GroupLayout
-    from .scheduler import plan_io
-    from .sync import SyncSettings
-    from .transport.reliable import master_key
+    from halo.config import DEFAULT_CONTEXT
+    from halo.distributed import LocalCluster
+    from halo.distributed.connect import measured_plan
+    from halo.distributed.session import MasterSettings
+    from halo.loader import load_weights
+    from halo.neuron_groups import GroupLayout
+    from halo.scheduler import plan_io
+    from halo.sync import SyncSettings
+    from halo.transport.reliable import master_key
 
     if args.mode != "tp" or args.model_config:
         raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "

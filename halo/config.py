@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from halo.errors import ConfigError
 
 DEFAULT_CONTEXT = 2048  # KV-cache length when none is asked for (at most the model's own)
 

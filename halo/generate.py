@@ -12,10 +12,10 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import ConfigError, HaloError
-from .sampling import Sampler, SamplingSettings
-from .speculative import Drafter, SpeculationSettings, SpeculationStats, Speculator
-from .tokenizer import Tokenizer
+from halo.errors import ConfigError, HaloError
+from halo.sampling import Sampler, SamplingSettings
+from halo.speculative import Drafter, SpeculationSettings, SpeculationStats, Speculator
+from halo.tokenizer import Tokenizer
 
 
 PREFILL_VECTOR_BYTES = 512 << 10  # a prompt's pass: [T, dim] float32 vectors of at most this (see prefill)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable
 
-from .memory import BufferPool
+from halo.memory import BufferPool
 
 
 @dataclass

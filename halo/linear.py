@@ -28,9 +28,9 @@ from itertools import groupby
 
 import numpy as np
 
-from .errors import ConfigError
-from .memory import memory_limit, release_freed_heap, release_pages, weight_pages
-from .quant import QuantizedMatrix, as_float32
+from halo.errors import ConfigError
+from halo.memory import memory_limit, release_freed_heap, release_pages, weight_pages
+from halo.quant import QuantizedMatrix, as_float32
 
 FORMATS = ("native", "fp32", "int8")
 PREFER_C_KERNEL = True  # False: MatMulNBits sessions even where halo._nbits is built (bench_engine's comparison)
@@ -286,7 +286,7 @@ class _NBitsKernel:
 
 
 try:  # the C kernel for compact groups (built with the package where a C compiler is; numpy computes otherwise)
-    from . import _nbits
+    from halo import _nbits
 except ImportError:  # pragma: no cover - depends on how the package was built
     _nbits = None
 

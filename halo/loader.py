@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import BUNDLED_MODEL, BUNDLED_TOKENIZER
-from .errors import ModelFormatError
-from .formats import gguf, hf, llama2c
-from .models import resolve_model
-from .tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer, gguf_tokenizer
-from .weights import ModelWeights
+from halo import BUNDLED_MODEL, BUNDLED_TOKENIZER
+from halo.errors import ModelFormatError
+from halo.formats import gguf, hf, llama2c
+from halo.models import resolve_model
+from halo.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer, gguf_tokenizer
+from halo.weights import ModelWeights
 
 NOT_FOUND_FIX = ("pass a GGUF file, a llama2.c .bin file, a Hugging Face directory with config.json, or a model "
                  "name (halo-master fetch --list)")
@@ -104,7 +104,7 @@ _FINGERPRINTS: dict[str, str] = {}
 
 
 def fingerprint_cache_dir() -> Path:
-    from .cache import cache_subdir
+    from halo.cache import cache_subdir
 
     return cache_subdir("fingerprints", "HALO_FINGERPRINT_CACHE_DIR")
 
@@ -178,8 +178,8 @@ def predictors_path(source: Path, directory: str | os.PathLike | None = None) ->
 def load_predictors(weights: ModelWeights, directory: str | os.PathLike | None = None, threads: int = 1):
     """The model's trained predictors (predictors_path). Checked against the model's sha256 so stale predictors are
     refused."""
-    from .errors import ConfigError
-    from .predictors.runtime import PredictorSet
+    from halo.errors import ConfigError
+    from halo.predictors.runtime import PredictorSet
 
     source = Path(weights.source)
     return PredictorSet(trained_predictors_dir(source, directory), model_fingerprint(source), threads)
@@ -187,7 +187,7 @@ def load_predictors(weights: ModelWeights, directory: str | os.PathLike | None =
 
 def trained_predictors_dir(source: Path, directory: str | os.PathLike | None = None) -> Path:
     """predictors_path, or a ConfigError naming the command that trains them (generate checks it before loading)."""
-    from .errors import ConfigError
+    from halo.errors import ConfigError
 
     path = predictors_path(source, directory)
     if not path.is_dir():

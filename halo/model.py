@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batch import Rows, check_slots, check_tokens
-from .config import DEFAULT_CONTEXT
-from .errors import ConfigError
-from .linear import DenseProjection
-from .neuron_groups import GroupLayout
-from .quant import embed
-from .shares import Block, everything, share_memory
-from .weights import ModelWeights
-from .worker import DeviceWorker
+from halo.batch import Rows, check_slots, check_tokens
+from halo.config import DEFAULT_CONTEXT
+from halo.errors import ConfigError
+from halo.linear import DenseProjection
+from halo.neuron_groups import GroupLayout
+from halo.quant import embed
+from halo.shares import Block, everything, share_memory
+from halo.weights import ModelWeights
+from halo.worker import DeviceWorker
 
 __all__ = ["DEFAULT_CONTEXT", "Transformer"]
 
@@ -24,7 +24,7 @@ __all__ = ["DEFAULT_CONTEXT", "Transformer"]
 def _check_fits(weights: ModelWeights, layout: GroupLayout, fmt: str, context: int, slots: int) -> None:
     """Refuse, with the numbers, a model this process has no memory for (under a cgroup limit: a device's systemd
     MemoryMax, a test bed's device), rather than be killed halfway through loading it."""
-    from .memory import charged_bytes, memory_limit
+    from halo.memory import charged_bytes, memory_limit
 
     limit = memory_limit()
     if limit is None:

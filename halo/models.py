@@ -18,8 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import cache_subdir
-from .errors import ConfigError
+from halo.cache import cache_subdir
+from halo.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,15 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .group_cache import GroupCache
-from .block_graph import AttentionGraph, MlpGraph, graph_or_sessions
-from .linear import DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for, make_projection
-from .memory import BufferPool, load_pages, own_pages, zeros_by_page
-from .ops import Rotary, rmsnorm, silu, softmax
-from .quant import QuantizedMatrix, Weight, as_float32
-from .weights import LayerWeights
+from halo.config import ModelConfig
+from halo.errors import ConfigError
+from halo.group_cache import GroupCache
+from halo.block_graph import AttentionGraph, MlpGraph, graph_or_sessions
+from halo.linear import DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for, make_projection
+from halo.memory import BufferPool, load_pages, own_pages, zeros_by_page
+from halo.ops import Rotary, rmsnorm, silu, softmax
+from halo.quant import QuantizedMatrix, Weight, as_float32
+from halo.weights import LayerWeights
 
 DEFAULT_MLP_GROUP_SIZE = 256
 DEFAULT_VOCAB_GROUP_SIZE = 256

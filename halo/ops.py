@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig
+from halo.config import ModelConfig
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

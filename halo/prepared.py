@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
-from .linear import DequantKernel, KernelProjection, KernelSpec, packed_shape
-from .memory import BufferPool, own_pages
-from .neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
-from .weights import ModelWeights
+from halo.errors import ConfigError
+from halo.linear import DequantKernel, KernelProjection, KernelSpec, packed_shape
+from halo.memory import BufferPool, own_pages
+from halo.neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
+from halo.weights import ModelWeights
 
 VERSION = 5  # 2: arrays block-major (a compact group is the read buffer itself); 3: rows last (halo/_nbits.c);
 # 4: codes rows next to last in 4-byte words (halo/_nbits.c's integer dot products); 5: one packed array per kernel
@@ -37,7 +37,7 @@ VERSION = 5  # 2: arrays block-major (a compact group is the read buffer itself)
 
 
 def prepared_dir(sha256: str, fmt: str, group_size: int) -> Path:
-    from .cache import cache_subdir
+    from halo.cache import cache_subdir
 
     return cache_subdir("prepared", "HALO_PREPARED_DIR") / f"{sha256[:16]}-{fmt}-g{group_size}"
 

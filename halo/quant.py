@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
-from .memory import release_mapping, release_pages
+from halo.errors import ConfigError
+from halo.memory import release_mapping, release_pages
 
 
 @dataclass(frozen=True)

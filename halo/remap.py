@@ -36,13 +36,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .errors import ConfigError
-from .group_cache import GroupCache, minimum_capacity
-from .linear import COMPACT_KERNEL, projection_kernel
-from .memory import groups_headroom, release_freed_heap, resident_bytes
-from .neuron_groups import GroupLayout, MlpGroupBank
-from .sync.framing import ranking_digest
-from .weights import ModelWeights
+from halo.errors import ConfigError
+from halo.group_cache import GroupCache, minimum_capacity
+from halo.linear import COMPACT_KERNEL, projection_kernel
+from halo.memory import groups_headroom, release_freed_heap, resident_bytes
+from halo.neuron_groups import GroupLayout, MlpGroupBank
+from halo.sync.framing import ranking_digest
+from halo.weights import ModelWeights
 
 log = logging.getLogger("halo.remap")
 RESIDENT_MARGIN = 1.15  # over the measured cost of the first groups built: heap growth they do not show

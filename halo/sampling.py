@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from halo.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
-from .config import DEFAULT_CONTEXT
-from .neuron_groups import GroupLayout
-from .weights import ModelWeights
+from halo.errors import ConfigError
+from halo.config import DEFAULT_CONTEXT
+from halo.neuron_groups import GroupLayout
+from halo.weights import ModelWeights
 
 KINDS = ("attention", "mlp", "lm_head")
 
@@ -105,10 +105,10 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     blocks kept whole on the master (scheduler/tp_plan.py `on_master`): "attention" (one sync round a layer),
     "lm_head" (no logits slices on the wire); paired: each layer's MLP halved between the master and one agent,
     the agents taking the layers in turn (tp_plan.py `paired`)."""
-    from .scheduler.profiles import Cluster, DeviceProfile, model_profile
-    from .scheduler.tp_plan import build_plan, check_master_kinds
-    from .scheduler.tp_plan import on_master as move
-    from .scheduler.tp_plan import paired as pair
+    from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile
+    from halo.scheduler.tp_plan import build_plan, check_master_kinds
+    from halo.scheduler.tp_plan import on_master as move
+    from halo.scheduler.tp_plan import paired as pair
 
     check_master_kinds(on_master)
     if paired and compute is not None:
@@ -166,7 +166,7 @@ def spread_lost(kept: list[Shares], lost: list[Shares]) -> list[Shares]:
     and the groups the `lost` devices held are split among them, block by block, in runs of consecutive groups
     sized by each device's current total (the plan's balance carries over: a device with twice the groups
     takes twice the lost ones; one that held nothing takes nothing unless all held nothing)."""
-    from .scheduler.tp_plan import round_counts
+    from halo.scheduler.tp_plan import round_counts
 
     if not kept:
         raise ConfigError("no device is left to take the lost groups")

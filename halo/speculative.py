@@ -26,9 +26,9 @@ from typing import Protocol
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .errors import ConfigError
-from .sampling import Sampler
-from .worker import STEPWISE_TOKENS
+from halo.errors import ConfigError
+from halo.sampling import Sampler
+from halo.worker import STEPWISE_TOKENS
 
 MAX_DRAFTS = STEPWISE_TOKENS - 1  # the last chosen token rides in the pass too
 
@@ -239,11 +239,11 @@ def speculation_from(speculate: int | None, draft: str | None, vocab_size: int, 
         return settings, None
     if not k:
         raise ConfigError("--draft drafts tokens for --speculate K: give K >= 1 (or leave --speculate out: 4)")
-    from .arguments import check_path
-    from .linear import resolve_format
-    from .loader import load_weights
-    from .model import Transformer
-    from .models import resolve_model
+    from halo.arguments import check_path
+    from halo.linear import resolve_format
+    from halo.loader import load_weights
+    from halo.model import Transformer
+    from halo.models import resolve_model
 
     path = str(resolve_model(draft))
     check_path("--draft", path, "model file or directory")

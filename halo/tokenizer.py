@@ -16,9 +16,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .chat import ChatTemplate
-from .errors import ModelFormatError
-from .formats import llama2c
+from halo.chat import ChatTemplate
+from halo.errors import ModelFormatError
+from halo.formats import llama2c
 
 BYTE_PIECE = re.compile(rb"^<0x([0-9A-Fa-f]{2})>$")
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")

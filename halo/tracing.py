@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import Transformer
-from .ops import rmsnorm
+from halo.model import Transformer
+from halo.ops import rmsnorm
 
 
 @dataclass

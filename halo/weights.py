@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelFormatError
-from .quant import QuantizedMatrix, Weight
+from halo.config import ModelConfig
+from halo.errors import ModelFormatError
+from halo.quant import QuantizedMatrix, Weight
 
 
 @dataclass

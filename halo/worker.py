@@ -18,13 +18,13 @@ from typing import Callable
 
 import numpy as np
 
-from .batch import Rows
-from .errors import HaloError
-from .memory import groups_headroom, resident_bytes
-from .neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-from .ops import Rotary, rmsnorm
-from .shares import Block, Shares, rank_range
-from .weights import ModelWeights
+from halo.batch import Rows
+from halo.errors import HaloError
+from halo.memory import groups_headroom, resident_bytes
+from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+from halo.ops import Rotary, rmsnorm
+from halo.shares import Block, Shares, rank_range
+from halo.weights import ModelWeights
 
 STEPWISE_TOKENS = 9  # passes this short get a decode step's bits per position: a verification of up to 8 drafts
 
@@ -76,7 +76,7 @@ class DeviceWorker:
         self.mlp: dict[int, MlpShard] = {}
         self.remapper = None
         if remap:
-            from .remap import Remapper
+            from halo.remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
             groups_budget = self._groups_budget(memory_budget, started) if bounded else None

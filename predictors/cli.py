@@ -21,10 +21,10 @@ def train_predictors(model: str | None, data: str, out: str | Path, hidden: int 
                      max_chars: int | None = None, window: int = 256, train_fraction: float = 0.8,
                      mlp_group_size: int | None = None, progress: bool = True, keep_profile: bool = False) -> dict:
     """The whole pipeline; returns the manifest. Raises if ONNX and torch disagree by more than 1e-5."""
-    from .export import export
-    from .profiler import load_split, profile
-    from .runtime import PredictorSet
-    from .trainer import TrainSettings, torch_scores, train_layer
+    from halo.predictors.export import export
+    from halo.predictors.profiler import load_split, profile
+    from halo.predictors.runtime import PredictorSet
+    from halo.predictors.trainer import TrainSettings, torch_scores, train_layer
 
     out = Path(out)
     work = out / "profile"

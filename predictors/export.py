@@ -14,8 +14,8 @@ import numpy as np
 
 from halo import __version__
 
-from .runtime import FORMAT, MANIFEST, VERSION
-from .trainer import LayerPredictor
+from halo.predictors.runtime import FORMAT, MANIFEST, VERSION
+from halo.predictors.trainer import LayerPredictor
 
 
 def predictor_graph(p: LayerPredictor):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import ranking_report
-from .profiler import load_split
+from halo.predictors.metrics import ranking_report
+from halo.predictors.profiler import load_split
 
 
 @dataclass

@@ -64,7 +64,7 @@ class LossyTestbed:
     def __post_init__(self):
         if not 1 <= self.n_agents <= 200:
             raise ValueError("between 1 and 200 agents")
-        from .links import profile
+        from halo.rpi.links import profile
 
         if self.links is not None and not isinstance(self.links, dict):
             self.links = {f"agent-{i}": self.links for i in range(1, self.n_agents + 1)}
@@ -132,7 +132,7 @@ class LossyTestbed:
                     _run(*where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}mbit",
                          "burst", "1600", "latency", "50ms")
         self._pin_neighbours()
-        from .links import Forwarder
+        from halo.rpi.links import Forwarder
 
         for i, (name, link) in enumerate(sorted(self.links.items())):
             self.forwarders[name] = Forwarder(*self._link_ends(self.hosts[name][2]), link, seed=i + 1)

@@ -45,7 +45,7 @@ from halo.transport.erasure import groups
 from halo.transport.udp import GatherPolicy
 from halo.transport.wire import DATA_PAYLOAD, MAX_DATAGRAM
 
-from .plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan
+from halo.scheduler.plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan
 
 TCP_MIN_RTO_S = 0.200
 TCP_SEGMENT_BYTES = 1448

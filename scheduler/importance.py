@@ -85,7 +85,7 @@ def profile_heads(weights, predictors, windows: list[list[int]]) -> np.ndarray:
 
 def cached_head_order(weights, predictors, tokenizer=None) -> np.ndarray:
     """The heads of every layer by importance, from the cache or computed once (seconds) and cached."""
-    from .measure import cache_dir
+    from halo.scheduler.measure import cache_dir
     from halo.loader import load_tokenizer, model_fingerprint
 
     digest = hashlib.sha256(json.dumps(predictors.manifest, sort_keys=True).encode()).hexdigest()[:16]

@@ -127,7 +127,7 @@ def kernel_samples(weights, layout, fmt: str, threads: int = 1, seconds: float =
     from halo.shares import Block, Shares
     from halo.worker import DeviceWorker
 
-    from .profiles import model_profile, planning_format
+    from halo.scheduler.profiles import model_profile, planning_format
 
     c = weights.config
     profile = model_profile(c, planning_format(fmt, weights), mlp_group_size=layout.mlp_group_size,

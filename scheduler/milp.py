@@ -16,10 +16,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from .objective import transfer_seconds
-from .plan import TP_KINDS, TensorParallelPlan
-from .profiles import Cluster, ModelProfile
-from .tp_plan import prune_idle
+from halo.scheduler.objective import transfer_seconds
+from halo.scheduler.plan import TP_KINDS, TensorParallelPlan
+from halo.scheduler.profiles import Cluster, ModelProfile
+from halo.scheduler.tp_plan import prune_idle
 
 
 @dataclass

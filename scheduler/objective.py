@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan
-from .profiles import Cluster, ModelProfile
+from halo.scheduler.plan import SYNC_BYTES_PER_VALUE, TP_KINDS, TensorParallelPlan
+from halo.scheduler.profiles import Cluster, ModelProfile
 
 
 def compute_seconds(plan: TensorParallelPlan) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 
 from halo.errors import ConfigError
 
-from .profiles import Cluster, DeviceProfile, ModelProfile
+from halo.scheduler.profiles import Cluster, DeviceProfile, ModelProfile
 
 DELTA_S = 500e-6  # per-stage serialization and processing overhead (thesis: 500 us)
 EXHAUSTIVE_MAX_WORKERS = 7

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .profiles import Cluster, ModelProfile
+from halo.scheduler.profiles import Cluster, ModelProfile
 
 TP_KINDS = ("attention", "mlp")
 SYNC_BYTES_PER_VALUE = 4  # partial sums and broadcasts travel as float32

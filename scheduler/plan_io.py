@@ -24,10 +24,10 @@ import numpy as np
 from halo.arguments import check_integer, check_number
 from halo.errors import ConfigError
 
-from .cost import ESTIMATE_MODES, estimate
-from .pipeline import PipelinePlan
-from .plan import TP_KINDS, TensorParallelPlan
-from .profiles import BlockProfile, Cluster, DeviceProfile, ModelProfile
+from halo.scheduler.cost import ESTIMATE_MODES, estimate
+from halo.scheduler.pipeline import PipelinePlan
+from halo.scheduler.plan import TP_KINDS, TensorParallelPlan
+from halo.scheduler.profiles import BlockProfile, Cluster, DeviceProfile, ModelProfile
 
 FORMAT, VERSION = "halo-plan", 1
 
@@ -88,8 +88,8 @@ def plan_summary(plan: TensorParallelPlan, mode: str, cost=None) -> dict:
 def _estimate_with(plan: TensorParallelPlan, device: int, mode: str) -> dict:
     """Why a device was left out: the estimates of Min-Max (and its groups there) and of an even split over
     the participants and it."""
-    from .ratios import InsufficientMemory
-    from .tp_plan import build_plan
+    from halo.scheduler.ratios import InsufficientMemory
+    from halo.scheduler.tp_plan import build_plan
 
     out = {}
     for algorithm in ("minmax", "vanilla"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profiles import Cluster
+from halo.scheduler.profiles import Cluster
 
 MIN_RTT_S = 1e-3  # least round trip of a radio-like link (wired and loopback: ~0.1-0.2 ms)
 MIN_PLR = 0.0  # any measured loss (the planning probe: 400 datagrams)

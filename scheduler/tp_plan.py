@@ -24,10 +24,10 @@ import numpy as np
 
 from halo.errors import ConfigError
 
-from .objective import compute_seconds, eq1_objective, transfer_seconds
-from .plan import TP_KINDS, TensorParallelPlan, fixed_bytes
-from .profiles import Cluster, ModelProfile
-from .ratios import ALGORITHMS, InsufficientMemory, check_capacity, exact_threshold
+from halo.scheduler.objective import compute_seconds, eq1_objective, transfer_seconds
+from halo.scheduler.plan import TP_KINDS, TensorParallelPlan, fixed_bytes
+from halo.scheduler.profiles import Cluster, ModelProfile
+from halo.scheduler.ratios import ALGORITHMS, InsufficientMemory, check_capacity, exact_threshold
 
 def round_counts(ratios: np.ndarray, n_groups: int, n_layers: int) -> np.ndarray:
     """[n, L] integer counts: each layer sums to n_groups; device totals within one group of r*N*L."""
@@ -517,7 +517,7 @@ def _paired_variants(plans: list[TensorParallelPlan]) -> list[TensorParallelPlan
 
 
 def _expected_time(mode: str, sync):
-    from .cost import estimate
+    from halo.scheduler.cost import estimate
 
     return lambda plan: estimate(plan, mode, sync=sync).total_s
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from halo.batch import MAX_SLOTS
 from halo.errors import HaloError
 
-from . import wire
+from halo.transport import wire
 
 MAX_NAME = 256  # characters of a device or master name
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 try:  # the encoder in C (transport/_datagrams.c: 8 bytes at a time), where the package was built with a compiler
-    from ._datagrams import parities as _parities_in_c
+    from halo.transport._datagrams import parities as _parities_in_c
 except ImportError:  # pragma: no cover - a build without a C compiler
     _parities_in_c = None
 

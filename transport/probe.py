@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import wire
-from .udp import UdpEndpoint
+from halo.transport import wire
+from halo.transport.udp import UdpEndpoint
 
 PLANNING_PROBES = 400
 PLANNING_INTERVAL_S = 0.00025

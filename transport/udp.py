@@ -37,7 +37,7 @@ import numpy as np
 
 from halo.cores import dedicated_cores
 
-from . import erasure, wire
+from halo.transport import erasure, wire
 
 RECV_BUFFER_BYTES = 4 << 20
 PARITY_PREFIX = struct.Struct("<BB")  # data chunks covered by a parity chunk, parity chunks of its group

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 try:  # the same packing and checks in C (transport/_datagrams.c), where the package was built with a compiler
-    from . import _datagrams
+    from halo.transport import _datagrams
 except ImportError:  # pragma: no cover - a build without a C compiler
     _datagrams = None
 

@@ -1,5 +1,5 @@
 import sys
 
-from .run import main
+from halo.eval.fuzz.run import main
 
 sys.exit(main())

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .targets import TARGETS, Target, run_one
+from halo.eval.fuzz.targets import TARGETS, Target, run_one
 from halo.distributed.local import module_command
 
 RESULT_PREFIX = "HALO-FUZZ-RESULT "
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             hypothesis_worker(args.worker, args.seconds, args.runs, args.seed, args.workdir / "artifacts")
         return 0
     if args.write_seeds:
-        from .seeds import write_seeds
+        from halo.eval.fuzz.seeds import write_seeds
 
         write_seeds()
         return 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .targets import CORPUS, FIXTURES, FRAME_SEPARATOR
+from halo.eval.fuzz.targets import CORPUS, FIXTURES, FRAME_SEPARATOR
 
 CLUSTER_TOML = """[cluster]
 context = 256
@@ -77,7 +77,7 @@ def wire_seeds() -> dict[str, bytes]:
     target: flags, values per peer, the epoch gathered, then (2-byte length, datagram) pairs."""
     from halo.transport import udp, wire
 
-    from .targets import DATAGRAM_LENGTH
+    from halo.eval.fuzz.targets import DATAGRAM_LENGTH
 
     key = bytes(range(wire.KEY_BYTES))
     peer = udp.UdpEndpoint(key, 7, 1)

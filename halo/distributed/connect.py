@@ -14,10 +14,10 @@ from halo.shares import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan, shar
 from halo.sync import SyncSettings
 from halo.weights import ModelWeights
 
-from .local import LocalCluster
-from .master import DistributedModel
-from .session import DEFAULT_TIMEOUT_S, MasterSettings, Session
-from .survive import SurvivalSettings, SurvivingModel
+from halo.distributed.local import LocalCluster
+from halo.distributed.master import DistributedModel
+from halo.distributed.session import DEFAULT_TIMEOUT_S, MasterSettings, Session
+from halo.distributed.survive import SurvivalSettings, SurvivingModel
 
 log = logging.getLogger("halo.master")
 

@@ -25,11 +25,11 @@ from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings,
 from halo.worker import DeviceWorker
 from halo.weights import ModelWeights
 
-from .estimates import RunningEstimates
-from .remote import RemoteAgent
-from .rounds import MasterRound, RoundContext
-from .session import MasterSettings, Session
-from .timing import RoundTime, Timings
+from halo.distributed.estimates import RunningEstimates
+from halo.distributed.remote import RemoteAgent
+from halo.distributed.rounds import MasterRound, RoundContext
+from halo.distributed.session import MasterSettings, Session
+from halo.distributed.timing import RoundTime, Timings
 
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
 TIER_PLR = 0.02  # agents whose probed links lose within this of each other are equally reliable (keep_in_place): the

@@ -20,7 +20,7 @@ from halo.sync.framing import FramingError, frame_broadcast, partial_size, read_
 from halo.transport import wire
 from halo.transport.udp import GatherPolicy, UdpEndpoint
 
-from .remote import AgentError, RemoteAgent
+from halo.distributed.remote import AgentError, RemoteAgent
 
 
 @dataclass

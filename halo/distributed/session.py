@@ -35,7 +35,7 @@ from halo.weights import ModelWeights
 from halo.transport.control import ControlError, Ready
 from halo.transport.reliable import Message, encode
 
-from .remote import AgentError, RemoteAgent
+from halo.distributed.remote import AgentError, RemoteAgent
 
 DEFAULT_TIMEOUT_S = 2.0
 LOAD_BYTES_PER_S = 20e6  # the slowest load a hello allows for: an SD card, or quantizing on a shared core

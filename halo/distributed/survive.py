@@ -51,8 +51,8 @@ from halo.generate import prefill, prefill_chunk
 from halo.shares import Shares, spread_lost, take_back
 from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
 
-from .remote import AgentError, ask_status
-from .session import master_context
+from halo.distributed.remote import AgentError, ask_status
+from halo.distributed.session import master_context
 
 log = logging.getLogger("halo.master")
 __all__ = ["ClusterLost", "SurvivalSettings", "SurvivingModel"]

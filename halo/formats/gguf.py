@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import ConfigError, ModelFormatError
-from ..quant import KERNEL_CODECS, QuantizedMatrix, codec_for
-from ..weights import LayerWeights, ModelWeights
-from .llama2c import interleaved_to_half_rope, permute_heads
+from halo.config import ModelConfig
+from halo.errors import ConfigError, ModelFormatError
+from halo.quant import KERNEL_CODECS, QuantizedMatrix, codec_for
+from halo.weights import LayerWeights, ModelWeights
+from halo.formats.llama2c import interleaved_to_half_rope, permute_heads
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -6,11 +6,11 @@ import json
 import os
 from pathlib import Path
 
-from ..arguments import check_integer, check_number
-from ..config import Llama3RopeScaling, ModelConfig
-from ..errors import ConfigError, ModelFormatError
-from ..weights import LayerWeights, ModelWeights
-from .safetensors_file import SafetensorsFile
+from halo.arguments import check_integer, check_number
+from halo.config import Llama3RopeScaling, ModelConfig
+from halo.errors import ConfigError, ModelFormatError
+from halo.weights import LayerWeights, ModelWeights
+from halo.formats.safetensors_file import SafetensorsFile
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import ConfigError, ModelFormatError
-from ..weights import LayerWeights, ModelWeights
+from halo.config import ModelConfig
+from halo.errors import ConfigError, ModelFormatError
+from halo.weights import LayerWeights, ModelWeights
 
 HEADER = struct.Struct("<7i")
 EXPORT_MAGIC = 0x616B3432  # "ak42": llama2.c's versioned export (v1/v2), not the legacy format

@@ -33,10 +33,10 @@ from halo.arguments import is_loopback
 from halo.errors import ConfigError
 from halo.transport.reliable import Message, MessageError
 
-from .links import StageFailed, StageRefused, Traffic, measure_link
-from .onnx_export import content_name, export_stage
-from .protocol import STAGE_PROTOCOL, ws_pack, ws_unpack
-from .stage import HeadRequest
+from halo.pipeline.links import StageFailed, StageRefused, Traffic, measure_link
+from halo.pipeline.onnx_export import content_name, export_stage
+from halo.pipeline.protocol import STAGE_PROTOCOL, ws_pack, ws_unpack
+from halo.pipeline.stage import HeadRequest
 
 ASSETS = resources.files("halo.pipeline") / "web_assets"
 BUILD_HINT = ("the worker page is not built: run `npm --prefix web ci && npm --prefix web run build` in the halo "

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from halo.errors import ConfigError
 
-from .coordinator import PipelineModel, measure_profiles
-from .links import LocalStage, NativeStage
-from .replan import Stage, even_stages
+from halo.pipeline.coordinator import PipelineModel, measure_profiles
+from halo.pipeline.links import LocalStage, NativeStage
+from halo.pipeline.replan import Stage, even_stages
 
 DEFAULT_TIMEOUT_S = 2.0
 
@@ -77,7 +77,7 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
                                                           cluster_key, insecure, timeout, sha, threads)
         browser_workers += len(browser_names)
     if browser_workers:
-        from .browser import BrowserHub
+        from halo.pipeline.browser import BrowserHub
 
         hub = stack.enter_context(BrowserHub(weights, serve or "127.0.0.1:8765", context, tls_cert, tls_key,
                                              tabs=browser_workers))

@@ -34,10 +34,10 @@ from halo.scheduler.measure import MedianWindow
 from halo.scheduler.profiles import planning_format
 from halo.weights import ModelWeights
 
-from .links import StageFailed, StageRefused, Traffic
-from .profile import WorkerProfile
-from .replan import Stage, model_costs, plan_stages, predicted_s, validate_stages
-from .stage import HeadRequest, dense_from_top_k
+from halo.pipeline.links import StageFailed, StageRefused, Traffic
+from halo.pipeline.profile import WorkerProfile
+from halo.pipeline.replan import Stage, model_costs, plan_stages, predicted_s, validate_stages
+from halo.pipeline.stage import HeadRequest, dense_from_top_k
 
 
 class PipelineError(HaloError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from halo.errors import ConfigError
 from halo.weights import ModelWeights
 
-from .stage import StageEngine
+from halo.pipeline.stage import StageEngine
 
 DEVICES = ("auto", "cpu", "cuda", "torch-cpu")
 
@@ -18,7 +18,7 @@ def make_engine(weights: ModelWeights, start: int, stop: int, max_seq_len: int, 
     if device not in DEVICES:
         raise ConfigError(f"unknown stage device {device!r}: choose auto, cpu, cuda or torch-cpu")
     if device in ("auto", "cuda", "torch-cpu"):
-        from .torch_stage import TorchStageEngine, cuda_available
+        from halo.pipeline.torch_stage import TorchStageEngine, cuda_available
 
         if device == "torch-cpu" or cuda_available():
             return TorchStageEngine(weights, start, stop, max_seq_len, "cpu" if device == "torch-cpu" else "cuda", fmt)

@@ -13,8 +13,8 @@ import numpy as np
 
 from halo.errors import HaloError
 
-from .protocol import STAGE_PROTOCOL, message_bytes
-from .stage import HeadRequest
+from halo.pipeline.protocol import STAGE_PROTOCOL, message_bytes
+from halo.pipeline.stage import HeadRequest
 
 
 class StageRefused(HaloError):
@@ -197,8 +197,8 @@ class LocalStage:
         self.alive = True
 
     def probe(self, fmt: str = "fp32") -> dict:
-        from .profile import time_engine
-        from .engines import make_engine
+        from halo.pipeline.profile import time_engine
+        from halo.pipeline.engines import make_engine
 
         c = self.weights.config
         make = lambda a, b: make_engine(self.weights, a, b, 64, fmt, self.threads, self.device)  # noqa: E731
@@ -214,7 +214,7 @@ class LocalStage:
         return 0.0, 1e12
 
     def open(self, start: int, stop: int, context: int, fmt: str) -> dict:
-        from .engines import make_engine
+        from halo.pipeline.engines import make_engine
 
         t = time.perf_counter()
         self.engine = make_engine(self.weights, start, stop, context, fmt, self.threads, self.device)

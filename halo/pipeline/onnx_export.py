@@ -22,7 +22,7 @@ import numpy as np
 
 from halo.weights import ModelWeights
 
-from .stage import check_units, n_units
+from halo.pipeline.stage import check_units, n_units
 
 OPSET = 17
 MAX_BYTES = 1_900_000_000  # one protobuf file; larger ranges belong on a native worker

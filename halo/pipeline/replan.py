@@ -15,7 +15,7 @@ from halo.errors import ConfigError
 from halo.scheduler.pipeline import PipelinePlan, model_units, plan_units
 from halo.scheduler.profiles import BYTES_PER_WEIGHT, DeviceProfile, ModelProfile, model_profile
 
-from .stage import n_units, unit_name
+from halo.pipeline.stage import n_units, unit_name
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from halo.ops import rope_inv_freq
 from halo.quant import as_float32
 from halo.weights import ModelWeights
 
-from .stage import HeadRequest, check_units, n_units, top_k
+from halo.pipeline.stage import HeadRequest, check_units, n_units, top_k
 
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 NORMS = ("attn_norm", "mlp_norm")

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..batch import Rows
-from ..generate import Continuation
-from ..sampling import Sampler
+from halo.batch import Rows
+from halo.generate import Continuation
+from halo.sampling import Sampler
 
 
 @dataclass

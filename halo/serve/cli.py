@@ -13,8 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..arguments import is_loopback
-from ..errors import ConfigError
+from halo.arguments import is_loopback
+from halo.errors import ConfigError
 
 log = logging.getLogger("halo.serve")
 
@@ -64,15 +64,15 @@ def serve(args, open_model) -> int:
     try:
         import uvicorn
 
-        from .app import create_app
-        from .engine import Engine
+        from halo.serve.app import create_app
+        from halo.serve.engine import Engine
     except ImportError as e:
         raise ConfigError(f"halo-master serve needs the 'serve' extra ({e.name} is missing): "
                           "pip install 'halo-edge[serve]'") from None
     from rich.console import Console
 
-    from ..loader import load_tokenizer, load_weights
-    from ..speculative import speculation_from
+    from halo.loader import load_tokenizer, load_weights
+    from halo.speculative import speculation_from
 
     err = Console(stderr=True)
     api_key = read_api_key(args)
@@ -139,7 +139,7 @@ def fetch_cluster(server: str, api_key: str | None, timeout: float) -> dict:
 def status_from_server(args) -> int:
     from rich.console import Console
 
-    from .view import render
+    from halo.serve.view import render
 
     api_key = read_api_key(args)
     timeout = max(args.timeout, 2.0)

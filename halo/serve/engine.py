@@ -29,14 +29,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..batch import RowsError
-from ..errors import ConfigError, HaloError
-from ..generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
-from ..sampling import Sampler, SamplingSettings
-from ..speculative import SpeculationSettings
-from . import view
-from .batching import Running, next_pass, take_pass
-from .protocol import BadRequest, ClusterUnavailable, QueueFull, RequestTimeout, ServeError
+from halo.batch import RowsError
+from halo.errors import ConfigError, HaloError
+from halo.generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
+from halo.sampling import Sampler, SamplingSettings
+from halo.speculative import SpeculationSettings
+from halo.serve import view
+from halo.serve.batching import Running, next_pass, take_pass
+from halo.serve.protocol import BadRequest, ClusterUnavailable, QueueFull, RequestTimeout, ServeError
 
 log = logging.getLogger("halo.serve")
 SNAPSHOT_EVERY_S = 0.5  # while generating

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from ..arguments import is_loopback
-from .protocol import Forbidden, PayloadTooLarge, ServeError, UnsupportedMediaType
+from halo.arguments import is_loopback
+from halo.serve.protocol import Forbidden, PayloadTooLarge, ServeError, UnsupportedMediaType
 
 MAX_BODY_BYTES = 1_000_000
 SECURITY_HEADERS = [

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import HaloError
-from ..sampling import SamplingSettings
+from halo.errors import HaloError
+from halo.sampling import SamplingSettings
 
 
 class ServeError(HaloError):

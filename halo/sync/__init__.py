@@ -10,11 +10,10 @@ put them (their KV caches cannot move per token); in halo mode their predicted r
 which attention partials are critical, and MLP groups are re-mapped per token.
 """
 
-from .deadline import AdaptiveDeadline
-from .framing import Epoch, FramingError, Point, Status, ranking_digest
-from .ledger import LossLedger
-from .modes import (POLICIES, SYNC_MODES, ModePolicy, RoundPlan, SyncSettings, Transport, plan_round,
-                    ranks_next_layer_itself)
+from halo.sync.deadline import AdaptiveDeadline
+from halo.sync.framing import Epoch, FramingError, Point, Status, ranking_digest
+from halo.sync.ledger import LossLedger
+from halo.sync.modes import POLICIES, SYNC_MODES, ModePolicy, RoundPlan, SyncSettings, Transport, plan_round, ranks_next_layer_itself
 
 __all__ = ["AdaptiveDeadline", "Epoch", "FramingError", "LossLedger", "ModePolicy", "POLICIES", "Point", "RoundPlan",
            "SYNC_MODES", "Status", "SyncSettings", "Transport", "plan_round", "ranking_digest", "ranks_next_layer_itself"]

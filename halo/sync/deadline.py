@@ -30,7 +30,7 @@ the late deadline (silence is no hole): it had been cut at the chase itself, pas
 
 from __future__ import annotations
 
-from .modes import SyncSettings
+from halo.sync.modes import SyncSettings
 
 CHASE_FRACTION = 0.6
 LATE_SLACK = 4.0
