@@ -11,10 +11,10 @@ from pathlib import Path
 
 from halo.arguments import (DEFAULT_KEY, MAX_THREADS, OneLineParser, add_daemon_key_arguments, check_insecure,
                             check_integer, check_number, check_path, integer, listen_argument, number, parse_endpoint)
-from halo.cores import usable_cores
+from halo.compute.linear import FORMATS
 from halo.errors import ConfigError, HaloError
-from halo.linear import FORMATS
-from halo.models import resolve_model
+from halo.host.cores import usable_cores
+from halo.model.catalog import resolve_model
 from halo.transport.udp import BUSY_POLL_MODES
 
 DEFAULT_LISTEN = "tcp://0.0.0.0:7070"
@@ -81,7 +81,7 @@ examples:
 
 
 def prepare_main(argv: list[str]) -> int:
-    """`halo-agent prepare`: write the model's MLP groups group-major in kernel form (halo/prepared.py)."""
+    """`halo-agent prepare`: write the model's MLP groups group-major in kernel form (halo/compute/prepared.py)."""
     parser = OneLineParser(prog="halo-agent prepare", epilog=PREPARE_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Write a model's MLP groups group-major for HALO mode's re-mapping under a "
@@ -94,10 +94,10 @@ def prepare_main(argv: list[str]) -> int:
     parser.add_argument("--out", help="directory to write (default: the cache directory the agent looks in)")
     args = parser.parse_args(argv)
     try:
-        from halo.linear import resolve_format
-        from halo.loader import load_weights, model_fingerprint
-        from halo.neuron_groups import GroupLayout
-        from halo.prepared import prepare
+        from halo.compute.linear import resolve_format
+        from halo.compute.neuron_groups import GroupLayout
+        from halo.compute.prepared import prepare
+        from halo.model.loader import load_weights, model_fingerprint
         from rich.progress import Progress
 
         weights = load_weights(args.model)

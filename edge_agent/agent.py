@@ -22,18 +22,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from halo.batch import Rows
+from halo.compute.batch import Rows
+from halo.compute.linear import FORMATS
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Block, Shares, share_memory
+from halo.compute.worker import DeviceWorker
 from halo.errors import HaloError
-from halo.linear import FORMATS
-from halo.neuron_groups import GroupLayout
-from halo.shares import Block, Shares, share_memory
-from halo.memory import memory_limit, read_mapped_files_at_random
+from halo.host.memory import memory_limit, read_mapped_files_at_random
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
 from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, spin_readable
-from halo.worker import DeviceWorker
 
 from halo.edge_agent.daemon import ControlServer
 from halo.edge_agent.rounds import MASTER, AgentRounds
@@ -117,7 +117,7 @@ class Agent(ControlServer):
         super().__init__(model_path, listen, key, insecure, name, masters)
         self.format, self.threads = weights_format, threads
         if memory_budget is None:
-            from halo.scheduler.measure import memory_available
+            from halo.runtime.measure import memory_available
 
             memory_budget = int(MEMORY_SHARE * memory_available())
         self.memory_budget = memory_budget
@@ -454,8 +454,8 @@ class Agent(ControlServer):
     def _prepared(self, fmt: str, layout: GroupLayout):
         """The MLP groups `halo-agent prepare` wrote for this model, format and group size (HALO mode builds re-mapped
         groups from them); None: built from the model file (said once per format)."""
-        from halo.linear import resolve_format
-        from halo.prepared import find_prepared
+        from halo.compute.linear import resolve_format
+        from halo.compute.prepared import find_prepared
 
         fmt = resolve_format(fmt, self.weights)
         if fmt == "fp32":
@@ -473,8 +473,8 @@ class Agent(ControlServer):
         run once: a session allocates at its first run) is reported as `predictors_bytes` (a memory limit for HALO
         mode is sized from the share plus this runtime memory), as the agent's cgroup counts it."""
         if self._predictor_set is None:
-            from halo.loader import load_predictors
-            from halo.memory import charged_bytes
+            from halo.host.memory import charged_bytes
+            from halo.predictors.store import load_predictors
 
             before = charged_bytes()
             predictors = load_predictors(self.weights, self.predictors_dir)

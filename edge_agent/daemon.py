@@ -31,7 +31,7 @@ class ControlServer:
         admits; None: the holders of the shared cluster key."""
         import zmq
 
-        from halo.loader import load_weights, model_fingerprint
+        from halo.model.loader import load_weights, model_fingerprint
 
         self.weights = load_weights(model_path)
         self.model_sha256 = model_fingerprint(self.weights.source)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from halo.cores import usable_cores
+from halo.host.cores import usable_cores
 
 
 def measure_flops(dim: int = 512, seconds: float = 0.2) -> float:
@@ -41,9 +41,9 @@ def device_profile() -> dict:
 def measured_profile(agent, request, address: str | None = None) -> dict | str:
     """The reply to a `profile` request (transport/control.py ProfileRequest), or why it cannot be served. address:
     the master's, from its control connection: its probes are echoed to (address, its UDP port) only."""
-    from halo.linear import FORMATS
-    from halo.neuron_groups import GroupLayout
-    from halo.scheduler.measure import measure_device
+    from halo.compute.linear import FORMATS
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.runtime.measure import measure_device
 
     layout = GroupLayout.for_model(agent.weights.config, request.mlp_group_size, request.vocab_group_size)
     if request.weights not in FORMATS:
@@ -61,7 +61,7 @@ class BlockTimes:
     of the time one block took and of its groups (shown by `halo-master status`)."""
 
     def __init__(self, window: int = 15):
-        from halo.scheduler.measure import MedianWindow
+        from halo.runtime.measure import MedianWindow
 
         self.ms = {k: MedianWindow(window) for k in ("attention", "mlp", "lm_head")}
         self.groups = {k: MedianWindow(window) for k in self.ms}

@@ -16,15 +16,15 @@ from functools import cached_property
 
 import numpy as np
 
-from halo.batch import Rows
+from halo.compute.batch import Rows
+from halo.compute.shares import Block
 from halo.errors import HaloError
-from halo.shares import Block
 from halo.sync import Epoch, FramingError, Point, Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.sync.framing import (attention_inputs_between, forward_passes_between, frame_partial, is_reply,
                                read_broadcast, reply_epoch)
+from halo.compute.worker import DeviceWorker
 from halo.transport import wire
 from halo.transport.udp import GatherPolicy, UdpEndpoint
-from halo.worker import DeviceWorker
 
 from halo.edge_agent.profile import BlockTimes
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from halo.cores import usable_cores
+from halo.compute.linear import FORMATS
 from halo.errors import HaloError
-from halo.linear import FORMATS
+from halo.host.cores import usable_cores
 from halo.transport.reliable import Message
 
 from halo.edge_agent.daemon import ControlServer
@@ -216,7 +216,7 @@ EPILOG = """examples:
 def main(argv=None) -> int:
     from halo.arguments import (MAX_THREADS, OneLineParser, add_daemon_key_arguments, check_insecure, check_path,
                                 integer, listen_argument, number)
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
 
     parser = OneLineParser(prog="halo-stage-worker", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Serve a contiguous range of a model's layers to a halo pipeline "

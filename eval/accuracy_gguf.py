@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
 
 from halo.eval.report import command_line, write_report
@@ -53,14 +53,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from tqdm import tqdm
 
-    import halo.linear
+    import halo.compute.linear
 
-    halo.linear.NATIVE_SPLIT_ACTIVATIONS = not args.single_pass
-    halo.linear.PREFER_C_KERNEL = not args.matmulnbits
-    kernel = (("halo._nbits (halo's C kernel)" if halo.linear.projection_kernel() == "halo._nbits" else "MatMulNBits")
+    halo.compute.linear.NATIVE_SPLIT_ACTIVATIONS = not args.single_pass
+    halo.compute.linear.PREFER_C_KERNEL = not args.matmulnbits
+    kernel = (("halo._nbits (halo's C kernel)" if halo.compute.linear.projection_kernel() == "halo._nbits" else "MatMulNBits")
               + " on the file's own blocks with int8 activations "
               + ("in one term (what --single-pass ablates)" if args.single_pass else
-                 "in two terms (halo/linear.py KernelSpec)"))
+                 "in two terms (halo/compute/linear.py KernelSpec)"))
     variant = "4-bit Q4_1 + Q8_0 head" + (", one int8 pass (ablation)" if args.single_pass else "") + \
         (", MatMulNBits" if args.matmulnbits else "")
     weights = load_weights(args.model)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.loader import load_tokenizer, load_weights
-from halo.tracing import TracingTransformer
+from halo.compute.tracing import TracingTransformer
+from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
 
 from halo.eval.report import command_line, write_report
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
-    from halo.loader import load_predictors
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
+    from halo.predictors.store import load_predictors
 
     weights = load_weights(resolve_model(args.model) if args.model else None)
     tokenizer = load_tokenizer(weights)

@@ -101,8 +101,8 @@ def chat_questions(limit: int, path: Path = CHAT_PROMPTS) -> list[str]:
 
 def measure(model, tokenizer, data: dict, answer_tokens: int) -> dict:
     """Everything one configuration is scored on, as token ids (compared with the reference afterwards)."""
-    from halo.chat import chat_prompt
-    from halo.generate import generate
+    from halo.generation.generate import generate
+    from halo.model.chat import chat_prompt
 
     scored = teacher_forced(model, data["windows"])
     continuations = [greedy_tokens(model, p, data["continuation_tokens"]) for p in data["prompts"]]
@@ -220,9 +220,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
-    from halo.loader import load_tokenizer, load_weights
-    from halo.model import Transformer
-    from halo.models import resolve_model
+    from halo.compute.transformer import Transformer
+    from halo.model.catalog import resolve_model
+    from halo.model.loader import load_tokenizer, load_weights
 
     model_path = str(resolve_model(args.model))
     weights = load_weights(model_path)

@@ -77,10 +77,10 @@ def flood(captured: list[bytes], targets: list[tuple], total: int, rate: float, 
 def attacked_generation(mode: str, n_agents: int, datagrams: int, rate: float, tokens: int = 256,
                         seed: int = 0) -> dict:
     """One generation under the flood; what came of it."""
+    from halo.compute.transformer import Transformer
     from halo.distributed import LocalCluster, cluster_model
-    from halo.generate import generate
-    from halo.loader import load_tokenizer, load_weights
-    from halo.model import Transformer
+    from halo.generation.generate import generate
+    from halo.model.loader import load_tokenizer, load_weights
     from halo.sync import SyncSettings
     from halo.transport.reliable import Message, client_socket, decode, encode
 

@@ -206,9 +206,9 @@ def render(result: dict) -> list[str]:
 
 
 def run(requests: int, concurrency: int, out: str, name: str, argv=None) -> dict:
-    from halo.distributed.local import AgentProcess, module_command, stop_processes
+    from halo.runtime.local import AgentProcess, module_command, stop_processes
 
-    argv_server = [*module_command("halo.cli"), "serve", "--port", "0", "--local-agents", "2", "--log-level",
+    argv_server = [*module_command("halo.cli.master"), "serve", "--port", "0", "--local-agents", "2", "--log-level",
                    "warning", "--rebalance-every", "0", "--plan", "even", "--max-queue", "4"]
     with tempfile.TemporaryDirectory(prefix="halo-adversarial-http-"):
         server = AgentProcess("server", argv_server)

@@ -34,10 +34,10 @@ def load_build(path: str):
 
 
 def bench(args) -> dict:
-    import halo.neuron_groups as neuron_groups
-    from halo.loader import load_weights
-    from halo.neuron_groups import AttentionShard, GroupLayout
-    from halo.ops import Rotary
+    import halo.compute.neuron_groups as neuron_groups
+    from halo.compute.neuron_groups import AttentionShard, GroupLayout
+    from halo.model.loader import load_weights
+    from halo.model.ops import Rotary
 
     builds = {"this build": neuron_groups._nbits}
     if args.baseline:

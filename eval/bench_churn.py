@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 from halo.eval.report import command_line, write_report
 
@@ -50,10 +50,10 @@ SHAPES = {"stories260K": None, "tinyllama": 22, "tinyllama-q4": 22}  # layers of
 def master(args) -> None:
     from contextlib import ExitStack
 
+    from halo.compute.transformer import Transformer
     from halo.distributed import connect
     from halo.distributed.survive import SurvivalSettings
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.model.loader import load_weights
     from halo.sync import SyncSettings
 
     weights = load_weights(args.model)
@@ -93,7 +93,7 @@ def master(args) -> None:
 def prompt_ids(weights) -> list[list[int]]:
     """The prompts as token ids (BOS first): through the model's tokenizer, or fixed ids for a checkpoint without one."""
     from halo.errors import HaloError
-    from halo.loader import load_tokenizer
+    from halo.model.loader import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(weights)
@@ -216,7 +216,7 @@ def model_file(name: str) -> Path:
     """A benchmark's --model: TINYLLAMA_Q4, a fetched model's name or a path."""
     if name == TINYLLAMA_Q4:
         return q4_checkpoint(22)
-    from halo.loader import model_path
+    from halo.model.loader import model_path
 
     return model_path(name)
 

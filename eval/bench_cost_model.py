@@ -46,7 +46,7 @@ import numpy as np
 
 from halo.eval.accuracy_runtime import held_out_windows, teacher_forced
 from halo.eval.report import command_line, write_report
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-costmodel-2048"
 MODEL_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
@@ -165,9 +165,9 @@ def master_settings(mode: str) -> dict:
 
 
 def measured(weights, args, mode: str):
+    from halo.compute.neuron_groups import GroupLayout
     from halo.distributed.connect import measure_cluster
     from halo.distributed.session import MasterSettings
-    from halo.neuron_groups import GroupLayout
     from halo.scheduler.profiles import model_profile
     from halo.transport.reliable import load_key
 
@@ -236,7 +236,7 @@ def job_accuracy(weights, args) -> dict:
     """Part 3: halo and lossy sync with one lossy link, every device taking part: perplexity with PLR-aware
     vs PLR-blind rank ranges, and heads by importance vs by index."""
     from halo.distributed import cluster_model
-    from halo.loader import load_tokenizer
+    from halo.model.loader import load_tokenizer
     from halo.scheduler.tp_plan import build_plan
 
     windows = held_out_windows(load_tokenizer(weights), args.data, args.ppl_tokens)
@@ -268,7 +268,7 @@ def job_accuracy(weights, args) -> dict:
 
 
 def master(args) -> None:
-    from halo.loader import load_weights
+    from halo.model.loader import load_weights
 
     weights = load_weights(args.model)
     result = {"sweep": job_sweep, "lossy": job_lossy, "accuracy": job_accuracy}[args.job](weights, args)
@@ -335,7 +335,7 @@ def parts_in(data: dict) -> list[str]:
 
 def measure_all(args) -> dict:
     from halo import BUNDLED_MODEL
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
     from halo.rpi.testbed import LossyTestbed
     from halo.transport.reliable import generate_key
 

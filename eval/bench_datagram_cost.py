@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 from halo.transport import wire
 
 PORT = 7450

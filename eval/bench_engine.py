@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
 from halo.eval.report import command_line, cpu_model, write_report  # noqa: E402
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 FORMATS = ("fp32", "int8")
 
@@ -74,8 +74,8 @@ def warm_runtime(fmt: str) -> None:
     """Run a tiny random model (a GGUF of one 64-wide layer) in `fmt` through a prefill and a decode step, so that
     the libraries' own memory (onnxruntime, the model-file readers, the code pages decoding executes) is in the
     baseline, not counted as weights."""
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.compute.transformer import Transformer
+    from halo.model.loader import load_weights
 
     with tempfile.TemporaryDirectory(prefix="halo-warm-") as tmp:
         model = Transformer(load_weights(write_random_gguf(Path(tmp) / "tiny.gguf", TINY, "Q4_1")), fmt=fmt)
@@ -87,14 +87,14 @@ def warm_runtime(fmt: str) -> None:
 def run_worker(directory: str, fmt: str, n_tokens: int, context: int, threads: int = 1) -> dict:
     """Inside the per-format process: load, decode, measure. Format "native-onnxruntime" (or "int8-onnxruntime"):
     that format on MatMulNBits sessions even where halo's C kernel is built (the comparison)."""
-    import halo.linear
-    from halo.loader import load_weights
-    from halo.memory import peak_rss_bytes, release_freed_heap
-    from halo.model import Transformer
+    import halo.compute.linear
+    from halo.compute.transformer import Transformer
+    from halo.host.memory import peak_rss_bytes, release_freed_heap
+    from halo.model.loader import load_weights
 
     label = fmt
     if fmt.endswith("-onnxruntime"):
-        halo.linear.PREFER_C_KERNEL, fmt = False, fmt.removesuffix("-onnxruntime")
+        halo.compute.linear.PREFER_C_KERNEL, fmt = False, fmt.removesuffix("-onnxruntime")
     warm_runtime(fmt)
     release_freed_heap()
     baseline = current_rss_bytes()
@@ -127,7 +127,7 @@ def run_llama_cpp_worker(path: str, n_tokens: int, context: int, threads: int) -
     """llama.cpp (llama-cpp-python) on the same file: the same 8-token prefill and greedy decode, timed per token."""
     import llama_cpp
 
-    from halo.memory import peak_rss_bytes
+    from halo.host.memory import peak_rss_bytes
 
     baseline = current_rss_bytes()
     t = time.perf_counter()
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
         print(json.dumps(row))
         return 0
 
-    from halo.loader import load_config, model_path
+    from halo.model.loader import load_config, model_path
 
     cfg = dict(TINYLLAMA_1_1B, num_hidden_layers=args.layers)
     tmp = None

@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from halo.eval.report import command_line, host_line, write_report
-from halo.distributed.local import module_command
-from halo.generate import prefill
-from halo.shares import EVEN_PLANS
+from halo.generation.generate import prefill
+from halo.runtime.local import module_command
+from halo.scheduler.even import EVEN_PLANS
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-tinyllama"
 MODES = ("tcp", "exact", "lossy", "halo", "halo-tcp")
@@ -62,10 +62,10 @@ def checkpoint(layers: int) -> Path:
 
 # ---- the master, inside its namespace ------------------------------------------------------------------
 def master(args) -> None:
+    from halo.compute.transformer import Transformer
     from halo.distributed import cluster_model
     from halo.distributed.remote import ask_status
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.model.loader import load_weights
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
@@ -102,7 +102,7 @@ def master(args) -> None:
 
 
 def resolved_format(fmt: str, weights) -> str:
-    from halo import linear
+    from halo.compute import linear
 
     return linear.resolve_format(fmt, weights) if hasattr(linear, "resolve_format") else fmt
 
@@ -467,9 +467,9 @@ def ablation(args) -> None:
 def straggler(args) -> None:
     from contextlib import ExitStack
 
+    from halo.compute.transformer import Transformer
     from halo.distributed import LocalCluster
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.model.loader import load_weights
     from halo.rpi.throttle import CpuThrottle
 
     weights = load_weights()

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.compute.linear import _nbits, pack
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_engine import stream_copy_bandwidth
 from halo.eval.report import command_line, cpu_model, write_report
-from halo.linear import _nbits, pack
 
 ROWS, COLUMNS, BLOCK = 11264, 2048, 32  # TinyLlama's gate and up rows, its hidden size; GGUF's blocks of 32
 FORMATS = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}  # bits, offsets (float16 scales, as GGUF's)
@@ -129,9 +129,9 @@ def main(argv=None) -> None:
 def decode_at(model: Path, distances: list[int], runs: int, tokens: int) -> list[dict]:
     """Mean ms per token of greedy decodes at each distance, `runs` rounds of them interleaved; every decode must give
     the first one's tokens (the distance is a hint to the memory, never a different result)."""
+    from halo.compute.transformer import Transformer
     from halo.eval.bench_halo_speed import decode, resolved_format
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.model.loader import load_weights
 
     weights = load_weights(model)
     results, first = [], None

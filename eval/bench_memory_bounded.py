@@ -11,7 +11,7 @@ cgroups were charged for). Then every agent limited to its idle usage + the mode
 predictors' onnxruntime sessions, as the agent measured loading them in its cgroup) + FACTOR x its share (--limits: share +
 25 %, share + 10 %), the agent budgeting from what its cgroup leaves (its default budget). HALO mode re-maps
 MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
-keeps what its budget allows (halo/group_cache.py) and builds the rest when the predictors rank them onto it.
+keeps what its budget allows (halo/compute/group_cache.py) and builds the rest when the predictors rank them onto it.
 
 Storage: in the "page cache" rows each agent's copy and prepared groups are read into the host's page cache first
 (storage as fast as memory, outside the agent's limit). --read-mbps adds rows with the agents' storage throttled
@@ -52,7 +52,8 @@ def model_and_predictors(name: str) -> tuple[Path, Path]:
 
         path = q4_with_predictors(WORK / "master")
         return path, path.parent / "predictors"
-    from halo.loader import model_path, predictors_path
+    from halo.model.loader import model_path
+    from halo.predictors.store import predictors_path
 
     path = model_path(name)
     return path, predictors_path(path)
@@ -61,7 +62,7 @@ def model_and_predictors(name: str) -> tuple[Path, Path]:
 def agent_copies(model: Path, n: int) -> list[Path]:
     """Each agent's own copy of the model file (its page cache is its own), fingerprinted once (cached on disk, so an
     agent does not read the whole file again at start)."""
-    from halo.loader import model_fingerprint
+    from halo.model.loader import model_fingerprint
 
     copies = []
     for i in range(1, n + 1):
@@ -100,8 +101,8 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
     """`halo-agent prepare` for each agent's copy, into the agent's own directory (its own page cache)."""
     import subprocess
 
-    from halo.distributed.local import module_command
-    from halo.prepared import VERSION
+    from halo.compute.prepared import VERSION
+    from halo.runtime.local import module_command
 
     def prepared(manifest: dict, copy: Path) -> bool:  # (agents' directories hold every model's copy and groups)
         return manifest.get("version") == VERSION and manifest.get("source") == str(copy)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.loader import load_weights, model_fingerprint
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.model.loader import load_weights, model_fingerprint
 from halo.sync import SyncSettings
 
-from halo.linear import FORMATS
+from halo.compute.linear import FORMATS
 
 from halo.eval.bench_churn import q4_checkpoint
 from halo.eval.report import command_line, host_line, write_report
@@ -154,8 +154,8 @@ def run_browser(screenshot: str | None) -> dict:
     """stories260K with units [3, 7) on a WebGPU tab (SwiftShader), the rest in the coordinator."""
     import subprocess
 
-    from halo.generate import generate
-    from halo.loader import load_tokenizer
+    from halo.generation.generate import generate
+    from halo.model.loader import load_tokenizer
     from halo.pipeline.browser import BrowserHub
     from halo.pipeline.coordinator import PipelineModel
     from halo.pipeline.links import LocalStage

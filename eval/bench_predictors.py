@@ -28,9 +28,9 @@ DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyst
 
 def overhead(model_path: Path, predictor_dir: Path, repeats: int = 200) -> dict:
     """Predictor bytes vs model bytes; one token's predictions (all layers) vs one decode step."""
-    from halo.generate import generate
-    from halo.loader import load_tokenizer, load_weights
-    from halo.model import Transformer
+    from halo.compute.transformer import Transformer
+    from halo.generation.generate import generate
+    from halo.model.loader import load_tokenizer, load_weights
     from halo.predictors.runtime import PredictorSet
 
     weights = load_weights(model_path)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from halo.predictors.cli import SUMMARY_COLUMNS, summary_rows, train_predictors
 
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
 
     model_path = resolve_model(args.model) if args.model else Path(str(BUNDLED_MODEL))
     predictors = Path(args.predictors) if args.predictors else model_path.parent / "predictors"

@@ -35,8 +35,8 @@ from halo.eval.report import command_line, write_report
 WORKER = """
 import json, sys, time
 import numpy as np
-from halo.loader import load_weights
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.model.loader import load_weights
 
 model, lengths, ids = sys.argv[1], [int(n) for n in sys.argv[2].split(",")], np.load(sys.argv[3])
 transformer = Transformer(load_weights(model), fmt="native")  # halo-master's default context (2,048 at most)
@@ -52,7 +52,7 @@ print(json.dumps({"seconds": seconds, "halo": __import__("halo").__file__}))
 
 def prompt_ids(model: str, text: str | None, n: int) -> np.ndarray:
     """The first n token ids of the text file (the model's tokenizer), or n random ids without one."""
-    from halo.loader import load_tokenizer, load_weights
+    from halo.model.loader import load_tokenizer, load_weights
 
     weights = load_weights(model)
     if not text:

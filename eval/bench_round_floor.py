@@ -112,8 +112,8 @@ class MinimalTensorParallel:
     A forward pass of T tokens runs T decode steps (only decode steps are timed)."""
 
     def __init__(self, weights, agents: int, timeout_s: float = 30.0):
-        from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-        from halo.ops import Rotary
+        from halo.compute.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+        from halo.model.ops import Rotary
 
         self.weights, self.config, self.timeout_s = weights, weights.config, timeout_s
         layout = GroupLayout.for_model(self.config)
@@ -154,8 +154,8 @@ class MinimalTensorParallel:
             send_vector(sock, master, round_no, mlp[layer].step(x[None], self.weights.layers[layer].mlp_norm, eps)[0])
 
     def forward(self, tokens) -> np.ndarray:
-        from halo.ops import rmsnorm
-        from halo.quant import embed
+        from halo.model.ops import rmsnorm
+        from halo.model.quant import embed
 
         for token in tokens:
             x, eps = embed(self.weights.tok_embeddings, np.array([token])), self.config.norm_eps
@@ -254,8 +254,8 @@ class CompiledTensorParallel(MinimalTensorParallel):
     round in one call; the master's attention and LM head as before, each MLP round one call."""
 
     def __init__(self, weights, agents: int, floor, timeout_s: float = 30.0):
-        from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-        from halo.ops import Rotary
+        from halo.compute.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+        from halo.model.ops import Rotary
 
         self.weights, self.config, self.floor = weights, weights.config, floor
         layout = GroupLayout.for_model(self.config)
@@ -317,7 +317,7 @@ class CompiledTensorParallel(MinimalTensorParallel):
 # ---- shared memory bandwidth ----------------------------------------------------------------------------
 def mlp_half_us(weights, seconds: float, together: bool) -> list[float]:
     """us per layer of half of every layer's MLP, each half in turn, or (together) both at once in two processes."""
-    from halo.neuron_groups import GroupLayout, MlpShard
+    from halo.compute.neuron_groups import GroupLayout, MlpShard
 
     layout = GroupLayout.for_model(weights.config)
     halves = mlp_shares(layout.n_mlp_groups, 2)
@@ -366,10 +366,10 @@ def mlp_half_us(weights, seconds: float, together: bool) -> list[float]:
 @contextmanager
 def halo_cluster(weights, path: Path, agents: int):
     """halo's master over `agents` local agents on loopback (exact, the even-mlp-only plan, one thread each)."""
+    from halo.compute.neuron_groups import GroupLayout
     from halo.distributed import cluster_model
-    from halo.distributed.local import LocalCluster
-    from halo.neuron_groups import GroupLayout
-    from halo.shares import EVEN_PLANS, even_plan
+    from halo.runtime.local import LocalCluster
+    from halo.scheduler.even import EVEN_PLANS, even_plan
     from halo.sync import SyncSettings
 
     plan = even_plan(weights, GroupLayout.for_model(weights.config), agents + 1, context=CONTEXT,
@@ -391,8 +391,8 @@ def same_start(a: list, b: list) -> bool:
 
 
 def bench(args) -> dict:
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.compute.transformer import Transformer
+    from halo.model.loader import load_weights
 
     path = model_file(args.model)
     weights = load_weights(path)

@@ -96,9 +96,9 @@ def agents(model: Path, key: Path, cores: list[set[int]], busy_poll: str, bed=No
 
 def generate(model: Path, cores: set[int], tokens: int, threads: int, extra: list[str] = (), bed=None) -> dict:
     """`halo-master generate --json` on `cores` (in the bed: in the master's namespace): its JSON."""
-    from halo.distributed.local import module_command
+    from halo.runtime.local import module_command
 
-    argv = module_command("halo.cli", "generate", "--model", model, "--prompt", "", "--max-new-tokens", tokens,
+    argv = module_command("halo.cli.master", "generate", "--model", model, "--prompt", "", "--max-new-tokens", tokens,
                           "--context", CONTEXT, "--threads", threads, "--json", *extra)
     popen = pinned(cores, (lambda a, **kw: bed.popen("master", a, **kw)) if bed else subprocess.Popen)
     p = popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -361,7 +361,7 @@ def check_arguments(args) -> None:
         raise SystemExit(f"--tokens: 8 to {CONTEXT - 2}")
     if args.runs < 1:
         raise SystemExit("--runs: 1 or more")
-    from halo.shares import EVEN_PLANS, PAIRED_PLANS
+    from halo.scheduler.even import EVEN_PLANS, PAIRED_PLANS
 
     plans = (*EVEN_PLANS, *PAIRED_PLANS, "measured")
     if any(p not in plans for p in args.plans):

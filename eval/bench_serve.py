@@ -44,10 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.errors import HaloError
 from halo.eval.bench_halo_speed import add_profile_argument
 from halo.eval.report import command_line, cpu_model, write_report
-from halo.distributed.local import AgentProcess, module_command
-from halo.errors import HaloError
+from halo.runtime.local import AgentProcess, module_command
 
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
            "In the park there was", "Sue and her mom went", "The sun was shining and", "A big red ball")
@@ -103,7 +103,7 @@ def clients_main(args) -> None:
 
 # ---- one setting -------------------------------------------------------------------------------------------------
 def start_server(popen, argv: list[str]) -> tuple[AgentProcess, str]:
-    server = AgentProcess("server", [*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning",
+    server = AgentProcess("server", [*module_command("halo.cli.master"), "serve", "--port", "0", "--log-level", "warning",
                                      "--max-queue", "64", "--request-timeout", "600", "--model-name", MODEL_NAME,
                                      *argv], popen)
     try:
@@ -143,7 +143,7 @@ def run_setting(name: str, popen, server_argv: list[str], args, clients: int | N
         records = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
         if records is None:
             raise RuntimeError(f"the clients failed: {err[-3000:]}")
-        status = popen([*module_command("halo.cli"), "status", "--server", url, "--json"], stdout=subprocess.PIPE,
+        status = popen([*module_command("halo.cli.master"), "status", "--server", url, "--json"], stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
         view = json.loads(status.communicate(timeout=60)[0] or "null")  # the cluster view after the run
         alive = server.poll() is None
@@ -201,7 +201,7 @@ def local_setting(slots: int, clients: int):
 
 def testbed(args) -> list[dict]:
     """One client, then --clients clients, each against its own server on one bed (the agents stay up between)."""
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
     from halo.rpi.testbed import LossyTestbed, available
     from halo.transport.reliable import generate_key
 

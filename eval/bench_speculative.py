@@ -23,7 +23,7 @@ from pathlib import Path
 
 from halo.eval.bench_halo_speed import Cluster, add_profile_argument, with_testbed
 from halo.eval.report import command_line, cpu_model, write_report
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 HERE = Path(__file__).resolve().parent
 COPY_PROMPTS = HERE / "copy_prompts.json"
@@ -53,13 +53,13 @@ def load_prompts(copy: int, chat: int) -> dict[str, list[str]]:
 
 # ---- the master, inside its namespace ------------------------------------------------------------------
 def master(args) -> None:
-    from halo.chat import chat_prompt
+    from halo.compute.linear import resolve_format
+    from halo.compute.transformer import Transformer
     from halo.distributed import cluster_model
-    from halo.generate import generate
-    from halo.linear import resolve_format
-    from halo.loader import load_tokenizer, load_weights
-    from halo.model import Transformer
-    from halo.speculative import DraftModel, SpeculationSettings
+    from halo.generation.generate import generate
+    from halo.generation.speculative import DraftModel, SpeculationSettings
+    from halo.model.chat import chat_prompt
+    from halo.model.loader import load_tokenizer, load_weights
     from halo.sync import SyncSettings
     from halo.transport.reliable import load_key
 
@@ -108,7 +108,7 @@ def run_master(bed, argv: list[str], timeout: float) -> list[dict]:
 
 def run(args) -> None:
     from halo.eval.random_checkpoint import write_random_gguf
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
     from halo.transport.reliable import generate_key
 
     model = Path(args.model) if args.model else resolve_model("smollm2-135m-instruct")

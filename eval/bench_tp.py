@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.compute.transformer import Transformer
 from halo.distributed import LocalCluster, cluster_model
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, load_weights
 from halo.sync import SyncSettings
 
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_llama

@@ -23,7 +23,7 @@ import sys
 import time
 
 import numpy as np
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 PORT = 7400
 MODES = ("tcp", "lossy", "fast")

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
-    from halo.models import resolve_model
+    from halo.model.catalog import resolve_model
 
     plrs = [float(p) for p in args.plr.split(",")]
     model = str(resolve_model(args.model)) if args.model else None

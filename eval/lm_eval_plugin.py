@@ -65,11 +65,11 @@ class HaloLM(LM):
                               f"halo.eval.lm_eval_plugin as m; print(m.__doc__)\"`")
         if device not in (None, "cpu"):
             log.warning("halo runs on CPUs (its agents'); device=%s ignored", device)
-        from halo.loader import load_tokenizer, load_weights, model_fingerprint
-        from halo.model import Transformer
+        from halo.compute.transformer import Transformer
+        from halo.model.loader import load_tokenizer, load_weights, model_fingerprint
         from halo.sync import SyncSettings
 
-        from halo.models import resolve_model
+        from halo.model.catalog import resolve_model
 
         model = str(resolve_model(model)) if model else None  # a fetched model's name means its cached file
         self.weights = load_weights(model)

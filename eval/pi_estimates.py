@@ -40,9 +40,9 @@ class Estimate:
 
 
 def model_bytes(name: str) -> float:
-    from halo.loader import load_weights
-    from halo.model import Transformer
-    from halo.models import resolve_model
+    from halo.compute.transformer import Transformer
+    from halo.model.catalog import resolve_model
+    from halo.model.loader import load_weights
 
     model = Transformer(load_weights(resolve_model(name)), "native", max_seq_len=16)
     return float(model.worker.nbytes)

@@ -70,8 +70,8 @@ def write_random_predictors(directory: str | Path, hidden: int = 64, seed: int =
     """Untrained predictors (random weights, the real ONNX format and manifest) for a random checkpoint in
     `directory` (or a model file: then give `out`): HALO mode runs on them exactly as on trained ones (speed
     benchmarks; rankings are noise). Written to out, default directory/predictors."""
-    from halo.loader import load_config, model_fingerprint
-    from halo.neuron_groups import GroupLayout
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.model.loader import load_config, model_fingerprint
     from halo.predictors.export import export
     from halo.predictors.trainer import LayerPredictor
 

@@ -1,7 +1,7 @@
 /* halo._nbits: x @ W.T for a compact (4- or 8-bit, per-block scaled) weight, read straight from its codes with
  * integer dot products. What computes GGUF compact projections and int8 ones wherever the package was built with a
- * C compiler and the CPU has AVX2 or AVX-512 VNNI (halo.linear.KernelProjection), and HALO's re-mapped groups on a
- * memory-bounded agent (halo.linear.DequantKernel).
+ * C compiler and the CPU has AVX2 or AVX-512 VNNI (halo.compute.linear.KernelProjection), and HALO's re-mapped groups on a
+ * memory-bounded agent (halo.compute.linear.DequantKernel).
  *
  * Activations: per block of the weight's, x is quantized as MatMulNBits does at accuracy level 4, to int8 codes
  * q1 = rint(x / d1) with d1 = max|x| / 127, and (terms = 2) the residual r = x - q1 d1 to q2 = rint(r / d2), d2 =
@@ -131,7 +131,7 @@ static inline float value_at(const void *values, int is_half, Py_ssize_t i)
 }
 
 /* Block b of tile i for every token in plain C (CPUs without AVX2: ~1 GB/s of codes on x86-64 here; without a
- * vector path the projections go to MatMulNBits, halo.linear.C_KERNEL_VECTORIZED; a memory-bounded device's compact
+ * vector path the projections go to MatMulNBits, halo.compute.linear.C_KERNEL_VECTORIZED; a memory-bounded device's compact
  * groups still come here). y: [tokens, 16] sums of the tile's rows. */
 static void unit_scalar(const Job *job, Py_ssize_t i, Py_ssize_t b, float *y)
 {
@@ -721,7 +721,7 @@ static int weight_open(Weight *w, PyObject *packed_obj, Py_ssize_t n, int bits, 
     /* shapes compared, never multiplied: the products of a real buffer's dimensions cannot overflow */
     if (w->packed.ndim != 3 || w->packed.shape[0] != tiles || w->packed.shape[1] < 1 || w->packed.shape[2] != unit) {
         PyErr_Format(PyExc_ValueError, "packed must be [tiles %zd, blocks >= 1, unit %zd] (16-row tiles of %zd rows; "
-                     "halo.linear.pack)", tiles, unit, n);
+                     "halo.compute.linear.pack)", tiles, unit, n);
         PyBuffer_Release(&w->packed);
         return -1;
     }
@@ -732,7 +732,7 @@ static int weight_open(Weight *w, PyObject *packed_obj, Py_ssize_t n, int bits, 
 }
 
 /* A weight handed over as the tuple (packed, n, bits, block, half, offsets, terms):
- * halo.linear.DequantKernel.c_weight. */
+ * halo.compute.linear.DequantKernel.c_weight. */
 static int weight_from(Weight *w, PyObject *tuple, const char *name)
 {
     PyObject *packed;
@@ -742,7 +742,7 @@ static int weight_from(Weight *w, PyObject *tuple, const char *name)
         || !PyArg_ParseTuple(tuple, "Oninppi", &packed, &n, &bits, &block, &is_half, &has_offsets, &terms)) {
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError, "%s must be a (packed, n, bits, block, half, offsets, terms) tuple "
-                     "(halo.linear.DequantKernel.c_weight)", name);
+                     "(halo.compute.linear.DequantKernel.c_weight)", name);
         return -1;
     }
     return weight_open(w, packed, n, bits, block, is_half, has_offsets, terms);
@@ -831,7 +831,7 @@ fail_x:
  * A decode step of a small model is mostly fixed costs around the kernel: SmolLM2's 576-wide layer spent ~110 us a
  * token in numpy and Python (norm, rotary, attention, the projections' wrappers) next to ~150 us in the kernel. These
  * run a block's share for one token (T = 1) here, start to end, without the GIL: the same quantities as
- * halo.neuron_groups' numpy path (RMSNorm, rotate-half, softmax attention over the cache, SwiGLU), float32 throughout,
+ * halo.compute.neuron_groups' numpy path (RMSNorm, rotate-half, softmax attention over the cache, SwiGLU), float32 throughout,
  * summed in a fixed order (so one head's output is the same whichever shard holds it; the bits may differ from numpy's
  * BLAS sums in the last place). */
 
@@ -851,7 +851,7 @@ static inline float dot(const float *a, const float *b, Py_ssize_t n)
     return sum;
 }
 
-/* h = x * (1 / sqrt(mean(x^2) + eps)) * weight, as halo.ops.rmsnorm orders it (the sum of squares in 16 lanes). */
+/* h = x * (1 / sqrt(mean(x^2) + eps)) * weight, as halo.model.ops.rmsnorm orders it (the sum of squares in 16 lanes). */
 CLONES static void rms_norm(const float *x, const float *weight, Py_ssize_t d, float eps, float *h)
 {
     const float scale = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
@@ -859,7 +859,7 @@ CLONES static void rms_norm(const float *x, const float *weight, Py_ssize_t d, f
         h[i] = x[i] * scale * weight[i];
 }
 
-/* Rotate-half of `heads` vectors of hd at one position (halo.ops.Rotary.apply: x1 cos - x2 sin, x2 cos + x1 sin). */
+/* Rotate-half of `heads` vectors of hd at one position (halo.model.ops.Rotary.apply: x1 cos - x2 sin, x2 cos + x1 sin). */
 static void rotate(float *v, Py_ssize_t heads, Py_ssize_t hd, const float *cos, const float *sin)
 {
     const Py_ssize_t half = hd / 2;
@@ -952,7 +952,7 @@ static inline void transpose16(const float *src, Py_ssize_t src_stride, float *d
  * each head's output held in registers. (A head at a time, with one dot a score and the output updated through
  * memory a position, took 1.6x as long at 2,000 positions: eval/results/attention_step_tinyllama.md.) Per head the
  * same operations in the same order whichever heads share the call, so a head's bits do not depend on the shard.
- * Softmax as halo.ops.softmax (minus the max, exp, over the sum), the sum divided out once at the end; the exps in
+ * Softmax as halo.model.ops.softmax (minus the max, exp, over the sum), the sum divided out once at the end; the exps in
  * one loop the compiler vectorizes (exp_vectorizable: expf is a call a score). */
 CLONES static void attend_heads(const float *const *q, Py_ssize_t n, const float *keys, const float *values,
                                 Py_ssize_t len, Py_ssize_t stride, Py_ssize_t hd, float scale, float *scores,
@@ -1214,7 +1214,7 @@ static PyObject *py_attention_step(PyObject *self, PyObject *args, PyObject *kwa
     return step_done(failed ? 1 : 0, views, held, &qkv, &wo);
 }
 
-/* SwiGLU: act = silu(gate) x up, silu(g) = g / (1 + exp(-g)) (halo.ops.silu); gate_up: the gate's n, then up's. */
+/* SwiGLU: act = silu(gate) x up, silu(g) = g / (1 + exp(-g)) (halo.model.ops.silu); gate_up: the gate's n, then up's. */
 CLONES static void swiglu(const float *gate_up, Py_ssize_t n, float *act)
 {
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1380,7 +1380,7 @@ static PyObject *py_paths(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS,
      "matmul(weight, x, out, threads=1, path=None): out[T, n] = x[T, k] @ W.T for a compact weight given as "
-     "(packed, n, bits, block, half, offsets, terms): packed [ceil(n / 16), blocks, unit] uint8 (halo.linear.pack: "
+     "(packed, n, bits, block, half, offsets, terms): packed [ceil(n / 16), blocks, unit] uint8 (halo.compute.linear.pack: "
      "16-row tiles, each block's codes then scales then offsets, float16 if half), weight = (code - 2^(bits-1)) x "
      "scale + offset; x quantized per block to `terms` int8 terms. path: 'scalar', 'avx2' or 'avx512_vnni' (x86), "
      "'neon' or 'neon_dotprod' (aarch64) (default: the best this CPU runs; same results)."},

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.tracing import TracingTransformer
 from halo.errors import ConfigError
-from halo.loader import load_tokenizer, load_weights, model_fingerprint
-from halo.tracing import TracingTransformer
-from halo.neuron_groups import GroupLayout
+from halo.model.loader import load_tokenizer, load_weights, model_fingerprint
 
 
 @dataclass

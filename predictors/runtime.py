@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.compute.linear import session_options
 from halo.errors import ConfigError
-from halo.linear import session_options
 
 MANIFEST = "manifest.json"  # the format of a predictor directory, which export.py writes
 FORMAT, VERSION = "halo-predictors", 1

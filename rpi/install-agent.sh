@@ -43,7 +43,7 @@ python3 -m venv /opt/halo/venv
 # this very wheel's code, even where the same version is installed already (a rebuilt wheel keeps its version number:
 # pip would call it satisfied and leave the old code in place)
 /opt/halo/venv/bin/pip install -q --force-reinstall --no-deps "$package"
-/opt/halo/venv/bin/python -c 'from halo.linear import COMPACT_KERNEL; print("compact groups computed by", COMPACT_KERNEL)'
+/opt/halo/venv/bin/python -c 'from halo.compute.linear import COMPACT_KERNEL; print("compact groups computed by", COMPACT_KERNEL)'
 
 if [ -n "$model" ]; then
   install -o root -g root -m 0644 "$model" /opt/halo/models/

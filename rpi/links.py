@@ -78,7 +78,7 @@ def profile(name_or_profile) -> LinkProfile:
 
 def linkemu_binary(cache: Path | None = None) -> Path:
     """The forwarder, compiled once per source version into the halo cache (a C compiler is needed once)."""
-    from halo.models import cache_dir
+    from halo.model.catalog import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     target = (cache or cache_dir().parent / "bin") / f"halo-linkemu-{digest}"

@@ -2,14 +2,14 @@
 
 Heads cannot move per token (their KV caches stay where they are), so the plan's one lever for them is
 where they sit: the heads the predictors rate highest on average go to the master and the most
-reliable links (halo/shares.py turns the plan's rank ranges into heads with `head_order`).
+reliable links (halo/compute/shares.py turns the plan's rank ranges into heads with `head_order`).
 
 The profile: run calibration text through the model once, and for every layer l >= 1 average the
 predictors' scores of its heads (they read the residual stream entering layer l - 1, as at run time).
 Layer 0 has no predictor; it is always synchronized exactly (halo/sync), so its heads keep index
 order. The calibration text is the predictors' own training text when it is readable (their manifest
 names it), else the model's greedy continuation of BOS. The result is cached per model and predictor
-set, beside the device benchmarks (measure.py `cache_dir`: halo's cache, devices/).
+set, beside the device benchmarks (halo/host/cache.py `device_cache_dir`: halo's cache, devices/).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def calibration_tokens(weights, tokenizer, predictors, n_tokens: int = CALIBRATI
     if text_path.is_file():
         tokens = tokenizer.encode(text_path.read_text(encoding="utf-8")[:20 * n_tokens], bos=False)[:n_tokens]
         return [[bos] + tokens[i:i + window - 1] for i in range(0, len(tokens), window - 1) if tokens[i:i + window - 1]]
-    from halo.model import Transformer
+    from halo.compute.transformer import Transformer
 
     model, token, out = Transformer(weights, max_seq_len=window), bos, [bos]
     for _ in range(window - 1):
@@ -67,7 +67,7 @@ def calibration_tokens(weights, tokenizer, predictors, n_tokens: int = CALIBRATI
 
 def profile_heads(weights, predictors, windows: list[list[int]]) -> np.ndarray:
     """[L, H] mean predicted importance over the calibration windows."""
-    from halo.model import Transformer
+    from halo.compute.transformer import Transformer
 
     class Recording(Transformer):
         def layer(self, i, x, start):
@@ -85,11 +85,11 @@ def profile_heads(weights, predictors, windows: list[list[int]]) -> np.ndarray:
 
 def cached_head_order(weights, predictors, tokenizer=None) -> np.ndarray:
     """The heads of every layer by importance, from the cache or computed once (seconds) and cached."""
-    from halo.scheduler.measure import cache_dir
-    from halo.loader import load_tokenizer, model_fingerprint
+    from halo.host.cache import device_cache_dir
+    from halo.model.loader import load_tokenizer, model_fingerprint
 
     digest = hashlib.sha256(json.dumps(predictors.manifest, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"head-importance-{model_fingerprint(weights.source)[:16]}-{digest}.json"
+    path = device_cache_dir() / f"head-importance-{model_fingerprint(weights.source)[:16]}-{digest}.json"
     try:
         return head_order(np.array(json.loads(path.read_text())["importance"]))
     except (OSError, ValueError, KeyError, ConfigError):

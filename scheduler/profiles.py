@@ -30,17 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from halo.arguments import check_integer, check_number, parse_endpoint
-from halo.config import ModelConfig
+from halo.compute.neuron_groups import default_mlp_group_size
+from halo.compute.shares import BYTES_PER_WEIGHT
 from halo.errors import ConfigError
-from halo.neuron_groups import default_mlp_group_size
-from halo.quant import KERNEL_CODECS
+from halo.model.config import ModelConfig
 
 MB = 1_000_000
 
-#: bytes per weight for each storage format (int8/int4: one fp32 scale per block of 128 / 32), and the GGUF
-#: block types halo computes in as stored (`--weights native` on a GGUF file: see `planning_format`)
-BYTES_PER_WEIGHT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 32,
-                    **{name: codec.type_size / codec.block for name, codec in KERNEL_CODECS.items()}}
 KV_BYTES = 4  # halo keeps the KV cache in fp32
 
 
@@ -197,7 +193,7 @@ class ModelProfile:
 
 def model_profile(config: ModelConfig, weights: str = "int8", name: str = "", mlp_group_size: int | None = None,
                   vocab_group_size: int = 256, predictor_hidden: int = 0, rows: int = 1) -> ModelProfile:
-    """Per-group costs of a model; the same decomposition as halo.neuron_groups. rows: tokens a pass carries (a
+    """Per-group costs of a model; the same decomposition as halo.compute.neuron_groups. rows: tokens a pass carries (a
     server decoding `rows` requests together): a group's compute and a round's vectors grow with them, its weights
     do not, so a plan for a batch weighs compute more against the rounds' fixed costs."""
     if weights not in BYTES_PER_WEIGHT:
@@ -279,14 +275,3 @@ def measured_device(name: str, measured: dict, link: dict | None = None, address
         raise ConfigError(f"device {name!r} reported a malformed profile ({e!r}); run the same halo version everywhere")
 
 
-def planning_format(fmt: str, weights) -> str:
-    """The BYTES_PER_WEIGHT entry a session's weight format (halo.linear.FORMATS) stands for: "native" is
-    the block type most of the model's layer matrices keep (a GGUF Q4_1 file: "Q4_1"), or fp32 for a model
-    without compact blocks (types halo has no kernel for are dequantized to fp32 at load)."""
-    from collections import Counter
-
-    if fmt != "native":
-        return fmt
-    codecs = Counter(matrix.codec.name for layer in weights.layers for matrix in vars(layer).values()
-                     if getattr(getattr(matrix, "codec", None), "native", False))
-    return codecs.most_common(1)[0][0] if codecs else "fp32"

@@ -31,6 +31,6 @@ def known_answer() -> str:
 
 @pytest.fixture(scope="session")
 def stories_weights():
-    from halo.loader import load_weights
+    from halo.model.loader import load_weights
 
     return load_weights()

@@ -2,14 +2,14 @@
 
 import subprocess
 
-from halo.distributed.local import AgentProcess, module_command
 from halo.errors import HaloError
+from halo.runtime.local import AgentProcess, module_command
 
 API_KEY = "test-key-0123456789"
 
 
 def start_server(tmp_path, *extra, api_key=True):
-    argv = [*module_command("halo.cli"), "serve", "--port", "0", "--log-level", "warning", *extra]
+    argv = [*module_command("halo.cli.master"), "serve", "--port", "0", "--log-level", "warning", *extra]
     if api_key:
         key_file = tmp_path / "api.key"
         key_file.write_text(API_KEY + "\n")

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
+from halo.compute.transformer import Transformer
 from halo.distributed import AgentError, cluster_model
 from halo.distributed.remote import ask_status
-from halo.model import Transformer
 
 CONTEXT = 64
 PROMPT = [1, 403, 407, 261, 378, 282]
@@ -118,7 +118,7 @@ def test_an_agent_on_throttled_storage_is_waited_for_while_it_loads(tmp_path):
 
     from gguf_models import tiny_gguf
     from halo.distributed import AgentProcess, agent_command, stop_processes
-    from halo.loader import load_weights, model_fingerprint
+    from halo.model.loader import load_weights, model_fingerprint
     from halo.rpi.limits import DeviceLimits, available, drop_cached
     from halo.transport.reliable import generate_key, load_key
 

@@ -1,4 +1,5 @@
-"""The shape of the code: no import cycles, short functions, the data path readable top to bottom.
+"""The shape of the code: layers whose imports point one way, no import cycles, short functions, the data path readable
+top to bottom.
 
 Read statically (ast), so the checks see imports inside functions too (the lazy imports that keep an
 agent light must not hide a cycle).
@@ -9,16 +10,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"halo": "halo", "predictors": "halo.predictors", "scheduler": "halo.scheduler",
-            "transport": "halo.transport", "edge_agent": "halo.edge_agent", "rpi": "halo.rpi"}
+            "transport": "halo.transport", "edge_agent": "halo.edge_agent", "rpi": "halo.rpi", "eval": "halo.eval"}
+# The packages, lowest layer first: a package imports from packages of lower layers only (docs/architecture.md).
+LAYERS = (
+    ("halo",),  # the root: errors, and the values people type (arguments)
+    ("halo.host",),  # cores, memory, the cache directory
+    ("halo.model",),  # what a model is and how it is read
+    ("halo.compute",),  # what a device computes: kernels, neuron groups, its share, the reference model
+    ("halo.predictors", "halo.generation"),  # ranking groups; turning logits into text
+    ("halo.transport",),  # wire, UDP, reliable messages, control messages
+    ("halo.sync",),  # a round's framing and the sync modes over the transport
+    ("halo.scheduler",),  # plans from device profiles and the model's shape
+    ("halo.runtime",),  # what both runtimes share: local agents, measuring a device, re-planning
+    ("halo.pipeline",),  # the pipeline runtime
+    ("halo.distributed", "halo.edge_agent"),  # the tensor-parallel master and the agent
+    ("halo.serve",),  # the HTTP server
+    ("halo.cli", "halo.rpi"),  # the coordinator's command line; deployment and the test bed
+    ("halo.eval",),  # benchmarks, accuracy runs, fuzzing, reports
+)
 MAX_FUNCTION_LINES = 80
 # the modules one token's data path runs through: each function fits on a screen
-DATA_PATH = {"halo.distributed.master", "halo.distributed.rounds", "halo.edge_agent.rounds", "halo.worker",
+DATA_PATH = {"halo.distributed.master", "halo.distributed.rounds", "halo.edge_agent.rounds", "halo.compute.worker",
              "halo.transport.udp", "halo.sync.modes", "halo.sync.framing"}
 MAX_DATA_PATH_LINES = 60
 
 
 def modules():
-    """(module name, parsed tree) of every product module (eval/ and tests/ are not product code)."""
+    """(module name, path, parsed tree) of every module of the package (tests/ aside)."""
     for folder, package in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
@@ -41,17 +59,34 @@ def imported(name: str, path: Path, tree: ast.AST) -> set[str]:
     return {m for m in found if m.startswith("halo")}
 
 
-def test_no_import_cycles():
+def package_of(module: str) -> str:
+    """The layer table's package a module belongs to (the longest prefix)."""
+    known = [p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")]
+    assert known, f"{module} belongs to no package of LAYERS: give its package a layer"
+    return max(known, key=len)
+
+
+def package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the module imports behind it."""
     graph = {name: imported(name, path, tree) for name, path, tree in modules()}
-    graph = {name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}
-    state, cycles = {}, []
+    edges = {}
+    for name, deps in graph.items():
+        for dep in deps:
+            if dep in graph and package_of(dep) != package_of(name):
+                edges.setdefault((package_of(name), package_of(dep)), []).append(f"{name} -> {dep}")
+    return edges
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first walk meets, as 'a -> b -> a'."""
+    state, found = {}, []
 
     def visit(node, stack):
         state[node] = "open"
         stack.append(node)
-        for dep in sorted(graph[node]):
+        for dep in sorted(graph.get(node, ())):
             if state.get(dep) == "open":
-                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+                found.append(" -> ".join(stack[stack.index(dep):] + [dep]))
             elif dep not in state:
                 visit(dep, stack)
         stack.pop()
@@ -60,12 +95,33 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node, [])
-    assert cycles == []
+    return found
+
+
+def test_no_cycle_between_packages():
+    graph = {}
+    for a, b in package_edges():
+        graph.setdefault(a, set()).add(b)
+    assert cycles(graph) == []
+
+
+def test_packages_import_only_from_lower_layers():
+    layer = {p: i for i, packages in enumerate(LAYERS) for p in packages}
+    upward = [f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]}): {', '.join(sorted(why)[:3])}"
+              for (a, b), why in sorted(package_edges().items()) if layer[b] >= layer[a]]
+    assert upward == []
+
+
+def test_no_import_cycles():
+    graph = {name: imported(name, path, tree) for name, path, tree in modules()}
+    assert cycles({name: {d for d in deps if d in graph and d != name} for name, deps in graph.items()}) == []
 
 
 def test_functions_are_short():
     too_long = []
     for name, _, tree in modules():
+        if name.startswith("halo.eval"):
+            continue  # benchmarks and reports, not the product's code
         limit = MAX_DATA_PATH_LINES if name in DATA_PATH else MAX_FUNCTION_LINES
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -79,7 +135,7 @@ def test_master_and_agent_share_one_worker_and_neither_imports_the_other():
     graph = {name: imported(name, path, tree) for name, path, tree in modules()}
     agent = {d for m, deps in graph.items() if m.startswith("halo.edge_agent") for d in deps}
     assert not any(d.startswith("halo.distributed") for d in agent)
-    assert "halo.worker" in graph["halo.distributed.master"] and "halo.worker" in graph["halo.edge_agent.agent"]
+    assert "halo.compute.worker" in graph["halo.distributed.master"] and "halo.compute.worker" in graph["halo.edge_agent.agent"]
 
 
 def test_every_halo_child_process_starts_with_the_installed_package_first():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from halo.errors import ConfigError
-from halo.loader import BUNDLED_MODEL
+from halo.model.loader import BUNDLED_MODEL
 from halo.rpi import arm64
 
 RPI = Path(arm64.__file__).parent
@@ -99,7 +99,7 @@ def test_install_agent_sh_sets_up_an_agent_that_answers_status_on_arm64(wheel, t
     except ConfigError as e:
         unavailable(f"no arm64 Debian root here: {e}", "HALO_REQUIRE_ARM64_INSTALL")
     key = tmp_path / "cluster.key"
-    subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(key)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "halo.cli.master", "keygen", "--out", str(key)], check=True, capture_output=True)
     stage = root / "tmp" / "halo-install"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -123,7 +123,7 @@ def test_install_agent_sh_sets_up_an_agent_that_answers_status_on_arm64(wheel, t
         try:
             deadline, answer, status = time.monotonic() + 600, None, None
             while time.monotonic() < deadline and agent.poll() is None:
-                status = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--agents", f"127.0.0.1:{port}",
+                status = subprocess.run([sys.executable, "-m", "halo.cli.master", "status", "--agents", f"127.0.0.1:{port}",
                                          "--key", str(key), "--json", "--timeout", "10"], capture_output=True,
                                         text=True, timeout=120)
                 if status.returncode == 0:

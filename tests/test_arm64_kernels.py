@@ -18,16 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from halo import linear
+from halo.compute import linear
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Block, shares_from_plan
+from halo.compute.transformer import Transformer
+from halo.compute.worker import DeviceWorker
 from halo.errors import ConfigError
-from halo.loader import load_weights
-from halo.model import Transformer
-from halo.neuron_groups import GroupLayout
-from halo.quant import KERNEL_CODECS, QuantizedMatrix
+from halo.model.loader import load_weights
+from halo.model.quant import KERNEL_CODECS, QuantizedMatrix
 from halo.rpi import arm64
 from halo.rpi.kernel_probe import arrays, copied
-from halo.shares import Block, even_plan, shares_from_plan
-from halo.worker import DeviceWorker
+from halo.scheduler.even import even_plan
 
 from gguf_models import tiny_gguf
 

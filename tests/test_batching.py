@@ -1,4 +1,4 @@
-"""Continuous batching: several sequences in one pass (halo/batch.py, halo/serve/batching.py), every sequence's tokens
+"""Continuous batching: several sequences in one pass (halo/compute/batch.py, halo/serve/batching.py), every sequence's tokens
 those it gets alone, in one process, over a cluster, and through the serving engine under any interleaving."""
 
 import asyncio
@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from halo.batch import Rows, Segment
-from halo.generate import Continuation, encode_prompt
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
-from halo.sampling import Sampler, SamplingSettings
+from halo.compute.batch import Rows, Segment
+from halo.compute.transformer import Transformer
+from halo.generation.generate import Continuation, encode_prompt
+from halo.generation.sampling import Sampler, SamplingSettings
+from halo.model.loader import load_tokenizer, load_weights
 from halo.serve.batching import Running, next_pass, take_pass
 from halo.sync.framing import FramingError, frame_broadcast, read_broadcast
 
@@ -107,7 +107,7 @@ def test_a_sequences_logits_are_the_same_bits_in_any_batch(q4_weights, fmt):
 def test_kv_cache_pages_become_resident_as_positions_are_written():
     """16 slots of a 2,048-position cache: a token in each makes kilobytes resident, not the budget (transparent huge
     pages made 2 MB per slot and layer resident at its first position)."""
-    from halo.memory import zeros_by_page
+    from halo.host.memory import zeros_by_page
 
     cache = zeros_by_page((16, 2048, 3, 64))  # 25 MB
     before = _resident(cache)
@@ -336,7 +336,7 @@ def test_a_batch_survives_a_killed_agent_every_slot_replayed(stories_weights):
 def test_batched_serving_gives_generates_greedy_text_for_long_prompts(q4_weights):
     """A prompt far longer than a verification pass, served in a batch with another: its greedy text is
     `halo-master generate`'s (halo's C steps compute every position of any pass as a decode step of its own)."""
-    from halo.generate import generate
+    from halo.generation.generate import generate
     from halo.serve.engine import Engine, GenerationRequest
 
     tokenizer = load_tokenizer(q4_weights)

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from halo import linear
+from halo.compute import linear
 from halo.eval import bench_attention_step
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from halo import linear
+from halo.compute import linear
 from halo.eval import bench_kernel_prefetch
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf
 

@@ -37,7 +37,7 @@ def test_prompts_are_timed_in_workers_beside_the_baseline(small_gguf, tmp_path, 
 
 
 def test_a_text_shorter_than_the_longest_prompt_is_refused(small_gguf, tmp_path):
-    from halo.loader import load_tokenizer, load_weights
+    from halo.model.loader import load_tokenizer, load_weights
 
     text = tmp_path / "short.txt"
     text.write_text("a b c")

@@ -39,9 +39,9 @@ def test_minimal_tp_generates_the_single_process_tokens_and_the_report_reads_the
 
 def test_the_compiled_rounds_give_the_single_process_tokens(small_gguf, tmp_path):
     """eval/round_floor.c built here (a checkout with a C compiler, as CI is): its rounds are the same arithmetic."""
+    from halo.compute.transformer import Transformer
     from halo.eval.bench_halo_speed import decode
-    from halo.loader import load_weights
-    from halo.model import Transformer
+    from halo.model.loader import load_weights
 
     floor = bench_round_floor.build_compiled_floor(tmp_path)  # a failed build raises: the test fails
     if isinstance(floor, str):
@@ -87,8 +87,8 @@ def test_arguments_are_refused_before_anything_loads(argv, message):
 
 
 def test_agents_do_not_outlive_a_master_that_fails_to_build(small_gguf, monkeypatch):
-    from halo import neuron_groups
-    from halo.loader import load_weights
+    from halo.compute import neuron_groups
+    from halo.model.loader import load_weights
 
     forked, fork = [], bench_round_floor.os.fork
 
@@ -112,8 +112,8 @@ def test_agents_do_not_outlive_a_master_that_fails_to_build(small_gguf, monkeypa
 
 
 def test_a_bandwidth_loop_whose_second_process_fails_is_reported_not_awaited(small_gguf, monkeypatch):
-    from halo import neuron_groups
-    from halo.loader import load_weights
+    from halo.compute import neuron_groups
+    from halo.model.loader import load_weights
 
     parent, shard = bench_round_floor.os.getpid(), neuron_groups.MlpShard
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from halo.cores import dedicated_cores, usable_cores
+from halo.host.cores import dedicated_cores, usable_cores
 from halo.transport import udp, wire
 
 needs_c = pytest.mark.skipif(wire._datagrams is None, reason="the C transport (transport/_datagrams.c) is not built")
@@ -96,7 +96,7 @@ def child(code: str, cores: set[int]) -> str:
 def test_cores_follow_the_affinity():
     assert usable_cores() == len(os.sched_getaffinity(0))
     one = {min(os.sched_getaffinity(0))}
-    code = ("from halo.cores import usable_cores, dedicated_cores; from halo.edge_agent.profile import device_profile; "
+    code = ("from halo.host.cores import usable_cores, dedicated_cores; from halo.edge_agent.profile import device_profile; "
             "print(usable_cores(), dedicated_cores(), device_profile()['cores'])")
     pinned = child(code, one).split()
     assert pinned[0] == "1" and pinned[2] == "1"  # the profile the scheduler plans with says one core too
@@ -107,8 +107,8 @@ def test_a_pinned_agent_computes_on_the_cores_it_was_given():
     """Its default --threads: its affinity, not the machine (two OpenMP threads on one pinned core made a
     TinyLlama-shape agent's half of a token 12-14 ms instead of 8.7)."""
     from halo.distributed import AgentProcess, stop_processes
-    from halo.distributed.local import module_command
     from halo.distributed.remote import ask_status
+    from halo.runtime.local import module_command
 
     one = {min(os.sched_getaffinity(0))}
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from halo.chat import ChatTemplate
 from halo.errors import ConfigError, ModelFormatError
+from halo.model.chat import ChatTemplate
 
 # SmolLM2-Instruct's template (as its GGUF metadata and tokenizer_config.json carry it)
 SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -52,7 +52,7 @@ def test_rendering_equals_transformers(tmp_path, template, generation_prompt):
 
 def test_hf_directory_tokenizer_carries_its_template(tmp_path):
     pytest.importorskip("tokenizers")
-    from halo.tokenizer import HFTokenizer
+    from halo.model.tokenizer import HFTokenizer
 
     from hf_models import write_tokenizer
 

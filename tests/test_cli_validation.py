@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from halo import cli
 from halo.arguments import parse_endpoint, parse_endpoints
+from halo.cli import master as cli
 from halo.edge_agent import __main__ as agent_main
 from halo.errors import ConfigError
 
@@ -85,7 +85,7 @@ def test_generate_checks_combinations_before_loading(argv, expected, capsys, mon
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the settings were checked")
 
-    monkeypatch.setattr("halo.loader.load_weights", no_loading)
+    monkeypatch.setattr("halo.model.loader.load_weights", no_loading)
     assert_one_line(*run(cli.main, ["generate", *argv], capsys), expected)
 
 
@@ -165,7 +165,7 @@ def test_agent_says_when_its_port_is_taken():
 
 def test_the_issue_example_ends_in_one_line_without_traceback():
     """The reported case end to end: it used to end in zmq.error.ZMQError: Invalid argument."""
-    proc = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--agents", "not_an_address"],
+    proc = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--agents", "not_an_address"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
@@ -226,6 +226,6 @@ def test_plaintext_stays_on_loopback_unless_told_otherwise(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # 0.0.0.0 is no loopback name (refused before anything is sent), and would reach only this machine anyway
-    master = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--agents", f"0.0.0.0:{port}", "--insecure",
+    master = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--agents", f"0.0.0.0:{port}", "--insecure",
                              "--max-new-tokens", "1"], capture_output=True, text=True, timeout=60)
     assert master.returncode == 2 and "--insecure-lan" in master.stderr, master.stderr

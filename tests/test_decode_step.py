@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from gguf_models import tiny_gguf
-from halo import linear
-from halo.loader import load_weights
-from halo.model import Transformer
-from halo.neuron_groups import AttentionShard, GroupLayout, MlpShard
-from halo.ops import Rotary, rmsnorm
+from halo.compute import linear
+from halo.compute.neuron_groups import AttentionShard, GroupLayout, MlpShard
+from halo.compute.transformer import Transformer
+from halo.model.loader import load_weights
+from halo.model.ops import Rotary, rmsnorm
 
 needs_c = pytest.mark.skipif(linear.projection_kernel() != "halo._nbits",
                              reason="halo._nbits not built or no vector path on this CPU: compact projections run on "
@@ -71,7 +71,7 @@ def test_an_mlp_step_is_the_blocks_numpy_path(weights, groups):
 def test_halos_groups_of_a_token_run_in_one_step(weights):
     """HALO mode's re-mapped groups of a decode step (MlpGroupBank.forward, one token, sessions-free C kernels): one
     mlp_step over the list of groups, what the groups' numpy path sums."""
-    from halo.neuron_groups import MlpGroupBank
+    from halo.compute.neuron_groups import MlpGroupBank
 
     c = weights.config
     layout = GroupLayout.for_model(c)

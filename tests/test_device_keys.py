@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
+from halo.compute.transformer import Transformer
 from halo.distributed import cluster_model
 from halo.distributed.remote import ask_status
 from halo.errors import ConfigError
-from halo.model import Transformer
 from halo.transport.reliable import generate_key, load_authorized, load_key
 
 CONTEXT = 64
@@ -96,7 +96,7 @@ def test_authorized_keys_files_are_checked(tmp_path, text, said):
 
 
 def test_keygen_for_a_device_prints_its_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--device", "pi-7", "--out", str(tmp_path / "k")],
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "keygen", "--device", "pi-7", "--out", str(tmp_path / "k")],
                          capture_output=True, text=True, timeout=60, check=True)
     key = load_key(tmp_path / "k")
     assert key.device == "pi-7" and f"{key.public.decode()} pi-7" in out.stdout

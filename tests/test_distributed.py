@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import zmq
 
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Shares, shares_from_plan
+from halo.compute.transformer import Transformer
 from halo.distributed import AgentError, LocalCluster, cluster_model
 from halo.errors import ConfigError
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
-from halo.neuron_groups import GroupLayout
-from halo.shares import Shares, even_plan, shares_from_plan
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, load_weights
+from halo.scheduler.even import even_plan
 from halo.transport.reliable import Message, decode, encode, generate_key
 
 CONTEXT = 512
@@ -45,7 +46,7 @@ def test_blocks_on_the_master_take_their_rounds_away_and_keep_the_known_answer(s
     and LM-head groups alone), a token syncs L + 1 times, not 2L + 1; even-mlp-only: the whole LM head there too
     (no agent holds vocabulary, L rounds, the logits the master's alone); paired-mlp: each layer's MLP on the master
     and one agent, the agents in turn. The tokens are the same (halo mode's too: no loss here, nothing dropped)."""
-    from halo.shares import EVEN_PLANS
+    from halo.scheduler.even import EVEN_PLANS
     from halo.sync import SyncSettings
 
     with LocalCluster(3) as cluster:
@@ -72,7 +73,7 @@ def test_a_paired_plan_stays_paired_for_the_agents_left_until_the_scheduler_plan
     """The re-planner of --plan paired-mlp pairs the survivors again (one agent a layer, in turn); once a rebalance
     adopts the scheduler's plan it is neither even nor paired (survive.py then re-plans stickily again)."""
     from halo.distributed.connect import Replanner
-    from halo.shares import EVEN_PLANS
+    from halo.scheduler.even import EVEN_PLANS
     from halo.sync import SyncSettings
 
     layout = GroupLayout.for_model(stories_weights.config)
@@ -156,7 +157,7 @@ def ask(sock, frames, timeout_ms=3000):
 
 
 def hello_fields(weights, **overrides):
-    from halo.loader import model_fingerprint
+    from halo.model.loader import model_fingerprint
     from halo.transport.control import Hello
 
     fields = Hello(model_fingerprint(weights.source), 64, 22, 256, "test", "fp32", {"mode": "tcp"}, 0, ((0,),) * 5,
@@ -272,7 +273,7 @@ def test_cli_local_cluster_runs_and_leaves_no_processes(known_answer):
     import uuid
 
     mark = uuid.uuid4().hex
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--local-agents", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--prompt", "", "--local-agents", "2", "--json"],
                          capture_output=True, text=True, timeout=120, check=True,
                          env={**os.environ, "HALO_TEST_MARK": mark})
     assert json.loads(out.stdout)["text"] == known_answer
@@ -296,9 +297,9 @@ def test_the_master_chooses_the_weight_format_for_the_whole_cluster(stories_weig
 def test_the_hello_timeout_grows_with_the_share_an_agent_must_load():
     """A 1/5 share of the TinyLlama shape is ~0.9 GB of float32 to read and quantize: far more than the 10 s
     floor allows on a busy core; a share of stories260K stays at the floor."""
-    from halo.config import ModelConfig
+    from halo.compute.shares import everything, share_float32_bytes
     from halo.distributed.session import LOAD_BYTES_PER_S, hello_timeout_s
-    from halo.shares import everything, share_float32_bytes
+    from halo.model.config import ModelConfig
 
     tiny = ModelConfig(dim=2048, hidden_dim=5632, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
                        max_seq_len=2048)
@@ -317,8 +318,8 @@ def test_the_hello_timeout_grows_with_the_share_an_agent_must_load():
 def test_a_negative_position_is_refused_on_every_path(stories_weights):
     """numpy would wrap it: a cache slice of [-2:-1] writes the context's last positions. The single process, the
     master and a device's worker (what every agent computes through, UDP or TCP) each refuse it."""
+    from halo.compute.shares import Block
     from halo.errors import HaloError
-    from halo.shares import Block
 
     model = Transformer(stories_weights, max_seq_len=CONTEXT)
     model.forward([1, 403, 407])
@@ -359,7 +360,7 @@ def test_a_long_prompt_goes_in_passes_whose_vectors_stay_small_and_keep_the_sing
     every agent at once) and exact sync's next token is the single process's."""
     from gguf_models import tiny_gguf
 
-    from halo.generate import prefill, prefill_chunk
+    from halo.generation.generate import prefill, prefill_chunk
     from halo.sync import SyncSettings
 
     path = tiny_gguf(tmp_path / "wide.gguf", "Q4_0", seed=3, hidden_size=2048, num_attention_heads=16,

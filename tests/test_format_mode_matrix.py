@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from halo.cli import build_parser, check_model_and_cluster
+from halo.cli.master import build_parser, check_model_and_cluster
+from halo.compute.linear import FORMATS
 from halo.errors import ConfigError
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_predictors
-from halo.linear import FORMATS
 from halo.sync import SYNC_MODES
 
 SMALL = {**TINYLLAMA_1_1B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
@@ -82,7 +82,7 @@ def test_the_matrix_is_refused_exactly_where_a_combination_cannot_run(model):
 
 
 def run(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", *args, "--max-new-tokens", "6", "--json"],
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", *args, "--max-new-tokens", "6", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
@@ -105,9 +105,9 @@ def test_every_accepted_combination_runs_with_one_devices_tokens(model, weights)
 
 def test_a_refused_combination_stops_before_loading_the_model_and_says_why(tmp_path):
     missing = tmp_path / "nowhere.gguf"  # the combination is refused before the model file is even looked for
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--mode", "pipeline", "--max-new-tokens", "2"],
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--mode", "pipeline", "--max-new-tokens", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--mode pipeline runs layer ranges on stage workers" in out.stderr, out.stderr
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--mode", "pipeline", "--local-agents", "2",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--mode", "pipeline", "--local-agents", "2",
                           "--sync", "halo", "--model", str(missing)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--sync halo synchronizes tensor-parallel" in out.stderr, out.stderr

@@ -10,11 +10,11 @@ import pytest
 from halo import BUNDLED_TOKENIZER
 from halo.errors import ConfigError, ModelFormatError
 from halo.eval.fuzz.targets import FIXTURES
-from halo.formats import gguf, hf, llama2c
-from halo.formats.safetensors_file import SafetensorsFile
+from halo.model.formats import gguf, hf, llama2c
+from halo.model.formats.safetensors_file import SafetensorsFile
+from halo.model.tokenizer import HFTokenizer, Llama2cTokenizer, TokenIdError
 from halo.scheduler import plan_io
 from halo.scheduler.profiles import load_cluster
-from halo.tokenizer import HFTokenizer, Llama2cTokenizer, TokenIdError
 from halo.transport.reliable import PROTOCOL, PROTOCOL_VERSION, MessageError, decode
 
 
@@ -325,7 +325,7 @@ def sentencepiece_vocabulary(scores: int | None = None, bos: int = 1):
 def test_gguf_tokenizer_metadata(tmp_path, vocabulary, message):
     from gguf_models import raw_gguf
 
-    from halo.loader import load_tokenizer, load_weights
+    from halo.model.loader import load_tokenizer, load_weights
 
     path = raw_gguf(tmp_path / "model.gguf", tokenizer=vocabulary)
     with pytest.raises(ModelFormatError, match=message):
@@ -334,7 +334,7 @@ def test_gguf_tokenizer_metadata(tmp_path, vocabulary, message):
 
 def test_a_chat_template_nested_beyond_the_stack():
     """jinja2's parser raised RecursionError on 3000 nested parentheses (a GGUF's tokenizer.chat_template)."""
-    from halo.chat import ChatTemplate
+    from halo.model.chat import ChatTemplate
 
     with pytest.raises(ModelFormatError, match="nested too deeply"):
         ChatTemplate("{{" + "(" * 3000 + "1" + ")" * 3000 + "}}")

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
-from halo.cli import main
+from halo.cli.master import main
+from halo.compute.linear import CompactProjection, make_projection
+from halo.compute.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+from halo.compute.transformer import Transformer
 from halo.errors import ConfigError, ModelFormatError
-from halo.linear import CompactProjection, make_projection
-from halo.loader import load_config, load_tokenizer, load_weights
-from halo.model import Transformer
-from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-from halo.ops import Rotary, rmsnorm
-from halo.quant import KERNEL_CODECS, QuantizedMatrix
+from halo.model.loader import load_config, load_tokenizer, load_weights
+from halo.model.ops import Rotary, rmsnorm
+from halo.model.quant import KERNEL_CODECS, QuantizedMatrix
 
 from gguf_models import TINY, raw_gguf, tiny_gguf
 
@@ -94,7 +94,7 @@ def test_halos_kernel_computes_what_matmulnbits_computes(qtype, monkeypatch):
     the single process does); it computes MatMulNBits' quantity, int8 activations in two terms, so the two agree
     far inside the activations' own rounding (1/64516 of a block's range) and both sit within 1e-3 of the file's
     weights in float32."""
-    from halo import linear
+    from halo.compute import linear
 
     if not linear.C_KERNEL_VECTORIZED:
         pytest.skip("halo._nbits not built, or without a vector path on this CPU: MatMulNBits computes every kernel")
@@ -310,8 +310,8 @@ def test_sentencepiece_style_vocabularies_use_the_llama2c_encoder(tmp_path):
     byte pieces. stories260K's vocabulary written that way encodes exactly as its tokenizer.bin does, and as
     transformers' tokenizer from the same GGUF."""
     from halo import BUNDLED_TOKENIZER
-    from halo.formats.llama2c import read_tokenizer
-    from halo.tokenizer import Llama2cTokenizer
+    from halo.model.formats.llama2c import read_tokenizer
+    from halo.model.tokenizer import Llama2cTokenizer
 
     pieces, scores = read_tokenizer(str(BUNDLED_TOKENIZER), 512)
     tokens = [p.decode("utf-8").replace(" ", "\u2581") for p in pieces]

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from halo.compute.group_cache import GroupCache
+from halo.compute.linear import COMPACT_KERNEL, projection_kernel
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.remap import Remapper
 from halo.errors import ConfigError
-from halo.group_cache import GroupCache
-from halo.linear import COMPACT_KERNEL, projection_kernel
-from halo.neuron_groups import GroupLayout
-from halo.remap import Remapper
 
 
 @dataclass
@@ -165,8 +165,8 @@ def test_a_bounded_devices_decode_step_is_one_c_call_a_layer_with_the_unbounded_
     padded, which the C steps do not take)."""
     from gguf_models import tiny_gguf
 
-    import halo.neuron_groups
-    from halo.loader import load_weights
+    import halo.compute.neuron_groups
+    from halo.model.loader import load_weights
 
     weights = load_weights(tiny_gguf(tmp_path / "model.gguf", "Q4_0", seed=5))
     c = weights.config
@@ -175,8 +175,8 @@ def test_a_bounded_devices_decode_step_is_one_c_call_a_layer_with_the_unbounded_
     full = Remapper(weights, layout, ranges, fmt="native")
     bounded = Remapper(weights, layout, ranges, fmt="native", cache_bytes=full.cache.held_bytes)
     calls = []
-    step = halo.neuron_groups._nbits.mlp_step
-    monkeypatch.setattr(halo.neuron_groups._nbits, "mlp_step", lambda *a: calls.append(len(a[3])) or step(*a))
+    step = halo.compute.neuron_groups._nbits.mlp_step
+    monkeypatch.setattr(halo.compute.neuron_groups._nbits, "mlp_step", lambda *a: calls.append(len(a[3])) or step(*a))
     x = np.random.default_rng(3).standard_normal((1, c.dim)).astype(np.float32)
     for rankings in ranked_tokens(layout, ranges, 2, seed=4):
         for remapper in (full, bounded):
@@ -250,9 +250,9 @@ def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens
 def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weights, tmp_path):
     """halo-agent prepare writes every MLP group in kernel form, group-major; a group built from those bytes is the
     same kernel as one built from the model file: bitwise the same output."""
-    from halo.loader import model_fingerprint
-    from halo.neuron_groups import CompactMlpGroup, MlpShard
-    from halo.prepared import PreparedGroups, prepare
+    from halo.compute.neuron_groups import CompactMlpGroup, MlpShard
+    from halo.compute.prepared import PreparedGroups, prepare
+    from halo.model.loader import model_fingerprint
 
     layout = GroupLayout.for_model(stories_weights.config)
     sha = model_fingerprint(stories_weights.source)
@@ -271,8 +271,8 @@ def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weigh
 def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):
     import json
 
-    from halo.loader import model_fingerprint
-    from halo.prepared import VERSION, PreparedGroups, prepare
+    from halo.compute.prepared import VERSION, PreparedGroups, prepare
+    from halo.model.loader import model_fingerprint
 
     layout = GroupLayout.for_model(stories_weights.config)
     sha = model_fingerprint(stories_weights.source)
@@ -311,7 +311,7 @@ def kernel_weights(kernel) -> np.ndarray:
 def kernel_reference(kernel, x: np.ndarray) -> np.ndarray:
     """What a kernel computes, in float64 from its definition: its activations quantized per block (one or two int8
     terms, linear.quantized_activations) times its weights."""
-    from halo.linear import quantized_activations
+    from halo.compute.linear import quantized_activations
 
     block, k = kernel.spec.block, kernel.k
     padded = np.pad(x, ((0, 0), (0, -k % block)))
@@ -327,9 +327,9 @@ def test_a_compact_group_computes_the_files_weights_with_int8_activations(storie
     int8), in prefill and decode, by halo's C kernel and by numpy alike; it holds the group's compact bytes."""
     from gguf_models import tiny_gguf
 
-    from halo.loader import load_weights
-    from halo.linear import DequantKernel
-    from halo.neuron_groups import CompactMlpGroup, MlpShard, mlp_group_kernels
+    from halo.compute.linear import DequantKernel
+    from halo.compute.neuron_groups import CompactMlpGroup, MlpShard, mlp_group_kernels
+    from halo.model.loader import load_weights
 
     weights = stories_weights if qtype == "int8" else load_weights(tiny_gguf(tmp_path / "model.gguf", qtype, seed=5))
     fmt = "int8" if qtype == "int8" else "native"
@@ -372,7 +372,7 @@ def test_a_compact_group_computes_the_files_weights_with_int8_activations(storie
 def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
     """The C kernel is there wherever a C compiler was (the install's optional extension), and its boundary names
     what is wrong with the arrays instead of reading past them."""
-    from halo import linear
+    from halo.compute import linear
 
     if linear._nbits is None:
         import sysconfig
@@ -421,7 +421,7 @@ def test_the_compact_kernel_is_built_and_refuses_arrays_that_do_not_fit():
 def test_the_kernels_prefetch_distance_is_chosen_for_the_cpu_settable_and_changes_no_result():
     """How far ahead the kernel asks for weights is a speed knob only (eval/results/kernel_prefetch.md): any distance
     gives the same bits, a distance out of range is refused, and the CPU's own choice is one of the measured two."""
-    from halo import linear
+    from halo.compute import linear
 
     if linear._nbits is None:
         pytest.skip("halo._nbits not built (no C compiler or no Python headers)")
@@ -455,7 +455,7 @@ def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(s
     """What the first passes make resident can exceed what the budget was measured from: each forward pass, a
     bounded device gives up the cache capacity its cgroup limit lacks (evicting at once), down to two layers of its
     ranks, and says so in its report."""
-    import halo.remap
+    import halo.compute.remap
 
     layout = GroupLayout.for_model(stories_weights.config)
     ranges = {l: (2, 5) for l in range(stories_weights.config.n_layers)}
@@ -463,16 +463,16 @@ def test_a_device_over_its_cgroup_limit_shrinks_its_cache_not_below_two_layers(s
     remapper.resident_budget = 10**9  # as when the budget came from the agent's memory
     group = remapper._group_bytes()
     held = remapper.cache.held_bytes
-    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: -5 * group)
+    monkeypatch.setattr(halo.compute.remap, "groups_headroom", lambda: -5 * group)
     remapper.begin()
     assert remapper.cache.capacity_bytes == 10**9 - 5 * group and remapper.cache.held_bytes == held  # room to spare
     remapper.cache.shrink(held)
     remapper.begin()
     assert remapper.cache.held_bytes <= held - 5 * group and remapper.report()["group_cache"]["shrunk_bytes"] > 0
-    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: -10**9)
+    monkeypatch.setattr(halo.compute.remap, "groups_headroom", lambda: -10**9)
     remapper.begin()
     assert remapper.cache.capacity_bytes == remapper.floor > 5 * group and remapper.cache.held_bytes <= remapper.floor
-    monkeypatch.setattr(halo.remap, "groups_headroom", lambda: None)  # no limit: nothing changes
+    monkeypatch.setattr(halo.compute.remap, "groups_headroom", lambda: None)  # no limit: nothing changes
     remapper.begin()
     assert remapper.cache.capacity_bytes == remapper.floor
     remapper.close()
@@ -485,7 +485,7 @@ def test_mapped_files_are_advised_random_access():
     import mmap
     from pathlib import Path
 
-    from halo.memory import read_mapped_files_at_random
+    from halo.host.memory import read_mapped_files_at_random
 
     def flags_of(path: str) -> list[str]:
         lines = Path("/proc/self/smaps").read_text().splitlines()
@@ -501,7 +501,7 @@ def test_mapped_files_are_advised_random_access():
 def test_buffers_of_garbage_groups_are_read_into_again_and_idle_ones_freed():
     """A group's buffer goes back to the pool when the group is garbage (evicted and not being computed), and the
     next group read of that size takes it: no new pages mapped per read. `clear` lets the idle ones go."""
-    from halo.memory import BufferPool
+    from halo.host.memory import BufferPool
 
     class Group:
         pass
@@ -526,7 +526,7 @@ def test_buffers_of_garbage_groups_are_read_into_again_and_idle_ones_freed():
 def test_the_weight_arena_gives_every_matrix_its_whole_size_whatever_comes_first(first_mb):
     """A process whose first weights are larger than the arena's first (4 KB page) chunk gets them whole: an agent
     holding no attention but a share of TinyLlama's LM head (9.4 MB) failed to load with a reshape error."""
-    from halo.memory import ARENA_CHUNK, FIRST_CHUNK, _WeightArena
+    from halo.host.memory import ARENA_CHUNK, FIRST_CHUNK, _WeightArena
 
     arena = _WeightArena()
     sizes = [first_mb << 20, 3 << 20, FIRST_CHUNK + 1, ARENA_CHUNK // 2 - 64, 100]
@@ -541,9 +541,9 @@ def test_a_bounded_device_maps_no_new_pages_per_group_it_reads(stories_weights, 
     """Token after token a bounded device reads groups it evicted back in, into the buffers of those it evicted:
     new pages are mapped only for the groups it holds at once (its capacity and one layer in flight), however many
     it reads."""
-    import halo.memory
-    from halo.loader import model_fingerprint
-    from halo.prepared import PreparedGroups, prepare
+    import halo.host.memory
+    from halo.compute.prepared import PreparedGroups, prepare
+    from halo.model.loader import model_fingerprint
 
     c = stories_weights.config
     layout = GroupLayout.for_model(c)
@@ -554,8 +554,8 @@ def test_a_bounded_device_maps_no_new_pages_per_group_it_reads(stories_weights, 
                                 layout, c.n_layers)
     ranges = {l: (2, 5) for l in range(c.n_layers)}
     mapped = []
-    own_pages = halo.memory.own_pages
-    monkeypatch.setattr(halo.memory, "own_pages", lambda n: mapped.append(n) or own_pages(n))
+    own_pages = halo.host.memory.own_pages
+    monkeypatch.setattr(halo.host.memory, "own_pages", lambda n: mapped.append(n) or own_pages(n))
     remapper = Remapper(stories_weights, layout, ranges, fmt="int8", cache_bytes=10**9, load_overlap=False,
                         prepared=groups)
     group_bytes = remapper._group_bytes()
@@ -575,12 +575,12 @@ def test_a_bounded_device_maps_no_new_pages_per_group_it_reads(stories_weights, 
 def test_sessions_under_a_memory_limit_give_their_buffers_back_after_each_run(monkeypatch):
     """An onnxruntime arena keeps its largest run's buffers (a prefill's) for good; under a cgroup memory limit
     halo's sessions run without one."""
-    import halo.linear
+    import halo.compute.linear
 
-    monkeypatch.setattr(halo.linear, "memory_limit", lambda: (256 << 20, 100 << 20))
-    assert not halo.linear.session_options().enable_cpu_mem_arena
-    monkeypatch.setattr(halo.linear, "memory_limit", lambda: None)
-    assert halo.linear.session_options(2).enable_cpu_mem_arena and halo.linear.session_options(2).intra_op_num_threads == 2
+    monkeypatch.setattr(halo.compute.linear, "memory_limit", lambda: (256 << 20, 100 << 20))
+    assert not halo.compute.linear.session_options().enable_cpu_mem_arena
+    monkeypatch.setattr(halo.compute.linear, "memory_limit", lambda: None)
+    assert halo.compute.linear.session_options(2).enable_cpu_mem_arena and halo.compute.linear.session_options(2).intra_op_num_threads == 2
 
 
 def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_any_shard():
@@ -588,7 +588,7 @@ def test_the_compact_kernel_reads_float16_scales_and_computes_each_row_alike_in_
     values), and a row's result does not depend on the rows computed with it (tiles, vector lanes, the tail,
     threads): a shard of rows gives bit for bit what the whole matrix gives for them, so splitting rows over
     devices or threads keeps the single-device numbers."""
-    from halo import linear
+    from halo.compute import linear
 
     if linear._nbits is None:
         pytest.skip("halo._nbits not built (no C compiler or no Python headers)")
@@ -667,7 +667,7 @@ def test_groups_stay_on_their_device_within_a_tier_of_equally_reliable_ones():
     device that computed it last token; groups new to the tier fill the places left, most important first; ranks
     outside the tier (the master's top ones, a less reliable device's) are the ranking's. Over a run of rankings that
     change a little each token, the devices of a tier read far fewer groups than with the ranking as predicted."""
-    from halo.remap import keep_in_place
+    from halo.compute.remap import keep_in_place
 
     tier = [(2, 4), (4, 6), (6, 8)]  # the master holds ranks 0-1, three equally reliable agents 2 each, one more
     previous = np.array([7, 6, 0, 1, 2, 3, 4, 5, 8, 9])
@@ -701,8 +701,8 @@ def test_tiers_join_consecutive_agents_that_lose_alike_are_alike_critical_and_ta
     agent ranks the layer itself (a listener)."""
     from types import SimpleNamespace
 
+    from halo.compute.shares import Block
     from halo.distributed.master import DistributedModel
-    from halo.shares import Block
     from halo.sync import SyncSettings
 
     def agent(a, b, plr, loads=True):

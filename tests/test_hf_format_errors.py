@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from halo.errors import ModelFormatError
-from halo.formats.safetensors_file import SafetensorsFile
-from halo.loader import load_weights
+from halo.model.formats.safetensors_file import SafetensorsFile
+from halo.model.loader import load_weights
 
 
 def write_safetensors(path, tensors: dict[str, tuple[str, tuple, bytes]]):

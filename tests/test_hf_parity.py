@@ -6,9 +6,9 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
+from halo.compute.transformer import Transformer
 from halo.errors import ModelFormatError
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
+from halo.model.loader import load_tokenizer, load_weights
 
 from hf_models import make_checkpoint, reference_logits
 

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from halo.linear import INT8_BLOCK, dequantize_int8, make_projection, quantize_int8
-from halo.loader import load_tokenizer
-from halo.model import Transformer
+from halo.compute.linear import INT8_BLOCK, dequantize_int8, make_projection, quantize_int8
+from halo.compute.transformer import Transformer
+from halo.model.loader import load_tokenizer
 
 
 def test_quantization_error_is_within_half_a_step():

@@ -4,13 +4,13 @@ import json
 import subprocess
 import sys
 
-from halo.generate import generate
-from halo.loader import load_tokenizer
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer
 
 
 def test_cli_reproduces_the_known_answer_token_for_token(known_answer):
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", "", "--max-new-tokens", "256",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--prompt", "", "--max-new-tokens", "256",
                           "--temperature", "0", "--json"], capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout)
     assert result["text"] == known_answer

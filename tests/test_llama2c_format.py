@@ -9,9 +9,9 @@ import pytest
 
 from halo import BUNDLED_MODEL, BUNDLED_TOKENIZER
 from halo.errors import ModelFormatError
-from halo.formats import llama2c
-from halo.loader import load_tokenizer, load_weights
-from halo.tokenizer import Llama2cTokenizer
+from halo.model.formats import llama2c
+from halo.model.loader import load_tokenizer, load_weights
+from halo.model.tokenizer import Llama2cTokenizer
 
 MODEL = Path(str(BUNDLED_MODEL))
 TOKENIZER = Path(str(BUNDLED_TOKENIZER))

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from halo.errors import ConfigError  # noqa: E402
 from halo.eval.lm_eval_plugin import HaloLM, register  # noqa: E402
-from halo.model import Transformer  # noqa: E402
+from halo.compute.transformer import Transformer  # noqa: E402
 
 
 def request(kind, *args):

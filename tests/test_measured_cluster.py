@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from halo.distributed import LocalCluster, cluster_model
-from halo.generate import generate
-from halo.loader import load_tokenizer, model_fingerprint
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, model_fingerprint
 from halo.sync import SyncSettings
 from halo.transport import wire
 from halo.transport.control import ProfileRequest, UdpSession
@@ -120,7 +120,7 @@ def test_profile_requests_are_validated_and_a_busy_agent_is_not_taken_over(stori
 def test_plan_command_measures_local_agents_and_writes_a_usable_plan(tmp_path):
     from halo.scheduler import plan_io
 
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--local-agents", "1", "--sync", "tcp", "--all-devices",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--local-agents", "1", "--sync", "tcp", "--all-devices",
                           "--out", str(tmp_path / "plan.json")], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""What a process under a cgroup memory limit may still take (halo/memory.py): the limit less what its cgroup is
+"""What a process under a cgroup memory limit may still take (halo/host/memory.py): the limit less what its cgroup is
 charged for and holds in use, not less its resident set (which also counts pages other cgroups were charged for)."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import halo.memory as memory
+import halo.host.memory as memory
 
 MB = 1 << 20
 
@@ -56,8 +56,7 @@ def test_pages_charged_to_another_cgroup_leave_a_limited_process_its_headroom(tm
     """A real cgroup: the child maps and reads a 64 MB file whose pages the parent's cgroup was charged for (as an
     agent maps Python's and onnxruntime's code, already loaded by others): its resident set grows by 64 MB, its
     headroom does not shrink; 32 MB of its own anonymous memory do shrink it."""
-    from halo.rpi.limits import DeviceLimits, read_into_cache
-    from halo.rpi.limits import available as limits_available
+    from halo.rpi.limits import DeviceLimits, read_into_cache, available as limits_available
 
     ok, why = limits_available()
     if not ok:
@@ -65,7 +64,7 @@ def test_pages_charged_to_another_cgroup_leave_a_limited_process_its_headroom(tm
     data = tmp_path / "weights.bin"
     data.write_bytes(b"\1" * (64 * MB))
     read_into_cache(data)
-    code = ("import mmap, sys; import numpy as np; from halo.memory import memory_headroom, resident_bytes\n"
+    code = ("import mmap, sys; import numpy as np; from halo.host.memory import memory_headroom, resident_bytes\n"
             "def show(): print(resident_bytes() >> 20, memory_headroom(0.0, 0) >> 20, flush=True)\n"
             "show(); f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
             "a = np.frombuffer(m, np.uint8); int(a[::4096].sum()); show()\n"
@@ -83,8 +82,8 @@ def test_pages_charged_to_another_cgroup_leave_a_limited_process_its_headroom(tm
 def test_one_process_under_a_limit_too_small_for_the_model_refuses_with_the_numbers(stories_weights, monkeypatch):
     """The single-process model under a cgroup limit that cannot hold it says so before loading (what it needs, what
     the cgroup leaves, what to do) instead of being killed halfway; within the limit, or with none, it loads."""
+    from halo.compute.transformer import Transformer
     from halo.errors import ConfigError
-    from halo.model import Transformer
 
     monkeypatch.setattr(memory, "memory_limit", lambda: (2 * MB, 2 * MB))  # usage at the limit: page cache too
     monkeypatch.setattr(memory, "charged_bytes", lambda: MB + MB // 2)  # 0.5 MB left of what reclaim cannot free

@@ -5,9 +5,9 @@ import zipfile
 
 import pytest
 
-from halo import models
-from halo.cli import main
+from halo.cli.master import main
 from halo.errors import ConfigError
+from halo.model import catalog as models
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 
@@ -99,7 +99,7 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     reuse the digest; a rewritten file (new size or modification time) is hashed again."""
     import os
 
-    from halo import loader
+    from halo.model import loader
 
     monkeypatch.setenv("HALO_FINGERPRINT_CACHE_DIR", str(tmp_path / "fp"))
     model = tmp_path / "model.bin"

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from halo.loader import load_weights
-from halo.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
-from halo.ops import Rotary
+from halo.compute.neuron_groups import AttentionShard, GroupLayout, LmHeadShard, MlpShard
+from halo.model.loader import load_weights
+from halo.model.ops import Rotary
 
 MAX_SEQ = 32
 
@@ -144,7 +144,7 @@ def test_invalid_group_sets_are_refused(stories_weights, groups):
 def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
     """HALO mode's bank: any re-mapped subset of groups (with per-token keep masks) gives what a static
     shard of those groups gives; compact banks run per-group kernels, so int8 rounds within its own error."""
-    from halo.neuron_groups import MlpGroupBank
+    from halo.compute.neuron_groups import MlpGroupBank
 
     layout = GroupLayout.for_model(weights.config)
     layer = weights.layers[1]
@@ -164,11 +164,11 @@ def test_group_bank_computes_any_subset_like_a_shard_of_it(weights, fmt):
 
 def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights, monkeypatch):
     """Compact formats on MatMulNBits (where halo's C kernel is not built) run a block's share as one onnxruntime
-    graph (halo/block_graph.py); it computes what the same kernels give called one at a time around numpy attention
+    graph (halo/compute/block_graph.py); it computes what the same kernels give called one at a time around numpy attention
     and SwiGLU, KV cache included."""
-    import halo.linear
+    import halo.compute.linear
 
-    monkeypatch.setattr(halo.linear, "PREFER_C_KERNEL", False)
+    monkeypatch.setattr(halo.compute.linear, "PREFER_C_KERNEL", False)
     c = weights.config
     layout = GroupLayout.for_model(c)
     layer, rotary = weights.layers[1], Rotary(c, MAX_SEQ)
@@ -197,7 +197,7 @@ def test_one_graph_blocks_match_their_kernels_called_one_by_one(weights, monkeyp
 def test_causal_attention_in_query_chunks_is_the_whole_masked_softmax(start_pos, tokens):
     """A prompt attends 64 queries at a time (QUERY_CHUNK) over only the keys up to each chunk's end: the same as scoring
     every query against every key and masking the later ones (several chunks, a cached prefix, one token)."""
-    from halo.neuron_groups import causal_attention
+    from halo.compute.neuron_groups import causal_attention
 
     rng = np.random.default_rng(start_pos + tokens)
     G, r, hd, S = 2, 3, 16, start_pos + tokens + 5  # the cache holds 5 positions past the last query's

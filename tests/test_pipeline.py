@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import zmq
 
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights, model_fingerprint
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.errors import ConfigError
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, load_weights, model_fingerprint
 from halo.pipeline.connect import local_stage_workers
 from halo.pipeline.coordinator import PipelineError, PipelineModel
 from halo.pipeline.links import LocalStage, NativeStage
 from halo.pipeline.replan import Stage, even_stages, plan_stages, validate_stages
 from halo.pipeline.stage import HeadRequest, StageEngine, top_k
 from halo.transport.reliable import Message, decode, encode, generate_key
-from halo.errors import ConfigError
 
 CONTEXT = 512
 
@@ -354,14 +354,14 @@ memory_mb = 1
 compute_gflops = 10
 """)
         plan = tmp_path / "plan.json"
-        out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--cluster", str(cluster), "--mode", "pipeline",
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(cluster), "--mode", "pipeline",
                               "--out", str(plan)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         doc = json.loads(plan.read_text())  # 1 MB each holds nothing: hand-edit the stages, as a person may
         doc["stages"] = [{"worker": "coordinator", "start": 0, "stop": 3}, {"worker": "worker", "start": 3, "stop": 7}]
         doc["complete"] = True
         plan.write_text(json.dumps(doc))
-        out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--plan", str(plan), "--key",
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--plan", str(plan), "--key",
                               str(workers.key_path), "--json", "--context", "512"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -371,7 +371,7 @@ compute_gflops = 10
         assert [(s["worker"], s["start"], s["stop"]) for s in stages] == [("coordinator", 0, 3), ("stage-1@" + workers.endpoints[0].split("://")[1], 3, 7)]
         doc["stages"][1]["stop"] = 6
         plan.write_text(json.dumps(doc))
-        out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--plan", str(plan), "--key",
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--plan", str(plan), "--key",
                               str(workers.key_path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "partial" in out.stderr
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
+from halo.compute.transformer import Transformer
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, load_weights
 from halo.pipeline.coordinator import PipelineModel
 from halo.pipeline.links import LocalStage
 from halo.pipeline.replan import Stage

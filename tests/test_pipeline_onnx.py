@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from halo.loader import load_weights
+from halo.model.loader import load_weights
 from halo.pipeline.onnx_export import content_name, export_stage
 from halo.pipeline.stage import HeadRequest, StageEngine
 

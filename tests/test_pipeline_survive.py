@@ -1,4 +1,4 @@
-"""Pipeline mode survives the way tensor-parallel mode does (halo/replanning.py, shared): a stage worker that
+"""Pipeline mode survives the way tensor-parallel mode does (halo/runtime/replanning.py, shared): a stage worker that
 comes back is planned over again, and a persistently slow one loses its layers; the text stays the known
 answer (loss alone: tests/test_pipeline.py).
 
@@ -13,14 +13,14 @@ from contextlib import contextmanager
 
 import zmq
 
-from halo.generate import generate
-from halo.loader import load_tokenizer, model_fingerprint
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer, model_fingerprint
 from halo.pipeline.connect import local_stage_workers
 from halo.pipeline.coordinator import PipelineModel
 from halo.pipeline.links import NativeStage
 from halo.pipeline.profile import WorkerProfile
 from halo.pipeline.replan import model_costs
-from halo.replanning import SurvivalSettings
+from halo.runtime.replanning import SurvivalSettings
 from halo.scheduler.pipeline import model_units
 
 CONTEXT = 264

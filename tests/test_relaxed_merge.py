@@ -2,9 +2,9 @@
 
 import numpy as np
 
+from halo.compute.tracing import TracingTransformer
+from halo.compute.transformer import Transformer
 from halo.eval.accuracy_halo import RelaxedMerge
-from halo.model import Transformer
-from halo.tracing import TracingTransformer
 
 
 def test_no_loss_policy_is_the_reference(stories_weights):

@@ -49,7 +49,7 @@ def test_the_unit_keeps_its_caches_and_is_hardened():
     import shutil
 
     text = (RPI / "halo-agent.service").read_text()
-    assert "CacheDirectory=halo" in text and "Environment=XDG_CACHE_HOME=%C" in text  # halo/cache.py's root
+    assert "CacheDirectory=halo" in text and "Environment=XDG_CACHE_HOME=%C" in text  # halo/host/cache.py's root
     if not shutil.which("systemd-analyze"):
         pytest.skip("systemd-analyze is not installed: the exposure score cannot be measured here")
     out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(RPI / "halo-agent.service")],

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from halo.errors import ConfigError
-from halo.sampling import Sampler, SamplingSettings
+from halo.generation.sampling import Sampler, SamplingSettings
 
 LOGITS = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
 

@@ -92,11 +92,11 @@ def test_bad_plans_are_refused_with_the_field(tmp_path):
 
 
 def test_plan_command_prints_and_writes(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--cluster", str(EXAMPLE), "--model-config",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(EXAMPLE), "--model-config",
                           "llama-3.1-8b", "--out", str(tmp_path / "plan.json")], capture_output=True, text=True,
                          timeout=120, check=True)
     assert "minipc" in out.stdout and "ms/token" in out.stdout
     assert plan_io.load(tmp_path / "plan.json").n >= 1
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "plan", "--cluster", str(tmp_path / "none.toml")],
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(tmp_path / "none.toml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such cluster file" in out.stderr

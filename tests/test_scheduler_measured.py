@@ -8,15 +8,15 @@ import math
 import numpy as np
 import pytest
 
+from halo.compute.shares import place_by_rank, shares_from_plan
 from halo.errors import ConfigError
+from halo.runtime.measure import fit_kernels
 from halo.scheduler.cost import Outcome, estimate, expected_max, p_needs_nack, parity_datagrams
 from halo.scheduler.importance import head_order, mean_head_scores
-from halo.scheduler.measure import fit_kernels
 from halo.scheduler.plan import TensorParallelPlan
 from halo.scheduler.profiles import Cluster, DeviceProfile, measured_device, model_profile, named_config
 from halo.scheduler.ratios import InsufficientMemory
 from halo.scheduler.tp_plan import build_plan, plan_tp
-from halo.shares import place_by_rank, shares_from_plan
 from halo.sync import SyncSettings
 
 TINY = model_profile(named_config("tinyllama-1.1b"), "int8", "tinyllama", mlp_group_size=512)
@@ -83,9 +83,9 @@ def test_measured_memory_that_cannot_hold_the_model_is_refused_with_the_numbers(
 def test_measured_plan_names_every_device_s_measured_memory(monkeypatch):
     import importlib
 
+    from halo.compute.neuron_groups import GroupLayout
     from halo.distributed.session import MasterSettings
-    from halo.loader import load_weights
-    from halo.neuron_groups import GroupLayout
+    from halo.model.loader import load_weights
 
     connect = importlib.import_module("halo.distributed.connect")  # the module (the package exports a function)
     weights = load_weights()
@@ -155,8 +155,8 @@ def test_kernel_fit_recovers_overheads_and_speed():
 
 
 def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, stories_weights):
-    from halo.neuron_groups import GroupLayout
-    from halo.scheduler import measure
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.runtime import measure
 
     monkeypatch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path))
     layout = GroupLayout.for_model(stories_weights.config)
@@ -174,16 +174,16 @@ def test_device_cache_lives_apart_and_its_pruning_removes_only_stale_benchmarks(
                                                                                    stories_weights):
     import os
 
-    from halo import models
-    from halo.cache import remove_files
-    from halo.neuron_groups import GroupLayout
-    from halo.scheduler import measure
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.host.cache import device_cache_dir, remove_files
+    from halo.model import catalog as models
+    from halo.runtime import measure
 
     monkeypatch.delenv("HALO_CACHE_DIR", raising=False)
     monkeypatch.delenv("HALO_DEVICE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     root = tmp_path / "halo"
-    assert models.cache_dir() == root / "models" and measure.cache_dir() == root / "devices"
+    assert models.cache_dir() == root / "models" and device_cache_dir() == root / "devices"
     model = root / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.parent.mkdir(parents=True)
     model.write_bytes(b"GGUF weights")
@@ -219,10 +219,10 @@ def test_device_cache_lives_apart_and_its_pruning_removes_only_stale_benchmarks(
 def test_native_gguf_weights_plan_as_their_block_type(tmp_path, qtype, stories_weights):
     from gguf_models import tiny_gguf
 
-    from halo.loader import load_weights
-    from halo.neuron_groups import GroupLayout
-    from halo.scheduler import measure
-    from halo.scheduler.profiles import BYTES_PER_WEIGHT, planning_format
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.compute.shares import BYTES_PER_WEIGHT, planning_format
+    from halo.model.loader import load_weights
+    from halo.runtime import measure
 
     weights = load_weights(str(tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)))
     assert planning_format("native", weights) == qtype and planning_format("int8", weights) == "int8"
@@ -296,7 +296,7 @@ def test_memory_available_is_what_the_process_cgroup_limit_leaves(tmp_path):
     try:
         (group / "memory.limit_in_bytes").write_text(str(400 << 20))
         code = ("import os; open(os.environ['PROCS'], 'w').write(str(os.getpid()));"
-                "from halo.memory import memory_limit; from halo.scheduler.measure import memory_available;"
+                "from halo.host.memory import memory_limit; from halo.runtime.measure import memory_available;"
                 "print(memory_available(), *memory_limit())")
         out = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, "PROCS": str(group / "cgroup.procs")},
                              capture_output=True, text=True, timeout=60)

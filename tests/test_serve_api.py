@@ -35,7 +35,7 @@ def client(server):
 
 
 def cli_greedy(prompt: str, tokens: int) -> str:
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--prompt", prompt, "--max-new-tokens",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--prompt", prompt, "--max-new-tokens",
                           str(tokens), "--temperature", "0", "--local-agents", "2", "--json"],
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)["text"]
@@ -252,16 +252,16 @@ def test_the_cluster_view_and_metrics(server, client):
 
 
 def test_status_server_prints_the_same_view(server):
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY,
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "status", "--server", server, "--api-key", API_KEY,
                           "--json"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert [d["role"] for d in json.loads(out.stdout)["devices"]] == ["master", "agent", "agent"]
-    table = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY],
+    table = subprocess.run([sys.executable, "-m", "halo.cli.master", "status", "--server", server, "--api-key", API_KEY],
                            capture_output=True, text=True, timeout=30, env={**os.environ, "COLUMNS": "160"})
     assert table.returncode == 0, table.stderr
     assert "local-1#1" in table.stdout and "compute" in table.stdout
     # Ctrl-C must reach it: a test run started in the background (`.ci/run &`) ignores SIGINT, which children inherit
-    watch = subprocess.Popen([sys.executable, "-m", "halo.cli", "status", "--server", server, "--api-key", API_KEY,
+    watch = subprocess.Popen([sys.executable, "-m", "halo.cli.master", "status", "--server", server, "--api-key", API_KEY,
                               "--watch", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "COLUMNS": "160"},
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -270,7 +270,7 @@ def test_status_server_prints_the_same_view(server):
     out, err = watch.communicate(timeout=10)
     assert watch.returncode == 0, err
     assert out.count("local-2#2") >= 1 and "ms/token" in out
-    denied = subprocess.run([sys.executable, "-m", "halo.cli", "status", "--server", server], capture_output=True,
+    denied = subprocess.run([sys.executable, "-m", "halo.cli.master", "status", "--server", server], capture_output=True,
                             text=True, timeout=30)
     assert denied.returncode == 2 and "API key" in denied.stderr
 

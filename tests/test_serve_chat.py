@@ -52,7 +52,7 @@ def client(server):
 
 
 def test_streamed_chat_equals_the_cli_greedy_chat_output(chat_model, client):
-    cli = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--model", chat_model, "--chat", "--prompt",
+    cli = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--model", chat_model, "--chat", "--prompt",
                           QUESTION, "--max-new-tokens", "24", "--temperature", "0", "--local-agents", "2", "--json"],
                          capture_output=True, text=True, timeout=180)
     assert cli.returncode == 0, cli.stderr

@@ -7,10 +7,10 @@ import pytest
 
 pytest.importorskip("starlette", reason="halo.serve needs the serve extra")
 
-from halo.generate import GenerationCancelled, generate  # noqa: E402
-from halo.loader import load_tokenizer  # noqa: E402
-from halo.model import Transformer  # noqa: E402
-from halo.sampling import SamplingSettings  # noqa: E402
+from halo.generation.generate import GenerationCancelled, generate  # noqa: E402
+from halo.model.loader import load_tokenizer  # noqa: E402
+from halo.compute.transformer import Transformer  # noqa: E402
+from halo.generation.sampling import SamplingSettings  # noqa: E402
 from halo.serve.engine import Cancelled, Engine, GenerationRequest, StopScanner  # noqa: E402
 from halo.serve.protocol import ClusterUnavailable, QueueFull, RequestTimeout  # noqa: E402
 from halo.serve.view import render  # noqa: E402
@@ -282,8 +282,8 @@ def test_a_requests_own_error_fails_the_request_and_keeps_the_cluster(stories_we
 def test_a_speculating_engine_serves_the_same_text_and_counts_its_drafts(stories_weights, tokenizer):
     """serve --speculate K: each answer is plain decoding's (greedy), and /metrics counts drafted and accepted tokens
     and the passes they took."""
+    from halo.generation.speculative import SpeculationSettings
     from halo.serve.metrics import Metrics
-    from halo.speculative import SpeculationSettings
 
     prompt = "Once upon a time, there was a little girl named Lily. Once upon a time, there was a little"
     full = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, prompt, 60).text

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from halo.compute.transformer import Transformer
 from halo.errors import ConfigError
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
-from halo.models import resolve_model
+from halo.generation.generate import generate
+from halo.model.catalog import resolve_model
+from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
 
 from conftest import SHARED
@@ -159,13 +159,13 @@ def test_the_named_model_comes_with_its_predictors_and_runs_halo_mode(path):
     import subprocess
     import sys
 
-    from halo.loader import SHIPPED_PREDICTORS, load_predictors, predictors_path
+    from halo.predictors.store import SHIPPED_PREDICTORS, load_predictors, predictors_path
 
     found = predictors_path(path)
     assert found.parent == SHIPPED_PREDICTORS and (found / "manifest.json").exists()
     weights = load_weights(str(path))
     assert load_predictors(weights).layers == list(range(1, weights.config.n_layers))  # layer 0 is always exact
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--model", NAME, "--chat", "--prompt",
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--model", NAME, "--chat", "--prompt",
                           KNOWN_ANSWERS[0][0], "--max-new-tokens", "8", "--local-agents", "2", "--sync", "halo",
                           "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -174,7 +174,7 @@ def test_the_named_model_comes_with_its_predictors_and_runs_halo_mode(path):
 
 def test_a_model_without_predictors_names_what_is_shipped_and_how_to_train(tmp_path):
     from halo.eval.random_checkpoint import write_random_gguf
-    from halo.loader import load_predictors
+    from halo.predictors.store import load_predictors
 
     from gguf_models import TINY
 

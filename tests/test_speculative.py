@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from gguf_models import tiny_gguf
+from halo.compute.transformer import Transformer
 from halo.distributed import LocalCluster, cluster_model
 from halo.errors import ConfigError
-from halo.generate import generate
-from halo.loader import load_tokenizer, load_weights
-from halo.model import Transformer
-from halo.sampling import Sampler, SamplingSettings
-from halo.speculative import DraftModel, PromptLookup, SpeculationSettings, accept
+from halo.generation.generate import generate
+from halo.generation.sampling import Sampler, SamplingSettings
+from halo.generation.speculative import DraftModel, PromptLookup, SpeculationSettings, accept
+from halo.model.loader import load_tokenizer, load_weights
 from halo.sync import SyncSettings
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play. Once upon a time, there was a"
@@ -168,7 +168,7 @@ def test_speculation_settings_are_checked():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "halo.cli", "generate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", *args], capture_output=True, text=True,
                           timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""Sticky re-plans (halo/shares.py spread_lost / take_back, DeviceWorker reuse): after a loss the survivors keep
+"""Sticky re-plans (scheduler/sticky.py spread_lost / take_back, DeviceWorker reuse): after a loss the survivors keep
 their groups and the kernels built for them and split the lost device's groups; a returning device takes its own
 back. KV refills (survive.py InputLog, DeviceWorker.fill): a new assignment's caches from the recorded residual
 stream. The survive tests (tests/test_survive.py) check both through a running cluster."""
@@ -8,11 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Block, shares_from_plan
+from halo.compute.worker import STEPWISE_TOKENS, DeviceWorker, PiecedShard
 from halo.distributed.survive import InputLog
-from halo.neuron_groups import GroupLayout
-from halo.ops import rmsnorm
-from halo.shares import Block, even_plan, shares_from_plan, spread_lost, take_back
-from halo.worker import STEPWISE_TOKENS, DeviceWorker, PiecedShard
+from halo.model.ops import rmsnorm
+from halo.scheduler.even import even_plan
+from halo.scheduler.sticky import spread_lost, take_back
 
 KINDS = ("attention", "mlp")
 

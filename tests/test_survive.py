@@ -14,8 +14,8 @@ import pytest
 
 from halo.distributed import LocalCluster, connect
 from halo.distributed.survive import ClusterLost, SurvivalSettings
-from halo.generate import generate
-from halo.loader import load_tokenizer
+from halo.generation.generate import generate
+from halo.model.loader import load_tokenizer
 from halo.rpi.throttle import available as throttle_available
 from halo.sync import SyncSettings
 

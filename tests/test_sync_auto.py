@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from halo.cli import build_parser, check_model_and_cluster
+from halo.cli.master import build_parser, check_model_and_cluster
 from halo.errors import ConfigError
 from halo.scheduler.profiles import Cluster, DeviceProfile
 from halo.scheduler.sync_choice import choose_sync
@@ -52,7 +52,7 @@ def test_auto_needs_the_measured_plan():
 
 def test_auto_over_loopback_agents_picks_exact_says_why_and_gives_one_devices_tokens():
     def run(*extra) -> dict:
-        out = subprocess.run([sys.executable, "-m", "halo.cli", "generate", "--max-new-tokens", "8", "--json", *extra],
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--max-new-tokens", "8", "--json", *extra],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout)

@@ -104,13 +104,12 @@ def test_a_process_in_a_namespace_sees_its_own_cgroup_memory_limit():
     """An emulated device in the bed, in its own memory cgroup (rpi/limits.py), budgets from that limit: the bed enters
     only the network namespace (`ip netns exec` remounted /sys and hid /sys/fs/cgroup, so an agent saw no limit and
     budgeted from the machine's free memory)."""
-    from halo.rpi.limits import DeviceLimits
-    from halo.rpi.limits import available as limits_available
+    from halo.rpi.limits import DeviceLimits, available as limits_available
 
     ok, why = limits_available()
     if not ok:
         pytest.skip(f"memory cgroups unavailable: {why}")
-    code = ("import socket; from halo.memory import memory_limit; s = socket.socket(socket.AF_INET, "
+    code = ("import socket; from halo.host.memory import memory_limit; s = socket.socket(socket.AF_INET, "
             "socket.SOCK_DGRAM); s.bind((__import__('sys').argv[1], 0)); print(memory_limit()[0])")
     with LossyTestbed(1, prefix=PREFIX) as bed, DeviceLimits(f"{PREFIX}-tb", 300 << 20) as limits:
         out = bed.popen("agent-1", [sys.executable, "-P", "-c", code, bed.address("agent-1")], preexec_fn=limits.join,

@@ -105,10 +105,10 @@ def test_keygen_command(tmp_path):
     import sys
 
     path = tmp_path / "k" / "cluster.key"
-    out = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(path)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "keygen", "--out", str(path)], capture_output=True,
                          text=True, timeout=60, check=True)
     assert "fingerprint" in out.stdout and load_key(path).fingerprint in out.stdout
-    again = subprocess.run([sys.executable, "-m", "halo.cli", "keygen", "--out", str(path)], capture_output=True,
+    again = subprocess.run([sys.executable, "-m", "halo.cli.master", "keygen", "--out", str(path)], capture_output=True,
                            text=True, timeout=60)
     assert again.returncode == 2 and "--force" in again.stderr
 

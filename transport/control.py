@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from halo.batch import MAX_SLOTS
+from halo.compute.batch import MAX_SLOTS
 from halo.errors import HaloError
 
 from halo.transport import wire
@@ -149,7 +149,7 @@ class Hello:
     mlp: tuple[tuple[int, ...], ...]  # per layer: the MLP groups
     lm_head: tuple[int, ...]  # the LM-head (vocabulary) groups
     udp: UdpSession | None = None
-    slots: int = 1  # KV caches per attention shard: sequences a batched pass may carry (halo/batch.py)
+    slots: int = 1  # KV caches per attention shard: sequences a batched pass may carry (halo/compute/batch.py)
 
     def to_fields(self) -> dict:
         return {"model_sha256": self.model_sha256, "context": self.context, "slots": self.slots,
@@ -169,7 +169,7 @@ class Hello:
 
     @property
     def share(self) -> dict:
-        """The groups as halo.shares.Shares takes them."""
+        """The groups as halo.compute.shares.Shares takes them."""
         return {"attention": [list(g) for g in self.attention], "mlp": [list(g) for g in self.mlp],
                 "lm_head": list(self.lm_head)}
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from halo.cores import dedicated_cores
+from halo.host.cores import dedicated_cores
 
 from halo.transport import erasure, wire
 

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from halo.eval.fuzz.targets import TARGETS, Target, run_one
-from halo.distributed.local import module_command
+from halo.runtime.local import module_command
 
 RESULT_PREFIX = "HALO-FUZZ-RESULT "
 SCRATCH = Path(__file__).resolve().parents[1] / "results" / "_scratch" / "fuzz"

@@ -286,7 +286,7 @@ def _cluster():
         dictionary=(struct.pack("<i", 0x616B3432), struct.pack("<i", 1), struct.pack("<i", 2), struct.pack("<i", -1)))
 def _llama2c():
     from halo.errors import ModelFormatError
-    from halo.formats import llama2c
+    from halo.model.formats import llama2c
 
     return in_file(llama2c.read_checkpoint, "model.bin"), (ModelFormatError,)
 
@@ -295,7 +295,7 @@ def _llama2c():
         dictionary=(b"<0x", b"<0x00>", b"<0xFF>"), max_len=8192)
 def _llama2c_tokenizer():
     from halo.errors import ModelFormatError
-    from halo.tokenizer import Llama2cTokenizer
+    from halo.model.tokenizer import Llama2cTokenizer
 
     path = scratch_dir() / "tokenizer.bin"
 
@@ -314,7 +314,7 @@ def _llama2c_tokenizer():
         dictionary=(b'"dtype"', b'"shape"', b'"data_offsets"', b'"F32"', b'"F16"', b'"BF16"', b'"__metadata__"'))
 def _safetensors():
     from halo.errors import ModelFormatError
-    from halo.formats.safetensors_file import SafetensorsFile
+    from halo.model.formats.safetensors_file import SafetensorsFile
 
     def parse(path: Path):
         file = SafetensorsFile(path)
@@ -333,8 +333,8 @@ def _safetensors():
                     struct.pack("<I", 8), struct.pack("<I", 9), struct.pack("<Q", 1 << 62)), max_len=32768)
 def _gguf():
     from halo.errors import ModelFormatError
-    from halo.formats import gguf
-    from halo.tokenizer import gguf_tokenizer
+    from halo.model.formats import gguf
+    from halo.model.tokenizer import gguf_tokenizer
 
     def parse(path: Path):
         weights = gguf.read_checkpoint(path)
@@ -352,7 +352,7 @@ def _gguf():
                     b'"rope_scaling"', b'"rope_type"', b'"llama3"', b'"LlamaForCausalLM"', b'"eos_token_id"'))
 def _hf_config():
     from halo.errors import ModelFormatError
-    from halo.formats import hf
+    from halo.model.formats import hf
 
     def parse(path: Path):
         return hf.read_config(path.parent)
@@ -364,7 +364,7 @@ def _hf_config():
         dictionary=(b'"weight_map"', b'"model-1.safetensors"', b'"model.norm.weight"', b"/", b".."))
 def _hf_index():
     from halo.errors import ModelFormatError
-    from halo.formats import hf
+    from halo.model.formats import hf
 
     directory = scratch_dir() / "hf_index"
     directory.mkdir(exist_ok=True)
@@ -385,7 +385,7 @@ def _hf_index():
         max_len=16384)
 def _hf_tokenizer():
     from halo.errors import ModelFormatError
-    from halo.tokenizer import HFTokenizer
+    from halo.model.tokenizer import HFTokenizer
 
     def parse(path: Path):
         tokenizer = HFTokenizer(path, 1 << 20, 0, (1,))
@@ -397,11 +397,11 @@ def _hf_tokenizer():
 def _tokenizers():
     """The bundled llama2.c tokenizer and a small byte-level BPE tokenizer.json (when `tokenizers` is installed)."""
     from halo import BUNDLED_TOKENIZER
-    from halo.tokenizer import Llama2cTokenizer
+    from halo.model.tokenizer import Llama2cTokenizer
 
     tokenizers = [Llama2cTokenizer(str(BUNDLED_TOKENIZER), 512)]
     try:
-        from halo.tokenizer import HFTokenizer
+        from halo.model.tokenizer import HFTokenizer
 
         tokenizers.append(HFTokenizer(FIXTURES / "tokenizer.json", 320, 0, (1,)))
     except Exception:  # noqa: BLE001 - without the master extra only the llama2.c tokenizer is fuzzed
@@ -412,7 +412,7 @@ def _tokenizers():
 @target("encode", "tokenizer encode of arbitrary text (invalid UTF-8 as lone surrogates); decode gives it back",
         dictionary=(b" ", b"\xe2\x96\x81", b"<0x0A>", b"\xed\xa0\x80", b"\xf0\x9f\x98\x80"), max_len=512)
 def _encode():
-    from halo.tokenizer import valid_text
+    from halo.model.tokenizer import valid_text
 
     tokenizers = _tokenizers()
 
@@ -437,7 +437,7 @@ def _encode():
 def _decode():
     import numpy as np
 
-    from halo.tokenizer import TokenIdError
+    from halo.model.tokenizer import TokenIdError
 
     tokenizers = _tokenizers()
     widths = {0: "<u1", 1: "<u2", 2: "<i4", 3: "<i8"}

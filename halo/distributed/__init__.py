@@ -11,10 +11,10 @@
 """
 
 from halo.distributed.connect import cluster_model, connect
-from halo.distributed.local import AgentProcess, LocalCluster, agent_command, module_command, stop_processes
 from halo.distributed.master import DistributedModel
 from halo.distributed.remote import AgentError, RemoteAgent
 from halo.distributed.session import DEFAULT_TIMEOUT_S, MasterSettings
+from halo.runtime.local import AgentProcess, LocalCluster, agent_command, module_command, stop_processes
 
 __all__ = ["AgentError", "AgentProcess", "DEFAULT_TIMEOUT_S", "DistributedModel", "LocalCluster", "MasterSettings",
            "RemoteAgent", "agent_command", "cluster_model", "connect", "module_command", "stop_processes"]

@@ -7,17 +7,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from halo.arguments import check_insecure
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import shares_from_plan
 from halo.errors import ConfigError
-from halo.config import DEFAULT_CONTEXT
-from halo.neuron_groups import GroupLayout
-from halo.shares import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan, shares_from_plan
+from halo.model.config import DEFAULT_CONTEXT
+from halo.model.weights import ModelWeights
+from halo.scheduler.even import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan
 from halo.sync import SyncSettings
-from halo.weights import ModelWeights
 
-from halo.distributed.local import LocalCluster
 from halo.distributed.master import DistributedModel
 from halo.distributed.session import DEFAULT_TIMEOUT_S, MasterSettings, Session
 from halo.distributed.survive import SurvivalSettings, SurvivingModel
+from halo.runtime.local import LocalCluster
 
 log = logging.getLogger("halo.master")
 
@@ -44,7 +45,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     shares: the groups of each participant (plan order) where a plan object only counts them (a sticky re-plan,
     survive.py); reuse: the master's worker of the previous session. settings: MasterSettings fields (context,
     fmt, timeout_s, sync, ...). What was planned and why: `model.planning`."""
-    from halo.linear import resolve_format
+    from halo.compute.linear import resolve_format
 
     layout = layout or GroupLayout.for_model(weights.config)
     if "fmt" in settings:  # "native" on a float model means fp32: the cluster says so to every agent
@@ -89,8 +90,8 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
               settings: dict):
     """--sync auto: (plan, SyncChoice, planning report) from one measurement of the agents: the mode picked from
     their links (scheduler/sync_choice.py; settings["sync"] is set to it), the plan made for it."""
-    from halo.linear import resolve_format
-    from halo.loader import predictors_path
+    from halo.compute.linear import resolve_format
+    from halo.predictors.store import predictors_path
     from halo.scheduler.sync_choice import choose_sync
 
     master_settings = MasterSettings(**{k: settings[k] for k in ("context", "slots", "timeout_s", "sync", "predictors")},
@@ -107,9 +108,10 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
 
 def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, cluster, select: bool = True):
     """(plan, planning report) over a measured cluster, for settings.sync's mode."""
+    from halo.compute.shares import planning_format
     from halo.scheduler.cost import estimate
     from halo.scheduler.plan_io import plan_summary
-    from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile, planning_format
+    from halo.scheduler.profiles import MEMORY_HEADROOM, model_profile
     from halo.scheduler.ratios import InsufficientMemory
     from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
@@ -131,8 +133,9 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
     """The scheduler's Cluster from measurements: the master (node 0, its own benchmark) and every agent
     (same_machine: agents on the master's hardware with its CPU limit and threads take its kernel benchmark; their
     memory and links stay their own)."""
-    from halo.scheduler.measure import measure_device
-    from halo.scheduler.profiles import Cluster, measured_device, planning_format
+    from halo.compute.shares import planning_format
+    from halo.runtime.measure import measure_device
+    from halo.scheduler.profiles import Cluster, measured_device
 
     own = measure_device(weights, layout, settings.fmt, 1, "master", fresh)
     agents = Session.measure(weights, layout, settings, endpoints, key, insecure, take_over, fresh)
@@ -161,7 +164,7 @@ def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "au
         # token critical, so placing heads by mean importance only leaves agents droppable more often
         # (eval/results/cost_model.md, part 4): by importance where placement is the only protection (lossy)
         return None
-    from halo.loader import load_predictors
+    from halo.predictors.store import load_predictors
     from halo.scheduler.importance import cached_head_order
 
     try:
@@ -191,7 +194,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/batch.py)."""
+    the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/compute/batch.py)."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)

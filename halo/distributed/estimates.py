@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from halo.scheduler.measure import MedianWindow
+from halo.runtime.measure import MedianWindow
 
 WINDOW = 15  # tokens (the dynamic-partitioning thesis keeps a ring of 15 and takes the median)
 LOSS_WINDOW = 200  # tokens of chunk counts behind a link's loss rate

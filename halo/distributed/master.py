@@ -14,16 +14,16 @@ import time
 
 import numpy as np
 
-from halo.batch import Rows, check_slots, check_tokens
+from halo.compute.batch import Rows, check_slots, check_tokens
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.remap import keep_in_place
+from halo.compute.shares import Block, Shares, rank_range
 from halo.errors import HaloError
-from halo.neuron_groups import GroupLayout
-from halo.quant import embed
-from halo.remap import keep_in_place
-from halo.shares import Block, Shares, rank_range
+from halo.model.quant import embed
 from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round, ranking_digest,
                        ranks_next_layer_itself)
-from halo.worker import DeviceWorker
-from halo.weights import ModelWeights
+from halo.compute.worker import DeviceWorker
+from halo.model.weights import ModelWeights
 
 from halo.distributed.estimates import RunningEstimates
 from halo.distributed.remote import RemoteAgent
@@ -53,7 +53,7 @@ class DistributedModel:
         self.timeout_s = settings.timeout_s
         predictors = None
         if self.sync.policy.remap and self.sync.predict:
-            from halo.loader import load_predictors
+            from halo.predictors.store import load_predictors
 
             predictors = load_predictors(weights, settings.predictors)
 
@@ -108,7 +108,7 @@ class DistributedModel:
         return logits if all_logits else logits[0]
 
     def forward_rows(self, tokens, rows: Rows) -> np.ndarray:
-        """A batched pass: tokens of several sequences, each in its KV-cache slot at its positions (halo/batch.py) ->
+        """A batched pass: tokens of several sequences, each in its KV-cache slot at its positions (halo/compute/batch.py) ->
         the logits of each sequence's last row [sequences, V], in row order. Every device computes each row as a
         decode step of its own; the rounds carry the rows' slots and positions with the attention inputs."""
         tokens = check_tokens(tokens, self.config.vocab_size)

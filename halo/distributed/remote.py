@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import zmq
 
+from halo.compute.shares import Block, Shares
 from halo.errors import HaloError
-from halo.shares import Block, Shares
 from halo.transport.reliable import Message, MessageError, decode, encode
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from halo.batch import Rows
-from halo.shares import Block
+from halo.compute.batch import Rows
+from halo.compute.shares import Block
 from halo.sync import AdaptiveDeadline, LossLedger, RoundPlan, Status, SyncSettings
 from halo.sync.framing import FramingError, frame_broadcast, partial_size, read_partial, reply_epoch
 from halo.transport import wire

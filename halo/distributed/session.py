@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from halo.config import DEFAULT_CONTEXT
-from halo.neuron_groups import GroupLayout
-from halo.shares import Shares, share_float32_bytes
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Shares, share_float32_bytes
+from halo.model.config import DEFAULT_CONTEXT
+from halo.model.weights import ModelWeights
 from halo.sync import SyncSettings
-from halo.weights import ModelWeights
 
 from halo.transport.control import ControlError, Ready
 from halo.transport.reliable import Message, encode
@@ -57,7 +57,7 @@ def master_context() -> zmq.Context:
 @dataclass(frozen=True)
 class MasterSettings:
     context: int = DEFAULT_CONTEXT  # KV-cache length (clamped to the model's)
-    slots: int = 1  # KV caches on every device: sequences a batched pass may carry (halo/batch.py, halo-master serve)
+    slots: int = 1  # KV caches on every device: sequences a batched pass may carry (halo/compute/batch.py, halo-master serve)
     fmt: str = "fp32"  # weight format, cluster-wide
     timeout_s: float = DEFAULT_TIMEOUT_S  # an agent silent this long is an error
     hello_timeout_s: float = 10.0  # agents load their share while answering hello
@@ -80,7 +80,7 @@ class Session:
         """Hello to every agent (shares and endpoints in plan order: node ids 1, 2, ...). `meanwhile()` runs
         after the hellos are sent, before their answers are awaited: the master builds its own share while the
         agents load theirs (a re-plan's rebuild then takes the slowest device's load, not the sum)."""
-        from halo.loader import model_fingerprint
+        from halo.model.loader import model_fingerprint
         from halo.transport.control import Hello
 
         session = cls({}, None, master_context())
@@ -114,7 +114,7 @@ class Session:
         device, and a shared machine, a test bed, does not skew them). take_over: an agent serving another
         master ends that session (we are about to say hello); else it refuses, busy. fresh: re-run cached
         benchmarks."""
-        from halo.loader import model_fingerprint
+        from halo.model.loader import model_fingerprint
         from halo.transport.control import ProfileRequest
         from halo.transport.probe import PLANNING_INTERVAL_S, PLANNING_PROBES, probe
 

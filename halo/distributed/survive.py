@@ -30,7 +30,7 @@ notice on the known answer.
 Joins: an agent that failed is asked again between passes (a status request that never blocks a
 pass); one that answers is taken into a re-plan when the plan would change. A sticky join gives it back
 its share of the last full plan (its "home"), which the others drop: they build nothing. The quarantine
-(hysteresis), the re-plan record and the rebalance rule are halo/replanning.py's, shared with the
+(hysteresis), the re-plan record and the rebalance rule are halo/runtime/replanning.py's, shared with the
 pipeline coordinator.
 Generation fails only when the devices left cannot hold the model (the scheduler's message says
 what is missing) or after `max_attempts` rebuilds in one pass.
@@ -45,11 +45,12 @@ from typing import Callable
 
 import numpy as np
 
-from halo.batch import Rows
+from halo.compute.batch import Rows
+from halo.compute.shares import Shares
 from halo.errors import ConfigError, HaloError
-from halo.generate import prefill, prefill_chunk
-from halo.shares import Shares, spread_lost, take_back
-from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
+from halo.generation.generate import prefill, prefill_chunk
+from halo.runtime.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind, status_probe
+from halo.scheduler.sticky import spread_lost, take_back
 
 from halo.distributed.remote import AgentError, ask_status
 from halo.distributed.session import master_context

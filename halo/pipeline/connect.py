@@ -24,7 +24,7 @@ def local_stage_workers(n: int, model_path: str | None = None, startup_timeout_s
     each; stages run one after another, so that leaves no core idle and oversubscribes none."""
     import os
 
-    from halo.distributed.local import LocalCluster
+    from halo.runtime.local import LocalCluster
 
     if n <= 0:
         raise ConfigError(f"the number of local stage workers must be positive, got {n}")
@@ -44,11 +44,11 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
                      browser_timeout_s: float = 600.0, survive=None, tls_cert: str | None = None,
                      tls_key: str | None = None) -> PipelineModel:
     """A coordinator over stage workers; `stack` (an ExitStack) owns whatever this starts. `survive`:
-    halo/replanning.py's settings (None: a lost worker ends the generation, naming it)."""
+    halo/runtime/replanning.py's settings (None: a lost worker ends the generation, naming it)."""
     import zmq
 
-    from halo.loader import model_fingerprint
-    from halo.config import DEFAULT_CONTEXT
+    from halo.model.config import DEFAULT_CONTEXT
+    from halo.model.loader import model_fingerprint
     from halo.transport.reliable import load_key
 
     context = min(weights.config.max_seq_len, context or DEFAULT_CONTEXT)

@@ -1,7 +1,7 @@
 """The pipeline coordinator: a model object that runs a forward pass through stage workers.
 
 `PipelineModel` has the interface of the single-process `Transformer` (forward, reset, max_seq_len),
-so halo/generate.py and the lm-eval plugin drive it unchanged. Per forward, the token ids go to the
+so halo/generation/generate.py and the lm-eval plugin drive it unchanged. Per forward, the token ids go to the
 stage holding the embedding, each stage's residual stream goes to the next (a star: every hop passes
 through the coordinator, which therefore sees and counts all traffic), and the head stage sends back
 only what sampling needs: the top-k logits of the last position (k = 1 for greedy), or full logits
@@ -13,7 +13,7 @@ re-plans over the workers left (halo/pipeline/replan.py), opens the new stages, 
 so every new stage rebuilds its KV cache with the same kernels on the same inputs, and runs the
 interrupted pass again. The continuation equals an uninterrupted run's.
 
-Survival is the tensor-parallel master's (halo/replanning.py, shared): a lost native worker is
+Survival is the tensor-parallel master's (halo/runtime/replanning.py, shared): a lost native worker is
 quarantined and asked again between passes; one that answers is taken into a re-plan when the plan
 would change; every `rebalance_every_s` the stages' observed decode times rescale their workers'
 profiles, and a plan the cost model predicts `rebalance_gain` faster replaces the current one (a
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from halo.compute.shares import planning_format
 from halo.errors import ConfigError, HaloError
-from halo.config import DEFAULT_CONTEXT
-from halo.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind
-from halo.scheduler.measure import MedianWindow
-from halo.scheduler.profiles import planning_format
-from halo.weights import ModelWeights
+from halo.model.config import DEFAULT_CONTEXT
+from halo.model.weights import ModelWeights
+from halo.runtime.measure import MedianWindow
+from halo.runtime.replanning import Membership, RebalanceClock, Recovery, SurvivalSettings, recovery_kind
 
 from halo.pipeline.links import StageFailed, StageRefused, Traffic
 from halo.pipeline.profile import WorkerProfile

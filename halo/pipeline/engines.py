@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from halo.errors import ConfigError
-from halo.weights import ModelWeights
+from halo.model.weights import ModelWeights
 
 from halo.pipeline.stage import StageEngine
 

@@ -99,8 +99,8 @@ class NativeStage:
         self.alive = True
 
     def status_probe(self):
-        """A separate socket with a status request in flight (halo/replanning.py's Membership polls it)."""
-        from halo.replanning import status_probe
+        """A separate socket with a status request in flight (halo/runtime/replanning.py's Membership polls it)."""
+        from halo.runtime.replanning import status_probe
 
         return status_probe(self.context, self.endpoint, self.key, self.insecure)
 
@@ -197,8 +197,8 @@ class LocalStage:
         self.alive = True
 
     def probe(self, fmt: str = "fp32") -> dict:
-        from halo.pipeline.profile import time_engine
         from halo.pipeline.engines import make_engine
+        from halo.pipeline.profile import time_engine
 
         c = self.weights.config
         make = lambda a, b: make_engine(self.weights, a, b, 64, fmt, self.threads, self.device)  # noqa: E731

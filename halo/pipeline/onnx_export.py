@@ -7,7 +7,7 @@ names and `top_ids` int64 [K], `top_values` [K] of the last of them (K = `k` int
 `present_k_l`, `present_v_l` [KVH, P + T, hd]. The worker keeps the present tensors as the next
 call's past: its KV cache stays in the browser.
 
-The arithmetic follows halo/neuron_groups.py op for op (RMSNorm as x * (1 / sqrt(mean(x²) + eps)) *
+The arithmetic follows halo/compute/neuron_groups.py op for op (RMSNorm as x * (1 / sqrt(mean(x²) + eps)) *
 w, rotate-half rotary from the same cos/sin tables, causal softmax attention per KV head group,
 SwiGLU with SiLU as x / (1 + exp(-x))), so results agree with the numpy engine to float32 rounding.
 The file is named by the sha256 of its bytes: browsers cache it, and a changed model never hits a
@@ -20,7 +20,7 @@ import hashlib
 
 import numpy as np
 
-from halo.weights import ModelWeights
+from halo.model.weights import ModelWeights
 
 from halo.pipeline.stage import check_units, n_units
 
@@ -194,6 +194,6 @@ def content_name(data: bytes) -> str:
 
 
 def _inv_freq(config) -> np.ndarray:
-    from halo.ops import rope_inv_freq
+    from halo.model.ops import rope_inv_freq
 
     return rope_inv_freq(config)

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from halo.compute.shares import BYTES_PER_WEIGHT
 from halo.errors import ConfigError
-from halo.scheduler.profiles import BYTES_PER_WEIGHT, DeviceProfile, ModelProfile
+from halo.scheduler.profiles import DeviceProfile, ModelProfile
 
 
 @dataclass

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from halo.config import ModelConfig
+from halo.compute.shares import BYTES_PER_WEIGHT
 from halo.errors import ConfigError
+from halo.model.config import ModelConfig
 from halo.scheduler.pipeline import PipelinePlan, model_units, plan_units
-from halo.scheduler.profiles import BYTES_PER_WEIGHT, DeviceProfile, ModelProfile, model_profile
+from halo.scheduler.profiles import DeviceProfile, ModelProfile, model_profile
 
 from halo.pipeline.stage import n_units, unit_name
 
@@ -26,7 +27,7 @@ class Stage:
 
 
 def model_costs(config: ModelConfig, fmt: str) -> ModelProfile:
-    """fmt: a planning format (scheduler/profiles.py planning_format: "native" resolved to the file's block type,
+    """fmt: a planning format (halo/compute/shares.py planning_format: "native" resolved to the file's block type,
     e.g. "Q4_0"); an unresolved "native" is priced as int8."""
     return model_profile(config, fmt if fmt in BYTES_PER_WEIGHT else "int8")
 

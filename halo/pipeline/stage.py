@@ -5,8 +5,8 @@ L + 1 is the head (final RMSNorm + LM head). A stage holding unit 0 takes token 
 stage takes the residual stream [T, D]. A stage holding the head returns logits (or only what
 sampling needs, see `HeadRequest`); any other stage returns the residual stream after its last layer.
 
-The layers are built from halo/neuron_groups.py shards holding every group of a block, so a stage
-runs exactly the arithmetic of the single-process reference (`halo.model.Transformer`): the same
+The layers are built from halo/compute/neuron_groups.py shards holding every group of a block, so a stage
+runs exactly the arithmetic of the single-process reference (`halo.compute.transformer.Transformer`): the same
 kernels on the same inputs give the same bits, whatever the split.
 """
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from halo.config import ModelConfig
+from halo.compute.neuron_groups import GroupLayout
+from halo.compute.shares import Block, everything
+from halo.compute.worker import DeviceWorker
 from halo.errors import ConfigError
-from halo.neuron_groups import GroupLayout
-from halo.shares import Block, everything
-from halo.weights import ModelWeights
-from halo.worker import DeviceWorker
+from halo.model.config import ModelConfig
+from halo.model.weights import ModelWeights
 
 
 def n_units(config: ModelConfig) -> int:

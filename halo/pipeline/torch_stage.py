@@ -1,6 +1,6 @@
 """A pipeline stage in torch, for workers with a CUDA GPU (the `gpu` extra brings torch).
 
-The same Llama arithmetic as halo/neuron_groups.py (RMSNorm, rotate-half rotary, grouped-query
+The same Llama arithmetic as halo/compute/neuron_groups.py (RMSNorm, rotate-half rotary, grouped-query
 attention over a per-stage KV cache, SwiGLU) with all weights and the KV cache resident on the device.
 Weights: fp32 for --weights fp32; fp16 for native and int8 (a GPU reads half of fp32's bytes a token,
 and its tensor cores multiply fp16; 4/8-bit blocks are dequantized once, at load). Activations stay fp32.
@@ -21,11 +21,11 @@ import math
 
 import numpy as np
 
+from halo.compute.linear import FORMATS
 from halo.errors import ConfigError
-from halo.linear import FORMATS
-from halo.ops import rope_inv_freq
-from halo.quant import as_float32
-from halo.weights import ModelWeights
+from halo.model.ops import rope_inv_freq
+from halo.model.quant import as_float32
+from halo.model.weights import ModelWeights
 
 from halo.pipeline.stage import HeadRequest, check_units, n_units, top_k
 

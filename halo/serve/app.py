@@ -32,12 +32,13 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from halo.chat import chat_prompt
 from halo.errors import ConfigError
+from halo.model.chat import chat_prompt
 from halo.serve.engine import Cancelled, Engine, GenerationRequest
 from halo.serve.guard import MAX_BODY_BYTES, Guard
 from halo.serve.metrics import CONTENT_TYPE, Metrics
-from halo.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, ServeError, Shaper, Unauthorized, parse
+from halo.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ServeError, Shaper, Unauthorized,
+                                 parse)
 
 STATIC = resources.files("halo.serve") / "static"
 MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this many characters a context token cannot fit (no tokenizer's do)

@@ -1,6 +1,6 @@
 """Continuous batching: every forward pass carries a row for each running request, and prompt pieces of those that joined.
 
-A request takes a free KV-cache slot (the model keeps `slots` of them: halo/batch.py) as soon as one is free, at any
+A request takes a free KV-cache slot (the model keeps `slots` of them: halo/compute/batch.py) as soon as one is free, at any
 pass, and gives it back when it ends (EOS, its token budget, a stop string, its client gone, its deadline). Each pass:
 
 - one row per request that is decoding (its last chosen token, at its next position);
@@ -10,7 +10,7 @@ pass, and gives it back when it ends (EOS, its token budget, a stop string, its 
 - then each request whose last row was in the pass samples its next token with its own sampler.
 
 Every device computes each row of a batched pass as a decode step of its own (the same bits whatever else is in the
-pass: halo/worker.py), so a request's greedy text is the text it gets served alone. A slot's stale positions are never
+pass: halo/compute/worker.py), so a request's greedy text is the text it gets served alone. A slot's stale positions are never
 read: a new request writes from position 0 and attends only to positions it wrote.
 """
 
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from halo.batch import Rows
-from halo.generate import Continuation
-from halo.sampling import Sampler
+from halo.compute.batch import Rows
+from halo.generation.generate import Continuation
+from halo.generation.sampling import Sampler
 
 
 @dataclass

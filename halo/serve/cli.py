@@ -71,8 +71,8 @@ def serve(args, open_model) -> int:
                           "pip install 'halo-edge[serve]'") from None
     from rich.console import Console
 
-    from halo.loader import load_tokenizer, load_weights
-    from halo.speculative import speculation_from
+    from halo.generation.speculative import speculation_from
+    from halo.model.loader import load_tokenizer, load_weights
 
     err = Console(stderr=True)
     api_key = read_api_key(args)

@@ -29,11 +29,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Callable
 
-from halo.batch import RowsError
+from halo.compute.batch import RowsError
 from halo.errors import ConfigError, HaloError
-from halo.generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
-from halo.sampling import Sampler, SamplingSettings
-from halo.speculative import SpeculationSettings
+from halo.generation.generate import Continuation, GenerationCancelled, encode_prompt, generate, prefill_chunk
+from halo.generation.sampling import Sampler, SamplingSettings
+from halo.generation.speculative import SpeculationSettings
 from halo.serve import view
 from halo.serve.batching import Running, next_pass, take_pass
 from halo.serve.protocol import BadRequest, ClusterUnavailable, QueueFull, RequestTimeout, ServeError

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from halo.errors import HaloError
-from halo.sampling import SamplingSettings
+from halo.generation.sampling import SamplingSettings
 
 
 class ServeError(HaloError):

@@ -30,7 +30,7 @@ def counters(model) -> dict:
 
 
 def _groups_total(config) -> tuple[int, int, int]:
-    from halo.neuron_groups import GroupLayout
+    from halo.compute.neuron_groups import GroupLayout
 
     layout = GroupLayout.for_model(config)
     return config.n_layers * layout.n_heads, config.n_layers * layout.n_mlp_groups, layout.n_vocab_groups

@@ -11,7 +11,7 @@ an epoch.
 
 Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so digests are 24-bit):
 - broadcast (an input): [tokens, start position, ranking digest, G + NEXT x has-next], then the input [T, D],
-  then (start = ROWS: a batched pass of several sequences, halo/batch.py) each row's KV-cache slot and position
+  then (start = ROWS: a batched pass of several sequences, halo/compute/batch.py) each row's KV-cache slot and position
   [T, 2], then (G > 0, HALO's MLP inputs) the master's ranking of the layer's G groups per token [T, G] and (has-next)
   its ranking of the next layer's [T, G], padded with zeros to whole chunks, so a receiver learns the size from
   the chunk count. With the ranking in the input an agent needs no prediction of its own (nor the input of the
@@ -24,13 +24,13 @@ Vectors carry a 4-float prefix (floats hold integers exactly below 2^24, so dige
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
 
-from halo.batch import Rows
+from halo.compute.batch import Rows
+from halo.compute.remap import ranking_digest
 
 PREFIX = 4
 FORWARD_SHIFT, LAYER_SHIFT = 20, 4
@@ -208,10 +208,3 @@ def _frame(prefix: list[float], arrays: list[np.ndarray], per_chunk: int | None 
         body[at:at + size] = np.ravel(array)
         at += size
     return body
-
-
-def ranking_digest(ranking: np.ndarray | None) -> int:
-    """24 bits of CRC-32 over a ranking (int16), sent in the broadcast prefix: every device must hold the same."""
-    if ranking is None:
-        return 0
-    return zlib.crc32(np.ascontiguousarray(ranking, dtype="<i2").tobytes()) & 0xFFFFFF

@@ -1,0 +1,1 @@
+"""The coordinator's command line (`halo-master`, halo/cli/master.py)."""

@@ -1,0 +1,1 @@
+"""Turning a model into text: the generation loop, sampling, speculative decoding."""

@@ -1,0 +1,150 @@
+"""Find the format of a model path (or a named model: halo/model/catalog.py) and load weights and tokenizer from it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from halo import BUNDLED_MODEL, BUNDLED_TOKENIZER
+from halo.errors import ModelFormatError
+from halo.model.catalog import resolve_model
+from halo.model.formats import gguf, hf, llama2c
+from halo.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer, gguf_tokenizer
+from halo.model.weights import ModelWeights
+
+NOT_FOUND_FIX = ("pass a GGUF file, a llama2.c .bin file, a Hugging Face directory with config.json, or a model "
+                 "name (halo-master fetch --list)")
+
+
+def model_path(path: str | os.PathLike | None) -> Path:
+    """The file or directory a --model value means: a path, a named model's cached file, or the bundled model."""
+    return resolve_model(path) if path is not None else Path(str(BUNDLED_MODEL))
+
+
+def is_gguf(path: Path) -> bool:
+    """GGUF by its magic number (or its suffix, so that a damaged .gguf gets the GGUF reader's diagnosis)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == gguf.MAGIC
+
+
+def load_weights(path: str | os.PathLike | None = None) -> ModelWeights:
+    """A GGUF file, a Hugging Face directory (has config.json), a llama2.c checkpoint file or a model name;
+    None: the bundled model."""
+    path = model_path(path)
+    if path.is_dir():
+        return hf.read_checkpoint(path)
+    if path.is_file():
+        return gguf.read_checkpoint(path) if is_gguf(path) else llama2c.read_checkpoint(path)
+    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
+
+
+def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer that belongs to the weights: a GGUF file's metadata, tokenizer.json in a HF directory
+    (or any tokenizer.json given), else a llama2.c tokenizer.bin given explicitly, found beside the
+    checkpoint (tok*.bin / tokenizer.bin), or bundled."""
+    config, source = weights.config, Path(weights.source)
+    if source.is_file() and is_gguf(source) and not tokenizer_path:  # its metadata holds the tokenizer
+        return gguf_tokenizer(weights.extra.get("gguf_file") or gguf.GGUFFile(source), config)
+    if tokenizer_path and Path(tokenizer_path).suffix == ".json":
+        return HFTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids)
+    if source.is_dir():
+        path = Path(tokenizer_path) if tokenizer_path else source / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFormatError(source, "no tokenizer.json in the model directory", "pass --tokenizer PATH")
+        return HFTokenizer(path, config.vocab_size, config.bos_id, config.eos_ids)
+    if tokenizer_path is None:
+        candidates = sorted(source.parent.glob("tok*.bin")) + [Path(str(BUNDLED_TOKENIZER))]
+        tokenizer_path = candidates[0]
+    return Llama2cTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids[0])
+
+
+def load_config(path: str | os.PathLike | None = None):
+    """Only the model's shape (no weights read): for planning."""
+    path = model_path(path)
+    if path.is_dir():
+        return hf.read_config(path)
+    if path.is_file():
+        return gguf.read_config(path) if is_gguf(path) else llama2c.read_config(path)[0]
+    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
+
+
+def model_fingerprint(path: str | os.PathLike) -> str:
+    """sha256 over a model's bytes (a llama2.c file, or a HF directory's config, weights and tokenizer):
+    what agents, masters and predictors compare to be sure they mean the same model.
+
+    Hashing reads the whole model (a 1.1B model in float32: ~4.4 GB, seconds), and masters compute it at
+    every hello (a re-plan says hello again), agents at every start: so the digest is kept per file
+    identity (path, size, modification time, inode) in this process and on disk (fingerprint_cache_dir()).
+    A file rewritten in place gets a new modification time and is hashed again."""
+    import hashlib
+
+    path = model_path(path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
+        or p.name in ("model.safetensors.index.json", "tokenizer.json"))
+    identity = _file_identity(files)
+    cached = _FINGERPRINTS.get(identity) or _read_cached_fingerprint(identity)
+    if cached:
+        _FINGERPRINTS[identity] = cached
+        return cached
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    _FINGERPRINTS[identity] = digest.hexdigest()
+    _write_cached_fingerprint(identity, _FINGERPRINTS[identity])
+    return _FINGERPRINTS[identity]
+
+
+_FINGERPRINTS: dict[str, str] = {}
+
+
+def fingerprint_cache_dir() -> Path:
+    from halo.host.cache import cache_subdir
+
+    return cache_subdir("fingerprints", "HALO_FINGERPRINT_CACHE_DIR")
+
+
+def _file_identity(files: list[Path]) -> str:
+    parts = []
+    for file in files:
+        st = file.stat()
+        parts.append(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}")
+    return "\n".join(parts)
+
+
+def _cache_file(identity: str) -> Path:
+    import hashlib
+
+    return fingerprint_cache_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
+def _read_cached_fingerprint(identity: str) -> str | None:
+    import json
+
+    try:
+        entry = json.loads(_cache_file(identity).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str) \
+        and len(entry["sha256"]) == 64
+    return entry["sha256"] if ok else None
+
+
+def _write_cached_fingerprint(identity: str, sha256: str) -> None:
+    """Best effort (a read-only home only costs the next start a re-hash); written whole, then renamed."""
+    import json
+    import tempfile
+
+    target = _cache_file(identity)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=".fp-", suffix=".tmp", delete=False) as f:
+            json.dump({"identity": identity, "sha256": sha256}, f)
+        os.replace(f.name, target)
+    except OSError:
+        pass
