@@ -159,7 +159,8 @@ def build(cpu: str, out: Path, root: Path | None = None) -> dict[str, Path]:
 def wheel(out: Path, root: Path | None = None) -> Path:
     """The aarch64 wheel (what rpi/install-agent.sh installs on a Pi), cross-built: setuptools reads the arm64
     Python's build configuration (its compiler, aarch64-linux-gnu-gcc, and its extension suffix) and tags the wheel
-    linux_aarch64. Built from a copy of the source tree without this machine's compiled extensions."""
+    linux_aarch64. Built from a copy of the source tree without this machine's compiled extensions, as the agent wheel
+    (setup.py: HALO_WHEEL=agent, no benchmarks and no browser-worker page)."""
     import tempfile
 
     root = make_root(root)
@@ -171,7 +172,7 @@ def wheel(out: Path, root: Path | None = None) -> Path:
         config.mkdir()
         name = "_sysconfigdata__aarch64-linux-gnu"
         shutil.copy(root / "usr" / "lib" / "python3.11" / f"{name}.py", config)
-        env = {**os.environ, "_PYTHON_SYSCONFIGDATA_NAME": name, "_PYTHON_HOST_PLATFORM": "linux-aarch64",
+        env = {**os.environ, "HALO_WHEEL": "agent", "_PYTHON_SYSCONFIGDATA_NAME": name, "_PYTHON_HOST_PLATFORM": "linux-aarch64",
                "PYTHONPATH": str(config), "CFLAGS": f"-I{root}/usr/include/python3.11 -I{root}/usr/include"}
         before = set(out.glob("*.whl"))
         try:

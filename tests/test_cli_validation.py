@@ -64,6 +64,8 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["serve", "--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
     (["status", "--server", "http://127.0.0.1:1", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
     (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
+    (["plan", "--local-agents", "1", "--sync", "auto"], "--sync auto picks a mode when a session starts"),
+    (["plan", "--local-agents", "1", "--sync", "reliable"], "--sync reliable was renamed: use --sync exact"),
 ])
 def test_master_refuses_bad_values(argv, expected, capsys):
     assert_one_line(*run(cli.main, argv, capsys), expected)
@@ -87,6 +89,16 @@ def test_generate_checks_combinations_before_loading(argv, expected, capsys, mon
 
     monkeypatch.setattr("halo.model.loader.load_weights", no_loading)
     assert_one_line(*run(cli.main, ["generate", *argv], capsys), expected)
+
+
+def test_one_sync_option_for_every_command():
+    """generate, serve and plan take the same --sync: the same modes, the same names, the same default."""
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    actions = [next(a for a in commands[name]._actions if "--sync" in a.option_strings)
+               for name in ("generate", "serve", "plan")]
+    assert len({(tuple(a.choices), a.default, a.metavar) for a in actions}) == 1
+    assert actions[0].default is None and "auto" in actions[0].choices
 
 
 def test_valid_addresses_become_canonical_endpoints():

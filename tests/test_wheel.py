@@ -41,6 +41,45 @@ def test_wheel_installs_and_generates_in_a_fresh_venv(tmp_path):
     assert json.loads(out.stdout)["text"] == ", there was a little girl"
 
 
+def build_wheel(out: Path, kind: str) -> Path:
+    env = {**os.environ, "HALO_WHEEL": kind}
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(out)], check=True,
+                   timeout=600, env=env)
+    return next(out.glob("halo_edge-*.whl"))
+
+
+@pytest.mark.slow
+def test_the_agent_wheel_leaves_out_benchmarks_and_the_browser_page_and_still_runs(tmp_path):
+    """HALO_WHEEL=agent (what rpi/install-agent.sh installs): the runtime without halo.eval and the browser-worker
+    page. Installed fresh, it runs the known answer from the repository root, and an agent starts from it."""
+    full, agent = build_wheel(tmp_path / "full", "full"), build_wheel(tmp_path / "agent", "agent")
+    with zipfile.ZipFile(full) as f, zipfile.ZipFile(agent) as a:
+        full_names, agent_names = set(f.namelist()), set(a.namelist())
+    left_out = {n for n in full_names - agent_names}
+    assert any(n.startswith("halo/eval/") for n in left_out) and "halo/_nbits.c" in left_out
+    assert not any(n.startswith(("halo/eval/", "halo/pipeline/web_assets/")) for n in agent_names)
+    assert {"halo/edge_agent/agent.py", "halo/compute/worker.py", "halo/assets/stories260K/stories260K.bin"} <= agent_names
+    assert all(n.startswith(("halo/eval/", "halo/pipeline/web_assets/", "halo/_nbits.c", "halo_edge-")) for n in left_out)
+    if any(n.startswith("halo/pipeline/web_assets/") for n in full_names):  # the page built (npm): 28 MB of wasm
+        assert agent.stat().st_size <= full.stat().st_size / 2, (agent.stat().st_size, full.stat().st_size)
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")
+    bin_dir = tmp_path / "venv" / "bin"
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", str(agent)], check=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    out = subprocess.run([str(bin_dir / "halo-master"), "generate", "--prompt", "Once upon a time", "--local-agents",
+                          "1", "--max-new-tokens", "8", "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["text"] == ", there was a little girl"
+    missing = subprocess.run([str(bin_dir / "python"), "-P", "-c", "import halo.eval"], capture_output=True, text=True,
+                             cwd=ROOT, env=env, timeout=60)
+    assert missing.returncode != 0 and "No module named 'halo.eval'" in missing.stderr
+    refused = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w",
+                              str(tmp_path / "bogus")], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "HALO_WHEEL": "pi"})
+    assert refused.returncode != 0 and "HALO_WHEEL='pi': choose one of full, agent" in refused.stdout + refused.stderr
+
+
 def readme_commands() -> list[str]:
     """The bash blocks under the README's "Two commands" heading, in order: install+run, then test."""
     section = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]

@@ -89,8 +89,6 @@ def _add_generate(sub) -> None:
 
 def _add_plan(sub) -> None:
     """halo-master plan: who computes what on a cluster file's devices, or on running agents measured now."""
-    from halo.sync.modes import SYNC_MODES
-
     p = sub.add_parser("plan", help="plan who computes what on a cluster", epilog=EPILOG_PLAN,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Split a model over the devices of a cluster file, or over running agents "
@@ -105,9 +103,8 @@ def _add_plan(sub) -> None:
     devices.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to measure (tp mode); the plan "
                          "is the one `generate --agents` would use")
     devices.add_argument("--local-agents", type=int, metavar="N", help="start N agents here, measure them, stop them")
-    p.add_argument("--sync", default="exact", choices=SYNC_MODES,
-                   help="tp: the sync mode to plan for: device selection minimizes its expected time per token, "
-                        "link loss priced as the mode recovers it (default exact)")
+    add_sync_mode(p, "tp: the sync mode to plan for (device selection minimizes its expected time per token, link "
+                     "loss priced as the mode recovers it): ")
     measure = p.add_argument_group("measuring agents (--agents / --local-agents)")
     measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
                          "(default native: the model file's own)")
@@ -305,23 +302,44 @@ def add_cluster_arguments(parser) -> None:
     pipe.add_argument("--worker-tls-key", metavar="PEM", help="... and its private key")
 
 
+def add_sync_mode(parser, lead: str = "") -> None:
+    """The one --sync (generate, serve, plan and the benchmarks): the same modes, names and default everywhere; None
+    when not given (exact, and nothing to synchronize where no agent is)."""
+    from halo.sync import SYNC_MODES
+    from halo.sync.modes import RENAMED
+
+    parser.add_argument("--sync", choices=SYNC_MODES + ("auto",) + tuple(RENAMED), default=None,
+                        metavar="{" + ",".join(SYNC_MODES + ("auto",)) + "}",
+                        help=lead + "exact (default): UDP, every lost packet recovered (parity, NACK), the same "
+                                    "tokens as one device · tcp: all over the control connection (a lost packet costs"
+                                    " TCP's 200 ms timeout) · lossy: UDP, partial sums dropped at a deadline, static "
+                                    "groups · halo: predictors route important groups to reliable links, recover lost"
+                                    " chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with "
+                                    "TCP for critical traffic · auto: measure the agents' links and pick halo where "
+                                    "they lose datagrams with round trips of a millisecond or more (Wi-Fi: HALO was "
+                                    "0.9x exact's time there), exact elsewhere (wired links: HALO was 1.1x); says "
+                                    "which and why (--json: planning.sync_auto)")
+
+
+def plan_sync_mode(args) -> str:
+    """The mode `halo-master plan --sync` plans for: a plan is made for one mode, so auto (which measures the links
+    when a session starts) has nothing to plan for here."""
+    from halo.sync import SyncSettings
+
+    if args.sync == "auto":
+        raise ConfigError("--sync auto picks a mode when a session starts, from its agents' measured links: plan for "
+                          "one mode (exact or halo), or run `halo-master generate --sync auto --json` and read "
+                          "planning.sync_auto")
+    return SyncSettings(mode=args.sync or "exact").mode
+
+
 def add_sync_arguments(parser) -> None:
     """--sync and its knobs (shared by generate and the benchmarks)."""
-    from halo.sync import SYNC_MODES, SyncSettings
-    from halo.sync.modes import RENAMED
+    from halo.sync import SyncSettings
 
     d = SyncSettings()
     s = parser.add_argument_group("synchronization over lossy links (see halo/sync/modes.py)")
-    s.add_argument("--sync", choices=SYNC_MODES + ("auto",) + tuple(RENAMED), default=None,
-                   metavar="{" + ",".join(SYNC_MODES + ("auto",)) + "}",
-                   help="exact (default): UDP, every lost packet recovered (parity, NACK), the same tokens as one "
-                        "device · tcp: all over the control connection (a lost packet costs TCP's 200 ms timeout) · "
-                        "lossy: UDP, partial sums dropped at a deadline, "
-                        "static groups · halo: predictors route important groups to reliable links, recover lost "
-                        "chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with TCP for "
-                        "critical traffic · auto: measure the agents' links and pick halo where they lose datagrams "
-                        "with round trips of a millisecond or more (Wi-Fi: HALO was 0.9x exact's time there), exact "
-                        "elsewhere (wired links: HALO was 1.1x); says which and why (--json: planning.sync_auto)")
+    add_sync_mode(s)
     s.add_argument("--deadline-floor", type=number(0, low_open=True), default=d.deadline_floor_ms, metavar="MS",
                    help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
     s.add_argument("--deadline-ceiling", type=number(0, low_open=True), default=d.deadline_ceiling_ms, metavar="MS",
@@ -742,7 +760,7 @@ def cmd_plan(args) -> int:
                 raise ConfigError(f"the exact solver found no plan: {result.message}")
             plan = result.plan
         else:
-            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=args.sync)
+            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=plan_sync_mode(args))
         used = plan.memory_used()
         ranks = plan.priority_ranks("attention")
         table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
@@ -798,7 +816,7 @@ def _plan_measured(args) -> int:
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
                               hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
-                              sync=SyncSettings(mode=args.sync))
+                              sync=SyncSettings(mode=plan_sync_mode(args)))
     with ExitStack() as stack:
         if args.local_agents:
             local = stack.enter_context(LocalCluster(args.local_agents, args.model))
@@ -812,7 +830,7 @@ def _plan_measured(args) -> int:
                                        select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
                                        same_machine=bool(args.local_agents))
     print_planning(planning, title=f"measured tensor-parallel plan ({plan.algorithm}): "
-                                   f"{args.model or 'stories260K'}, {args.weights}, sync {args.sync}")
+                                   f"{args.model or 'stories260K'}, {args.weights}, sync {plan_sync_mode(args)}")
     if args.out:
         plan_io.save(plan_io.tp_plan_json(plan), args.out)
         print(f"wrote {args.out} (use it with: halo-master generate --plan {args.out})")
