@@ -2,7 +2,7 @@
 
 `device_profile` is the quick summary every hello and status reply carries. `measured_profile` answers
 a master's `profile` request before it plans: the group kernels timed in the session's weight format,
-the CPU cost of a message and the memory available (halo/scheduler/measure.py, cached on the device),
+the CPU cost of a message and the memory available (halo/runtime/measure.py, cached on the device),
 and the agent's UDP endpoint joins the master's UDP session so that the master can probe the link.
 """
 

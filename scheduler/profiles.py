@@ -253,7 +253,7 @@ MEMORY_HEADROOM = 0.85  # of the memory a device reports available, what a plan 
 
 def measured_device(name: str, measured: dict, link: dict | None = None, address: str = "",
                     is_master: bool = False) -> DeviceProfile:
-    """A device profile from what the device measured (halo/scheduler/measure.py: kernels, message cost,
+    """A device profile from what the device measured (halo/runtime/measure.py: kernels, message cost,
     available memory) and, for an agent, the master's probe of its link (transport/probe.py). Malformed
     figures raise ConfigError naming the device."""
     try:

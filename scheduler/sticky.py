@@ -9,6 +9,7 @@ from halo.compute.shares import Shares
 from halo.errors import ConfigError
 from halo.scheduler.tp_plan import round_counts
 
+
 def spread_lost(kept: list[Shares], lost: list[Shares]) -> list[Shares]:
     """A sticky re-plan after a loss: every device in `kept` keeps its groups (and the kernels built for them)
     and the groups the `lost` devices held are split among them, block by block, in runs of consecutive groups

@@ -227,7 +227,7 @@ def test_plan_file_nested_beyond_the_stack(tmp_path):
         plan_io.load(path)
 
 
-# ---- GGUF (halo/formats/gguf.py) ----------------------------------------------------------------------------
+# ---- GGUF (halo/model/formats/gguf.py) ----------------------------------------------------------------------------
 def gguf_string(text: str) -> bytes:
     raw = text.encode()
     return struct.pack("<Q", len(raw)) + raw

@@ -23,7 +23,7 @@ TINY = model_profile(named_config("tinyllama-1.1b"), "int8", "tinyllama", mlp_gr
 
 
 def measured(gflops: float, memory_gb: float = 4.0, message_ms: float = 0.2) -> dict:
-    """What halo/scheduler/measure.py reports for a device."""
+    """What halo/runtime/measure.py reports for a device."""
     return {"compute_flops": gflops * 1e9, "overhead_s": [1e-4, 5e-5, 5e-5], "message_s": message_ms / 1e3,
             "memory_available_bytes": memory_gb * 1e9}
 

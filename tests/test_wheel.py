@@ -60,6 +60,12 @@ def test_the_agent_wheel_leaves_out_benchmarks_and_the_browser_page_and_still_ru
     assert not any(n.startswith(("halo/eval/", "halo/pipeline/web_assets/")) for n in agent_names)
     assert {"halo/edge_agent/agent.py", "halo/compute/worker.py", "halo/assets/stories260K/stories260K.bin"} <= agent_names
     assert all(n.startswith(("halo/eval/", "halo/pipeline/web_assets/", "halo/_nbits.c", "halo_edge-")) for n in left_out)
+    # what the tree holds, no more: build/lib keeps whatever an earlier build put there (modules since moved)
+    source = {str(p.relative_to(ROOT)) for p in (ROOT / "halo").rglob("*.py")}
+    stale = {n for n in full_names if n.startswith("halo/") and n.endswith(".py")
+             and not n.startswith(("halo/eval/", "halo/predictors/", "halo/scheduler/", "halo/transport/",
+                                   "halo/edge_agent/", "halo/rpi/")) and n not in source}
+    assert stale == set()
     if any(n.startswith("halo/pipeline/web_assets/") for n in full_names):  # the page built (npm): 28 MB of wasm
         assert agent.stat().st_size <= full.stat().st_size / 2, (agent.stat().st_size, full.stat().st_size)
     venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")

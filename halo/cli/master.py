@@ -104,7 +104,8 @@ def _add_plan(sub) -> None:
                          "is the one `generate --agents` would use")
     devices.add_argument("--local-agents", type=int, metavar="N", help="start N agents here, measure them, stop them")
     add_sync_mode(p, "tp: the sync mode to plan for (device selection minimizes its expected time per token, link "
-                     "loss priced as the mode recovers it): ")
+                     "loss priced as the mode recovers it; every mode but auto, which picks one when a session "
+                     "starts): ")
     measure = p.add_argument_group("measuring agents (--agents / --local-agents)")
     measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
                          "(default native: the model file's own)")
@@ -303,8 +304,8 @@ def add_cluster_arguments(parser) -> None:
 
 
 def add_sync_mode(parser, lead: str = "") -> None:
-    """The one --sync (generate, serve, plan and the benchmarks): the same modes, names and default everywhere; None
-    when not given (exact, and nothing to synchronize where no agent is)."""
+    """The one --sync (generate, serve and plan): the same modes, names and default everywhere; None when not given
+    (exact, and nothing to synchronize where no agent is)."""
     from halo.sync import SYNC_MODES
     from halo.sync.modes import RENAMED
 
@@ -725,6 +726,7 @@ def cmd_plan(args) -> int:
     from halo.scheduler.profiles import load_cluster, model_profile, named_config
     from halo.scheduler.tp_plan import plan_tp
 
+    args.sync = plan_sync_mode(args)  # refused before anything loads, whichever planner runs
     if args.cluster is None:
         return _plan_measured(args)
     cluster = load_cluster(args.cluster)
@@ -760,7 +762,7 @@ def cmd_plan(args) -> int:
                 raise ConfigError(f"the exact solver found no plan: {result.message}")
             plan = result.plan
         else:
-            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=plan_sync_mode(args))
+            plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=args.sync)
         used = plan.memory_used()
         ranks = plan.priority_ranks("attention")
         table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
@@ -816,7 +818,7 @@ def _plan_measured(args) -> int:
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
                               hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
-                              sync=SyncSettings(mode=plan_sync_mode(args)))
+                              sync=SyncSettings(mode=args.sync))
     with ExitStack() as stack:
         if args.local_agents:
             local = stack.enter_context(LocalCluster(args.local_agents, args.model))
@@ -830,7 +832,7 @@ def _plan_measured(args) -> int:
                                        select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
                                        same_machine=bool(args.local_agents))
     print_planning(planning, title=f"measured tensor-parallel plan ({plan.algorithm}): "
-                                   f"{args.model or 'stories260K'}, {args.weights}, sync {plan_sync_mode(args)}")
+                                   f"{args.model or 'stories260K'}, {args.weights}, sync {args.sync}")
     if args.out:
         plan_io.save(plan_io.tp_plan_json(plan), args.out)
         print(f"wrote {args.out} (use it with: halo-master generate --plan {args.out})")

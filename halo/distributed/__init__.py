@@ -7,7 +7,8 @@
 - connect.py: `cluster_model` / `connect`, the one way to build a master over agents with a plan, and
   `Replanner` (planning a running cluster again);
 - survive.py: `SurvivingModel`, the master that re-plans when an agent is lost, comes back or straggles;
-- local.py: `LocalCluster`, agents started on this machine.
+- `LocalCluster`, agents started on this machine, lives in halo/runtime/local.py (the pipeline starts them too) and
+  is re-exported here.
 """
 
 from halo.distributed.connect import cluster_model, connect

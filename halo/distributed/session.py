@@ -2,7 +2,7 @@
 
 Before planning (`measure_agents`): a `profile` request to every agent (protocol, model sha256, weight
 format, group sizes, the master's UDP session) makes it time its group kernels and report its memory
-(halo/scheduler/measure.py, cached on the device), and join the master's UDP session so that the
+(halo/runtime/measure.py, cached on the device), and join the master's UDP session so that the
 master can probe its link with enough packets to tell 1 % loss from none (transport/probe.py). The
 master measures itself the same way; the scheduler plans from the figures, and only then is the
 session opened with each participant's share.

@@ -7,7 +7,7 @@ stopped, or its link was silent for --timeout), it:
 
 1. asks every listed agent for its status at once (`ask_status`, one short bound);
 2. re-plans over the master and the agents that answered. Sticky (the default, in the exact modes):
-   every survivor keeps its groups and the failed agent's groups are split among them (shares.py
+   every survivor keeps its groups and the failed agent's groups are split among them (scheduler/sticky.py
    `spread_lost`); each device keeps the kernels of the groups it held (DeviceWorker `reuse`), so it
    builds only what it gained: about 1/(n-1) of a share instead of a whole one. Otherwise (HALO and
    lossy modes, whose priority ranks are contiguous ranges; a sticky plan over a device's memory;

@@ -32,7 +32,7 @@ import numpy as np
 
 from halo.host.cache import device_cache_dir, remove_files
 
-log = logging.getLogger("halo.scheduler")
+log = logging.getLogger("halo.measure")
 POINT_S = 0.06  # timing per (kind, size) point
 MAX_SHARD_BYTES = 256e6  # a point's groups over all layers stay below this (big models: a few groups)
 KERNEL_KINDS = ("attention", "mlp", "lm_head")
