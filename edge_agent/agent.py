@@ -108,7 +108,7 @@ class Agent(ControlServer):
                  memory_budget: int | None = None, busy_poll: str = "auto", masters=None):
         """memory_budget: bytes a session's weights and KV cache may take (None: MEMORY_SHARE of what is available
         at start); a hello whose share needs more is refused with the numbers. busy_poll: whether waits for the next
-        UDP round spin before they sleep (transport/udp.py set_busy_poll: auto = where this process has dedicated
+        UDP round spin before they sleep (transport/udp/base.py set_busy_poll: auto = where this process has dedicated
         cores). masters: the authorized masters' keys (daemon.py)."""
         from halo.transport.udp import UdpEndpoint, set_busy_poll
 

@@ -118,7 +118,7 @@ class LossyTestbed:
                 if name in self.links:  # checksums computed by the sender: a frame the link emulator re-sends from a
                     # raw socket carries what the kernel left in it (an offloaded checksum: garbage, dropped on receipt)
                     _run(*where, "ethtool", "-K", dev, "tx", "off", check=False)
-                # UDP segmentation too: with it on, a segmented send (udp.py's UDP GSO) crossed the bridge as one
+                # UDP segmentation too: with it on, a segmented send (the UDP endpoint's GSO) crossed the bridge as one
                 # frame and the drop rule lost all of its datagrams or none (measured: never a partial vector at 5 %)
                 for features in (("tso", "off", "gso", "off", "gro", "off"), ("tx-udp-segmentation", "off"),
                                  ("tx-gso-list", "off")):  # one call each: an ethtool without a name changes nothing

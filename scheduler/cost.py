@@ -122,7 +122,7 @@ def p_needs_nack(p: float, chunks: int, parity_group: int, parity_chunks: int = 
 
 
 def parity_datagrams(chunks: int, parity_group: int, parity_chunks: int) -> int:
-    """Parity datagrams a vector of `chunks` data chunks goes out with (udp.py's groups)."""
+    """Parity datagrams a vector of `chunks` data chunks goes out with (udp/send.py's groups)."""
     return sum(parity for _, _, parity in groups(chunks, max(parity_group, 0), parity_chunks))
 
 

@@ -31,7 +31,8 @@ LAYERS = (
 MAX_FUNCTION_LINES = 80
 # the modules one token's data path runs through: each function fits on a screen
 DATA_PATH = {"halo.distributed.master", "halo.distributed.rounds", "halo.edge_agent.rounds", "halo.compute.worker",
-             "halo.transport.udp", "halo.sync.modes", "halo.sync.framing"}
+             "halo.transport.udp.base", "halo.transport.udp.send", "halo.transport.udp.gather",
+             "halo.transport.udp.whole", "halo.sync.modes", "halo.sync.framing"}
 MAX_DATA_PATH_LINES = 60
 
 

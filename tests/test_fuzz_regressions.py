@@ -282,7 +282,7 @@ def test_gguf_heads_not_a_multiple_of_kv_heads(tmp_path):
         gguf.read_config(path)
 
 
-# ---- UDP datagrams (transport/udp.py) --------------------------------------------------------------------------
+# ---- UDP datagrams (transport/udp/) ---------------------------------------------------------------------------
 def test_a_chunk_of_another_dtype_before_the_size_is_known_is_counted_not_raised():
     """Found by the campaign (corpus/wire/crash-other-dtype-before-the-size-is-known): a gather of a vector of
     unknown size (expected None) with NACKs on raised TypeError in Inbound.arm_nack when the first authentic

@@ -72,7 +72,7 @@ else:
 
 
 def test_a_segmented_send_loses_its_datagrams_one_by_one():
-    """UDP GSO (udp.py) hands the kernel 6 datagrams as one send: on the bed each must still cross the 'radio' as
+    """UDP GSO (transport/udp/) hands the kernel 6 datagrams as one send: on the bed each must still cross the 'radio' as
     its own frame, lost or not on its own. With UDP segmentation left on on the veths it crossed as one frame and a
     vector came whole or not at all (the bed lied: 0 partial vectors in 3,000 at 5 %)."""
     from halo.transport import wire

@@ -1,4 +1,4 @@
-/* halo.transport._datagrams: the per-datagram work of the UDP transport in C (optional; transport/wire.py, udp.py and
+/* halo.transport._datagrams: the per-datagram work of the UDP transport in C (optional; transport/wire.py, udp/ and
  * erasure.py do the same in Python where this is not built).
  *
  * Why: a round of the fast reliable path moves ~6 datagrams per peer each way, and in Python each one cost ~7 us of
@@ -383,7 +383,7 @@ static int refused_segmentation(int error) {
 
 /* sendmany(fd, datagrams, addresses, segment=True) -> bool: every datagram to every (numeric IPv4 host, port)
  * address, by sendmmsg, a run of equal-sized ones to an address as one segmented message where segment is true and
- * the kernel takes it. A datagram the kernel refuses (a full buffer, a local drop) is a lost packet, as in udp.py's
+ * the kernel takes it. A datagram the kernel refuses (a full buffer, a local drop) is a lost packet, as in the Python path's
  * _sendto. False, with nothing sent, where an address is not a numeric IPv4 one: the caller sends those itself. */
 static PyObject *py_sendmany(PyObject *self, PyObject *args) {
     int fd, segment = 1;
@@ -475,7 +475,7 @@ static PyObject *py_segmenting(PyObject *self, PyObject *args) {
 }
 
 /* ---- receiving -------------------------------------------------------------------------------------------- */
-/* Codec.unpack's checks, in its order: NULL when valid, else the reason udp.py counts. */
+/* Codec.unpack's checks, in its order: NULL when valid, else the reason the endpoint counts. */
 static const char *check(const Keyed *keyed, const uint8_t *p, size_t size, long long session) {
     if (size > MAX_DATAGRAM) return "oversized";
     if (size < HEADER_BYTES + TAG_BYTES) return "truncated";

@@ -1,6 +1,6 @@
 """Measure a link to a peer: packet loss, round-trip time and a bandwidth estimate.
 
-The peer's endpoint echoes PROBE datagrams whenever it is gathering or serving (udp.py). The
+The peer's endpoint echoes PROBE datagrams whenever it is gathering or serving (transport/udp/probes.py). The
 result feeds the scheduler's DeviceProfile (plr, latency, bandwidth). Round-trip loss counts both
 directions; the one-way loss rate reported assumes both directions lose alike (a radio link).
 

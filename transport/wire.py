@@ -25,7 +25,7 @@ anything malformed, oversized, from another version or session, or with a wrong 
 counter, so a captured datagram sent again is recognised (`ReplayWindow`) and changes nothing.
 
 Where the package was built with a C compiler, `transport/_datagrams.c` packs and tags (`Codec.pack`,
-`Codec.pack_chunks`) and reads and checks (udp.py's receive path) the same bytes in C; `Codec.unpack` here, and
+`Codec.pack_chunks`) and reads and checks (the UDP endpoint's receive path) the same bytes in C; `Codec.unpack` here, and
 `Codec(key, fast=False)` for packing, are the Python reference the tests and the fuzzer hold the C path to.
 """
 

@@ -14,7 +14,7 @@ turns a mode and a block into a `RoundPlan`: plain data that tests read without 
 | halo | UDP until complete | + any holding a predicted-top group | UDP, recovered while the deadline allows, then zero-filled | MLP re-mapped per token |
 | halo-tcp | TCP | TCP | as halo | as halo |
 
-"UDP until complete" is the fast reliable path of transport/udp.py: parity (P + Q: any two losses of a
+"UDP until complete" is the fast reliable path of transport/udp/ (gather.py): parity (P + Q: any two losses of a
 group rebuilt at the receiver) and NACKs, so a lost packet costs at most a round trip instead of TCP's
 200 ms minimum retransmission timeout; exact and tcp give the same tokens as one device. Agents
 that hold no groups of a block but need its input (they predict the next layer from it) are
@@ -33,7 +33,7 @@ from halo.transport.erasure import MAX_GROUP
 
 class Transport(str, Enum):
     TCP = "tcp"  # the control connection (ZeroMQ): exact, a lost packet costs TCP's retransmission timeout
-    UDP = "udp"  # chunked datagrams (transport/udp.py)
+    UDP = "udp"  # chunked datagrams (transport/udp/)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,99 @@
+"""Sending vectors: chunks packed once for every recipient, parity where a link has shown loss, the vectors of recent
+epochs kept to answer NACKs (sent again to where the vector went, never to where a NACK came from).
+
+A role of UdpEndpoint (halo/transport/udp/endpoint.py): the methods here run on the one endpoint object."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from halo.transport import erasure, wire
+
+PARITY_PREFIX = struct.Struct("<BB")  # data chunks covered by a parity chunk, parity chunks of its group
+SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
+PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
+
+
+@dataclass
+class Sent:
+    """UdpEndpoint's sending of vectors and answers to NACKs."""
+
+    dtype: int
+    payloads: list[bytes]
+    recipients: dict[int, tuple]  # peer id -> the address it went to
+
+
+class Sender:
+    """Sending vectors: chunks packed once for every recipient, parity where a link has shown loss, the vectors of recent
+    epochs kept to answer NACKs (sent again to where the vector went, never to where a NACK came from)."""
+
+    def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
+                    parity_group: int = 0, parity_chunks: int = 2) -> int:
+        """Send values as chunks to every recipient (peer id -> address), packed once, with `parity_chunks`
+        parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none); remember
+        them for NACKs. Returns datagrams per recipient."""
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+        payloads = wire.chunk_payloads(values, dtype)
+        datagrams = self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1, payloads)
+        self.counter += len(payloads)
+        if parity_group:
+            datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
+        self._send_all(datagrams, list(recipients.values()))
+        size = sum(map(len, datagrams))
+        for peer in recipients:
+            self.stats[peer].sent_bytes += size
+            self.stats[peer].chunks_sent += len(datagrams)
+        self.sent[epoch] = Sent(dtype, payloads, dict(recipients))
+        while len(self.sent) > SENT_VECTORS_KEPT:
+            self.sent.popitem(last=False)
+        return len(datagrams)
+
+    def lossy(self, peers) -> bool:
+        """Whether any of these peers' links has lost more than PARITY_LOSS_THRESHOLD of its chunks, either way
+        (what it sent us; what we sent it, by its NACKs: a peer that only receives from us over UDP shows its
+        losses no other way): parity then pays for itself (at 0 % loss it is a quarter more datagrams for
+        nothing)."""
+        return any(max(self.stats[p].observed_plr, self.stats[p].outbound_plr) > PARITY_LOSS_THRESHOLD for p in peers)
+
+    def _parity(self, dtype: int, epoch: int, payloads: list[bytes], group: int, chunks: int) -> list[bytes]:
+        """P (and Q) per `group` data chunks: index = the group's first chunk, payload = prefix + parity."""
+        out = []
+        for start, size, here in erasure.groups(len(payloads), group, chunks):
+            members = payloads[start:start + size]
+            prefix = PARITY_PREFIX.pack(size, here)
+            for kind, parity in zip(wire.PARITIES, erasure.parities(members, here)):
+                out.append(self.pack(kind, dtype, epoch, start, len(payloads), prefix + parity))
+        return out
+
+    def _send_again(self, epoch: int, peer: int, indices) -> int | None:
+        """Chunks of a vector we sent to `peer`, again, with fresh counters, to where it first went: how many
+        (None: that vector is no longer kept, or never went to `peer`)."""
+        entry = self.sent.get(epoch)
+        if entry is None or peer not in entry.recipients:
+            return None
+        count = len(entry.payloads)
+        datagrams = [self.pack(wire.DATA, entry.dtype, epoch, int(i), count, entry.payloads[i])
+                     for i in indices if 0 <= i < count]
+        self._send_all(datagrams, [entry.recipients[peer]])  # one sendmmsg (a run of them one segmented message)
+        return len(datagrams)
+
+    def resend(self, epoch: int, peer: int) -> bool:
+        """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
+        missed); False when that vector is no longer kept."""
+        entry = self.sent.get(epoch)
+        sent = entry is not None and self._send_again(epoch, peer, range(len(entry.payloads))) is not None
+        self.stats[peer].resends += sent
+        return sent
+
+    def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
+        """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
+        sent = None if len(payload) % 2 else self._send_again(header.epoch, header.sender,
+                                                               np.frombuffer(payload, dtype="<u2"))
+        if sent is None:
+            self.stats[header.sender].rejected["nack_unknown"] += 1
+            return
+        self.stats[header.sender].nacks_answered += 1
+        self.stats[header.sender].chunks_sent_again += sent  # holes it saw: our way to it loses packets
