@@ -2,11 +2,14 @@
 top to bottom.
 
 Read statically (ast), so the checks see imports inside functions too (the lazy imports that keep an
-agent light must not hide a cycle).
+agent light must not hide a cycle); the data path's call chains are watched while a token is decoded.
 """
 
 import ast
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"halo": "halo", "predictors": "halo.predictors", "scheduler": "halo.scheduler",
@@ -151,3 +154,65 @@ def test_every_halo_child_process_starts_with_the_installed_package_first():
                     if "-m" in values and any(isinstance(v, str) and v.startswith("halo") for v in values):
                         offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"start halo children with halo.distributed.module_command: {offenders}"
+
+
+def module_stack(frame) -> list[str]:
+    """The product modules on a call stack, outermost first, a run of frames in one module counted once."""
+    modules = []
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("halo.") and not name.startswith("halo.eval") and (not modules or modules[-1] != name):
+            modules.append(name)
+        frame = frame.f_back
+    return modules[::-1]
+
+
+@pytest.mark.parametrize("mode", ["exact", "halo"])
+def test_a_decode_tokens_data_path_returns_to_a_module_at_most_twice_on_each_side(stories_weights, mode):
+    """Read top to bottom: while a token is decoded over an agent, no call chain on the master or on the agent goes
+    back into a module it already passed through more than twice (a module calling down, and the callee calling back
+    up into it: callbacks, upcalls). Measured on every call the profiler sees, master and agent in one process."""
+    import signal
+    import sys
+    import threading
+
+    from halo.distributed import cluster_model
+    from halo.edge_agent import agent as agent_module
+    from halo.sync import SyncSettings
+
+    worst, calls, recording = {}, {"master": 0, "agent": 0}, threading.Event()
+
+    def profile(frame, event, arg):
+        if event != "call" or not recording.is_set():
+            return
+        side = "agent" if threading.current_thread().name == "agent" else "master"
+        modules = module_stack(frame)
+        calls[side] += 1
+        returns = len(modules) - len(set(modules))
+        if returns > worst.get(side, (0, []))[0]:
+            worst[side] = (returns, modules)
+
+    sigterm = signal.getsignal(signal.SIGTERM)
+    agent = agent_module.Agent(None, "tcp://127.0.0.1:0", None, insecure=True, name="in-process")
+    signal.signal(signal.SIGTERM, sigterm)  # the daemon takes SIGTERM for its drain: give it back to pytest
+    threading.setprofile(profile)
+    server = threading.Thread(target=agent.serve, daemon=True, name="agent")
+    server.start()
+    threading.setprofile(None)
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=64, plan="even",
+                          sync=SyncSettings(mode=mode))
+    try:
+        logits = model.forward([1, 2, 3])
+        sys.setprofile(profile)
+        recording.set()
+        for _ in range(2):
+            logits = model.forward([int(np.argmax(logits))])
+    finally:
+        recording.clear()
+        sys.setprofile(None)
+        model.close()
+        agent.stop()
+        server.join(5)
+    assert calls["master"] > 500 and calls["agent"] > 500  # both sides were seen
+    for side, (returns, modules) in worst.items():
+        assert returns <= 2, f"{side}: {' -> '.join(modules)}"

@@ -10,7 +10,6 @@ so the result is deterministic. The LM head's vocabulary slices are gathered int
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
@@ -20,7 +19,7 @@ from halo.compute.remap import keep_in_place
 from halo.compute.shares import Block, Shares, rank_range
 from halo.errors import HaloError
 from halo.model.quant import embed
-from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, SyncSettings, Transport, plan_round, ranking_digest,
+from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, Transport, plan_round, ranking_digest,
                        ranks_next_layer_itself)
 from halo.compute.worker import DeviceWorker
 from halo.model.weights import ModelWeights
@@ -29,7 +28,7 @@ from halo.distributed.estimates import RunningEstimates
 from halo.distributed.remote import RemoteAgent
 from halo.distributed.rounds import MasterRound, RoundContext
 from halo.distributed.session import MasterSettings, Session
-from halo.distributed.timing import RoundTime, Timings
+from halo.distributed.timing import RoundClock, Timings
 
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
 TIER_PLR = 0.02  # agents whose probed links lose within this of each other are equally reliable (keep_in_place): the
@@ -135,39 +134,39 @@ class DistributedModel:
 
     def _block(self, block: Block, x: np.ndarray, start: int | Rows) -> np.ndarray:
         """One round: send the input, compute the own share, merge the partials (own share first, then
-        agents by node id: deterministic). Decode rounds are timed (timing.py)."""
-        t0 = time.perf_counter()
+        agents by node id: deterministic). Decode rounds are timed (timing.py RoundClock)."""
+        clock = RoundClock()
         if block in self.alone:  # nothing to send or gather (~20 us of round bookkeeping a block saved)
             out = self._own(block, x, start)
-            t1 = time.perf_counter()
+            clock.mark("own")
             self._predict_next(block, x)
-            if self.decoding:
-                t2 = time.perf_counter()
-                self.timings.record(RoundTime(1e3 * (t2 - t0), 0.0, 1e3 * (t1 - t0), 1e3 * (t2 - t1), 0.0, 0.0, 0.0),
-                                    {}, synced=False)
+            clock.mark("predict")
+            self._timed(clock, {}, synced=False)
             return out
         round_ = self._open_round(block, x, start)
         round_.send()
-        t1 = time.perf_counter()
+        clock.mark("send")
         out = self._own(block, x, start)
-        t2 = time.perf_counter()
+        clock.mark("own")
         if self.sync.pred_overlap:
             self._predict_next(block, x)  # while the partial sums are in flight
-        t3 = time.perf_counter()
+            clock.mark("predict")
         partials = round_.collect()
-        t4 = time.perf_counter()
+        clock.mark("wait")
         for i, partial in sorted(partials.items()):
             if partial is not None:
                 out = self._merge(block, out, self.agents[i], partial)
-        t5 = time.perf_counter()
+        clock.mark("merge")
         if not self.sync.pred_overlap:
             self._predict_next(block, x)
-        t6 = time.perf_counter()
-        if self.decoding:
-            self.timings.record(RoundTime(1e3 * (t6 - t0), 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2 + t6 - t5),
-                                          1e3 * (t4 - t3), 1e3 * (t5 - t4), max(round_.agent_compute.values(), default=0.0)),
-                                round_.agent_compute, synced=bool(round_.plan.receivers))
+            clock.mark("predict")
+        self._timed(clock, round_.agent_compute, synced=bool(round_.plan.receivers))
         return out
+
+    def _timed(self, clock: RoundClock, agent_compute: dict[int, float], synced: bool) -> None:
+        """A decode round's times into the breakdown (prefill passes are not rounds of a token)."""
+        if self.decoding:
+            self.timings.record(clock.time(max(agent_compute.values(), default=0.0)), agent_compute, synced)
 
     def _predict_next(self, block: Block, x: np.ndarray) -> None:
         """HALO: rank the next layer's groups (from an attention block's input) and, within each tier of equally

@@ -8,6 +8,7 @@ price of distributing, which the transport work tries to bring down to what a pa
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +33,27 @@ class RoundTime:
 
 
 FIELDS = ("wall_ms", "send_ms", "own_ms", "predict_ms", "wait_ms", "merge_ms", "agents_ms")
+PHASES = ("send", "own", "predict", "wait", "merge")  # what a round's data path does, in RoundTime's terms
+
+
+class RoundClock:
+    """A round's stopwatch, beside its data path: each step of the round ends with `mark(phase)`, the time since the
+    previous mark going to that phase; `time(agents_ms)` is the round as a RoundTime."""
+
+    __slots__ = ("started", "last", "ms")
+
+    def __init__(self):
+        self.started = self.last = time.perf_counter()
+        self.ms = dict.fromkeys(PHASES, 0.0)
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.ms[phase] += 1e3 * (now - self.last)
+        self.last = now
+
+    def time(self, agents_ms: float = 0.0) -> RoundTime:
+        return RoundTime(1e3 * (self.last - self.started), self.ms["send"], self.ms["own"], self.ms["predict"],
+                         self.ms["wait"], self.ms["merge"], agents_ms)
 
 
 @dataclass
