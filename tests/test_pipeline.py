@@ -106,7 +106,7 @@ def test_the_graph_ready_decode_step_equals_the_eager_pass(stories_weights):
     assert np.abs(rows - middle.forward(x, 0)[0]).max() < 1e-4
 
 
-@pytest.mark.skipif(not __import__("halo.pipeline.torch_stage", fromlist=["x"]).cuda_available(),
+@pytest.mark.skipif(not __import__("halo.compute.backends", fromlist=["x"]).cuda_available(),
                     reason="no CUDA device here: the graph capture runs only on a GPU (the device tool's machine)")
 def test_the_cuda_graph_replays_the_eager_step(stories_weights):
     from halo.pipeline.torch_stage import TorchStageEngine

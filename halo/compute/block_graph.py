@@ -19,19 +19,6 @@ import numpy as np
 from halo.compute.linear import GraphBuilder, GraphSession, KernelProjection
 
 
-def graph_or_sessions(build, *projections):
-    """build(*projections), the block graph, when every projection is one unopened MatMulNBits kernel; else None,
-    after opening the projections' own kernels (they then run as separate calls: fp32, halo's C kernel, mixed
-    kinds, or a matrix big enough to span several kernels)."""
-    if all(isinstance(p, KernelProjection) and len(p.kernels) == 1 and p.kernels[0].session is None
-           and not p.kernels[0].in_c for p in projections):
-        return build(*projections)
-    for p in projections:
-        if isinstance(p, KernelProjection):
-            p.open()
-    return None
-
-
 def _open(graph: GraphBuilder, projections, inputs: dict, outputs: dict, threads: int) -> GraphSession:
     session = graph.session(inputs, outputs, threads)
     for p in projections:

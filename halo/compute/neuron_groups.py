@@ -27,7 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
-from halo.compute.block_graph import AttentionGraph, MlpGraph, graph_or_sessions
+from halo.compute.backends import block_backend, c_weights
+from halo.compute.block_graph import AttentionGraph, MlpGraph
 from halo.compute.group_cache import GroupCache
 from halo.compute.linear import (DenseProjection, DequantKernel, KernelProjection, _nbits, int8_block_for,
                                  make_projection)
@@ -182,11 +183,12 @@ class AttentionShard:
         # most shares): attention runs as one batched product over the KV heads instead of a loop
         r = len(self.heads_of_kv[0])
         self.kv_batched = all(heads == list(range(j * r, (j + 1) * r)) for j, heads in enumerate(self.heads_of_kv))
-        self.graph = graph_or_sessions(lambda qkv, out: AttentionGraph(qkv, out, kv_of_head, hd, len(self.kv_heads),
-                                                                       threads), self.qkv, self.out)
+        self.backend = block_backend(self.qkv, self.out)  # halo/compute/backends.py
+        self.graph = (AttentionGraph(self.qkv, self.out, kv_of_head, hd, len(self.kv_heads), threads)
+                      if self.backend == "onnx-graph" else None)
         self.threads = threads
         self.kv_of_head = np.array(kv_of_head, np.int32)  # the decode step's: local KV head of each local query head
-        self.step_weights = c_weights(self.qkv, self.out) if self.graph is None else None  # (qkv, out) for `step`
+        self.step_weights = c_weights(self.qkv, self.out) if self.backend == "c-step" else None  # (qkv, out): `step`
         # [slots, positions, local KV heads, hd]: a slot's cache of positions 0..P-1 is one contiguous block (the graph's
         # input); memory follows the positions written, page by page
         self.cache_k = zeros_by_page((slots, max_seq_len, len(self.kv_heads), hd))
@@ -203,8 +205,8 @@ class AttentionShard:
 
     @property
     def fused(self) -> bool:
-        """Whether a token runs through `step` (halo's C kernel holds both projections)."""
-        return self.step_weights is not None
+        """Whether a token runs through `step` (backend "c-step": halo's C kernel holds both projections)."""
+        return self.backend == "c-step"
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, start_pos: int, rotary: Rotary, slot: int = 0) -> np.ndarray:
         """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, q/k/v, rotary, the
@@ -306,18 +308,6 @@ class AttentionShard:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
 
-def c_weights(*projections) -> tuple | None:
-    """The C decode steps' weights of these projections (`DequantKernel.c_weight`), or None unless each is one kernel
-    that halo's C kernel computes without padding its inputs."""
-    weights = []
-    for p in projections:
-        kernel = p.kernels[0].session if isinstance(p, KernelProjection) and len(p.kernels) == 1 else None
-        if not isinstance(kernel, DequantKernel) or kernel.padded or _nbits is None:
-            return None
-        weights.append(kernel.c_weight)
-    return tuple(weights)
-
-
 def grouped_output(act: np.ndarray, w_out: np.ndarray, slices: list[slice]) -> np.ndarray:
     """Per-group contributions W_out[:, g] @ act[g] -> [T, G, D]; their sum over G is the partial output.
 
@@ -412,9 +402,10 @@ class MlpShard:
     def _assemble(self, layout: GroupLayout, groups: tuple, gate_up, down, threads: int) -> None:
         self.groups, self.gate_up, self.down = groups, gate_up, down
         self._down_dense = self.down.matrices[0] if isinstance(self.down, DenseProjection) else None
-        self.graph = graph_or_sessions(lambda gate_up, down: MlpGraph(gate_up, down, threads), self.gate_up, self.down)
+        self.backend = block_backend(self.gate_up, self.down)  # halo/compute/backends.py
+        self.graph = MlpGraph(self.gate_up, self.down, threads) if self.backend == "onnx-graph" else None
         self.threads = threads
-        self.step_weights = c_weights(self.gate_up, self.down) if self.graph is None else None  # (gate_up, down)
+        self.step_weights = c_weights(self.gate_up, self.down) if self.backend == "c-step" else None  # (gate_up, down)
         sizes = [len(layout.mlp_neurons(g)) for g in self.groups]
         bounds = np.concatenate([[0], np.cumsum(sizes)])
         self.slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -430,8 +421,8 @@ class MlpShard:
 
     @property
     def fused(self) -> bool:
-        """Whether a token runs through `step` (halo's C kernel holds both projections)."""
-        return self.step_weights is not None
+        """Whether a token runs through `step` (backend "c-step": halo's C kernel holds both projections)."""
+        return self.backend == "c-step"
 
     def step(self, x: np.ndarray, norm: np.ndarray, eps: float, *unused) -> np.ndarray:
         """T positions' residual stream x [T, D] through the block in one C call (RMSNorm by `norm`, gate/up, SwiGLU,

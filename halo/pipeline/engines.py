@@ -1,28 +1,19 @@
-"""Which stage engine a device runs: torch on CUDA where a GPU is present, else halo's CPU kernels."""
+"""A pipeline stage worker's engine, on the backend halo/compute/backends.py `stage_backend` chooses for its device."""
 
 from __future__ import annotations
 
-from halo.errors import ConfigError
+from halo.compute.backends import stage_backend
 from halo.model.weights import ModelWeights
-
 from halo.pipeline.stage import StageEngine
-
-DEVICES = ("auto", "cpu", "cuda", "torch-cpu")
 
 
 def make_engine(weights: ModelWeights, start: int, stop: int, max_seq_len: int, fmt: str = "fp32",
                 threads: int = 1, device: str = "auto"):
-    """device "auto" or "cuda": torch on CUDA when available ("cuda" insists; fp16 weights for native and int8,
-    fp32 for fp32); "cpu": halo's own kernels (the TP runtime's C decode steps for native and int8); "torch-cpu":
-    the torch engine on the CPU (tests)."""
-    if device not in DEVICES:
-        raise ConfigError(f"unknown stage device {device!r}: choose auto, cpu, cuda or torch-cpu")
-    if device in ("auto", "cuda", "torch-cpu"):
-        from halo.pipeline.torch_stage import TorchStageEngine, cuda_available
+    """The engine of layers start..stop: torch (fp16 weights for native and int8, fp32 for fp32) on CUDA or, for
+    tests, the CPU; else halo's own kernels (the TP runtime's C decode steps for native and int8)."""
+    backend, torch_device = stage_backend(device)
+    if backend == "torch":
+        from halo.pipeline.torch_stage import TorchStageEngine
 
-        if device == "torch-cpu" or cuda_available():
-            return TorchStageEngine(weights, start, stop, max_seq_len, "cpu" if device == "torch-cpu" else "cuda", fmt)
-        if device == "cuda":
-            raise ConfigError("--device cuda: torch with CUDA is not available here (pip install 'halo-edge[gpu]' "
-                              "on a machine with an NVIDIA GPU and driver)")
+        return TorchStageEngine(weights, start, stop, max_seq_len, torch_device, fmt)
     return StageEngine(weights, start, stop, max_seq_len, fmt, threads)

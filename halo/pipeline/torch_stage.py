@@ -33,14 +33,6 @@ LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_u
 NORMS = ("attn_norm", "mlp_norm")
 
 
-def cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
 class TorchStageEngine:
     def __init__(self, weights: ModelWeights, start: int, stop: int, max_seq_len: int, device: str = "cuda",
                  fmt: str = "fp32", graphs: bool = True):
