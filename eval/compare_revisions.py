@@ -26,7 +26,7 @@ from halo.eval.report import command_line, host_line, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "eval" / "results"
-MEASURES = ("run", "tokens", "generated")  # row fields that vary between runs, or are no part of a setup's name
+SETUP_FIELDS = ("nodes", "agents", "plr", "profile", "setup", "sync", "mode", "plan")  # what names a row's setup
 
 
 def install_revision(rev: str, into: Path) -> str:
@@ -47,11 +47,8 @@ def install_revision(rev: str, into: Path) -> str:
 
 
 def setup_key(row: dict) -> str:
-    """A row's setup: its scalar fields but the measured ones (nodes, plr, setup / sync, agents ...)."""
-    fields = [f"{k}={v}" for k, v in row.items() if k not in MEASURES and not k.startswith("ms")
-              and "per_token" not in k and "overhead" not in k and isinstance(v, (str, int, float))
-              and not isinstance(v, bool)]
-    return ", ".join(fields)
+    """A row's setup, from the fields that name one in the benchmarks' rows (what else a row holds is measured)."""
+    return ", ".join(f"{k}={row[k]}" for k in SETUP_FIELDS if k in row)
 
 
 def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict[str, float]:
