@@ -7,7 +7,8 @@ BENCH is a benchmark module of halo.eval whose JSON has `rows` with `ms_median` 
 dependencies: this environment's serve both); every run then starts the benchmark on the base revision and on this
 checkout's installed halo in turn, each in a fresh process (the base one with that folder first on PYTHONPATH, so
 its agents import it too), from a scratch directory. A row's cell is the median over the runs of that setup's
-ms_median; the ratio is this revision's over the base's. Writes eval/results/NAME.{json,md} with the host.
+ms_median (the benchmark's own runs pooled with them); the ratio is this revision's over the base's; the two
+revisions take turns going first. Writes eval/results/NAME.{json,md} with the host.
 """
 
 from __future__ import annotations
@@ -29,21 +30,40 @@ RESULTS = ROOT / "eval" / "results"
 SETUP_FIELDS = ("nodes", "agents", "plr", "profile", "setup", "sync", "mode", "plan")  # what names a row's setup
 
 
-def install_revision(rev: str, into: Path) -> str:
-    """REV installed (no dependencies) into `into`; returns its full commit id."""
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
-                            text=True)
-    if commit.returncode != 0:
-        raise ConfigError(f"--base {rev}: not a commit of {ROOT} ({commit.stderr.strip()})")
-    tree = into / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), commit.stdout.strip()],
-                   check=True)
+def commit_of(rev: str) -> str:
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise ConfigError(f"{rev}: not a commit of {ROOT} ({done.stderr.strip()})")
+    return done.stdout.strip()
+
+
+def step(what: str, command: list[str], **kwargs) -> None:
+    """A step of the base's installation, its failure a ConfigError that names it."""
     try:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-                        str(into / "site"), str(tree)], check=True, timeout=900)
+        subprocess.run(command, check=True, capture_output=True, text=True, **kwargs)
+    except subprocess.CalledProcessError as e:
+        raise ConfigError(f"{what} failed: {(e.stderr or e.stdout).strip()[-1500:]}") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{what} took longer than {kwargs.get('timeout')} s") from None
+
+
+def install_revision(commit: str, into: Path) -> None:
+    """The commit installed (no dependencies) into into/site, its compiled extensions included: a run of the base
+    must never fall through to this checkout's halo (an extension the base build lacked would)."""
+    tree = into / "tree"
+    step("git worktree add", ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), commit])
+    try:
+        step(f"installing {commit[:8]}", [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                                           "--no-build-isolation", "--target", str(into / "site"), str(tree)],
+             timeout=900)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-    return commit.stdout.strip()
+    probe = ("import halo, halo._nbits, halo.transport._datagrams as d, sys; "
+             "sys.exit(any(not m.__file__.startswith(sys.argv[1]) for m in (halo, halo._nbits, d)))")
+    step(f"checking that {commit[:8]} imports from its own folder (its C extensions built)",
+         [sys.executable, "-P", "-c", probe, str(into / "site")], cwd=into, timeout=60,
+         env={**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(into / "site")})
 
 
 def setup_key(row: dict) -> str:
@@ -51,8 +71,8 @@ def setup_key(row: dict) -> str:
     return ", ".join(f"{k}={row[k]}" for k in SETUP_FIELDS if k in row)
 
 
-def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict[str, float]:
-    """One run of the benchmark: setup -> ms_median."""
+def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict[str, list[float]]:
+    """One run of the benchmark: setup -> its rows' ms_median (one a run of the benchmark's own --runs)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if site is not None:
         env["PYTHONPATH"] = str(site)
@@ -60,8 +80,11 @@ def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict
                           cwd=out.parent, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise ConfigError(f"{bench} failed on {'the base' if site else 'this'} revision: {done.stderr.strip()[-2000:]}")
-    rows = json.loads((out / "run.json").read_text())["rows"]
-    return {setup_key(r): r["ms_median"] for r in rows if r.get("ms_median") is not None}
+    times: dict[str, list[float]] = {}
+    for row in json.loads((out / "run.json").read_text())["rows"]:
+        if row.get("ms_median") is not None:
+            times.setdefault(setup_key(row), []).append(row["ms_median"])
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,14 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="halo-revisions-") as tmp:
             scratch = Path(tmp)
-            base = install_revision(args.base, scratch / "base")
-            head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            base, head = commit_of(args.base), commit_of("HEAD")
+            install_revision(base, scratch / "base")
             times: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
+            sides = [("base", scratch / "base" / "site"), ("head", None)]
             for i in range(args.runs):
-                for which, site in (("base", scratch / "base" / "site"), ("head", None)):
+                for which, site in sides if i % 2 == 0 else sides[::-1]:  # each goes first every other run
                     print(f"run {i + 1}/{args.runs}: {which}", file=sys.stderr, flush=True)
                     for key, ms in run_bench(args.bench, bench_args, site, scratch / f"{which}-{i}").items():
-                        times[which].setdefault(key, []).append(ms)
+                        times[which].setdefault(key, []).extend(ms)
+        if not set(times["base"]) & set(times["head"]):
+            raise ConfigError(f"the two revisions' {args.bench} rows share no setup: base {sorted(times['base'])}, "
+                              f"this revision {sorted(times['head'])}")
     except ConfigError as e:
         print(f"compare_revisions: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ MAX_FUNCTION_LINES = 80
 # the modules one token's data path runs through: each function fits on a screen
 DATA_PATH = {"halo.distributed.master", "halo.distributed.rounds", "halo.edge_agent.rounds", "halo.compute.worker",
              "halo.transport.udp.base", "halo.transport.udp.send", "halo.transport.udp.gather",
-             "halo.transport.udp.whole", "halo.sync.modes", "halo.sync.framing"}
+             "halo.transport.udp.whole", "halo.transport.udp.probes", "halo.sync.modes", "halo.sync.framing"}
 MAX_DATA_PATH_LINES = 60
 
 
@@ -195,10 +195,12 @@ def test_a_decode_tokens_data_path_returns_to_a_module_at_most_twice_on_each_sid
     sigterm = signal.getsignal(signal.SIGTERM)
     agent = agent_module.Agent(None, "tcp://127.0.0.1:0", None, insecure=True, name="in-process")
     signal.signal(signal.SIGTERM, sigterm)  # the daemon takes SIGTERM for its drain: give it back to pytest
-    threading.setprofile(profile)
-    server = threading.Thread(target=agent.serve, daemon=True, name="agent")
+    def serve():
+        sys.setprofile(profile)  # set in the thread itself (threading.setprofile races a thread's start)
+        agent.serve()
+
+    server = threading.Thread(target=serve, daemon=True, name="agent")
     server.start()
-    threading.setprofile(None)
     model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=64, plan="even",
                           sync=SyncSettings(mode=mode))
     try:

@@ -66,6 +66,9 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
     (["plan", "--local-agents", "1", "--sync", "auto"], "--sync auto picks a mode when a session starts"),
     (["plan", "--local-agents", "1", "--sync", "reliable"], "--sync reliable was renamed: use --sync exact"),
+    # checked before any planner runs (a cluster file's pipeline and exact planners never looked at --sync)
+    (["plan", "--cluster", "/nonexistent.toml", "--mode", "pipeline", "--sync", "auto"], "--sync auto picks a mode"),
+    (["plan", "--cluster", "/nonexistent.toml", "--algorithm", "exact", "--sync", "reliable"], "--sync reliable was"),
 ])
 def test_master_refuses_bad_values(argv, expected, capsys):
     assert_one_line(*run(cli.main, argv, capsys), expected)
@@ -89,6 +92,11 @@ def test_generate_checks_combinations_before_loading(argv, expected, capsys, mon
 
     monkeypatch.setattr("halo.model.loader.load_weights", no_loading)
     assert_one_line(*run(cli.main, ["generate", *argv], capsys), expected)
+
+
+def test_python_m_halo_cli_is_halo_master():
+    out = subprocess.run([sys.executable, "-P", "-m", "halo.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "halo-master" in out.stdout and "generate" in out.stdout
 
 
 def test_one_sync_option_for_every_command():
