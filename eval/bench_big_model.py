@@ -11,8 +11,11 @@ Llama-3.1-8B shape's 4.5 GB fit no 1.6 GB device), and the same process under an
 what it needs, rather than be killed loading). Per row: load time (the master's start until the cluster is
 ready: its weights mapped, every agent's share built and said so), the time to the first token of a prompt of
 --prompt-tokens tokens (its prefill), ms per output token (median after a warm-up), each cgroup's peak against its
-limit, OOM kills, and whether the tokens are the single process's. Writes eval/results/<name>.{json,md}. Needs root
-(test bed, cgroups); skips otherwise.
+limit, OOM kills, and whether the tokens are the single process's. --dllama PATH adds distributed-llama (a `dllama`
+binary built from its repository), root + N workers in the same namespaces, on the very Q4_0 blocks of the GGUF
+(eval/dllama_files.py, written a run of rows at a time from the --shape the GGUF was written from), without memory
+limits (its root keeps the 128k x 4096 embedding in float32: 2.1 GB), at no loss. Writes
+eval/results/<name>.{json,md}. Needs root (test bed, cgroups); skips otherwise.
 """
 
 from __future__ import annotations
@@ -53,6 +56,53 @@ def run(args) -> list[dict]:
             rows.append({"setup": f"master + {args.agents} agents, exact", "plr": plr, **row})
             print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
         bed.set_loss(0.0)
+        if args.dllama:
+            rows.extend(peer_rows(bed, args))
+    return rows
+
+
+def peer_files(args) -> tuple[Path, Path]:
+    """distributed-llama's files of the GGUF's weights (written once beside it): the GGUF must be the --shape's."""
+    from halo.eval.dllama_files import write_model, write_tokenizer
+    from halo.eval.random_checkpoint import SHAPES
+    from halo.model.loader import load_config
+
+    cfg = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    c = load_config(args.model)
+    if (c.dim, c.hidden_dim, c.n_layers, c.vocab_size) != (cfg["hidden_size"], cfg["intermediate_size"],
+                                                          cfg["num_hidden_layers"], cfg["vocab_size"]):
+        raise SystemExit(f"--model {args.model} is not the {args.shape} shape with {cfg['num_hidden_layers']} layers: "
+                         "give the --shape (and --layers) it was written with (python -m halo.eval.random_checkpoint)")
+    model = Path(args.model).with_suffix(".dllama-q40.m")
+    if not model.exists():
+        print(f"writing {model} (distributed-llama's file of the same blocks, a run of rows at a time)", flush=True)
+        partial = model.with_suffix(".partial")
+        write_model(partial, cfg, streamed=True)
+        partial.rename(model)
+    return model, write_tokenizer(model.with_suffix(".t"), cfg["vocab_size"])
+
+
+def peer_rows(bed, args) -> list[dict]:
+    """distributed-llama, root in the master's namespace and a worker in each agent's, every setting of bench_peer's,
+    at no loss: ms per token as its own lines arrive (bench_peer.run_peer)."""
+    from halo.eval.bench_peer import PEER_SETTINGS, PeerStalled, PeerWorkers, peer_summary, run_peer
+
+    binary = Path(args.dllama).resolve()
+    model, tokenizer = peer_files(args)
+    rows, peers = [], PeerWorkers(bed, binary, args.agents)
+    try:
+        for setting in PEER_SETTINGS:
+            peers.ready(setting)
+            row = {"setup": f"{setting.name}: root + {args.agents} workers, unlimited", "plr": 0.0, "peer": True}
+            try:
+                row.update(peer_summary(run_peer(bed, binary, model, tokenizer, peers.addresses(setting),
+                                                 setting.turbo, args.tokens, args.time_limit, stall_s=args.peer_stall)))
+            except PeerStalled as e:
+                row["error"] = e.short
+            rows.append(row)
+            print(rows[-1], flush=True)
+    finally:
+        peers.close()
     return rows
 
 
@@ -85,6 +135,10 @@ def render(rows: list[dict], args) -> list[str]:
              "| setup | loss | load (s) | first token (s) | ms/token | vs single | agents' cgroup peak / limit (MB) | "
              "master's or the one process's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("peer") and "error" not in r:  # the peer's row: its times only
+            lines.append(f"| {r['setup']} | {r['plr']:.0%} | - | - | {r['ms_median']:.1f} | "
+                         f"{r['ms_median'] / single['ms_median']:.2f}x | - | - | - | - | - |")
+            continue
         if "error" in r or "ms_median" not in r:
             ooms = (r.get("master") or {}).get("oom_kills", 0)
             lines.append(f"| {r['setup']} | {r['plr']:.0%} | failed: {r.get('error', '?')} | | | | | | {ooms} | | |")
@@ -113,10 +167,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--weights", default="native")
     parser.add_argument("--time-limit", type=float, default=1200.0)
+    parser.add_argument("--dllama", help="distributed-llama's dllama binary: its rows too (see above)")
+    parser.add_argument("--shape", default="llama-3.1-8b", help="with --dllama: the random_checkpoint --shape the GGUF "
+                        "was written from (default llama-3.1-8b)")
+    parser.add_argument("--layers", type=int, help="with --dllama: its --layers, if it was given one")
+    parser.add_argument("--peer-stall", type=float, default=600.0, help="with --dllama: seconds without a token "
+                        "before its root is stopped and the row recorded as stalled")
     parser.add_argument("--name", default="big_model")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    if args.dllama and not Path(args.dllama).is_file():
+        parser.error(f"--dllama {args.dllama}: no such file (build it: git clone distributed-llama; make dllama)")
     from halo.rpi.limits import available as limits_available
     from halo.rpi.testbed import available
 

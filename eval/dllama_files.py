@@ -40,12 +40,39 @@ def _header(magic: int, pairs: list[tuple[int, int]]) -> bytes:
     return struct.pack("<ii", magic, 8 + len(body)) + body
 
 
-def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
-    """The random Llama of `cfg` (Hugging Face config keys, eval/random_checkpoint.py) as a Q40 .m file."""
-    import gguf.quants
+def write_model(path: str | Path, cfg: dict, seed: int = 0, streamed: bool = False) -> Path:
+    """The random Llama of `cfg` (Hugging Face config keys, eval/random_checkpoint.py) as a Q40 .m file. streamed: the
+    tensors of `random_checkpoint.streamed_random_tensors` (what `python -m halo.eval.random_checkpoint` writes into a
+    GGUF, the Llama-3.1-8B shape's), generated, quantized and written a run of rows at a time: memory holds one
+    layer's quantized blocks (the peer's order within a layer is not the stream's), not a 2.1 GB float matrix."""
+    from halo.eval.random_checkpoint import llama_tensor_shapes, random_tensors, streamed_random_tensors
 
-    from halo.eval.random_checkpoint import llama_tensor_shapes, random_tensors, to_llama_cpp_rope
+    path = Path(path)
+    header = model_header(cfg)
+    expected = len(header) + sum(
+        4 * int(np.prod(s)) if len(s) == 1 or name == "model.embed_tokens.weight" else int(np.prod(s)) // 32 * 18
+        for name, s in llama_tensor_shapes(cfg).items())
+    tensors = streamed_random_tensors(cfg, seed) if streamed else random_tensors(cfg, seed)
+    layer: dict[str, list[bytes]] = {}
+    with open(path, "wb") as f:
+        f.write(header)
+        for name, tensor in tensors:
+            pieces = tensor_bytes(name, tensor if streamed else [tensor], cfg, rotary_order=not streamed)
+            if not name.startswith("model.layers."):
+                for piece in pieces:  # the embedding, the final norm, the LM head: in the stream's order already
+                    f.write(piece)
+                continue
+            layer[name.split(".", 3)[3].rsplit(".", 1)[0]] = list(pieces)
+            if len(layer) == len(LAYER_ORDER):  # a whole layer: out in the peer's order
+                for part in LAYER_ORDER:
+                    f.writelines(layer.pop(part))
+    if path.stat().st_size != expected:
+        raise RuntimeError(f"{path}: {path.stat().st_size} bytes written, the peer reads {expected}")
+    return path
 
+
+def model_header(cfg: dict) -> bytes:
+    """The .m header of `cfg`, refusing what the peer's format cannot say."""
     eps = NORM_EPS_CODES.get(cfg["rms_norm_eps"])
     if eps is None:
         raise ValueError(f"distributed-llama reads rms_norm_eps 1e-5 or 1e-6, not {cfg['rms_norm_eps']}")
@@ -56,35 +83,29 @@ def write_model(path: str | Path, cfg: dict, seed: int = 0) -> Path:
         raise ValueError("this writer takes head_dim = hidden_size / num_attention_heads (the peer's default)")
     if cfg["rope_theta"] != int(cfg["rope_theta"]):
         raise ValueError(f"the peer's file holds rope_theta as an integer, not {cfg['rope_theta']}")
-    path = Path(path)
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    header = _header(MODEL_MAGIC, [(VERSION, 0), (ARCH, LLAMA), (DIM, cfg["hidden_size"]),
-                                   (HIDDEN, cfg["intermediate_size"]), (LAYERS, layers), (HEADS, heads),
-                                   (KV_HEADS, kv_heads), (VOCAB, cfg["vocab_size"]),
-                                   (SEQ_LEN, cfg["max_position_embeddings"]), (ACTIVATION, SILU),
-                                   (ROPE_THETA, int(cfg["rope_theta"])), (WEIGHTS, Q40), (NORM_EPS, eps)])
-    expected = len(header) + sum(
-        4 * int(np.prod(s)) if len(s) == 1 or name == "model.embed_tokens.weight" else int(np.prod(s)) // 32 * 18
-        for name, s in llama_tensor_shapes(cfg).items())
-    layer: dict[str, bytes] = {}
-    with open(path, "wb") as f:
-        f.write(header)
-        for name, array in random_tensors(cfg, seed):
-            if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith("layernorm.weight"):
-                data = np.ascontiguousarray(array, "<f4").tobytes()
-            else:
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    array = to_llama_cpp_rope(array, heads if "q_proj" in name else kv_heads)
-                data = gguf.quants.quantize(array, q4).tobytes()
-            if not name.startswith("model.layers."):
-                f.write(data)  # the embedding, the final norm, the LM head: in the stream's order already
-                continue
-            layer[name.split(".", 3)[3].rsplit(".", 1)[0]] = data
-            if len(layer) == len(LAYER_ORDER):  # a whole layer: out in the peer's order
-                f.writelines(layer.pop(part) for part in LAYER_ORDER)
-    if path.stat().st_size != expected:
-        raise RuntimeError(f"{path}: {path.stat().st_size} bytes written, the peer reads {expected}")
-    return path
+    return _header(MODEL_MAGIC, [(VERSION, 0), (ARCH, LLAMA), (DIM, cfg["hidden_size"]),
+                                 (HIDDEN, cfg["intermediate_size"]), (LAYERS, layers), (HEADS, heads),
+                                 (KV_HEADS, kv_heads), (VOCAB, cfg["vocab_size"]),
+                                 (SEQ_LEN, cfg["max_position_embeddings"]), (ACTIVATION, SILU),
+                                 (ROPE_THETA, int(cfg["rope_theta"])), (WEIGHTS, Q40), (NORM_EPS, eps)])
+
+
+def tensor_bytes(name: str, runs, cfg: dict, rotary_order: bool):
+    """A tensor's bytes in the peer's file, a run of rows at a time: the embedding and the norms float32, every other
+    matrix Q40 (GGUF's Q4_0). rotary_order: q/k rows of Hugging Face order into the interleaved one first (whole
+    tensors only; a streamed random tensor's rows are already the file's, as in its GGUF)."""
+    import gguf.quants
+
+    from halo.eval.random_checkpoint import to_llama_cpp_rope
+
+    for rows in runs:
+        if name in ("model.embed_tokens.weight", "model.norm.weight") or name.endswith("layernorm.weight"):
+            yield np.ascontiguousarray(rows, "<f4").tobytes()
+            continue
+        if rotary_order and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            rows = to_llama_cpp_rope(rows, heads)
+        yield gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_0).tobytes()
 
 
 def write_tokenizer(path: str | Path, vocab: int) -> Path:

@@ -22,10 +22,15 @@ SMALL = {**TINYLLAMA_1_1B, "hidden_size": 128, "intermediate_size": 256, "num_hi
 PEER_LAYER = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_down", "ffn_up", "attn_norm", "ffn_norm")
 
 
-def test_the_peer_model_holds_the_blocks_of_halos_gguf_in_the_peers_order(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_the_peer_model_holds_the_blocks_of_halos_gguf_in_the_peers_order(tmp_path, monkeypatch, streamed):
+    """streamed: both written a run of rows at a time (the Llama-3.1-8B shape's way), runs of 32 rows here."""
     gguf = pytest.importorskip("gguf")
-    model = write_model(tmp_path / "m.m", SMALL)
-    write_random_gguf(tmp_path / "m.gguf", SMALL, "Q4_0")
+    from halo.eval import random_checkpoint
+
+    monkeypatch.setattr(random_checkpoint.RowChunks, "ROWS", 32)
+    model = write_model(tmp_path / "m.m", SMALL, streamed=streamed)
+    write_random_gguf(tmp_path / "m.gguf", SMALL, "Q4_0", streamed=streamed)
     ours = {t.name: bytes(np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
     raw = model.read_bytes()
     magic, header = struct.unpack_from("<ii", raw)
