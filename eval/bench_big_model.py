@@ -131,7 +131,11 @@ def render(rows: list[dict], args) -> list[str]:
              f"of {args.master_limit_mb} MB; loss on every node's port, both directions. Load: the master's start "
              f"until every share is built; first token: the {single.get('prompt_tokens')}-token prompt's pass; "
              f"ms/token: median of {args.tokens} after a warm-up. The single process (unlimited: the model does not "
-             "fit one such device) is the yardstick of the same run.", "",
+             "fit one such device) is the yardstick of the same run." + (
+                 " `dllama`: distributed-llama (its `--net-turbo 0`; `dllama turbo`: 1), root in the master's "
+                 "namespace and a worker in each agent's, on the GGUF's very Q4_0 blocks (eval/dllama_files.py), "
+                 "without memory limits (its root holds the 128k x 4096 embedding in float32, 2.1 GB), at no loss."
+                 if any(r.get("peer") for r in rows) else ""), "",
              "| setup | loss | load (s) | first token (s) | ms/token | vs single | agents' cgroup peak / limit (MB) | "
              "master's or the one process's (MB) | OOM kills | partials dropped | tokens = single |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
