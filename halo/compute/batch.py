@@ -41,6 +41,14 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
     return tokens
 
 
+def check_span(start: int, tokens: int, context: int) -> None:
+    """A single sequence's pass at positions start..start+tokens-1, or ValueError: inside the context."""
+    if start < 0:
+        raise ValueError(f"start position {start} is negative")
+    if start + tokens > context:
+        raise ValueError(f"{start + tokens} positions exceed the context length {context}")
+
+
 @dataclass(frozen=True)
 class Segment:
     """Rows first..last-1 of a pass: one slot's tokens at positions start.."""

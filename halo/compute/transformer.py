@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from halo.compute.batch import Rows, check_slots, check_tokens
+from halo.compute.batch import Rows, check_slots, check_span, check_tokens
 from halo.compute.linear import DenseProjection
 from halo.compute.neuron_groups import GroupLayout
 from halo.compute.shares import Block, everything, share_memory
@@ -61,10 +61,7 @@ class Transformer:
         token [V] (or of all tokens [T, V])."""
         tokens = check_tokens(tokens, self.config.vocab_size)
         start = self.pos if start_pos is None else start_pos
-        if start < 0:
-            raise ValueError(f"start position {start} is negative")
-        if start + len(tokens) > self.max_seq_len:
-            raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
+        check_span(start, len(tokens), self.max_seq_len)
         x = embed(self.tok_embeddings, tokens)  # [T, D]
         for i in range(self.config.n_layers):
             x = self.layer(i, x, start)

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from halo.compute.batch import Rows, check_slots, check_tokens
+from halo.compute.batch import Rows, check_slots, check_span, check_tokens
 from halo.compute.neuron_groups import GroupLayout
 from halo.compute.remap import keep_in_place
 from halo.compute.shares import Block, Shares, rank_range
@@ -98,10 +98,7 @@ class DistributedModel:
     def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
         tokens = check_tokens(tokens, self.config.vocab_size)
         start = self.pos if start_pos is None else start_pos
-        if start < 0:
-            raise ValueError(f"start position {start} is negative")
-        if start + len(tokens) > self.max_seq_len:
-            raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
+        check_span(start, len(tokens), self.max_seq_len)
         logits = self._pass(tokens, start, slice(None) if all_logits else slice(-1, None), len(tokens) == 1)
         self.pos = start + len(tokens)
         return logits if all_logits else logits[0]

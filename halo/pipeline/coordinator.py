@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from halo.compute.batch import check_span, check_tokens
 from halo.compute.shares import planning_format
 from halo.errors import ConfigError, HaloError
 from halo.model.config import DEFAULT_CONTEXT
@@ -129,14 +130,11 @@ class PipelineModel:
 
     # ---- the forward pass ----------------------------------------------------------------------------------
     def forward(self, tokens, start_pos: int | None = None, all_logits: bool = False) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
+        tokens = check_tokens(tokens, self.config.vocab_size)
         start = self.pos if start_pos is None else start_pos
-        if tokens.ndim != 1 or len(tokens) == 0 or tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise ValueError(f"forward needs a non-empty 1-D sequence of token ids within 0..{self.config.vocab_size - 1}")
-        if not 0 <= start <= self.pos:
+        check_span(start, len(tokens), self.max_seq_len)
+        if start > self.pos:
             raise ValueError(f"start position {start} would leave a hole after the {self.pos} cached positions")
-        if start + len(tokens) > self.max_seq_len:
-            raise ValueError(f"{start + len(tokens)} positions exceed the context length {self.max_seq_len}")
         self.history.truncate(start)
         head = HeadRequest(0, True) if all_logits else HeadRequest(self.head_top_k, False)
         failure, detected_after_s = None, 0.0
