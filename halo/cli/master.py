@@ -149,7 +149,8 @@ def _add_serve(sub) -> None:
                         description="Serve one model over any cluster `generate` can build: POST /v1/chat/completions "
                                     "and /v1/completions (streaming as server-sent events), GET /v1/models, /health, "
                                     "/metrics (Prometheus), and at / a chat page beside a live view of the cluster. "
-                                    "One generation runs at a time; others wait in a bounded queue.")
+                                    "Up to --slots requests are decoded together, every pass; more wait in a "
+                                    "bounded queue (429 with Retry-After when it is full).")
     add_model_arguments(sv)
     http = sv.add_argument_group("HTTP")
     http.add_argument("--host", default="127.0.0.1",
