@@ -29,6 +29,7 @@ from halo.compute.shares import Block, Shares, share_memory
 from halo.compute.worker import DeviceWorker
 from halo.errors import HaloError
 from halo.host.memory import memory_limit, read_mapped_files_at_random
+from halo.runtime.measure import MEMORY_SHARE, default_memory_budget
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
 from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
@@ -40,7 +41,6 @@ from halo.edge_agent.rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
-MEMORY_SHARE = 0.9  # of the memory available at start: the default budget (the rest: the process, buffers, the OS)
 RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
 BUSY_WINDOW_S = 0.05  # busy polling spins while the last UDP round is at most this old (a decode is running)
 LOADING_REPORT_S = 1.0  # while a share loads, the master hears how far it got this often
@@ -116,11 +116,7 @@ class Agent(ControlServer):
 
         super().__init__(model_path, listen, key, insecure, name, masters)
         self.format, self.threads = weights_format, threads
-        if memory_budget is None:
-            from halo.runtime.measure import memory_available
-
-            memory_budget = int(MEMORY_SHARE * memory_available())
-        self.memory_budget = memory_budget
+        self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.session: Session | None = None
         self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
         self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs

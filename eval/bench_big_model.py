@@ -3,10 +3,13 @@
     python -m halo.eval.random_checkpoint --shape llama-3.1-8b --qtype Q4_0 --out /tmp/halo-llama-3.1-8b-Q4_0.gguf
     python -m halo.eval.bench_big_model --model /tmp/halo-llama-3.1-8b-Q4_0.gguf [--agents 3] [--limit-mb 1600]
                                         [--master-limit-mb 1600] [--plr 0,0.05] [--prompt-tokens 512] [--tokens 16]
+                                        [--modes exact,halo+prepared]
 
 The namespace test bed (rpi/testbed.py), master + N agents, each agent in its own cgroup-v1 memory group with its own
-copy of the model file (rpi/limits.py), the master in one too: exact sync at each loss rate (every node's port, both
-directions). The yardstick, in the same run: the model in one process in the master's namespace, unlimited (the
+copy of the model file (rpi/limits.py), the master in one too: each --modes sync mode at each loss rate (every
+node's port, both directions). HALO modes rank groups with untrained predictors written beside a hard link of the
+model (speed does not depend on what they rank), every node keeping its re-mapped MLP groups within its budget;
+halo+prepared: built from `halo-agent prepare`d groups, each node's own (written once per copy, ~0.7x the model). The yardstick, in the same run: the model in one process in the master's namespace, unlimited (the
 Llama-3.1-8B shape's 4.5 GB fit no 1.6 GB device), and the same process under an agent's limit (it refuses, saying
 what it needs, rather than be killed loading). Per row: load time (the master's start until the cluster is
 ready: its weights mapped, every agent's share built and said so), the time to the first token of a prompt of
@@ -26,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from halo.eval.bench_halo_speed import run_master, summarize
-from halo.eval.bench_memory_bounded import agent_copies, one_run
+from halo.eval.bench_memory_bounded import WORK, agent_copies, one_run, prepare_copies, prepared_root
 from halo.eval.report import command_line, host_line, write_report
 
 MB = 1 << 20
@@ -48,17 +51,32 @@ def run(args) -> list[dict]:
         print(rows[-1], flush=True)
         rows.append(one_process_limited(bed, args, model, key))
         print(rows[-1], flush=True)
+        masters = {mode: halo_master(model, copies, mode, args.weights) if mode.startswith("halo") else (model, None)
+                   for mode in args.modes.split(",")}
         for plr in (float(p) for p in args.plr.split(",")):
             bed.set_loss(plr)
-            row = one_run(bed, args, model, Path(tmp) / "no-predictors", copies, key, "exact",
-                          [args.limit_mb * MB] * args.agents, master_bytes=args.master_limit_mb * MB,
-                          prompt_tokens=args.prompt_tokens)
-            rows.append({"setup": f"master + {args.agents} agents, exact", "plr": plr, **row})
-            print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
+            for mode, (master_model, master_prepared) in masters.items():
+                row = one_run(bed, args, master_model, master_model.parent / "predictors", copies, key, mode,
+                              [args.limit_mb * MB] * args.agents, master_bytes=args.master_limit_mb * MB,
+                              prompt_tokens=args.prompt_tokens, master_prepared=master_prepared)
+                rows.append({"setup": f"master + {args.agents} agents, {mode}", "plr": plr, **row})
+                print({k: v for k, v in row.items() if k not in ("generated", "agents_memory", "udp")}, flush=True)
         bed.set_loss(0.0)
         if args.dllama:
             rows.extend(peer_rows(bed, args))
     return rows
+
+
+def halo_master(model: Path, copies: list[Path], mode: str, weights: str) -> tuple[Path, Path | None]:
+    """HALO mode's master: a hard link of the model with untrained predictors beside it, and (halo+prepared) its own
+    prepared groups, the agents' copies prepared too. -> (the master's model, its prepared directory or None)."""
+    from halo.eval.bench_churn import with_random_predictors
+
+    master = with_random_predictors(model, WORK / f"master-{model.stem}")
+    if not mode.endswith("+prepared"):
+        return master, None
+    prepare_copies([*copies, master], weights)
+    return master, prepared_root(master)
 
 
 def peer_files(args) -> tuple[Path, Path]:
@@ -126,8 +144,12 @@ def render(rows: list[dict], args) -> list[str]:
     single = rows[0]
     lines = [f"# A model no device holds: {Path(args.model).name}, master + {args.agents} agents, each in "
              f"{args.limit_mb} MB", "", f"`{command_line('halo.eval.bench_big_model', args.argv)}`. {host_line()}", "",
-             f"Namespace test bed on this machine's cores (every node shares them), weights `{args.weights}`, exact "
-             f"sync; every agent in a memory cgroup of {args.limit_mb} MB with its own model copy, the master in one "
+             f"Namespace test bed on this machine's cores (every node shares them), weights `{args.weights}`, sync "
+             f"{', '.join(args.modes.split(','))}" + (
+                 " (HALO: untrained predictors, every node's re-mapped MLP groups within its budget, built from its "
+                 "own `halo-agent prepare`d groups in +prepared rows; over lossless links a layer's groups stay where "
+                 "they are, over lossy ones those crossing the critical cut move)" if "halo" in args.modes else "") +
+             f"; every agent in a memory cgroup of {args.limit_mb} MB with its own model copy, the master in one "
              f"of {args.master_limit_mb} MB; loss on every node's port, both directions. Load: the master's start "
              f"until every share is built; first token: the {single.get('prompt_tokens')}-token prompt's pass; "
              f"ms/token: median of {args.tokens} after a warm-up. The single process (unlimited: the model does not "
@@ -167,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--limit-mb", type=int, default=1600, help="each agent's memory cgroup limit")
     parser.add_argument("--master-limit-mb", type=int, default=1600, help="the master's memory cgroup limit")
     parser.add_argument("--plr", default="0,0.05", help="loss rates of the cluster rows")
+    parser.add_argument("--modes", default="exact", help="sync modes of the cluster rows: exact, halo (re-mapped groups "
+                        "built from the model file), halo+prepared (from `halo-agent prepare`d groups)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="the prompt's length (its pass: the first token)")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--weights", default="native")

@@ -242,11 +242,15 @@ def q4_checkpoint(layers: int) -> Path:
 
 
 def q4_with_predictors(directory: Path, layers: int = 22) -> Path:
-    """q4_checkpoint's file in `directory` (a hard link: the same file) with untrained predictors beside it, where a
-    master looks for them: HALO mode ranks groups with them (speed does not depend on what they rank)."""
+    """q4_checkpoint's file in `directory` with untrained predictors beside it (`with_random_predictors`)."""
+    return with_random_predictors(q4_checkpoint(layers), directory)
+
+
+def with_random_predictors(original: Path, directory: Path) -> Path:
+    """A model file in `directory` (a hard link: the same file) with untrained predictors beside it, where a master
+    looks for them: HALO mode ranks groups with them (speed does not depend on what they rank)."""
     from halo.eval.random_checkpoint import write_random_predictors
 
-    original = q4_checkpoint(layers)
     path = Path(directory) / original.name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

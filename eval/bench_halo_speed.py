@@ -157,15 +157,16 @@ class Cluster:
 
 def run_master(bed, model: Path, key: Path, endpoints: list[str], sync: str, tokens: int, settings: dict,
                time_limit: float, weights: str = "native", plan: str = "even", prompt_tokens: int = 0,
-               preexec_fn=None) -> dict:
+               preexec_fn=None, env: dict | None = None) -> dict:
     """sync "single": the single-process model, in the master's namespace (same machine, same weights).
     prompt_tokens: a prompt of that many tokens (0: the short fixed one); preexec_fn: run in the started process
-    before the program (e.g. joining a memory cgroup)."""
+    before the program (e.g. joining a memory cgroup); env: the master's environment (None: this one's)."""
     argv = [*module_command("halo.eval.bench_halo_speed"), "master", "--model", str(model), "--key", str(key),
             "--endpoints", ",".join(endpoints), "--sync", sync, "--tokens", str(tokens), "--weights", weights,
             "--settings", json.dumps(settings), "--time-limit", str(time_limit), "--plan", plan,
             "--prompt-tokens", str(prompt_tokens)]
-    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn,
+                  env=env)
     out, err = p.communicate(timeout=time_limit + 180)
     for line in out.splitlines():
         if line.startswith("RESULT "):

@@ -1,17 +1,19 @@
 """Agents under memory limits (HALO's 8 GB Pi that cannot hold the model) and SD-card read rates.
 
     python -m halo.eval.bench_memory_bounded [--model tinyllama-q4] [--agents 3] [--modes exact,halo]
-                                             [--limits 1.25,1.10] [--read-mbps 40] [--tokens 16]
+                                             [--limits 1.25,1.10] [--read-mbps 40] [--tokens 16] [--plr 0.05]
 
-The namespace test bed (rpi/testbed.py, 0 % loss), the master unlimited, every agent in its own cgroup-v1
-memory group (rpi/limits.py) with its own copy of the model file. Per sync mode, first unlimited: each agent's
+The namespace test bed (rpi/testbed.py; --plr: loss on every node's port, both directions, 0 % by default), the
+master unlimited, every agent in its own cgroup-v1 memory group (rpi/limits.py) with its own copy of the model file. Per sync mode, first unlimited: each agent's
 share is what its cgroup's charge grew by in exact mode (peak usage minus its usage idle before the hello: weights
 as built, KV cache, buffers; what the limit counts, not the resident set, which also holds library pages other
 cgroups were charged for). Then every agent limited to its idle usage + the mode's own runtime memory (HALO: its
 predictors' onnxruntime sessions, as the agent measured loading them in its cgroup) + FACTOR x its share (--limits: share +
 25 %, share + 10 %), the agent budgeting from what its cgroup leaves (its default budget). HALO mode re-maps
 MLP groups per token: unlimited, an agent builds every candidate group of its layers (the whole MLP); limited, it
-keeps what its budget allows (halo/compute/group_cache.py) and builds the rest when the predictors rank them onto it.
+keeps what its budget allows (halo/compute/group_cache.py) and builds the rest when the predictors rank them onto it
+(over lossy links: the groups crossing the critical cut; where every link is lossless nothing moves, see
+halo/distributed/master.py's `_tiers`).
 
 Storage: in the "page cache" rows each agent's copy and prepared groups are read into the host's page cache first
 (storage as fast as memory, outside the agent's limit). --read-mbps adds rows with the agents' storage throttled
@@ -115,10 +117,11 @@ def prepare_copies(copies: list[Path], weights: str) -> None:
 
 def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: Path, mode: str,
             limits_bytes: list[int | None], read_bps: float | None = None, settings: dict | None = None,
-            master_bytes: int | None = None, prompt_tokens: int = 0) -> dict:
+            master_bytes: int | None = None, prompt_tokens: int = 0, master_prepared: Path | None = None) -> dict:
     """Agents in fresh cgroups with these limits, one master decoding (in a cgroup of its own: limited to
     master_bytes, None unlimited; from a prompt of prompt_tokens tokens, 0: the short fixed one); what each used. Mode
-    "halo+prepared": halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare)."""
+    "halo+prepared": halo with each agent building re-mapped groups from its prepared directory (halo-agent prepare),
+    and the master from master_prepared where given (None: from its model file)."""
     prepared = mode.endswith("+prepared")
     mode = mode.removesuffix("+prepared")
     from contextlib import ExitStack
@@ -151,7 +154,8 @@ def one_run(bed, args, model: Path, predictors: Path, copies: list[Path], key: P
         row = {"mode": mode + ("+prepared" if prepared else ""), "limits_bytes": limits_bytes, "read_bps": read_bps, "settings": settings or {}}
         try:
             result = run_master(bed, model, key, endpoints, mode, args.tokens, settings or {}, args.time_limit,
-                                args.weights, prompt_tokens=prompt_tokens, preexec_fn=master.join)
+                                args.weights, prompt_tokens=prompt_tokens, preexec_fn=master.join,
+                                env={**os.environ, "HALO_PREPARED_DIR": str(master_prepared or WORK / "none")})
             row.update(summarize(result))
             row["agents_memory"] = result.get("agents_memory")
             row["agents_memory_at_timed_start"] = result.get("agents_memory_at_timed_start")
@@ -195,6 +199,7 @@ def run(args) -> None:
     with tempfile.TemporaryDirectory() as tmp, LossyTestbed(n_agents=args.agents, prefix="mb") as bed:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
+        bed.set_loss(args.plr)
         unlimited = list(dict.fromkeys(m.removesuffix("+prepared") for m in modes))  # unlimited, all built at start
         sizing = None
         for round_ in range(args.rounds):  # every configuration once per round, its ratio taken inside the round
@@ -285,7 +290,8 @@ def render(rows: list[dict], args, model: Path) -> list[str]:
     mb = 1e6
     lines = [f"# Agents under memory limits: {model.name}, master + {args.agents} agents", "",
              f"`{command_line('halo.eval.bench_memory_bounded', args.argv)}`. {host_line()}", "",
-             f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, 0 % loss, every agent in its own memory "
+             f"Weights `{args.weights}`, {args.tokens} tokens after a warm-up, {args.plr:.0%} loss (every node's port, "
+             "both directions), every agent in its own memory "
              "cgroup with its own model copy, the master unlimited. Share = what an agent's cgroup charge grew by in exact "
              "mode unlimited (peak usage minus idle usage); limit = idle usage + the mode's runtime memory (HALO: the "
              "predictors' sessions, as its cgroup counted them) + factor x share. Storage \"page cache\": "
@@ -352,6 +358,8 @@ def main(argv=None) -> int:
     parser.add_argument("--read-mbps", type=float, default=0.0, help="also rows with storage read at this rate")
     parser.add_argument("--weights", default="native")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--plr", type=float, default=0.0, help="packet loss on every node's port, both directions "
+                        "(HALO mode keeps a layer's groups in place only where every agent's link is lossless)")
     parser.add_argument("--time-limit", type=float, default=300.0)
     parser.add_argument("--name", default="memory_bounded")
     parser.add_argument("--out", default="eval/results")

@@ -5,6 +5,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,6 +253,36 @@ def test_an_agent_under_a_memory_budget_keeps_compact_groups_and_the_same_tokens
     assert prepared_tokens == free_tokens and all(m["group_cache"]["prepared"] for m in prepared)
 
 
+def test_the_master_keeps_its_re_mapped_groups_within_its_budget_and_gives_the_same_tokens(stories_weights,
+                                                                                          monkeypatch):
+    """HALO mode: the master re-maps MLP groups as an agent does, so it budgets them as one. Where its default budget
+    (what its memory cgroup leaves, here said to be 0.4 MB) cannot hold every candidate as kernels it holds compact
+    groups within it, and the tokens are those of a master with room for them all (halo-tcp: deterministic)."""
+    import halo.runtime.measure
+    from halo.distributed import LocalCluster, cluster_model
+    from halo.sync import SyncSettings
+
+    def run():
+        with LocalCluster(1) as cluster:
+            model = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=64, fmt="int8",
+                                  sync=SyncSettings(mode="halo-tcp"))
+            try:
+                logits, tokens = model.forward([1]), []
+                for _ in range(8):
+                    tokens.append(int(np.argmax(logits)))
+                    logits = model.forward([tokens[-1]])
+                return tokens, model.worker.remapper.report()["group_cache"]
+            finally:
+                model.close()
+
+    free_tokens, free = run()
+    monkeypatch.setattr(halo.runtime.measure, "default_memory_budget", lambda: 400_000)
+    bounded_tokens, bounded = run()
+    assert free["capacity_bytes"] is None and free["kernel"] == projection_kernel()
+    assert bounded["capacity_bytes"] is not None and 0 < bounded["held_bytes"] <= bounded["capacity_bytes"] < 400_000
+    assert bounded["kernel"] == COMPACT_KERNEL and bounded_tokens == free_tokens
+
+
 def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weights, tmp_path):
     """halo-agent prepare writes every MLP group in kernel form, group-major; a group built from those bytes is the
     same kernel as one built from the model file: bitwise the same output."""
@@ -488,7 +519,6 @@ def test_mapped_files_are_advised_random_access():
     evicted page faults back alone instead of with the disk's whole read-ahead window. The kernel shows the
     advice as the mapping's "rr" flag in /proc/self/smaps."""
     import mmap
-    from pathlib import Path
 
     from halo.host.memory import read_mapped_files_at_random
 
@@ -729,3 +759,42 @@ def test_tiers_join_consecutive_agents_that_lose_alike_are_alike_critical_and_ta
     assert DistributedModel._tiers(fake, 1) == []
     fake.listeners, fake.sync = {}, SyncSettings(mode="halo-tcp", critical_fraction=0.25)
     assert DistributedModel._tiers(fake, 1) == []
+
+
+def test_over_lossless_links_a_layers_groups_stay_put_and_an_agent_given_a_top_group_is_critical():
+    """Where every agent's probed link lost nothing, the ranking's placement protects nothing: one tier holds every
+    rank range, the master's too, so keep_in_place keeps every group where it was (a bounded agent reads none), and
+    the agents critical for a round are those placed a group the predictors ranked in the top (not those holding the
+    top ranks' places); a lossy link brings the cut back."""
+    from types import SimpleNamespace
+
+    from halo.compute.remap import keep_in_place
+    from halo.compute.shares import Block
+    from halo.distributed.master import DistributedModel
+    from halo.sync import SyncSettings
+
+    def agent(a, b, plr):
+        groups = list(range(a, b))
+        return SimpleNamespace(share=SimpleNamespace(mlp=[[], groups], groups=lambda block: groups), loads_ahead=True,
+                               profile={"link": {"plr": plr}})
+
+    agents = {1: agent(2, 4, 0.0), 2: agent(4, 6, 0.0), 3: agent(6, 8, 0.0)}
+    mlp = Block("mlp", 1)
+    fake = SimpleNamespace(sync=SyncSettings(mode="halo", critical_fraction=0.25), listeners={}, agents=agents,
+                           holders={mlp: [1, 2, 3]}, layout=SimpleNamespace(n_mlp_groups=8),
+                           worker=SimpleNamespace(share=SimpleNamespace(mlp=[[], [0, 1]]), remapper=object()),
+                           rank_of={}, placed={})
+    fake._ranks_of = lambda a, block: DistributedModel._ranks_of(fake, a, block)
+    tiers = DistributedModel._tiers(fake, 1)
+    assert tiers == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
+    previous = np.arange(8)
+    predicted = np.array([5, 2, 0, 1, 3, 4, 6, 7])  # groups 5 and 2 rank top (cut: 2 ranks)
+    placed = keep_in_place(predicted, previous, tiers)
+    assert placed.tolist() == previous.tolist()  # nothing moves
+    fake.placed[1], fake.rank_of[1] = placed, np.argsort(predicted)
+    assert DistributedModel._critical(fake, mlp, [1, 2, 3]) == {1, 2}  # they hold groups 2 and 5
+    assert DistributedModel._ranks_of(fake, agents[3], mlp) == [6, 7]
+    fake.rank_of.clear()  # a prompt's pass (no placement): the top ranks' places are critical
+    assert DistributedModel._critical(fake, mlp, [1, 2, 3]) == set()
+    agents[3].profile["link"]["plr"] = 0.04
+    assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6)]]  # lossy: cut at the top, agent 3 a tier alone

@@ -33,6 +33,23 @@ from halo.distributed.timing import RoundClock, Timings
 POINTS = {"attention": Point.ATTENTION, "mlp": Point.MLP, "lm_head": Point.LM_HEAD}
 TIER_PLR = 0.02  # agents whose probed links lose within this of each other are equally reliable (keep_in_place): the
 # session's probe of 50 datagrams tells losses apart no finer than ~2 points
+LOSSLESS_PLR = 0.01  # a link whose probe lost nothing (below the probe's resolution): where every agent of a layer has
+# one, the ranking's placement protects nothing and a layer's groups stay where they are (`_tiers`)
+
+
+def own_groups_memory(weights: ModelWeights, layout: GroupLayout, fmt: str):
+    """HALO mode: the master re-maps MLP groups as an agent does, so it budgets them as one (the default budget:
+    as kernels where every candidate fits, compact where not; a master in a 1.6 GB cgroup with the Llama-3.1-8B
+    shape cannot hold its layers' whole MLP) and builds them from `halo-agent prepare`d groups where this host has
+    them for the model (HALO_PREPARED_DIR). -> (budget bytes, prepared groups or None)."""
+    from halo.compute.linear import resolve_format
+    from halo.compute.prepared import find_prepared
+    from halo.model.loader import model_fingerprint
+    from halo.runtime.measure import default_memory_budget
+
+    fmt = resolve_format(fmt, weights)
+    prepared = None if fmt == "fp32" else find_prepared(weights, model_fingerprint(weights.source), fmt, layout)
+    return default_memory_budget(), prepared
 
 
 class DistributedModel:
@@ -57,9 +74,11 @@ class DistributedModel:
             predictors = load_predictors(weights, settings.predictors)
 
         def build_own_share():
+            budget, prepared = own_groups_memory(weights, self.layout, settings.fmt) if self.sync.policy.remap else (None, None)
             self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
                                        remap=self.sync.policy.remap, predictors=predictors,
-                                       load_overlap=self.sync.load_overlap, reuse=reuse, slots=self.slots)
+                                       load_overlap=self.sync.load_overlap, reuse=reuse, slots=self.slots,
+                                       memory_budget=budget, prepared=prepared)
 
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure, meanwhile=build_own_share)
@@ -78,6 +97,7 @@ class DistributedModel:
         tiers = {l: self._tiers(l) for l in range(1, c.n_layers)} if self.worker.remapper else {}
         self.tiers = {l: t for l, t in tiers.items() if t}  # HALO: where rankings keep groups in place (keep_in_place)
         self.placed: dict[int, np.ndarray] = {}  # layer -> last token's ranking as placed
+        self.rank_of: dict[int, np.ndarray] = {}  # layer -> each group's predicted rank, where the placement differs
         # blocks the master computes alone, with nobody listening to their input: no round, nothing on the wire
         self.alone = {b for b, held in self.holders.items()
                       if not held and not (b.kind == "attention" and self.listeners.get(b.layer + 1))}
@@ -171,9 +191,12 @@ class DistributedModel:
         self.worker.predict_next(block, x)
         layer = block.layer + 1  # (an attention block's input ranks the next layer; other blocks rank nothing)
         ranking = self.worker.remapper.rankings.get(layer) if block.kind == "attention" and layer in self.tiers else None
+        if block.kind == "attention":
+            self.rank_of.pop(layer, None)
         if ranking is None:
             return
         if len(ranking) == 1:  # a decode step (a prompt's rows: each token its own groups, the agents read them all)
+            self.rank_of[layer] = np.argsort(ranking[0])
             ranking = self.worker.remapper.rankings[layer] = keep_in_place(ranking[0], self.placed.get(layer),
                                                                             self.tiers[layer])[None]
         self.placed[layer] = ranking[-1]
@@ -181,16 +204,27 @@ class DistributedModel:
     def _tiers(self, layer: int) -> list[list[tuple[int, int]]]:
         """The rank ranges of agents holding MLP ranks of a layer, in rank order, in tiers of links that lose alike
         (probed loss within TIER_PLR of the tier's first) where some agent of the tier reads its groups from storage:
-        `keep_in_place`'s tiers. Ranges are cut at the critical ranks' end (`_critical`: the top ranks' groups go to
-        agents whose partials are all recovered), so a top group never moves to where a partial may be zero-filled.
-        Where agents rank for themselves (over TCP every one; over UDP a listener) the ranking must stay as predicted."""
+        `keep_in_place`'s tiers. Ranges are cut at the critical ranks' end, so a top group never moves to where a
+        partial may be zero-filled. Where every agent's link is lossless (LOSSLESS_PLR), one tier holds every range,
+        the master's too: an agent given a top group is critical for that round (`_critical`, from the groups'
+        predicted ranks), so no partial can be zero-filled and nothing moves (a bounded agent on a share + 10 % limit
+        read 23 TinyLlama-shape groups a token for groups moving across the cut alone: 1.4x the unbounded agents'
+        time). Where agents rank for themselves (over TCP every one; over UDP a listener) the ranking must stay as
+        predicted."""
         if self.sync.policy.input is not Transport.UDP or self.listeners.get(layer):
             return []
+        holders = self.holders[Block("mlp", layer)]
+        plr = lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)  # noqa: E731
+        if holders and all(plr(i) <= LOSSLESS_PLR for i in holders):
+            if not any(self.agents[i].loads_ahead for i in holders):
+                return []
+            own = [rank_range(self.worker.share.mlp[layer])] if self.worker.share.mlp[layer] else []
+            return [sorted(own + [rank_range(self.agents[i].share.mlp[layer]) for i in holders])]
         cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
-        held = sorted((piece, i) for i in self.holders[Block("mlp", layer)]
+        held = sorted((piece, i) for i in holders
                       for a, b in [rank_range(self.agents[i].share.mlp[layer])]
                       for piece in ([(a, cut), (cut, b)] if a < cut < b else [(a, b)]))
-        tiers, plr = [], lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)
+        tiers = []
         for (a, b), i in held:
             first = tiers[-1][0] if tiers else None
             if (first and tiers[-1][-1][0][1] == a and abs(plr(i) - plr(first[1])) <= TIER_PLR
@@ -258,7 +292,7 @@ class DistributedModel:
             return set()
         if block.kind == "mlp":
             cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
-            return {i for i in holders if rank_range(self.agents[i].share.mlp[block.layer])[0] < cut}
+            return {i for i in holders if min(self._ranks_of(self.agents[i], block), default=cut) < cut}
         ranking = self.worker.remapper.head_rankings.get(block.layer)
         if ranking is None:
             return set(holders)
@@ -271,7 +305,9 @@ class DistributedModel:
         if self.worker.remapper is None:
             return list(groups)
         if block.kind == "mlp":
-            return list(range(*rank_range(groups)))
+            ranks = range(*rank_range(groups))
+            rank_of = self.rank_of.get(block.layer)  # placed by keep_in_place: the groups at those ranks, as predicted
+            return list(ranks) if rank_of is None else rank_of[self.placed[block.layer][ranks.start:ranks.stop]].tolist()
         ranking = self.worker.remapper.head_rankings.get(block.layer)
         return list(groups) if ranking is None else [int(np.flatnonzero(ranking[-1] == h)[0]) for h in groups]
 

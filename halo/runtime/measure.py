@@ -68,6 +68,16 @@ def cpu_limit() -> float | None:
     return None
 
 
+MEMORY_SHARE = 0.9  # of the memory available at start: the default budget (the rest: the process, buffers, the OS)
+
+
+def default_memory_budget() -> int:
+    """What a device's weights and KV caches may take unless told (halo-agent --memory-budget): MEMORY_SHARE of the
+    memory available now. An agent refuses a share beyond it; in HALO mode the master and the agents keep their
+    re-mappable MLP groups within it (halo/compute/remap.py: as kernels where they all fit, compact where not)."""
+    return int(MEMORY_SHARE * memory_available())
+
+
 def memory_available() -> int:
     """Bytes this process could still use: free memory, or what its cgroup's memory limit leaves (the cgroup this
     process is in, v1 or v2: a device's agent under a systemd MemoryMax or a test bed's limit)."""
