@@ -28,13 +28,14 @@ from halo.compute.neuron_groups import GroupLayout
 from halo.compute.shares import Block, Shares, share_memory
 from halo.compute.worker import DeviceWorker
 from halo.errors import HaloError
+from halo.generation.generate import largest_pass_vector_bytes
 from halo.host.memory import memory_limit, read_mapped_files_at_random
 from halo.runtime.measure import MEMORY_SHARE, default_memory_budget
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
 from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
-from halo.transport.udp import BUSY_POLL_S, spin_readable
+from halo.transport.udp import BUSY_POLL_S, kept_bytes, spin_readable
 
 from halo.edge_agent.daemon import ControlServer
 from halo.edge_agent.rounds import MASTER, AgentRounds
@@ -412,6 +413,7 @@ class Agent(ControlServer):
             worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                   predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
                                   progress=progress, memory_budget=self.memory_budget, prepared=prepared,
+                                  reserved=kept_bytes(largest_pass_vector_bytes(c.dim, context, hello.slots)),
                                   slots=hello.slots)
             if memory_limit() is not None:  # pages of code and model evicted under the limit: no 8 MB read-around
                 log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)

@@ -203,16 +203,19 @@ def run(args) -> None:
         unlimited = list(dict.fromkeys(m.removesuffix("+prepared") for m in modes))  # unlimited, all built at start
         sizing = None
         for round_ in range(args.rounds):  # every configuration once per round, its ratio taken inside the round
-            alone = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights)
+            alone = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit, args.weights,
+                               prompt_tokens=args.prompt_tokens)
             record({"mode": SINGLE, **summarize(alone)}, limit="none", factor=None, round=round_)
-            free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents),
+            free = {m: record(one_run(bed, args, model, predictors, copies, key, m, [None] * args.agents,
+                                      prompt_tokens=args.prompt_tokens),
                               limit="none", factor=None, round=round_) for m in unlimited}
             if sizing is None:  # the limits stay those of the first round's shares
                 sizing = Sizing.of(free)
 
             def limited(m: str, factor: float, **settings) -> None:
                 limit = sizing.limit(m, factor)
-                record(one_run(bed, args, model, predictors, copies, key, m, limit, **settings),
+                record(one_run(bed, args, model, predictors, copies, key, m, limit, prompt_tokens=args.prompt_tokens,
+                               **settings),
                        limit=f"share+{factor - 1:.0%}", factor=factor, shares_bytes=sizing.shares,
                        runtime_bytes=sizing.runtime_of(m), round=round_)
 
@@ -358,6 +361,8 @@ def main(argv=None) -> int:
     parser.add_argument("--read-mbps", type=float, default=0.0, help="also rows with storage read at this rate")
     parser.add_argument("--weights", default="native")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many tokens first (its pass "
+                        "needs every MLP group of every layer; 0: a short fixed one)")
     parser.add_argument("--plr", type=float, default=0.0, help="packet loss on every node's port, both directions "
                         "(HALO mode keeps a layer's groups in place only where every agent's link is lossless)")
     parser.add_argument("--time-limit", type=float, default=300.0)

@@ -34,3 +34,13 @@ def stories_weights():
     from halo.model.loader import load_weights
 
     return load_weights()
+
+
+@pytest.fixture
+def nack_reserve():
+    """(weights, context) -> what a device's group budget leaves the vectors its UDP endpoint keeps for NACKs (a
+    prompt's pass sends the largest): tests that give a small --memory-budget add it."""
+    from halo.generation.generate import largest_pass_vector_bytes
+    from halo.transport.udp import kept_bytes
+
+    return lambda weights, context: kept_bytes(largest_pass_vector_bytes(weights.config.dim, context))

@@ -209,7 +209,7 @@ def test_halo_with_attention_on_the_master_sends_no_input_agents_only_listened_t
         model.close()
 
 
-def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_input(stories_weights):
+def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_input(stories_weights, nack_reserve):
     """halo over UDP, --plan even-mlp, agents under a memory budget their candidate groups do not all fit: the MLP
     input of layer l carries the master's ranking of layer l+1 too, so an agent that reads its groups ahead loads
     them without predictors of its own and without the attention input it would predict from (it ran the
@@ -218,9 +218,9 @@ def test_an_agent_that_loads_ahead_takes_the_next_layers_ranking_from_the_mlp_in
     from halo.distributed.remote import ask_status
 
     tokens = greedy(Transformer(stories_weights, fmt="int8", max_seq_len=CONTEXT), 24)
-    # MB. An agent's 40 groups take 0.23 MB as int8; what the groups may take is the budget less what building its
+    # MB beyond the NACK retention's reserve. An agent's 40 groups take 0.23 MB as int8; what the groups may take is the budget less what building its
     # other shards grew it by (its LM-head share: ~0.01 / ~0.26 MB on the two agents): ~24 of agent 2's groups fit
-    with LocalCluster(2, extra_args=("--memory-budget", "0.44")) as cluster:
+    with LocalCluster(2, extra_args=("--memory-budget", f"{0.44 + nack_reserve(stories_weights, CONTEXT) / 1e6:.3f}")) as cluster:
         model = cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even-mlp", context=CONTEXT,
                               fmt="int8", sync=SyncSettings(mode="halo", deadline_floor_ms=500, deadline_ceiling_ms=1000))
         try:

@@ -846,3 +846,23 @@ def test_each_session_tags_with_its_own_key():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_the_vectors_kept_for_nacks_stay_within_their_byte_cap_and_keep_the_newest(monkeypatch):
+    """A prompt's pass sends 512 kB vectors: the endpoint keeps the newest for NACKs within SENT_BYTES_KEPT (512 of
+    them held 256 MB no budget counted), and one that went is no longer sent again; the newest always stays."""
+    from halo.transport.udp import send
+
+    monkeypatch.setattr(send, "SENT_BYTES_KEPT", 3 * 8000 + 100)  # three 2000-float vectors
+    sender = UdpEndpoint(KEY, SESSION, 1)
+    sender.send_hook = lambda sock, datagram, address: None
+    try:
+        for epoch in range(1, 6):
+            sender.send_vector({0: ("127.0.0.1", 9)}, epoch, np.arange(2000, dtype=np.float32))
+        assert list(sender.sent) == [3, 4, 5] and sender.sent_bytes == 3 * 8000
+        assert not sender.resend(2, 0) and sender.resend(5, 0)
+        sender.send_vector({0: ("127.0.0.1", 9)}, 6, np.arange(10000, dtype=np.float32))  # larger than the cap alone
+        assert list(sender.sent) == [6] and sender.sent_bytes == 40000
+        assert send.kept_bytes(8000) == send.SENT_BYTES_KEPT and send.kept_bytes(10) == send.SENT_VECTORS_KEPT * 10
+    finally:
+        sender.close()

@@ -33,16 +33,16 @@ class DeviceWorker:
     def __init__(self, weights: ModelWeights, layout: GroupLayout, share: Shares, context: int, fmt: str = "fp32",
                  threads: int = 1, remap: bool = False, predictors=None, load_overlap: bool = True,
                  reuse: "DeviceWorker | None" = None, progress: "Callable[[int, int], None] | None" = None,
-                 memory_budget: int | None = None, prepared=None, slots: int = 1):
-        """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None:
-        the identity ranking). reuse: the worker of this device's previous session; its shards whose groups all
-        stay in the new share are taken over (kernels already built, KV caches cleared) and only the groups
-        it did not hold are built: after a sticky re-plan a survivor builds just what it gained.
-        progress(done, total): called as each block's share is ready (an agent reports its loading with it).
-        memory_budget: the most process memory the share's weights and KV cache may take; in HALO mode with compact
-        weights, the built MLP groups it keeps are bounded by what the other shards (measured) and the KV cache
-        leave of it (halo/compute/group_cache.py; None: every candidate group, built now). prepared: HALO's groups in kernel
-        form (halo/compute/prepared.py), built from instead of the file. slots: KV caches per sequence (halo/compute/batch.py)."""
+                 memory_budget: int | None = None, prepared=None, slots: int = 1, reserved: int = 0):
+        """remap: HALO mode (MLP shares are rank ranges re-mapped per token; `predictors` ranks them, None: the identity
+        ranking). reuse: the worker of this device's previous session; its shards whose groups all stay in the new
+        share are taken over (kernels already built, KV caches cleared) and only the groups it did not hold are built:
+        after a sticky re-plan a survivor builds just what it gained. progress(done, total): called as each block's
+        share is ready (an agent reports its loading with it). memory_budget: the most process memory the share's
+        weights and KV cache may take; in HALO mode with compact weights, the built MLP groups it keeps are bounded by
+        what the other shards (measured), the KV cache and `reserved` (taken later outside the worker: the vectors its
+        UDP endpoint keeps for NACKs) leave of it (halo/compute/group_cache.py; None: every candidate group, built now).
+        prepared: HALO's groups in kernel form (prepared.py), built from instead of the file. slots: KV caches."""
         c = self.config = weights.config
         self.weights, self.layout, self.share = weights, layout, share
         self.context, self.fmt, self.threads, self.slots = context, fmt, threads, slots
@@ -79,7 +79,7 @@ class DeviceWorker:
             from halo.compute.remap import Remapper
 
             ranges = {l: rank_range(g) for l, g in enumerate(share.mlp) if g}  # ConfigError if not ranks
-            groups_budget = self._groups_budget(memory_budget, started) if bounded else None
+            groups_budget = self._groups_budget(memory_budget, started) - reserved if bounded else None
             self.remapper = Remapper(weights, layout, ranges, predictors, load_overlap, fmt, threads, built=loaded.step,
                                      resident_budget=groups_budget, prepared=prepared)
         else:

@@ -18,9 +18,11 @@ from halo.compute.neuron_groups import GroupLayout
 from halo.compute.remap import keep_in_place
 from halo.compute.shares import Block, Shares, rank_range
 from halo.errors import HaloError
+from halo.generation.generate import largest_pass_vector_bytes
 from halo.model.quant import embed
 from halo.sync import (AdaptiveDeadline, Epoch, LossLedger, Point, Transport, plan_round, ranking_digest,
                        ranks_next_layer_itself)
+from halo.transport.udp import kept_bytes
 from halo.compute.worker import DeviceWorker
 from halo.model.weights import ModelWeights
 
@@ -78,7 +80,8 @@ class DistributedModel:
             self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt,
                                        remap=self.sync.policy.remap, predictors=predictors,
                                        load_overlap=self.sync.load_overlap, reuse=reuse, slots=self.slots,
-                                       memory_budget=budget, prepared=prepared)
+                                       memory_budget=budget, prepared=prepared,
+                                       reserved=kept_bytes(largest_pass_vector_bytes(c.dim, self.max_seq_len, self.slots)))
 
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure, meanwhile=build_own_share)

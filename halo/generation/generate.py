@@ -27,6 +27,11 @@ def prefill_chunk(dim: int) -> int:
     return 1 << max(4, (PREFILL_VECTOR_BYTES // (4 * dim)).bit_length() - 1)
 
 
+def largest_pass_vector_bytes(dim: int, context: int, slots: int = 1) -> int:
+    """The largest [T, dim] float32 vector a pass sends: a prompt's chunk (at most the context) or a batch's rows."""
+    return 4 * dim * max(min(prefill_chunk(dim), context), slots)
+
+
 def prefill(model: "LanguageModel", prompt_ids: list[int]) -> np.ndarray:
     """The prompt's passes, `prefill_chunk` tokens each: the logits of its last token. A cluster's round carries
     each agent's [T, dim] partial sum over UDP at once: a 512-token prompt on the Llama-3.1-8B shape made 8.4 MB

@@ -106,6 +106,7 @@ class EndpointBase:
         self.address = self.sock.getsockname()
         self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
         self.sent: OrderedDict[int, Sent] = OrderedDict()  # epoch -> what we sent in it
+        self.sent_bytes = 0  # their payloads' bytes (send.SENT_BYTES_KEPT)
         self.counter = 0  # datagrams packed in this session
         self.windows: dict[int, wire.ReplayWindow] = defaultdict(wire.ReplayWindow)  # sender -> counters seen
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
