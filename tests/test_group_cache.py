@@ -770,7 +770,6 @@ def test_over_lossless_links_a_layers_groups_stay_put_and_an_agent_given_a_top_g
     top ranks' places); a lossy link brings the cut back."""
     from types import SimpleNamespace
 
-    from halo.compute.remap import keep_in_place
     from halo.compute.shares import Block
     from halo.distributed.master import DistributedModel
     from halo.sync import SyncSettings
@@ -782,21 +781,30 @@ def test_over_lossless_links_a_layers_groups_stay_put_and_an_agent_given_a_top_g
 
     agents = {1: agent(2, 4, 0.0), 2: agent(4, 6, 0.0), 3: agent(6, 8, 0.0)}
     mlp = Block("mlp", 1)
+    loaded = []  # the rankings the master's load thread would read its groups of (place runs before it)
+    predicted = iter([np.arange(8)[None], np.array([[5, 2, 0, 1, 3, 4, 6, 7]]), np.tile(np.arange(8), (3, 1))])
+
+    def predict_next(block, x, place=None):
+        loaded.append(place(next(predicted)))
+
+    worker = SimpleNamespace(share=SimpleNamespace(mlp=[[], [0, 1]]), remapper=object(), loads_ahead=False,
+                             predict_next=predict_next)
     fake = SimpleNamespace(sync=SyncSettings(mode="halo", critical_fraction=0.25), listeners={}, agents=agents,
-                           holders={mlp: [1, 2, 3]}, layout=SimpleNamespace(n_mlp_groups=8),
-                           worker=SimpleNamespace(share=SimpleNamespace(mlp=[[], [0, 1]]), remapper=object()),
+                           holders={mlp: [1, 2, 3]}, layout=SimpleNamespace(n_mlp_groups=8), worker=worker,
                            rank_of={}, placed={})
     fake._ranks_of = lambda a, block: DistributedModel._ranks_of(fake, a, block)
-    tiers = DistributedModel._tiers(fake, 1)
-    assert tiers == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
-    previous = np.arange(8)
-    predicted = np.array([5, 2, 0, 1, 3, 4, 6, 7])  # groups 5 and 2 rank top (cut: 2 ranks)
-    placed = keep_in_place(predicted, previous, tiers)
-    assert placed.tolist() == previous.tolist()  # nothing moves
-    fake.placed[1], fake.rank_of[1] = placed, np.argsort(predicted)
+    fake._place = lambda layer, ranking: DistributedModel._place(fake, layer, ranking)
+    fake.tiers = {1: DistributedModel._tiers(fake, 1)}
+    assert fake.tiers[1] == [[(0, 2), (2, 4), (4, 6), (6, 8)]]
+    attention = Block("attention", 0)
+    DistributedModel._predict_next(fake, attention, None)  # first token: placed as predicted
+    DistributedModel._predict_next(fake, attention, None)  # groups 5 and 2 rank top (cut: 2 ranks)
+    assert loaded[1].tolist() == [list(range(8))]  # nothing moves
     assert DistributedModel._critical(fake, mlp, [1, 2, 3]) == {1, 2}  # they hold groups 2 and 5
     assert DistributedModel._ranks_of(fake, agents[3], mlp) == [6, 7]
-    fake.rank_of.clear()  # a prompt's pass (no placement): the top ranks' places are critical
-    assert DistributedModel._critical(fake, mlp, [1, 2, 3]) == set()
+    DistributedModel._predict_next(fake, attention, None)  # a prompt's rows: as predicted, the top places critical
+    assert loaded[2].shape == (3, 8) and DistributedModel._critical(fake, mlp, [1, 2, 3]) == set()
     agents[3].profile["link"]["plr"] = 0.04
     assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6)]]  # lossy: cut at the top, agent 3 a tier alone
+    del agents[3].profile["link"]
+    assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6), (6, 8)]]  # never probed: not known lossless, the cut

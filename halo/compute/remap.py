@@ -182,13 +182,14 @@ class Remapper:
     def predicts(self, layer: int) -> bool:
         return self.predictors is not None and layer in self.predictors.sessions
 
-    def predict(self, layer: int, hidden: np.ndarray) -> None:
-        """Rank `layer`'s groups from the hidden state entering layer-1 [T, D]; start loading ours."""
+    def predict(self, layer: int, hidden: np.ndarray, place=None) -> None:
+        """Rank `layer`'s groups from the hidden state entering layer-1 [T, D]; start loading ours. place(ranking) ->
+        the ranking as the groups are placed (the master keeps them in place: keep_in_place), before any is loaded."""
         if not self.predicts(layer):
             return
         t = time.perf_counter()
         heads, groups = self.predictors.rank(layer, np.atleast_2d(hidden))
-        self.head_rankings[layer], self.rankings[layer] = heads, groups
+        self.head_rankings[layer], self.rankings[layer] = heads, groups if place is None else place(groups)
         self.predict_ms += 1e3 * (time.perf_counter() - t)
         self._load_ahead(layer)
 

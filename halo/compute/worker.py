@@ -201,10 +201,11 @@ class DeviceWorker:
         return (self.remapper is not None and block.kind == "attention"
                 and bool(self.share.mlp[block.layer + 1] if block.layer + 1 < self.config.n_layers else False))
 
-    def predict_next(self, block: Block, x: np.ndarray) -> None:
-        """HALO: rank layer l+1's groups from the residual entering layer l's attention block, start loading ours."""
+    def predict_next(self, block: Block, x: np.ndarray, place=None) -> None:
+        """HALO: rank layer l+1's groups from the residual entering layer l's attention block, start loading ours
+        (place: Remapper.predict's)."""
         if self.remapper is not None and block.kind == "attention":
-            self.remapper.predict(block.layer + 1, x)
+            self.remapper.predict(block.layer + 1, x, place)
 
     def digest(self, layer: int) -> int:
         """24-bit digest of the MLP ranking this device computed for a layer (0: static groups)."""

@@ -190,19 +190,22 @@ class DistributedModel:
 
     def _predict_next(self, block: Block, x: np.ndarray) -> None:
         """HALO: rank the next layer's groups (from an attention block's input) and, within each tier of equally
-        reliable agents that read groups from storage, keep the groups where they went last token."""
-        self.worker.predict_next(block, x)
+        reliable agents that read groups from storage, keep the groups where they went last token (before our own
+        load thread reads any of them)."""
         layer = block.layer + 1  # (an attention block's input ranks the next layer; other blocks rank nothing)
-        ranking = self.worker.remapper.rankings.get(layer) if block.kind == "attention" and layer in self.tiers else None
         if block.kind == "attention":
             self.rank_of.pop(layer, None)
-        if ranking is None:
-            return
-        if len(ranking) == 1:  # a decode step (a prompt's rows: each token its own groups, the agents read them all)
+        placing = block.kind == "attention" and layer in self.tiers
+        self.worker.predict_next(block, x, (lambda ranking: self._place(layer, ranking)) if placing else None)
+
+    def _place(self, layer: int, ranking: np.ndarray) -> np.ndarray:
+        """A decode step's ranking [1, G] as keep_in_place places it, each group's predicted rank kept (a prompt's
+        rows: each token its own groups, the agents read them all)."""
+        if len(ranking) == 1:
             self.rank_of[layer] = np.argsort(ranking[0])
-            ranking = self.worker.remapper.rankings[layer] = keep_in_place(ranking[0], self.placed.get(layer),
-                                                                            self.tiers[layer])[None]
+            ranking = keep_in_place(ranking[0], self.placed.get(layer), self.tiers[layer])[None]
         self.placed[layer] = ranking[-1]
+        return ranking
 
     def _tiers(self, layer: int) -> list[list[tuple[int, int]]]:
         """The rank ranges of agents holding MLP ranks of a layer, in rank order, in tiers of links that lose alike
@@ -218,8 +221,8 @@ class DistributedModel:
             return []
         holders = self.holders[Block("mlp", layer)]
         plr = lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)  # noqa: E731
-        if holders and all(plr(i) <= LOSSLESS_PLR for i in holders):
-            if not any(self.agents[i].loads_ahead for i in holders):
+        if holders and all((self.agents[i].profile.get("link") or {}).get("plr", 1.0) <= LOSSLESS_PLR for i in holders):
+            if not (self.worker.loads_ahead or any(self.agents[i].loads_ahead for i in holders)):
                 return []
             own = [rank_range(self.worker.share.mlp[layer])] if self.worker.share.mlp[layer] else []
             return [sorted(own + [rank_range(self.agents[i].share.mlp[layer]) for i in holders])]
