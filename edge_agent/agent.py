@@ -35,7 +35,7 @@ from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
 from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
-from halo.transport.udp import BUSY_POLL_S, kept_bytes, spin_readable
+from halo.transport.udp import BUSY_POLL_S, PARTIALS_KEPT, kept_bytes, spin_readable
 
 from halo.edge_agent.daemon import ControlServer
 from halo.edge_agent.rounds import MASTER, AgentRounds
@@ -125,6 +125,7 @@ class Agent(ControlServer):
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
         self.udp_key = udp_base_key(key)  # each session's datagram key derives from it
         self.udp = UdpEndpoint(self.udp_key, 0, 255, bind=(host if host != "*" else "0.0.0.0", 0))
+        self.udp.vectors_kept = PARTIALS_KEPT
         self.profile = device_profile()
         self.busy_poll = set_busy_poll(busy_poll)
         self._last_round = 0.0  # when a UDP round was last served (busy polling spins only while they come)
@@ -413,7 +414,8 @@ class Agent(ControlServer):
             worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                   predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
                                   progress=progress, memory_budget=self.memory_budget, prepared=prepared,
-                                  reserved=kept_bytes(largest_pass_vector_bytes(c.dim, context, hello.slots)),
+                                  reserved=kept_bytes(largest_pass_vector_bytes(c.dim, context, hello.slots),
+                                                      PARTIALS_KEPT),
                                   slots=hello.slots)
             if memory_limit() is not None:  # pages of code and model evicted under the limit: no 8 MB read-around
                 log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)

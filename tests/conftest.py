@@ -38,9 +38,14 @@ def stories_weights():
 
 @pytest.fixture
 def nack_reserve():
-    """(weights, context) -> what a device's group budget leaves the vectors its UDP endpoint keeps for NACKs (a
-    prompt's pass sends the largest): tests that give a small --memory-budget add it."""
+    """(weights, context, agent=True) -> what a device's group budget leaves the vectors its UDP endpoint keeps for
+    NACKs (a prompt's pass sends the largest; an agent keeps PARTIALS_KEPT, the master more): tests that give a small
+    --memory-budget add it."""
     from halo.generation.generate import largest_pass_vector_bytes
-    from halo.transport.udp import kept_bytes
+    from halo.transport.udp import PARTIALS_KEPT, kept_bytes
 
-    return lambda weights, context: kept_bytes(largest_pass_vector_bytes(weights.config.dim, context))
+    def reserve(weights, context: int, agent: bool = True) -> int:
+        largest = largest_pass_vector_bytes(weights.config.dim, context)
+        return kept_bytes(largest, PARTIALS_KEPT) if agent else kept_bytes(largest)
+
+    return reserve

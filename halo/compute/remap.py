@@ -100,7 +100,8 @@ class Remapper:
                 if cache.capacity_bytes < need:
                     raise ConfigError(f"the memory left for re-mapped MLP groups holds {cache.capacity_bytes / 1e6:.1f} MB "
                                       f"of them, less than two layers of this share's groups ({need / 1e6:.1f} MB): give "
-                                      "this device fewer MLP ranks or more memory (halo-agent --memory-budget)")
+                                      "this device fewer MLP ranks or more memory (an agent: halo-agent --memory-budget; "
+                                      "the master: what its memory cgroup leaves), or use --sync exact")
             if built is not None:
                 built()
         for l, (a, b) in self.ranges.items() if bounded else ():

@@ -17,7 +17,7 @@ import numpy as np
 
 from halo.host.cores import dedicated_cores
 from halo.transport import wire
-from halo.transport.udp.send import Sent
+from halo.transport.udp.send import SENT_VECTORS_KEPT, Sent
 
 RECV_BUFFER_BYTES = 4 << 20
 FD_SETSIZE = 1024
@@ -107,6 +107,7 @@ class EndpointBase:
         self.stats: dict[int, PeerStats] = defaultdict(PeerStats)
         self.sent: OrderedDict[int, Sent] = OrderedDict()  # epoch -> what we sent in it
         self.sent_bytes = 0  # their payloads' bytes (send.SENT_BYTES_KEPT)
+        self.vectors_kept = SENT_VECTORS_KEPT  # how many (an agent keeps fewer: send.PARTIALS_KEPT)
         self.counter = 0  # datagrams packed in this session
         self.windows: dict[int, wire.ReplayWindow] = defaultdict(wire.ReplayWindow)  # sender -> counters seen
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)

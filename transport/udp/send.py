@@ -16,13 +16,14 @@ PARITY_PREFIX = struct.Struct("<BB")  # data chunks covered by a parity chunk, p
 SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an input it missed)
 SENT_BYTES_KEPT = 32 << 20  # and at most this many bytes of them: a prompt's pass sends vectors of 32-64 rows (512 kB
 # each), and 512 of those held 256 MB that no memory budget counted (HALO agents under a limit were killed by it)
+PARTIALS_KEPT = 8  # what an agent keeps of its partials: they are asked for again only while their round is gathered
 PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
 
 
-def kept_bytes(largest_vector_bytes: int) -> int:
-    """The most the vectors kept for NACKs take where none is larger than this: what a device's memory budget must
-    leave them (a prompt's pass sends its largest)."""
-    return min(SENT_BYTES_KEPT, SENT_VECTORS_KEPT * largest_vector_bytes)
+def kept_bytes(largest_vector_bytes: int, vectors: int = SENT_VECTORS_KEPT) -> int:
+    """The most the vectors kept for NACKs (at most `vectors` of them) take where none is larger than this: what a
+    device's memory budget must leave them (a prompt's pass sends its largest)."""
+    return min(SENT_BYTES_KEPT, vectors * largest_vector_bytes)
 
 
 @dataclass
@@ -59,12 +60,12 @@ class Sender:
         return len(datagrams)
 
     def _keep(self, epoch: int, entry: Sent) -> None:
-        """Remember a vector for NACKs: the newest SENT_VECTORS_KEPT, at most SENT_BYTES_KEPT of them (always the
-        newest one: its round is the one being gathered)."""
+        """Remember a vector for NACKs: the newest `vectors_kept` (SENT_VECTORS_KEPT, an agent PARTIALS_KEPT), at most
+        SENT_BYTES_KEPT of them (always the newest one: its round is the one being gathered)."""
         old = self.sent.pop(epoch, None)
         self.sent_bytes += entry.nbytes - (old.nbytes if old else 0)
         self.sent[epoch] = entry
-        while len(self.sent) > 1 and (len(self.sent) > SENT_VECTORS_KEPT or self.sent_bytes > SENT_BYTES_KEPT):
+        while len(self.sent) > 1 and (len(self.sent) > self.vectors_kept or self.sent_bytes > SENT_BYTES_KEPT):
             self.sent_bytes -= self.sent.popitem(last=False)[1].nbytes
 
     def lossy(self, peers) -> bool:
