@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from halo.compute.batch import Rows
-from halo.compute.linear import FORMATS
+from halo.compute.group_cache import minimum_capacity
+from halo.compute.linear import FORMATS, resolve_format
 from halo.compute.neuron_groups import GroupLayout
 from halo.compute.shares import Block, Shares, share_memory
 from halo.compute.worker import DeviceWorker
@@ -400,7 +401,8 @@ class Agent(ControlServer):
         sync = SyncSettings.from_json(hello.sync)
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
-        self._check_budget(share, layout, context, fmt, hello.slots)
+        streams = sync.policy.remap and resolve_format(fmt, self.weights) != "fp32"
+        self._check_budget(share, layout, context, fmt, hello.slots, streams)
         ranks = sync.policy.remap and sync.predict and any(ranks_next_layer_itself(sync.policy, share.mlp, l)
                                                             for l in range(c.n_layers))
         predictors = self._predictors() if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
@@ -423,12 +425,19 @@ class Agent(ControlServer):
 
         return build, sync
 
-    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, slots: int) -> None:
-        """Refuse a share whose weights (in the session's format) and KV caches exceed the memory budget. (HALO mode
-        with compact weights also keeps re-mappable MLP groups within what the budget leaves: DeviceWorker.)"""
+    def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, slots: int,
+                      streams: bool = False) -> None:
+        """Refuse a share whose weights (in the session's format) and KV caches exceed the memory budget. streams: HALO
+        mode with compact weights, whose MLP groups the budget bounds (a cache, read again from storage when evicted:
+        DeviceWorker), so the share needs only the least such a cache holds, two layers of its ranks."""
         weights, cache = share_memory(share, layout, self.weights, fmt, context, slots)
+        if streams and any(share.mlp):
+            mlp = share_memory(Shares([[]] * len(share.mlp), share.mlp, []), layout, self.weights, fmt, context, 0)[0]
+            weights -= mlp - minimum_capacity(mlp // sum(1 for groups in share.mlp if groups))
         if weights + cache > self.memory_budget:
-            raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}, "
+            streamed = " with two layers of its MLP groups held (HALO mode reads the rest again)" if streams else ""
+            raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}"
+                            f"{streamed}, "
                             f"KV cache {cache / 1e6:.1f} MB for {context} positions x {slots} slot(s)) but this agent's "
                             f"memory budget is {self.memory_budget / 1e6:.1f} MB (halo-agent --memory-budget; default "
                             f"{100 * MEMORY_SHARE:.0f} % of the memory available at start): give this device less work "
@@ -454,7 +463,6 @@ class Agent(ControlServer):
     def _prepared(self, fmt: str, layout: GroupLayout):
         """The MLP groups `halo-agent prepare` wrote for this model, format and group size (HALO mode builds re-mapped
         groups from them); None: built from the model file (said once per format)."""
-        from halo.compute.linear import resolve_format
         from halo.compute.prepared import find_prepared
 
         fmt = resolve_format(fmt, self.weights)

@@ -172,3 +172,30 @@ def test_an_agent_refuses_a_share_over_its_memory_budget_with_the_numbers(storie
             cluster_model(stories_weights, cluster.endpoints, cluster.key, plan="even", context=64)
         memory = ask_status(cluster.endpoints, cluster.key)[cluster.endpoints[0]]["memory"]
         assert memory["budget_bytes"] == 50_000 and memory["weights_bytes"] == 0 and memory["rss_bytes"] > 0
+
+
+def test_a_halo_share_needs_only_two_layers_of_its_mlp_groups_within_the_budget(stories_weights):
+    """HALO mode with compact weights streams a device's MLP groups through a bounded cache (read again from storage
+    when evicted), so the hello's budget check counts two layers of its ranks, not all of them: a budget that holds
+    the rest and two layers' groups accepts the share, exact mode (every group held) refuses it."""
+    from types import SimpleNamespace
+
+    from halo.compute.group_cache import minimum_capacity
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.compute.shares import Shares, share_memory
+    from halo.edge_agent.agent import Agent
+    from halo.errors import HaloError
+
+    c = stories_weights.config
+    layout = GroupLayout.for_model(c)
+    share = Shares([[0, 1]] * c.n_layers, [[2, 3, 4]] * c.n_layers, [0])
+    weights, cache = share_memory(share, layout, stories_weights, "int8", 64)
+    mlp = share_memory(Shares([[]] * c.n_layers, share.mlp, []), layout, stories_weights, "int8", 64, 0)[0]
+    streamed = weights - mlp + minimum_capacity(mlp // c.n_layers) + cache
+    agent = SimpleNamespace(weights=stories_weights, memory_budget=streamed + 100)
+    Agent._check_budget(agent, share, layout, 64, "int8", 1, streams=True)
+    with pytest.raises(HaloError, match="the share needs"):
+        Agent._check_budget(agent, share, layout, 64, "int8", 1, streams=False)
+    agent.memory_budget = streamed - 100
+    with pytest.raises(HaloError, match="the share needs"):
+        Agent._check_budget(agent, share, layout, 64, "int8", 1, streams=True)
