@@ -412,12 +412,14 @@ class Agent(ControlServer):
             self.retired = None  # nothing of it serves this hello: its memory goes back before the build
         previous = self.session.worker if self.session is not None else self.retired[0] if self.retired else None
 
+        kept = kept_bytes(largest_pass_vector_bytes(c.dim, context, hello.slots), PARTIALS_KEPT)
+
         def build(progress) -> DeviceWorker:
+            self.udp.bytes_kept = kept  # what the budget leaves them (a larger vector alone is kept all the same)
             worker = DeviceWorker(self.weights, layout, share, context, fmt, self.threads, remap=sync.policy.remap,
                                   predictors=predictors, load_overlap=sync.load_overlap, reuse=previous,
                                   progress=progress, memory_budget=self.memory_budget, prepared=prepared,
-                                  reserved=kept_bytes(largest_pass_vector_bytes(c.dim, context, hello.slots),
-                                                      PARTIALS_KEPT),
+                                  reserved=kept,
                                   slots=hello.slots)
             if memory_limit() is not None:  # pages of code and model evicted under the limit: no 8 MB read-around
                 log.info("under a memory limit: %.0f MB of mapped files read at random", read_mapped_files_at_random() / 1e6)
@@ -431,9 +433,11 @@ class Agent(ControlServer):
         mode with compact weights, whose MLP groups the budget bounds (a cache, read again from storage when evicted:
         DeviceWorker), so the share needs only the least such a cache holds, two layers of its ranks."""
         weights, cache = share_memory(share, layout, self.weights, fmt, context, slots)
-        if streams and any(share.mlp):
+        streams = streams and any(share.mlp)
+        if streams:  # (the worker checks the same: remap.py's minimum_capacity of its largest layer's ranks)
             mlp = share_memory(Shares([[]] * len(share.mlp), share.mlp, []), layout, self.weights, fmt, context, 0)[0]
-            weights -= mlp - minimum_capacity(mlp // sum(1 for groups in share.mlp if groups))
+            per_group = mlp / sum(len(groups) for groups in share.mlp)
+            weights -= mlp - minimum_capacity(int(per_group * max(len(groups) for groups in share.mlp)))
         if weights + cache > self.memory_budget:
             streamed = " with two layers of its MLP groups held (HALO mode reads the rest again)" if streams else ""
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}"

@@ -30,7 +30,7 @@ def test_the_big_model_report_compares_each_cluster_row_with_the_single_process(
 
     mb = 1 << 20
     args = Namespace(model="/m/llama.gguf", agents=3, limit_mb=1600, master_limit_mb=1600, tokens=16, weights="native",
-                     argv=["--model", "/m/llama.gguf"])
+                     modes="exact", argv=["--model", "/m/llama.gguf"])
     single = {"setup": "single process, unlimited", "plr": 0.0, "ms_median": 120.0, "load_s": 20.0,
               "prefill_ms": 90e3, "prompt_tokens": 512, "generated": [5, 6]}
     cluster = {"setup": "master + 3 agents, exact", "plr": 0.05, "ms_median": 132.0, "load_s": 30.0, "prefill_ms": 60e3,
@@ -43,3 +43,6 @@ def test_the_big_model_report_compares_each_cluster_row_with_the_single_process(
     assert "| master + 3 agents, exact | 5% | 30.0 | 60.0 | 132.0 | 1.10x | 1300 / 1600 | 1100 / 1600 | 1 | 0 of 99 | no |" in text
     assert "| single process, unlimited | 0% | 20.0 | 90.0 | 120.0 | 1.00x | - | - | 0 | - | yes |" in text
     assert "| failed: agent-2 refused hello | | | | | | 0 | | |" in text and "512-token prompt" in text
+    assert "sync exact;" in text and "untrained predictors" not in text
+    args.modes = "exact,halo+prepared"
+    assert "untrained predictors" in "\n".join(render([single, cluster], args))

@@ -848,14 +848,15 @@ def test_each_session_tags_with_its_own_key():
         receiver.close()
 
 
-def test_the_vectors_kept_for_nacks_stay_within_their_byte_cap_and_keep_the_newest(monkeypatch):
+def test_the_vectors_kept_for_nacks_stay_within_their_byte_cap_and_keep_the_newest():
     """A prompt's pass sends 512 kB vectors: the endpoint keeps the newest for NACKs within SENT_BYTES_KEPT (512 of
     them held 256 MB no budget counted), and one that went is no longer sent again; the newest always stays. An
     agent keeps only its last PARTIALS_KEPT."""
     from halo.transport.udp import send
 
-    monkeypatch.setattr(send, "SENT_BYTES_KEPT", 3 * 8000 + 100)  # three 2000-float vectors
     sender = UdpEndpoint(KEY, SESSION, 1)
+    assert sender.bytes_kept == send.SENT_BYTES_KEPT
+    sender.bytes_kept = 3 * 8000 + 100  # three 2000-float vectors (what a device's budget reserved)
     sender.send_hook = lambda sock, datagram, address: None
     try:
         for epoch in range(1, 6):
@@ -864,11 +865,13 @@ def test_the_vectors_kept_for_nacks_stay_within_their_byte_cap_and_keep_the_newe
         assert not sender.resend(2, 0) and sender.resend(5, 0)
         sender.send_vector({0: ("127.0.0.1", 9)}, 6, np.arange(10000, dtype=np.float32))  # larger than the cap alone
         assert list(sender.sent) == [6] and sender.sent_bytes == 40000
-        assert send.kept_bytes(8000) == send.SENT_BYTES_KEPT and send.kept_bytes(10) == send.SENT_VECTORS_KEPT * 10
+        assert send.kept_bytes(1 << 20) == send.SENT_BYTES_KEPT and send.kept_bytes(10) == send.SENT_VECTORS_KEPT * 10
         sender.vectors_kept = send.PARTIALS_KEPT  # an agent: its partials are asked for only while their round runs
         for epoch in range(7, 20):
             sender.send_vector({0: ("127.0.0.1", 9)}, epoch, np.arange(10, dtype=np.float32))
         assert list(sender.sent) == list(range(20 - send.PARTIALS_KEPT, 20)) and sender.sent_bytes == 40 * send.PARTIALS_KEPT
         assert send.kept_bytes(1000, send.PARTIALS_KEPT) == 1000 * send.PARTIALS_KEPT
+        sender.join(SESSION + 1, 1)  # a new session: the last one's vectors are not sent again
+        assert not sender.sent and sender.sent_bytes == 0
     finally:
         sender.close()

@@ -500,6 +500,7 @@ class MlpGroupBank:
                 _nbits.mlp_step(np.ascontiguousarray(x, np.float32), norm, eps, [s.step_weights for s in shards],
                                 out, self.threads)
                 return out
+            del shards  # (computed group by group below, each taken again)
         if norm is not None:
             x = rmsnorm(x, norm, eps)
         for j, g in enumerate(groups):

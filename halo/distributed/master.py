@@ -75,16 +75,19 @@ class DistributedModel:
 
             predictors = load_predictors(weights, settings.predictors)
 
+        kept = kept_bytes(largest_pass_vector_bytes(c.dim, self.max_seq_len, self.slots))  # inputs kept for NACKs
+
         def build_own_share():
             remap = self.sync.policy.remap
             budget, prepared = own_groups_memory(weights, self.layout, settings.fmt) if remap else (None, None)
-            kept = kept_bytes(largest_pass_vector_bytes(c.dim, self.max_seq_len, self.slots))  # inputs kept for NACKs
             self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt, remap=remap,
                                        predictors=predictors, load_overlap=self.sync.load_overlap, reuse=reuse,
                                        slots=self.slots, memory_budget=budget, prepared=prepared, reserved=kept)
 
         self.session = Session.open(weights, self.layout, settings, self.max_seq_len, shares[1:], endpoints, key,
                                     insecure, meanwhile=build_own_share)
+        if self.session.udp is not None:
+            self.session.udp.bytes_kept = kept
         self.own_vocab_ids = self.worker.lm_head.token_ids if self.worker.lm_head else None
         self.pos = self.step = self.forward_id = 0
         self.ledger = LossLedger()

@@ -17,7 +17,7 @@ import numpy as np
 
 from halo.host.cores import dedicated_cores
 from halo.transport import wire
-from halo.transport.udp.send import SENT_VECTORS_KEPT, Sent
+from halo.transport.udp.send import SENT_BYTES_KEPT, SENT_VECTORS_KEPT, Sent
 
 RECV_BUFFER_BYTES = 4 << 20
 FD_SETSIZE = 1024
@@ -108,6 +108,7 @@ class EndpointBase:
         self.sent: OrderedDict[int, Sent] = OrderedDict()  # epoch -> what we sent in it
         self.sent_bytes = 0  # their payloads' bytes (send.SENT_BYTES_KEPT)
         self.vectors_kept = SENT_VECTORS_KEPT  # how many (an agent keeps fewer: send.PARTIALS_KEPT)
+        self.bytes_kept = SENT_BYTES_KEPT  # and their bytes at most (a device sets what its memory budget reserved)
         self.counter = 0  # datagrams packed in this session
         self.windows: dict[int, wire.ReplayWindow] = defaultdict(wire.ReplayWindow)  # sender -> counters seen
         self._scratch = bytearray(wire.MAX_DATAGRAM + 1)
@@ -150,6 +151,8 @@ class EndpointBase:
         self.session, self.node_id = session, node_id
         self.windows.clear()
         self._early.clear()
+        self.sent.clear()  # (a re-plan's epochs start again: a NACK must not bring back the last session's vector)
+        self.sent_bytes = 0
         self.stats.clear()
         self.parity_from.clear()
 

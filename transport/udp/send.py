@@ -17,6 +17,7 @@ SENT_VECTORS_KEPT = 512  # vectors kept for NACKs (a late agent may ask for an i
 SENT_BYTES_KEPT = 32 << 20  # and at most this many bytes of them: a prompt's pass sends vectors of 32-64 rows (512 kB
 # each), and 512 of those held 256 MB that no memory budget counted (HALO agents under a limit were killed by it)
 PARTIALS_KEPT = 8  # what an agent keeps of its partials: they are asked for again only while their round is gathered
+# (the master runs one round at a time: were rounds ever overlapped, this would have to cover them)
 PARITY_LOSS_THRESHOLD = 0.005  # parity chunks are sent once a link has lost more than this fraction
 
 
@@ -61,11 +62,12 @@ class Sender:
 
     def _keep(self, epoch: int, entry: Sent) -> None:
         """Remember a vector for NACKs: the newest `vectors_kept` (SENT_VECTORS_KEPT, an agent PARTIALS_KEPT), at most
-        SENT_BYTES_KEPT of them (always the newest one: its round is the one being gathered)."""
+        `bytes_kept` of them (SENT_BYTES_KEPT, or what the device's budget reserved), always the newest one: its round
+        is the one being gathered."""
         old = self.sent.pop(epoch, None)
         self.sent_bytes += entry.nbytes - (old.nbytes if old else 0)
         self.sent[epoch] = entry
-        while len(self.sent) > 1 and (len(self.sent) > self.vectors_kept or self.sent_bytes > SENT_BYTES_KEPT):
+        while len(self.sent) > 1 and (len(self.sent) > self.vectors_kept or self.sent_bytes > self.bytes_kept):
             self.sent_bytes -= self.sent.popitem(last=False)[1].nbytes
 
     def lossy(self, peers) -> bool:
