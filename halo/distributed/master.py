@@ -223,8 +223,9 @@ class DistributedModel:
         if self.sync.policy.input is not Transport.UDP or self.listeners.get(layer):
             return []
         holders = self.holders[Block("mlp", layer)]
-        plr = lambda i: (self.agents[i].profile.get("link") or {}).get("plr", 0.0)  # noqa: E731
-        if holders and all((self.agents[i].profile.get("link") or {}).get("plr", 1.0) <= LOSSLESS_PLR for i in holders):
+        probed = {i: (self.agents[i].profile.get("link") or {}).get("plr") for i in holders}  # None: never probed
+        plr = lambda i: probed[i] or 0.0  # noqa: E731
+        if holders and all(p is not None and p <= LOSSLESS_PLR for p in probed.values()):
             if not (self.worker.loads_ahead or any(self.agents[i].loads_ahead for i in holders)):
                 return []
             own = [rank_range(self.worker.share.mlp[layer])] if self.worker.share.mlp[layer] else []
@@ -301,7 +302,9 @@ class DistributedModel:
             return set()
         if block.kind == "mlp":
             cut = math.ceil(self.sync.critical_fraction * self.layout.n_mlp_groups)
-            return {i for i in holders if min(self._ranks_of(self.agents[i], block), default=cut) < cut}
+            if block.layer not in self.rank_of:  # the ranking as predicted: the top ranks' places
+                return {i for i in holders if rank_range(self.agents[i].share.mlp[block.layer])[0] < cut}
+            return {i for i in holders if min(self._ranks_of(self.agents[i], block)) < cut}
         ranking = self.worker.remapper.head_rankings.get(block.layer)
         if ranking is None:
             return set(holders)
