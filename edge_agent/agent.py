@@ -469,11 +469,9 @@ class Agent(ControlServer):
         groups from them); None: built from the model file (said once per format)."""
         from halo.compute.prepared import find_prepared
 
-        fmt = resolve_format(fmt, self.weights)
-        if fmt == "fp32":
-            return None
         prepared = find_prepared(self.weights, self.model_sha256, fmt, layout)
-        if prepared is None and fmt not in self._said_unprepared:
+        fmt = resolve_format(fmt, self.weights)
+        if prepared is None and fmt != "fp32" and fmt not in self._said_unprepared:
             self._said_unprepared.add(fmt)
             log.info("no prepared MLP groups for --weights %s: HALO mode builds them from the model file, and under a "
                      "memory budget converts a group again whenever it reads it again (SmolLM2: ~2x slower tokens); "

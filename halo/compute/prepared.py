@@ -167,7 +167,6 @@ class PreparedGroups:
         """The group as onnxruntime kernels (what a device with room for every candidate group holds)."""
         projections = []
         for kernel, arrays in self._read(layer, group)[1]:
-            spec = KernelSpec(*kernel["spec"])
             codes, scales, offsets = self._kernel(kernel, arrays).arrays()  # MatMulNBits' layout
             form = KernelForm(codes, scales, offsets, kernel["k"])
             rows = [form[a:b] for a, b in kernel["outputs"]]
@@ -217,7 +216,13 @@ def _entry_problem(entry, file_bytes: int) -> str | None:
 
 
 def find_prepared(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout) -> PreparedGroups | None:
-    """The prepared groups for this model, format and group size, if `halo-agent prepare` wrote them."""
+    """The prepared groups for this model, format (as the session names it: resolved here) and group size, if
+    `halo-agent prepare` wrote them; None for float32 too (its groups are the file's own pages, read in place)."""
+    from halo.compute.linear import resolve_format
+
+    fmt = resolve_format(fmt, weights)
+    if fmt == "fp32":
+        return None
     path = prepared_dir(sha256, fmt, layout.mlp_group_size)
     if not (path / "manifest.json").exists():
         return None

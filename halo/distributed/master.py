@@ -44,14 +44,11 @@ def own_groups_memory(weights: ModelWeights, layout: GroupLayout, fmt: str):
     as kernels where every candidate fits, compact where not; a master in a 1.6 GB cgroup with the Llama-3.1-8B
     shape cannot hold its layers' whole MLP) and builds them from `halo-agent prepare`d groups where this host has
     them for the model (HALO_PREPARED_DIR). -> (budget bytes, prepared groups or None)."""
-    from halo.compute.linear import resolve_format
     from halo.compute.prepared import find_prepared
     from halo.model.loader import model_fingerprint
     from halo.runtime.measure import default_memory_budget
 
-    fmt = resolve_format(fmt, weights)
-    prepared = None if fmt == "fp32" else find_prepared(weights, model_fingerprint(weights.source), fmt, layout)
-    return default_memory_budget(), prepared
+    return default_memory_budget(), find_prepared(weights, model_fingerprint(weights.source), fmt, layout)
 
 
 class DistributedModel:
@@ -224,7 +221,7 @@ class DistributedModel:
             return []
         holders = self.holders[Block("mlp", layer)]
         probed = {i: (self.agents[i].profile.get("link") or {}).get("plr") for i in holders}  # None: never probed
-        plr = lambda i: probed[i] or 0.0  # noqa: E731
+        plr = {i: p or 0.0 for i, p in probed.items()}
         if holders and all(p is not None and p <= LOSSLESS_PLR for p in probed.values()):
             if not (self.worker.loads_ahead or any(self.agents[i].loads_ahead for i in holders)):
                 return []
@@ -237,7 +234,7 @@ class DistributedModel:
         tiers = []
         for (a, b), i in held:
             first = tiers[-1][0] if tiers else None
-            if (first and tiers[-1][-1][0][1] == a and abs(plr(i) - plr(first[1])) <= TIER_PLR
+            if (first and tiers[-1][-1][0][1] == a and abs(plr[i] - plr[first[1]]) <= TIER_PLR
                     and (first[0][0] < cut) == (a < cut)):
                 tiers[-1].append(((a, b), i))
             else:
