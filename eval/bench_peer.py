@@ -1,6 +1,8 @@
-"""halo against distributed-llama, the C++ peer, interleaved in one run on the namespace test bed.
+"""halo against distributed-llama, the C++ peer, interleaved in one run on the namespace test bed, and against
+llama.cpp's RPC backend where --llamacpp names a build of it.
 
-    python -m halo.eval.bench_peer --dllama /path/to/distributed-llama/dllama [--plr 0,0.02,0.05] [--runs 2]
+    python -m halo.eval.bench_peer --dllama /path/to/distributed-llama/dllama [--llamacpp /path/to/llama.cpp/build/bin]
+        [--plr 0,0.02,0.05] [--runs 2]
 
 The same weights on both sides: the TinyLlama-1.1B-shaped random GGUF of the other speed benchmarks (Q4_0,
 --weights native) and the very same quantized blocks in the peer's own file format (eval/dllama_files.py).
@@ -8,13 +10,18 @@ Master + 3 agents against root + 3 workers (the peer splits every layer over all
 one compute thread each, every link losing --plr of its frames both ways (rpi/testbed.py). Per run, in
 this order: each system alone (no network), then per PLR every halo mode and the peer twice: with
 `--net-turbo 0` (blocking sockets: its faster setting at low loss on this 2-core machine, where four
-busy-waiting processes share two cores) and with its default (non-blocking sockets, busy-waiting).
+busy-waiting processes share two cores) and with its default (non-blocking sockets, busy-waiting); with
+--llamacpp, llama.cpp's RPC backend: an rpc-server on every node (master and agents), llama-bench on the master
+offloading every layer to them (llama.cpp splits by layers: a pipeline over TCP), on the very same GGUF.
 
 A token's time: halo's, as the speed benchmark measures it (wall time of one forward pass); the peer's, as the
 wall time between two of its per-token lines (it prints and flushes one after every token), so both
-include everything a token costs. The first WARMUP tokens of each are left out.
+include everything a token costs. The first WARMUP tokens of each are left out. llama.cpp's: llama-bench's own
+timing of its generated tokens (after its warm-up token), over the same count.
 
-Build the peer from its repository (`make dllama`, CPU only); this benchmark does not download or build it.
+Build the peers from their repositories (`make dllama`, CPU only; llama.cpp with `cmake -DGGML_RPC=ON`, its
+rpc-server needing `-t` for one thread: upstream has it, older trees take a two-line patch); this benchmark does not
+download or build them.
 Needs root for the test bed. Writes eval/results/NAME.{json,md,png}.
 """
 
@@ -31,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -54,7 +62,9 @@ CONTEXT = 256  # positions both systems are given (halo's bench masters use 256)
 PEER_PROMPT = "hello"  # its tokenizer: <s> and 5 characters
 PEER_TOKEN_LINE = re.compile(r"Pred\s*(\d+) ms Sync\s*(\d+) ms")
 WORK = Path(tempfile.gettempdir()) / "halo-bench-peer"  # halo's model beside its predictors
-ALONE = {"halo": "halo single process", "dllama": "dllama single process"}
+LLAMACPP = "llama.cpp rpc"  # llama.cpp's RPC backend: its layers split over an rpc-server on every node (a pipeline)
+LLAMACPP_PORT = 50052
+ALONE = {"halo": "halo single process", "dllama": "dllama single process", "llama.cpp": "llama.cpp single process"}
 
 
 def peer_files(layers: int) -> tuple[Path, Path]:
@@ -73,58 +83,64 @@ def peer_files(layers: int) -> tuple[Path, Path]:
     return model, tokenizer
 
 
-class PeerWorkers:
-    """The peer's workers in the agents' namespaces, one set per setting. A worker serves one root at a time and
-    listens again when it sees the root leave; a root killed under loss may have its reset lost, and that worker
-    would wait for it forever (no keepalive): `ready` starts such a worker again."""
+class BedServers:
+    """A peer's servers in the test bed's namespaces, one per host, listening on one TCP port. A server serves one
+    client at a time and listens again when it sees the client leave; a client killed under loss may have its reset
+    lost, and that server would wait for it forever (no keepalive): `ready` starts such a server again."""
 
-    def __init__(self, bed, binary: Path, n: int):
-        self.bed, self.binary, self.n = bed, binary, n
-        self.processes: dict[tuple[str, int], subprocess.Popen] = {}
-        for setting in PEER_SETTINGS:
-            for i in range(1, n + 1):
-                self._start(setting, i)
-        for setting in PEER_SETTINGS:
-            self.ready(setting)
+    def __init__(self, bed, hosts: list[str], port: int, argv: Callable[[str], list[str]]):
+        self.bed, self.hosts, self.port, self.argv = bed, hosts, port, argv
+        self.processes: dict[str, subprocess.Popen] = {}
+        for host in hosts:
+            self._start(host)
 
-    def _start(self, setting: PeerSetting, i: int) -> None:
-        argv = [str(self.binary), "worker", "--port", str(setting.port), "--nthreads", "1", "--net-turbo", setting.turbo]
-        self.processes[setting.name, i] = self.bed.popen(f"agent-{i}", argv, stdout=subprocess.DEVNULL,
-                                                         stderr=subprocess.DEVNULL)
+    def _start(self, host: str) -> None:
+        self.processes[host] = self.bed.popen(host, self.argv(host), stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL)
 
-    def ready(self, setting: PeerSetting, wait_s: float = 10.0) -> None:
-        """Every worker of the setting listening; one that is not within wait_s is started again (once)."""
-        waiting = self._not_listening(setting, wait_s)
-        for i in waiting:
-            self.processes[setting.name, i].kill()
-            self.processes[setting.name, i].wait(timeout=10)
-            self._start(setting, i)
-        if waiting and self._not_listening(setting, 3 * wait_s):
-            raise RuntimeError(f"the peer's workers ({self.binary} worker --port {setting.port}) do not listen on "
-                               f"agents {sorted(waiting)}")
+    def ready(self, wait_s: float = 10.0) -> None:
+        """Every server listening; one that is not within wait_s is started again (once)."""
+        waiting = self._not_listening(wait_s)
+        for host in waiting:
+            self.processes[host].kill()
+            self.processes[host].wait(timeout=10)
+            self._start(host)
+        if waiting and self._not_listening(3 * wait_s):
+            raise RuntimeError(f"{' '.join(self.argv(sorted(waiting)[0]))}: not listening on {sorted(waiting)}")
 
-    def _not_listening(self, setting: PeerSetting, wait_s: float) -> set[int]:
+    def _not_listening(self, wait_s: float) -> set[str]:
         deadline = time.monotonic() + wait_s
-        waiting = set(range(1, self.n + 1))
+        waiting = set(self.hosts)
         while True:
-            waiting = {i for i in waiting if not self._listening(i, setting.port)}
+            waiting = {h for h in waiting if not self._listening(h)}
             if not waiting or time.monotonic() > deadline:
                 return waiting
             time.sleep(0.2)
 
-    def _listening(self, i: int, port: int) -> bool:
-        out = self.bed.popen(f"agent-{i}", ["ss", "-ltnH", f"sport = :{port}"], stdout=subprocess.PIPE,
+    def _listening(self, host: str) -> bool:
+        out = self.bed.popen(host, ["ss", "-ltnH", f"sport = :{self.port}"], stdout=subprocess.PIPE,
                              text=True).communicate(timeout=10)[0]
         return bool(out.strip())
 
-    def addresses(self, setting: PeerSetting) -> list[str]:
-        return [f"{self.bed.address(f'agent-{i}')}:{setting.port}" for i in range(1, self.n + 1)]
+    def addresses(self) -> list[str]:
+        return [f"{self.bed.address(host)}:{self.port}" for host in self.hosts]
 
     def close(self) -> None:
         for p in self.processes.values():
             p.kill()
         for p in self.processes.values():
             p.wait(timeout=10)
+
+
+def peer_workers(bed, binary: Path, n: int) -> dict[str, BedServers]:
+    """distributed-llama's workers in the agents' namespaces, one set per setting (a worker keeps the setting it was
+    started with)."""
+    agents = [f"agent-{i}" for i in range(1, n + 1)]
+    sets = {s.name: BedServers(bed, agents, s.port, lambda host, s=s: [
+        str(binary), "worker", "--port", str(s.port), "--nthreads", "1", "--net-turbo", s.turbo]) for s in PEER_SETTINGS}
+    for servers in sets.values():
+        servers.ready()
+    return sets
 
 
 class PeerStalled(RuntimeError):
@@ -201,9 +217,11 @@ def bench(args) -> None:
         key = Path(tmp) / "cluster.key"
         generate_key(key)
         cluster = Cluster(bed, model, key, args.agents)
-        peers = None
+        peers = {}
         try:
-            peers = PeerWorkers(bed, binary, args.agents)
+            peers = peer_workers(bed, binary, args.agents)
+            if args.llamacpp:
+                peers[LLAMACPP] = llamacpp_servers(bed, Path(args.llamacpp), args.agents)
             for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
                 bed.set_loss(0.0)
                 add({"system": "halo", "sync": ALONE["halo"], "plr": 0.0, "run": run,
@@ -211,6 +229,8 @@ def bench(args) -> None:
                 add({"system": "dllama", "sync": ALONE["dllama"], "plr": 0.0, "run": run,
                      **peer_summary(run_peer(bed, binary, peer_model, peer_tokenizer, [], "0", args.tokens,
                                              args.time_limit))})
+                if args.llamacpp:
+                    add_llamacpp(args, bed, None, model, 0.0, run, add, stalled)
                 for plr in [float(p) for p in args.plr.split(",")]:
                     bed.set_loss(plr)
                     for mode in modes:
@@ -218,18 +238,20 @@ def bench(args) -> None:
                                             args.time_limit, "native", args.plan)
                         add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
                     for setting in PEER_SETTINGS:
-                        peers.ready(setting)
+                        peers[setting.name].ready()
                         try:
-                            result = run_peer(bed, binary, peer_model, peer_tokenizer, peers.addresses(setting),
+                            result = run_peer(bed, binary, peer_model, peer_tokenizer, peers[setting.name].addresses(),
                                               setting.turbo, args.tokens, args.time_limit, stall_s=args.peer_stall)
                         except PeerStalled as e:  # a row of its own: the run goes on with the others
                             print(f"{setting.name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
                             stalled.append({"sync": setting.name, "plr": plr, "run": run, "why": e.short})
                             continue
                         add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
+                    if args.llamacpp:
+                        add_llamacpp(args, bed, peers[LLAMACPP], model, plr, run, add, stalled)
         finally:
-            if peers is not None:
-                peers.close()
+            for servers in peers.values():
+                servers.close()
             cluster.close()
     for r in rows:
         r["agents"] = args.agents  # median_runs groups by (agents, PLR, sync)
@@ -243,6 +265,57 @@ def bench(args) -> None:
     partial.unlink(missing_ok=True)
 
 
+def llamacpp_servers(bed, bin_dir: Path, n: int) -> BedServers:
+    """llama.cpp's rpc-server on the master and every agent (one CPU thread each, as every system here gets): the
+    client, on the master, splits the layers over all of them as halo splits them over master + agents."""
+    hosts = ["master", *(f"agent-{i}" for i in range(1, n + 1))]
+    servers = BedServers(bed, hosts, LLAMACPP_PORT, lambda host: [
+        str(bin_dir / "rpc-server"), "-H", bed.address(host), "-p", str(LLAMACPP_PORT), "-t", "1"])
+    servers.ready()
+    return servers
+
+
+def run_llamacpp(bed, bin_dir: Path, model: Path, servers: list[str], tokens: int, timeout_s: float) -> dict:
+    """llama-bench in the master's namespace: `tokens` greedy tokens after its own one-token warm-up, on one thread
+    (servers empty) or over the rpc-servers (every layer offloaded to them). Its whole run, which sends every
+    layer's weights to the servers first, is in wall_s."""
+    argv = [str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(tokens), "-r", "1", "-t", "1",
+            "-o", "json", "-ngl", "99" if servers else "0", *(["-rpc", ",".join(servers)] if servers else [])]
+    started = time.monotonic()
+    p = bed.popen("master", argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate(timeout=30)
+        raise PeerStalled(f"no result within {timeout_s:.0f} s", f"{' '.join(argv)}: no result in {timeout_s:.0f} s")
+    wall = time.monotonic() - started
+    try:
+        result = json.loads(out)[0]
+    except (ValueError, IndexError, KeyError):
+        raise PeerStalled(f"failed (exit {p.returncode})", f"{' '.join(argv)} (exit {p.returncode}):\n"
+                          f"{(out + err)[-2000:]}") from None
+    per_token = [ns / result["n_gen"] / 1e6 for ns in result["samples_ns"]]
+    return {"tokens": result["n_gen"], "ms_mean": float(np.mean(per_token)), "ms_median": float(np.median(per_token)),
+            "wall_s": wall, "backends": result.get("backends")}
+
+
+def add_llamacpp(args, bed, servers: BedServers | None, model: Path, plr: float, run: int, add, stalled: list) -> None:
+    """One llama.cpp row: alone (servers None) or over its rpc-servers; a run that times out or fails is recorded
+    as stalled, and the benchmark goes on."""
+    name = ALONE["llama.cpp"] if servers is None else LLAMACPP
+    if servers is not None:
+        servers.ready()
+    try:
+        result = run_llamacpp(bed, Path(args.llamacpp), model, [] if servers is None else servers.addresses(),
+                              args.tokens, args.time_limit + args.peer_stall)
+    except PeerStalled as e:
+        print(f"{name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
+        stalled.append({"sync": name, "plr": plr, "run": run, "why": e.short})
+        return
+    add({"system": "llama.cpp", "sync": name, "plr": plr, "run": run, **result})
+
+
 def peer_summary(result: dict) -> dict:
     """summarize's figures, and the mean of what the peer itself reported a token to take (its Pred + Sync)."""
     reported = result["reported_ms"]
@@ -253,38 +326,50 @@ def peer_summary(result: dict) -> dict:
 def render(rows: list[dict], modes: list[str], args, stalled: list[dict] = ()) -> list[str]:
     by = {(r["plr"], r["sync"]): r for r in rows}
     stuck = {(s["plr"], s["sync"]): s["why"] for s in stalled}
-    halo_single, peer_single = by.get((0.0, ALONE["halo"])), by.get((0.0, ALONE["dllama"]))
-    peers = [s.name for s in PEER_SETTINGS]
-    columns = [*modes, *peers]
-    lines = ["# halo and distributed-llama side by side under real packet loss", "",
+    dllamas = [s.name for s in PEER_SETTINGS]
+    llamacpp = [LLAMACPP] if any(sync == LLAMACPP for _, sync in [*by, *stuck]) else []
+    columns = [*modes, *dllamas, *llamacpp]
+    alone = {c: by.get((0.0, ALONE["halo" if c in modes else "dllama" if c in dllamas else "llama.cpp"]))
+             for c in columns}
+    lines = ["# halo, distributed-llama" + (" and llama.cpp's RPC backend" if llamacpp else "") +
+             " side by side under real packet loss", "",
              f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. {host_line()} Namespace test bed: nftables drops "
              "every agent link's frames both ways with the given probability; 1 master/root + "
              f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each"
              f"{profile_sentence(args.profile)}. The same weights: "
              f"TinyLlama-1.1B shape with {args.layers} layers, random, 4-bit (halo: the Q4_0 GGUF, --weights native; "
-             "distributed-llama: the same blocks in its Q40 file, the embedding unquantized), greedy. Mean wall ms "
+             "distributed-llama: the same blocks in its Q40 file, the embedding unquantized"
+             + ("; llama.cpp: the same GGUF" if llamacpp else "") + "), greedy. Mean wall ms "
              f"per output token over up to {args.tokens} tokens after {WARMUP} warm-up tokens. halo plan "
              f"`{args.plan}`; `dllama` is the peer with `--net-turbo 0` (blocking sockets), `dllama turbo` its "
              "default (busy-waiting sockets)." + (
+                 f" `{LLAMACPP}`: llama-bench on the master with every layer offloaded to an rpc-server on each of "
+                 f"the {args.agents + 1} nodes (one thread each; layers split evenly: a pipeline, one node at a time), "
+                 "its mean ms per token over the same count after its own warm-up; its weights cross the links at "
+                 "start (not in the token time)." if llamacpp else "") + (
                  f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (the faster "
                  "of two; every run in parentheses)." if args.runs == 2 else
                  f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
                  "parentheses)." if args.runs > 2 else ""), "",
-             f"Alone (no network): halo {cell(halo_single)} ms, distributed-llama {cell(peer_single)} ms per token.", "",
-             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest dllama / fastest halo |",
-             "|---|" + "---|" * (len(columns) + 1)]
+             "Alone (no network): " + ", ".join(f"{name} {cell(by.get((0.0, ALONE[key])))} ms" for key, name in
+                                                (("halo", "halo"), ("dllama", "distributed-llama"),
+                                                 *((("llama.cpp", "llama.cpp"),) if llamacpp else ()))) +
+             " per token.", "",
+             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest dllama / fastest halo |" +
+             (" llama.cpp rpc / fastest halo |" if llamacpp else ""),
+             "|---|" + "---|" * (len(columns) + 1 + len(llamacpp))]
     for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()} | {p for p, _ in stuck}):
         ours = [by[(plr, m)]["ms_mean"] for m in modes if (plr, m) in by]
-        theirs = [by[(plr, m)]["ms_mean"] for m in peers if (plr, m) in by]
-        ratio = f"{min(theirs) / min(ours):.2f}x" if ours and theirs else "-"
+        ratios = [[by[(plr, m)]["ms_mean"] for m in group if (plr, m) in by] for group in (dllamas, llamacpp)]
+        cells = [f"{min(theirs) / min(ours):.2f}x" if ours and theirs else "-" for theirs in ratios[:1 + len(llamacpp)]]
         lines.append(f"| {100 * plr:g} % | " + " | ".join(
-            cell(by.get((plr, c))) if (plr, c) not in stuck else stuck[plr, c] for c in columns) + f" | {ratio} |")
+            cell(by.get((plr, c))) if (plr, c) not in stuck else stuck[plr, c] for c in columns) +
+            f" | {' | '.join(cells)} |")
     lines.append("")
     zero = {c: by.get((0.0, c)) for c in columns}
-    if halo_single and peer_single:
+    if all(alone.values()):
         lines.append("At 0 % loss vs its own single process: " + ", ".join(
-            f"{c} {zero[c]['ms_mean'] / (halo_single if c in modes else peer_single)['ms_mean']:.2f}x"
-            for c in columns if zero[c]) + ".")
+            f"{c} {zero[c]['ms_mean'] / alone[c]['ms_mean']:.2f}x" for c in columns if zero[c]) + ".")
     used = agents_at_work(rows, modes, args.agents)
     if used:
         lines.append(f"Agents halo's plan gave work to (the median runs): {used}.")
@@ -303,7 +388,7 @@ def plot(rows: list[dict], modes: list[str], args, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for c in [*modes, *(s.name for s in PEER_SETTINGS)]:
+    for c in [*modes, *(s.name for s in PEER_SETTINGS), LLAMACPP]:
         points = sorted((r["plr"], r["ms_mean"]) for r in rows if r["sync"] == c)
         ax.plot([100 * p for p, _ in points], [v for _, v in points], marker="o",
                 label=f"halo {c}" if c in modes else c, linestyle="-" if c in modes else "--")
@@ -335,6 +420,11 @@ def check_arguments(args) -> None:
         raise SystemExit(f"--plr {args.plr!r}: give loss rates as fractions, comma-separated (e.g. 0,0.02,0.05)") from None
     if not all(0.0 <= p < 1.0 for p in plrs):
         raise SystemExit(f"--plr {args.plr}: every loss rate must lie in [0, 1) (0.05 is 5 %)")
+    if getattr(args, "llamacpp", None):
+        missing = [tool for tool in ("rpc-server", "llama-bench") if not (Path(args.llamacpp) / tool).is_file()]
+        if missing:
+            raise SystemExit(f"--llamacpp {args.llamacpp}: no {' or '.join(missing)} there (build llama.cpp with "
+                             "cmake -DGGML_RPC=ON, then --target rpc-server llama-bench; give its bin directory)")
     most = CONTEXT - len(PEER_PROMPT) - 2 - WARMUP
     if not 8 <= args.tokens <= most:
         raise SystemExit(f"--tokens {args.tokens}: between 8 and {most} (both systems get {CONTEXT} positions)")
@@ -346,6 +436,8 @@ def main(argv=None) -> int:
                                             "distributed-llama && make -C distributed-llama dllama",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dllama", required=True, help="the peer's dllama binary")
+    parser.add_argument("--llamacpp", metavar="DIR", help="a llama.cpp build's bin directory with rpc-server and "
+                        "llama-bench (cmake -DGGML_RPC=ON): llama.cpp's RPC backend on the same GGUF, in the same run")
     parser.add_argument("--agents", type=int, default=3, help="agents (halo) and workers (the peer) besides the "
                                                               "master/root (default 3; the peer takes at most as many "
                                                               "nodes as the model has KV heads: 4)")

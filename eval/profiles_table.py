@@ -1,9 +1,9 @@
-"""The headline table: halo (exact and HALO sync) and distributed-llama on every emulated link profile, from one
-bench_peer run per profile (eval/results/peer_profile_PROFILE.json).
+"""The headline table: halo (exact and HALO sync), distributed-llama and llama.cpp's RPC backend on every emulated
+link profile, from one bench_peer run per profile (eval/results/peer_profile_PROFILE.json).
 
     for p in ethernet wifi-good wifi-busy wifi-bad; do
-        python -m halo.eval.bench_peer --dllama PATH --profile $p --plr 0 --layers 8 --tokens 16 \\
-            --name peer_profile_$p; done
+        python -m halo.eval.bench_peer --dllama PATH --llamacpp LLAMA_CPP_BIN --profile $p --plr 0 --layers 8 \\
+            --tokens 16 --name peer_profile_$p; done
     python -m halo.eval.profiles_table
 
 Within a row every figure comes from one run (the systems interleaved on the same bed), so the row's ratios hold;
@@ -19,29 +19,41 @@ from pathlib import Path
 
 from halo.rpi.links import PROFILES
 
+from halo.eval.bench_peer import LLAMACPP
 from halo.eval.report import write_report
 
 ORDER = ("ethernet", "wifi-good", "wifi-busy", "wifi-bad")
 
 
+PEERS = {"dllama": ("dllama", "dllama turbo"), "llamacpp": (LLAMACPP,)}  # a peer's settings: its fastest counts
+
+
 def row(profile: str, results: dict) -> dict:
-    """One profile's figures; the peer's time is None where every socket mode of it stalled (no timed token)."""
+    """One profile's figures; a peer's time is None where every setting of it stalled (no timed token), and its
+    entries are absent where the run did not include it (llama.cpp before --llamacpp existed)."""
     by = {r["sync"]: r["ms_mean"] for r in results["rows"]}
-    timed = [v for k, v in by.items() if k in ("dllama", "dllama turbo")]
-    peer, best_halo = (min(timed) if timed else None), min(by["exact"], by["halo"])
-    stalled = "; ".join(f"{s['sync']}: {s['why']}" for s in results.get("stalled", []))
-    return {"profile": profile, "link": PROFILES[profile].describe(), "exact_ms": by["exact"], "halo_ms": by["halo"],
-            "halo_vs_exact": by["halo"] / by["exact"], "dllama_ms": peer,
-            "dllama_vs_halo": None if peer is None else peer / best_halo, "dllama_stalled": stalled,
-            "single_ms": by["halo single process"], "command": results["command"],
-            "host": results.get("host", "host not recorded")}
+    best_halo = min(by["exact"], by["halo"])
+    out = {"profile": profile, "link": PROFILES[profile].describe(), "exact_ms": by["exact"], "halo_ms": by["halo"],
+           "halo_vs_exact": by["halo"] / by["exact"], "single_ms": by["halo single process"],
+           "command": results["command"], "host": results.get("host", "host not recorded")}
+    for peer, settings in PEERS.items():
+        stalled = [s for s in results.get("stalled", []) if s["sync"] in settings]
+        timed = [v for k, v in by.items() if k in settings]
+        if not (timed or stalled):
+            continue
+        fastest = min(timed) if timed else None
+        out.update({f"{peer}_ms": fastest, f"{peer}_vs_halo": None if fastest is None else fastest / best_halo,
+                    f"{peer}_stalled": "; ".join(f"{s['sync']}: {s['why']}" for s in stalled)})
+    return out
 
 
-def peer_cells(r: dict) -> str:
-    if r["dllama_ms"] is None:
-        return f"stalled ({r['dllama_stalled']}) | - "
-    return f"{r['dllama_ms']:.1f}" + (f" ({r['dllama_stalled']})" if r["dllama_stalled"] else "") + \
-        f" | {r['dllama_vs_halo']:.2f}x"
+def peer_cells(r: dict, peer: str) -> str:
+    if f"{peer}_ms" not in r:
+        return "not run | -"
+    if r[f"{peer}_ms"] is None:
+        return f"stalled ({r[f'{peer}_stalled']}) | - "
+    return f"{r[f'{peer}_ms']:.1f}" + (f" ({r[f'{peer}_stalled']})" if r[f"{peer}_stalled"] else "") + \
+        f" | {r[f'{peer}_vs_halo']:.2f}x"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,13 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no peer_profile_*.json in {args.results}: run bench_peer per profile first (see --help)", file=sys.stderr)
         return 2
     hosts = sorted({r["host"] for r in rows})
-    lines = ["# halo and distributed-llama on emulated links (TinyLlama-1.1B shape, 8 layers, Q4_0, master + 3)", "",
+    lines = ["# halo, distributed-llama and llama.cpp's RPC backend on emulated links (TinyLlama-1.1B shape, 8 layers, "
+             "Q4_0, master + 3)", "",
              f"{' / '.join(hosts)} One `bench_peer` run per profile (commands in the JSON); the 2 cores are shared by all "
-             "four nodes. ms per output token, mean of 16 greedy tokens; dllama: the faster of its two socket modes.", "",
+             "four nodes. ms per output token, mean of 16 greedy tokens; dllama: the faster of its two socket modes; "
+             "llama.cpp rpc: its layers split over an rpc-server on each node (a pipeline).", "",
              "| profile | every agent's link | halo exact | halo (HALO sync) | HALO / exact | distributed-llama | "
-             "dllama / best halo | one process |", "|---|---|---|---|---|---|---|---|"]
+             "dllama / best halo | llama.cpp rpc | llama.cpp / best halo | one process |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['profile']} | {r['link']} | {r['exact_ms']:.1f} | {r['halo_ms']:.1f} | {r['halo_vs_exact']:.2f}x | "
-              f"{peer_cells(r)} | {r['single_ms']:.1f} |" for r in rows]
+              f"{peer_cells(r, 'dllama')} | {peer_cells(r, 'llamacpp')} | {r['single_ms']:.1f} |" for r in rows]
     write_report(args.results, "profiles_headline", {"hosts": hosts, "rows": rows}, lines)
     print("\n".join(lines))
     return 0

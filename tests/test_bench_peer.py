@@ -8,6 +8,7 @@ import stat
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -144,3 +145,58 @@ def test_the_report_compares_the_fastest_of_each_system_at_every_loss_rate():
 
 def replace_profile(args, profile):
     return argparse.Namespace(**{**vars(args), "profile": profile})
+
+
+def fake_llama_bench(tmp_path, body: str):
+    """A stand-in for llama-bench (and an rpc-server beside it) in a bin directory of its own."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool, text in (("llama-bench", body), ("rpc-server", "import time\ntime.sleep(60)\n")):
+        script = bin_dir / tool
+        script.write_text(f"#!{sys.executable}\nimport json, sys, time\n{text}")
+        script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_llama_cpps_token_time_is_its_own_timing_of_the_generated_tokens_and_it_is_given_the_servers(tmp_path):
+    bin_dir = fake_llama_bench(tmp_path, "print(json.dumps([{'n_gen': 16, 'samples_ns': [320_000_000], "
+                                         "'backends': 'RPC', 'argv': sys.argv[1:]}]))\n")
+    result = bench_peer.run_llamacpp(Bed(), bin_dir, tmp_path / "m.gguf", ["10.0.0.1:50052", "10.0.0.2:50052"], 16,
+                                     30.0)
+    assert result["tokens"] == 16 and result["ms_mean"] == pytest.approx(20.0) and result["backends"] == "RPC"
+    alone = bench_peer.run_llamacpp(Bed(), bin_dir, tmp_path / "m.gguf", [], 16, 30.0)
+    assert alone["ms_mean"] == pytest.approx(20.0)
+
+
+def test_a_llama_cpp_run_that_fails_or_hangs_is_stalled_with_what_it_said(tmp_path):
+    failing = fake_llama_bench(tmp_path, "print('failed to connect to 10.0.0.2:50052', file=sys.stderr)\nsys.exit(1)\n")
+    with pytest.raises(bench_peer.PeerStalled, match="failed to connect") as failed:
+        bench_peer.run_llamacpp(Bed(), failing, tmp_path / "m.gguf", ["10.0.0.2:50052"], 16, 30.0)
+    assert failed.value.short == "failed (exit 1)"
+    hanging = fake_llama_bench(tmp_path, "time.sleep(30)\n")
+    started = time.monotonic()
+    with pytest.raises(bench_peer.PeerStalled) as hung:
+        bench_peer.run_llamacpp(Bed(), hanging, tmp_path / "m.gguf", ["10.0.0.2:50052"], 16, 1.0)
+    assert hung.value.short == "no result within 1 s" and time.monotonic() - started < 15
+
+
+def test_the_report_puts_llama_cpp_beside_the_others_with_its_ratio_to_halo():
+    rows = [{"plr": 0.0, "sync": sync, "system": system, "ms_mean": ms} for sync, system, ms in [
+        ("halo single process", "halo", 20.0), ("dllama single process", "dllama", 60.0),
+        ("llama.cpp single process", "llama.cpp", 25.0), ("exact", "halo", 30.0), ("halo", "halo", 40.0),
+        ("dllama", "dllama", 45.0), ("dllama turbo", "dllama", 180.0), ("llama.cpp rpc", "llama.cpp", 75.0)]]
+    args = argparse.Namespace(argv=[], agents=3, layers=8, tokens=16, plan="even-mlp-only", runs=1, profile=None)
+    text = "\n".join(bench_peer.render(rows, ["exact", "halo"], args))
+    assert "| PLR | exact ms | halo ms | dllama ms | dllama turbo ms | llama.cpp rpc ms |" in text
+    assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | 75.0 | 1.50x | 2.50x |" in text
+    assert "Alone (no network): halo 20.0 ms, distributed-llama 60.0 ms, llama.cpp 25.0 ms per token." in text
+    assert "llama.cpp rpc 3.00x" in text  # against llama.cpp's own single process
+    stalled = [{"sync": "llama.cpp rpc", "plr": 0.0, "run": 0, "why": "no result within 660 s"}]
+    text = "\n".join(bench_peer.render(rows[:-1], ["exact", "halo"], args, stalled))
+    assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | no result within 660 s | 1.50x | - |" in text
+
+
+def test_a_llama_cpp_directory_without_its_tools_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(SystemExit, match="no rpc-server or llama-bench there"):
+        bench_peer.check_arguments(arguments(llamacpp=str(tmp_path)))
+    bench_peer.check_arguments(arguments(llamacpp=str(fake_llama_bench(tmp_path, ""))))
