@@ -270,6 +270,27 @@ def test_deadline_ceiling_grows_with_the_rounds_tokens():
     assert rule.deadline_s("lm_head", [1], tokens=1) == pytest.approx(0.100)  # decode keeps its own ceiling
 
 
+def test_each_agent_gets_deadlines_from_its_own_turnaround_and_spread():
+    """Per agent, RFC 6298's estimates: a steady Wi-Fi agent (15 ms +- 3) is cut at m + 2 v for a hole and m + 6 v
+    without one, not at the round-wide 2 x / 4 x the median (30 / 60 ms); a jittery one gets more room; an agent
+    not measured yet gets none of its own (the round-wide rule applies)."""
+    rule = AdaptiveDeadline(SyncSettings(deadline_floor_ms=5, deadline_ceiling_ms=100, deadline_slack=2))
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        rule.observe("mlp", 1, 0.015 + rng.uniform(-0.003, 0.003))
+        rule.observe("mlp", 2, 0.015 + rng.uniform(-0.010, 0.010))
+    own = rule.per_peer("mlp", [1, 2, 3])
+    assert set(own) == {1, 2}  # agent 3: nothing measured
+    assert 0.016 < own[1].loss_s < 0.021 and 0.020 < own[1].late_s < 0.030
+    assert own[2].loss_s > own[1].loss_s + 0.005 and own[2].late_s > own[1].late_s + 0.015
+    assert own[1].loss_s < rule.deadline_s("mlp", [1, 2]) and own[1].late_s < rule.late_deadline_s("mlp", [1, 2])
+    rule.observe("mlp", 4, 0.0005)  # a fast agent on a busy machine keeps the floors
+    assert rule.per_peer("mlp", [4])[4].loss_s == pytest.approx(0.005)
+    assert rule.per_peer("mlp", [4])[4].late_s == pytest.approx(0.020)
+    rule.observe("mlp", 5, 0.300)  # and a slow one the ceiling
+    assert rule.per_peer("mlp", [5])[5].late_s == pytest.approx(0.100)
+
+
 def test_broadcast_framing_lets_the_receiver_learn_the_size():
     per = wire.values_per_chunk(wire.FLOAT32)
     x = np.arange(3 * 64, dtype=np.float32).reshape(3, 64)

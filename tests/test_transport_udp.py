@@ -11,7 +11,7 @@ import pytest
 
 from halo.transport import wire
 from halo.transport.loss import LossInjector
-from halo.transport.udp import GatherPolicy, UdpEndpoint
+from halo.transport.udp import GatherPolicy, PeerDeadline, UdpEndpoint
 
 KEY = bytes(range(32))
 SESSION = 7
@@ -561,6 +561,29 @@ def test_a_chased_silent_peer_keeps_the_late_deadline(cluster):
         late_send.join()
     assert chased and result.complete and (result.values[sender.node_id] == 1).all()
     assert sender.node_id in result.lossy  # counted as a loss sign all the same
+
+
+def test_a_peer_with_deadlines_of_its_own_is_cut_at_them_and_the_others_at_the_rounds(cluster):
+    """GatherPolicy.per_peer: a non-critical peer's own late deadline replaces the round's (here shorter: its
+    partial comes after it and is dropped), another peer without one keeps the round's; a critical peer ignores
+    its entry (the hard deadline)."""
+    master, agents = cluster
+    slow, other, critical = agents[0], agents[1], agents[2]
+    sends = [threading.Timer(0.080, lambda a=a: a.send_vector({0: master.address}, 9, np.ones(700), wire.FLOAT32))
+             for a in (slow, other, critical)]
+    for t in sends:
+        t.start()
+    try:
+        own = {slow.node_id: PeerDeadline(loss_s=0.010, late_s=0.030),
+               critical.node_id: PeerDeadline(loss_s=0.010, late_s=0.030)}
+        result = master.gather(9, {a.node_id: 700 for a in (slow, other, critical)}, policy=GatherPolicy(
+            deadline_s=0.010, late_deadline_s=0.500, hard_deadline_s=1.0, critical=frozenset({critical.node_id}),
+            nack=True, per_peer=own))
+    finally:
+        for t in sends:
+            t.join()
+    assert not result.masks[slow.node_id].any()  # cut at its own 30 ms
+    assert result.masks[other.node_id].all() and result.masks[critical.node_id].all()
 
 
 def test_the_c_datagram_path_is_built_wherever_a_compiler_is():

@@ -18,7 +18,7 @@ from halo.compute.shares import Block
 from halo.sync import AdaptiveDeadline, LossLedger, RoundPlan, Status, SyncSettings
 from halo.sync.framing import FramingError, frame_broadcast, partial_size, read_partial, reply_epoch
 from halo.transport import wire
-from halo.transport.udp import GatherPolicy, UdpEndpoint
+from halo.transport.udp import GatherPolicy, PeerDeadline, UdpEndpoint
 
 from halo.distributed.remote import AgentError, RemoteAgent
 
@@ -82,9 +82,12 @@ class MasterRound:
         deadline = ctx.deadline.deadline_s(self.block.kind, holders, self.tokens)
         late = ctx.deadline.late_deadline_s(self.block.kind, holders, self.tokens)
         waited = time.perf_counter() - self.sent_at
+        own = {} if ctx.sync.policy.all_critical else {  # deadlines of its own for each dropped-if-late agent
+            i: PeerDeadline(max(0.0, d.loss_s - waited), max(0.0, d.late_s - waited))
+            for i, d in ctx.deadline.per_peer(self.block.kind, holders, self.tokens).items()}
         policy = GatherPolicy(deadline_s=max(0.0, deadline - waited), hard_deadline_s=ctx.timeout_s,
                               late_deadline_s=max(0.0, late - waited), critical=plan.critical, nack=plan.nack,
-                              silent_s=AdaptiveDeadline.chase_after_s(late))
+                              silent_s=AdaptiveDeadline.chase_after_s(late), per_peer=own)
         result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, ctx.sync.partial_dtype, policy, on_silent=self._chase)
         gathered = time.perf_counter() - self.sent_at
         if any(i not in plan.critical for i in holders):

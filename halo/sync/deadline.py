@@ -22,6 +22,17 @@ is computing) is only late, and gets the looser
 so a busy or descheduled device is not cut off for timing alone (at 0 % loss nothing is dropped
 that arrives within 4 x the usual turnaround). Drops are counted by cause (loss / late).
 
+In the modes that drop (not exact), each non-critical agent also gets deadlines of its own, from its turnaround's
+mean m and mean deviation v (both exponentially weighted, as TCP estimates a retransmission timeout, RFC 6298):
+
+    loss deadline = clamp(floor, ceiling, m + 2 v)        late deadline = clamp(20 ms, ceiling, m + 6 v)
+
+A partial with a hole is complete on time only if parity rebuilds it with the vector's tail, which arrives within
+the link's usual spread (m + 2 v); a NACK's answer costs a round trip more, which is what HALO does not wait for. A
+partial with no sign of loss is cut only far out in its own spread. Over a Wi-Fi link (m ~ 15 ms, v ~ 3 ms) that is
+21 / 33 ms, where the round-wide rule gives 30 / 60; on a busy 2-core bed (m ~ 2, v ~ 1) the floors hold, as
+before. Until an agent's turnaround is known the round-wide rule applies to it.
+
 An agent that has sent nothing is chased (halo/sync/modes.py: its input sent again) after 0.6 x the
 late deadline: when it takes 2.4 x its usual turnaround (at least 12 ms). Chasing at 0.6 x the loss
 deadline sent inputs again to agents that were only computing on a busy machine. A chased agent keeps
@@ -31,10 +42,14 @@ the late deadline (silence is no hole): it had been cut at the chase itself, pas
 from __future__ import annotations
 
 from halo.sync.modes import SyncSettings
+from halo.transport.udp import PeerDeadline
 
 CHASE_FRACTION = 0.6
 LATE_SLACK = 4.0
 LATE_FLOOR_S = 0.020
+DEVIATION_BETA = 0.25  # RFC 6298's weight of a new sample in the mean deviation
+LOSS_DEVIATIONS = 2.0  # a partial with a hole: its link's usual spread, not a NACK's round trip more
+LATE_DEVIATIONS = 6.0  # a partial with no sign of loss: far out in its spread
 
 
 def clip(value: float, low: float, high: float) -> float:
@@ -50,6 +65,7 @@ class AdaptiveDeadline:
         self.ceiling = settings.deadline_ceiling_ms / 1e3
         self.slack = settings.deadline_slack
         self.turnaround: dict[tuple, float] = {}  # (block kind, agent, size class) -> EWMA seconds
+        self.deviation: dict[tuple, float] = {}  # the same key -> EWMA of |sample - turnaround| (seconds)
 
     @staticmethod
     def _key(kind: str, agent: int, tokens: int) -> tuple:
@@ -58,7 +74,11 @@ class AdaptiveDeadline:
     def observe(self, kind: str, agent: int, seconds: float, tokens: int = 1) -> None:
         key = self._key(kind, agent, tokens)
         old = self.turnaround.get(key)
-        self.turnaround[key] = seconds if old is None else old + self.ALPHA * (seconds - old)
+        if old is None:  # RFC 6298's first sample: the spread taken as half of it until others come
+            self.turnaround[key], self.deviation[key] = seconds, seconds / 2
+            return
+        self.deviation[key] += DEVIATION_BETA * (abs(seconds - old) - self.deviation[key])
+        self.turnaround[key] = old + self.ALPHA * (seconds - old)
 
     def _median(self, kind: str, agents, tokens: int) -> float | None:
         known = sorted(self.turnaround[k] for k in (self._key(kind, a, tokens) for a in agents) if k in self.turnaround)
@@ -80,6 +100,19 @@ class AdaptiveDeadline:
         median, ceiling = self._median(kind, agents, tokens), self.ceiling_s(tokens)
         floor = max(self.floor, LATE_FLOOR_S)
         return ceiling if median is None else clip(LATE_SLACK * median, floor, max(floor, ceiling))
+
+    def per_peer(self, kind: str, agents, tokens: int = 1) -> dict[int, PeerDeadline]:
+        """Each agent's own deadlines, from its turnaround's mean and spread (agents not measured yet: none)."""
+        ceiling, late_floor = self.ceiling_s(tokens), max(self.floor, LATE_FLOOR_S)
+        out = {}
+        for agent in agents:
+            key = self._key(kind, agent, tokens)
+            if key in self.turnaround:
+                mean, spread = self.turnaround[key], self.deviation[key]
+                out[agent] = PeerDeadline(loss_s=clip(mean + LOSS_DEVIATIONS * spread, self.floor, ceiling),
+                                          late_s=clip(mean + LATE_DEVIATIONS * spread, late_floor,
+                                                      max(late_floor, ceiling)))
+        return out
 
     @staticmethod
     def chase_after_s(deadline_s: float) -> float:

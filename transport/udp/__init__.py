@@ -27,8 +27,8 @@ whole-vector path), probes.py; endpoint.py puts them together.
 
 from halo.transport.udp.base import BUSY_POLL_MODES, BUSY_POLL_S, PeerStats, set_busy_poll, spin_readable
 from halo.transport.udp.endpoint import UdpEndpoint
-from halo.transport.udp.gather import GatherPolicy, GatherResult, Inbound
+from halo.transport.udp.gather import GatherPolicy, GatherResult, Inbound, PeerDeadline
 from halo.transport.udp.send import PARITY_PREFIX, PARTIALS_KEPT, kept_bytes
 
 __all__ = ["BUSY_POLL_MODES", "BUSY_POLL_S", "GatherPolicy", "GatherResult", "Inbound", "PARITY_PREFIX",
-           "PARTIALS_KEPT", "PeerStats", "UdpEndpoint", "kept_bytes", "set_busy_poll", "spin_readable"]
+           "PARTIALS_KEPT", "PeerDeadline", "PeerStats", "UdpEndpoint", "kept_bytes", "set_busy_poll", "spin_readable"]

@@ -7,6 +7,7 @@ A role of UdpEndpoint (halo/transport/udp/endpoint.py): the methods here run on 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,15 @@ from halo.transport.udp.base import PeerStats
 from halo.transport.udp.send import PARITY_PREFIX
 
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
+
+
+@dataclass(frozen=True)
+class PeerDeadline:
+    """One peer's own deadlines in a gather (seconds from its start), in place of the policy's round-wide ones: a
+    peer's turnaround and its spread are its link's and device's, not the round's."""
+
+    loss_s: float  # with evidence of loss
+    late_s: float  # without
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,7 @@ class GatherPolicy:
     nack: frozenset | bool = False  # peers whose holes are NACKed (True: every peer)
     silent_s: float | None = None  # a peer owed data that has sent nothing for this long is chased (on_silent)
     stop_on_newer: bool = False  # return as soon as an expected peer sends a newer epoch (it has moved on)
+    per_peer: Mapping[int, PeerDeadline] = field(default_factory=dict)  # non-critical peers' own deadlines
     # NACK this long after the last chunk when the burst's tail has not come, and again every nack_retry_s. Not
     # shorter: a sender descheduled mid-burst on a busy device (a scheduler slice is milliseconds) was NACKed
     # at 0.5 ms and answered every retry at 1 ms: duplicates, and parity switched on at 0 % loss
@@ -282,9 +293,14 @@ class Gatherer:
         silent_at = start + policy.silent_s if on_silent and policy.silent_s else float("inf")
         inbound = {}
         for p, n in expected.items():
-            critical = p in policy.critical
-            inbound[p] = Inbound(p, n, dtype, hard if critical else max(late_end, loss_end),
-                                 hard if critical else loss_end, policy.nack is True or p in (policy.nack or ()),
+            own = policy.per_peer.get(p)
+            if p in policy.critical:
+                until, until_lossy = hard, hard
+            elif own is not None:
+                until, until_lossy = start + max(own.late_s, own.loss_s), start + own.loss_s
+            else:
+                until, until_lossy = max(late_end, loss_end), loss_end
+            inbound[p] = Inbound(p, n, dtype, until, until_lossy, policy.nack is True or p in (policy.nack or ()),
                                  silent_at, p in self.parity_from)
         return inbound
 
