@@ -2,12 +2,13 @@
 
     python -m halo.eval.compare_revisions --base REV [--runs 3] [--name NAME] -- BENCH [BENCH ARGS ...]
 
-BENCH is a benchmark module of halo.eval whose JSON has `rows` with `ms_median` (bench_scaling, bench_halo_speed's
-`speed`). REV (a commit) is installed once from a git worktree into a folder of its own (pip --target, no
+BENCH is a benchmark module of halo.eval whose JSON has `rows` with `ms_median` and `ms_mean` (bench_scaling,
+bench_halo_speed's `speed`); --metric picks which (the median by default; the mean where the tail is the point, as
+on lossy radio links, where a token's recoveries make it). REV (a commit) is installed once from a git worktree into a folder of its own (pip --target, no
 dependencies: this environment's serve both); every run then starts the benchmark on the base revision and on this
 checkout's installed halo in turn, each in a fresh process (the base one with that folder first on PYTHONPATH, so
 its agents import it too), from a scratch directory. A row's cell is the median over the runs of that setup's
-ms_median (the benchmark's own runs pooled with them); the ratio is this revision's over the base's; the two
+metric (the benchmark's own runs pooled with them); the ratio is this revision's over the base's; the two
 revisions take turns going first. Writes eval/results/NAME.{json,md} with the host.
 """
 
@@ -71,8 +72,8 @@ def setup_key(row: dict) -> str:
     return ", ".join(f"{k}={row[k]}" for k in SETUP_FIELDS if k in row)
 
 
-def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict[str, list[float]]:
-    """One run of the benchmark: setup -> its rows' ms_median (one a run of the benchmark's own --runs)."""
+def run_bench(bench: str, args: list[str], site: Path | None, out: Path, metric: str = "ms_median") -> dict[str, list[float]]:
+    """One run of the benchmark: setup -> its rows' metric (one a run of the benchmark's own --runs)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if site is not None:
         env["PYTHONPATH"] = str(site)
@@ -82,8 +83,8 @@ def run_bench(bench: str, args: list[str], site: Path | None, out: Path) -> dict
         raise ConfigError(f"{bench} failed on {'the base' if site else 'this'} revision: {done.stderr.strip()[-2000:]}")
     times: dict[str, list[float]] = {}
     for row in json.loads((out / "run.json").read_text())["rows"]:
-        if row.get("ms_median") is not None:
-            times.setdefault(setup_key(row), []).append(row["ms_median"])
+        if row.get(metric) is not None:
+            times.setdefault(setup_key(row), []).append(row[metric])
     return times
 
 
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="the revision to compare against (a commit, tag or branch)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each revision, interleaved (default 3)")
+    parser.add_argument("--metric", choices=("ms_median", "ms_mean"), default="ms_median",
+                        help="each run's figure of a setup: its median ms/token (default) or its mean (the tail counts)")
     parser.add_argument("--name", default="compare_revisions")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("bench", help="the benchmark module of halo.eval (bench_scaling, bench_halo_speed ...)")
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.runs):
                 for which, site in sides if i % 2 == 0 else sides[::-1]:  # each goes first every other run
                     print(f"run {i + 1}/{args.runs}: {which}", file=sys.stderr, flush=True)
-                    for key, ms in run_bench(args.bench, bench_args, site, scratch / f"{which}-{i}").items():
+                    for key, ms in run_bench(args.bench, bench_args, site, scratch / f"{which}-{i}",
+                                                   args.metric).items():
                         times[which].setdefault(key, []).extend(ms)
         if not set(times["base"]) & set(times["head"]):
             raise ConfigError(f"the two revisions' {args.bench} rows share no setup: base {sorted(times['base'])}, "
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("halo.eval.compare_revisions", argv)
     lines = [f"# {args.bench}: {base[:8]} (base) against {head[:8]} (this revision), interleaved", "",
              f"Command: `{command}`. {host_line()} {args.runs} run(s) of each revision, alternating; a cell is the "
-             "median over the runs of the setup's median ms/token (every run's in parentheses).", "",
+             f"median over the runs of the setup's {'median' if args.metric == 'ms_median' else 'mean'} ms/token "
+             "(every run's in parentheses).", "",
              "| setup | base ms/token | this revision ms/token | ratio |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['setup']} | {r['base_ms']:.2f} ({', '.join(f'{x:.1f}' for x in r['base_runs'])}) | "
