@@ -20,7 +20,7 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("linkemu.c")
@@ -66,6 +66,10 @@ PROFILES = {p.name: p for p in (
     LinkProfile("wifi-busy", 5.0, 3.0, 0.05, 5.0, rate_mbit=100.0),
     LinkProfile("wifi-bad", 10.0, 5.0, 0.10, 8.0),
 )}
+# each radio link without its losses: its delay, jitter and rate alone, what any sync mode that waits for every
+# partial pays at least on it (the most HALO's dropping could save is what the losses add beyond this)
+PROFILES.update({f"{name}-lossless": replace(PROFILES[name], name=f"{name}-lossless", loss=0.0, burst=1.0)
+                 for name in ("wifi-good", "wifi-busy", "wifi-bad")})
 
 
 def profile(name_or_profile) -> LinkProfile:

@@ -54,3 +54,10 @@ def test_profiles_are_checked():
         profile("wifi-great")
     with pytest.raises(ValueError, match="jitter <= delay"):
         LinkProfile("odd", 1.0, jitter_ms=2.0)
+
+
+@pytest.mark.parametrize("name", ["wifi-good", "wifi-busy", "wifi-bad"])
+def test_a_radio_links_lossless_twin_is_the_same_link_without_its_losses(name):
+    link, twin = PROFILES[name], profile(f"{name}-lossless")
+    assert (twin.delay_ms, twin.jitter_ms, twin.rate_mbit) == (link.delay_ms, link.jitter_ms, link.rate_mbit)
+    assert twin.loss == 0 and link.loss > 0 and twin.spec().split(",")[2] == "0"
