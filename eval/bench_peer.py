@@ -194,17 +194,28 @@ def run_peer(bed, binary: Path, model: Path, tokenizer: Path, workers: list[str]
     return {"ms_per_token": [1e3 * t for t in times], "reported_ms": reported[WARMUP + 1:]}
 
 
+@dataclass(frozen=True)
+class DllamaFiles:
+    """distributed-llama's binary and its files of the benchmark's weights."""
+
+    binary: Path
+    model: Path
+    tokenizer: Path
+
+
 def bench(args) -> None:
     from halo.eval.bench_churn import q4_with_predictors
     from halo.transport.reliable import generate_key
 
-    binary = Path(args.dllama).resolve()
-    if not binary.is_file():
-        raise SystemExit(f"--dllama {args.dllama}: no such file (build it: git clone distributed-llama; make dllama)")
+    dllama = None
+    if args.dllama:
+        binary = Path(args.dllama).resolve()
+        if not binary.is_file():
+            raise SystemExit(f"--dllama {args.dllama}: no such file (build it: git clone distributed-llama; make dllama)")
+        dllama = DllamaFiles(binary, *peer_files(args.layers))
     model = q4_with_predictors(WORK / f"{args.layers}L", args.layers)  # the weights peer_files gives the peer
-    peer_model, peer_tokenizer = peer_files(args.layers)
     modes = args.modes.split(",")
-    rows, stalled = [], []  # stalled: the peer's settings that timed no token (PeerStalled)
+    rows, stalled = [], []  # stalled: the peers' settings that timed no token (PeerStalled)
     partial = Path(args.out) / f"{args.name}.partial.json"
     partial.parent.mkdir(parents=True, exist_ok=True)
 
@@ -219,16 +230,16 @@ def bench(args) -> None:
         cluster = Cluster(bed, model, key, args.agents)
         peers = {}
         try:
-            peers = peer_workers(bed, binary, args.agents)
+            if dllama:
+                peers = peer_workers(bed, dllama.binary, args.agents)
             if args.llamacpp:
                 peers[LLAMACPP] = llamacpp_servers(bed, Path(args.llamacpp), args.agents)
             for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
                 bed.set_loss(0.0)
                 add({"system": "halo", "sync": ALONE["halo"], "plr": 0.0, "run": run,
                      **summarize(run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit))})
-                add({"system": "dllama", "sync": ALONE["dllama"], "plr": 0.0, "run": run,
-                     **peer_summary(run_peer(bed, binary, peer_model, peer_tokenizer, [], "0", args.tokens,
-                                             args.time_limit))})
+                if dllama:
+                    add_dllama(args, bed, dllama, None, 0.0, run, add, stalled)
                 if args.llamacpp:
                     add_llamacpp(args, bed, None, model, 0.0, run, add, stalled)
                 for plr in [float(p) for p in args.plr.split(",")]:
@@ -237,16 +248,8 @@ def bench(args) -> None:
                         result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens, {},
                                             args.time_limit, "native", args.plan)
                         add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
-                    for setting in PEER_SETTINGS:
-                        peers[setting.name].ready()
-                        try:
-                            result = run_peer(bed, binary, peer_model, peer_tokenizer, peers[setting.name].addresses(),
-                                              setting.turbo, args.tokens, args.time_limit, stall_s=args.peer_stall)
-                        except PeerStalled as e:  # a row of its own: the run goes on with the others
-                            print(f"{setting.name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
-                            stalled.append({"sync": setting.name, "plr": plr, "run": run, "why": e.short})
-                            continue
-                        add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
+                    for setting in PEER_SETTINGS if dllama else ():
+                        add_dllama(args, bed, dllama, (setting, peers[setting.name]), plr, run, add, stalled)
                     if args.llamacpp:
                         add_llamacpp(args, bed, peers[LLAMACPP], model, plr, run, add, stalled)
         finally:
@@ -258,11 +261,32 @@ def bench(args) -> None:
     medians = median_runs(rows)
     lines = render(medians, modes, args, stalled)
     write_report(args.out, args.name, {"command": command_line("halo.eval.bench_peer", args.argv), "host": host_line(),
-                                        "model": str(model),
-                                        "peer_model": str(peer_model), "runs": args.runs, "rows": medians,
-                                        "every_run": rows, "stalled": stalled}, lines)
+                                        "model": str(model), "peer_model": str(dllama.model) if dllama else None,
+                                        "runs": args.runs, "rows": medians, "every_run": rows, "stalled": stalled},
+                 lines)
     plot(medians, modes, args, Path(args.out) / f"{args.name}.png")
     partial.unlink(missing_ok=True)
+
+
+def add_dllama(args, bed, files: DllamaFiles, workers: tuple[PeerSetting, BedServers] | None, plr: float, run: int,
+               add, stalled: list) -> None:
+    """One distributed-llama row: alone (workers None) or over one setting's workers; a run that times no token
+    is recorded as stalled, and the benchmark goes on."""
+    if workers is None:
+        add({"system": "dllama", "sync": ALONE["dllama"], "plr": 0.0, "run": run,
+             **peer_summary(run_peer(bed, files.binary, files.model, files.tokenizer, [], "0", args.tokens,
+                                     args.time_limit))})
+        return
+    setting, servers = workers
+    servers.ready()
+    try:
+        result = run_peer(bed, files.binary, files.model, files.tokenizer, servers.addresses(), setting.turbo,
+                          args.tokens, args.time_limit, stall_s=args.peer_stall)
+    except PeerStalled as e:  # a row of its own: the run goes on with the others
+        print(f"{setting.name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
+        stalled.append({"sync": setting.name, "plr": plr, "run": run, "why": e.short})
+        return
+    add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
 
 
 def llamacpp_servers(bed, bin_dir: Path, n: int) -> BedServers:
@@ -326,45 +350,28 @@ def peer_summary(result: dict) -> dict:
 def render(rows: list[dict], modes: list[str], args, stalled: list[dict] = ()) -> list[str]:
     by = {(r["plr"], r["sync"]): r for r in rows}
     stuck = {(s["plr"], s["sync"]): s["why"] for s in stalled}
-    dllamas = [s.name for s in PEER_SETTINGS]
-    llamacpp = [LLAMACPP] if any(sync == LLAMACPP for _, sync in [*by, *stuck]) else []
-    columns = [*modes, *dllamas, *llamacpp]
-    alone = {c: by.get((0.0, ALONE["halo" if c in modes else "dllama" if c in dllamas else "llama.cpp"]))
+    ran = {sync for _, sync in [*by, *stuck]}
+    dllamas = [s.name for s in PEER_SETTINGS] if ran & {ALONE["dllama"], *(s.name for s in PEER_SETTINGS)} else []
+    # each peer that ran: its columns, the head of its ratio column, its single process
+    peers = [(cols, head, ALONE[key]) for cols, head, key in (
+        (dllamas, "fastest dllama / fastest halo", "dllama"), ([LLAMACPP] if LLAMACPP in ran else [],
+                                                              f"{LLAMACPP} / fastest halo", "llama.cpp")) if cols]
+    columns = [*modes, *(c for cols, _, _ in peers for c in cols)]
+    alone = {c: by.get((0.0, next((single for cols, _, single in peers if c in cols), ALONE["halo"])))
              for c in columns}
-    lines = ["# halo, distributed-llama" + (" and llama.cpp's RPC backend" if llamacpp else "") +
-             " side by side under real packet loss", "",
-             f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. {host_line()} Namespace test bed: nftables drops "
-             "every agent link's frames both ways with the given probability; 1 master/root + "
-             f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each"
-             f"{profile_sentence(args.profile)}. The same weights: "
-             f"TinyLlama-1.1B shape with {args.layers} layers, random, 4-bit (halo: the Q4_0 GGUF, --weights native; "
-             "distributed-llama: the same blocks in its Q40 file, the embedding unquantized"
-             + ("; llama.cpp: the same GGUF" if llamacpp else "") + "), greedy. Mean wall ms "
-             f"per output token over up to {args.tokens} tokens after {WARMUP} warm-up tokens. halo plan "
-             f"`{args.plan}`; `dllama` is the peer with `--net-turbo 0` (blocking sockets), `dllama turbo` its "
-             "default (busy-waiting sockets)." + (
-                 f" `{LLAMACPP}`: llama-bench on the master with every layer offloaded to an rpc-server on each of "
-                 f"the {args.agents + 1} nodes (one thread each; layers split evenly: a pipeline, one node at a time), "
-                 "its mean ms per token over the same count after its own warm-up; its weights cross the links at "
-                 "start (not in the token time)." if llamacpp else "") + (
-                 f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (the faster "
-                 "of two; every run in parentheses)." if args.runs == 2 else
-                 f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
-                 "parentheses)." if args.runs > 2 else ""), "",
+    lines = [*introduction(args, bool(dllamas), LLAMACPP in ran),
              "Alone (no network): " + ", ".join(f"{name} {cell(by.get((0.0, ALONE[key])))} ms" for key, name in
                                                 (("halo", "halo"), ("dllama", "distributed-llama"),
-                                                 *((("llama.cpp", "llama.cpp"),) if llamacpp else ()))) +
-             " per token.", "",
-             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | fastest dllama / fastest halo |" +
-             (" llama.cpp rpc / fastest halo |" if llamacpp else ""),
-             "|---|" + "---|" * (len(columns) + 1 + len(llamacpp))]
+                                                 ("llama.cpp", "llama.cpp")) if ALONE[key] in ran) + " per token.", "",
+             "| PLR | " + " | ".join(f"{c} ms" for c in columns) + " | " + " | ".join(h for _, h, _ in peers) + " |",
+             "|---|" + "---|" * (len(columns) + len(peers))]
     for plr in sorted({r["plr"] for r in rows if r["sync"] not in ALONE.values()} | {p for p, _ in stuck}):
         ours = [by[(plr, m)]["ms_mean"] for m in modes if (plr, m) in by]
-        ratios = [[by[(plr, m)]["ms_mean"] for m in group if (plr, m) in by] for group in (dllamas, llamacpp)]
-        cells = [f"{min(theirs) / min(ours):.2f}x" if ours and theirs else "-" for theirs in ratios[:1 + len(llamacpp)]]
+        theirs = [[by[(plr, c)]["ms_mean"] for c in cols if (plr, c) in by] for cols, _, _ in peers]
+        ratios = [f"{min(t) / min(ours):.2f}x" if ours and t else "-" for t in theirs]
         lines.append(f"| {100 * plr:g} % | " + " | ".join(
             cell(by.get((plr, c))) if (plr, c) not in stuck else stuck[plr, c] for c in columns) +
-            f" | {' | '.join(cells)} |")
+            f" | {' | '.join(ratios)} |")
     lines.append("")
     zero = {c: by.get((0.0, c)) for c in columns}
     if all(alone.values()):
@@ -379,6 +386,31 @@ def render(rows: list[dict], modes: list[str], args, stalled: list[dict] = ()) -
             f"{c} {by[(worst, c)]['ms_mean'] / zero[c]['ms_mean']:.2f}x" for c in columns
             if zero[c] and (worst, c) in by) + ".")
     return lines + [""]
+
+
+def introduction(args, dllama: bool, llamacpp: bool) -> list[str]:
+    """The report's title and what its figures are."""
+    peers = " and ".join(name for name, ran in (("distributed-llama", dllama), ("llama.cpp's RPC backend", llamacpp))
+                         if ran)
+    files = "; ".join(text for text, ran in (("distributed-llama: the same blocks in its Q40 file, the embedding "
+                                              "unquantized", dllama), ("llama.cpp: the same GGUF", llamacpp)) if ran)
+    return [f"# halo and {peers} side by side under real packet loss", "",
+            f"Command: `{command_line('halo.eval.bench_peer', args.argv)}`. {host_line()} Namespace test bed: nftables "
+            "drops every agent link's frames both ways with the given probability; 1 master/root + "
+            f"{args.agents} agents/workers share this machine's 2 cores, one compute thread each"
+            f"{profile_sentence(args.profile)}. The same weights: TinyLlama-1.1B shape with {args.layers} layers, "
+            f"random, 4-bit (halo: the Q4_0 GGUF, --weights native; {files}), greedy. Mean wall ms per output token "
+            f"over up to {args.tokens} tokens after {WARMUP} warm-up tokens. halo plan `{args.plan}`." + (
+                " `dllama` is the peer with `--net-turbo 0` (blocking sockets), `dllama turbo` its default "
+                "(busy-waiting sockets)." if dllama else "") + (
+                f" `{LLAMACPP}`: llama-bench on the master with every layer offloaded to an rpc-server on each of "
+                f"the {args.agents + 1} nodes (one thread each; layers split evenly: a pipeline, one node at a time), "
+                "its mean ms per token over the same count after its own warm-up; its weights cross the links at "
+                "start (not in the token time)." if llamacpp else "") + (
+                f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (the faster "
+                "of two; every run in parentheses)." if args.runs == 2 else
+                f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
+                "parentheses)." if args.runs > 2 else ""), ""]
 
 
 def plot(rows: list[dict], modes: list[str], args, path: Path) -> None:
@@ -407,10 +439,13 @@ def plot(rows: list[dict], modes: list[str], args, path: Path) -> None:
 
 def check_arguments(args) -> None:
     """What the peer or the bench cannot run, refused before anything starts (SystemExit with the fix)."""
+    if not (getattr(args, "dllama", None) or getattr(args, "llamacpp", None)):
+        raise SystemExit("name a peer to run beside halo: --dllama PATH (distributed-llama), --llamacpp DIR "
+                         "(llama.cpp's RPC backend) or both")
     kv_heads = TINYLLAMA_1_1B["num_key_value_heads"]
-    if args.agents < 1 or kv_heads % (args.agents + 1):
-        raise SystemExit(f"--agents {args.agents}: the peer splits the model's {kv_heads} KV heads evenly over its nodes, "
-                         f"so master + agents must divide {kv_heads} (--agents 1 or 3)")
+    if args.agents < 1 or (args.dllama and kv_heads % (args.agents + 1)):
+        raise SystemExit(f"--agents {args.agents}: distributed-llama splits the model's {kv_heads} KV heads evenly over its nodes, "
+                         f"so master + agents must divide {kv_heads} (--agents 1 or 3; at least 1)")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         raise SystemExit(f"--modes: unknown halo sync mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
@@ -435,7 +470,7 @@ def main(argv=None) -> int:
                                      epilog="Build the peer first (CPU only): git clone https://github.com/b4rtaz/"
                                             "distributed-llama && make -C distributed-llama dllama",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dllama", required=True, help="the peer's dllama binary")
+    parser.add_argument("--dllama", help="distributed-llama's dllama binary (--dllama, --llamacpp or both)")
     parser.add_argument("--llamacpp", metavar="DIR", help="a llama.cpp build's bin directory with rpc-server and "
                         "llama-bench (cmake -DGGML_RPC=ON): llama.cpp's RPC backend on the same GGUF, in the same run")
     parser.add_argument("--agents", type=int, default=3, help="agents (halo) and workers (the peer) besides the "

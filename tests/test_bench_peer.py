@@ -109,13 +109,14 @@ def test_a_vocabulary_too_small_for_the_prompt_characters_is_refused(tmp_path):
 
 
 def arguments(**changes):
-    args = dict(agents=3, modes="exact,halo", plr="0,0.05", tokens=32)
+    args = dict(agents=3, modes="exact,halo", plr="0,0.05", tokens=32, dllama="dllama", llamacpp=None)
     return argparse.Namespace(**{**args, **changes})
 
 
 @pytest.mark.parametrize("changes, says", [
     (dict(agents=2), "must divide 4"), (dict(modes="exact,fast"), "unknown halo sync mode"),
-    (dict(plr="0,5"), r"\[0, 1\)"), (dict(plr="none"), "fractions"), (dict(tokens=500), "between 8 and")])
+    (dict(plr="0,5"), r"\[0, 1\)"), (dict(plr="none"), "fractions"), (dict(tokens=500), "between 8 and"),
+    (dict(dllama=None), "name a peer"), (dict(dllama=None, llamacpp="x", agents=0), "at least 1")])
 def test_what_the_peer_or_the_bench_cannot_run_is_refused_before_anything_starts(changes, says):
     bench_peer.check_arguments(arguments())  # the defaults pass
     with pytest.raises(SystemExit, match=says):
@@ -191,6 +192,10 @@ def test_the_report_puts_llama_cpp_beside_the_others_with_its_ratio_to_halo():
     assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | 75.0 | 1.50x | 2.50x |" in text
     assert "Alone (no network): halo 20.0 ms, distributed-llama 60.0 ms, llama.cpp 25.0 ms per token." in text
     assert "llama.cpp rpc 3.00x" in text  # against llama.cpp's own single process
+    alone = [r for r in rows if r["system"] != "dllama"]  # a run without distributed-llama: no columns of it
+    text = "\n".join(bench_peer.render(alone, ["exact", "halo"], args))
+    assert "| PLR | exact ms | halo ms | llama.cpp rpc ms | llama.cpp rpc / fastest halo |" in text
+    assert "| 0 % | 30.0 | 40.0 | 75.0 | 2.50x |" in text
     stalled = [{"sync": "llama.cpp rpc", "plr": 0.0, "run": 0, "why": "no result within 660 s"}]
     text = "\n".join(bench_peer.render(rows[:-1], ["exact", "halo"], args, stalled))
     assert "| 0 % | 30.0 | 40.0 | 45.0 | 180.0 | no result within 660 s | 1.50x | - |" in text
@@ -200,3 +205,5 @@ def test_a_llama_cpp_directory_without_its_tools_is_refused_before_anything_star
     with pytest.raises(SystemExit, match="no rpc-server or llama-bench there"):
         bench_peer.check_arguments(arguments(llamacpp=str(tmp_path)))
     bench_peer.check_arguments(arguments(llamacpp=str(fake_llama_bench(tmp_path, ""))))
+    # llama.cpp alone: any number of agents (distributed-llama's KV-head rule is its own)
+    bench_peer.check_arguments(arguments(dllama=None, agents=2, llamacpp=str(fake_llama_bench(tmp_path, ""))))
