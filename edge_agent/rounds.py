@@ -116,9 +116,10 @@ class AgentRounds:
     def send_partial(self, epoch: int, out, status: Status, compute_ms: float) -> None:
         """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
         recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
-        parity = self.sync.parity_group if recovered and self.udp.lossy([MASTER]) else 0
+        lossy = recovered and self.udp.lossy([MASTER])
         self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
-                             dtype=self.sync.partial_dtype, parity_group=parity, parity_chunks=self.sync.parity_chunks)
+                             dtype=self.sync.partial_dtype, parity_group=self.sync.parity_group if lossy else 0,
+                             parity_chunks=self.sync.parity_chunks, copies=self.sync.copies if lossy else 1)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
     def poll(self) -> bool:

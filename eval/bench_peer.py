@@ -42,7 +42,7 @@ from typing import Callable
 
 import numpy as np
 
-from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, run_master, summarize, with_testbed
+from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, mode_settings, run_master, summarize, with_testbed
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B
 from halo.eval.report import command_line, host_line, write_report
 
@@ -245,8 +245,9 @@ def bench(args) -> None:
                 for plr in [float(p) for p in args.plr.split(",")]:
                     bed.set_loss(plr)
                     for mode in modes:
-                        result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens, {},
-                                            args.time_limit, "native", args.plan)
+                        sync, settings, plan = mode_settings(mode, args)
+                        result = run_master(bed, model, key, cluster.endpoints, sync, args.tokens, settings,
+                                            args.time_limit, "native", plan)
                         add({"system": "halo", "sync": mode, "plr": plr, "run": run, **summarize(result)})
                     for setting in PEER_SETTINGS if dllama else ():
                         add_dllama(args, bed, dllama, (setting, peers[setting.name]), plr, run, add, stalled)
@@ -446,9 +447,12 @@ def check_arguments(args) -> None:
     if args.agents < 1 or (args.dllama and kv_heads % (args.agents + 1)):
         raise SystemExit(f"--agents {args.agents}: distributed-llama splits the model's {kv_heads} KV heads evenly over its nodes, "
                          f"so master + agents must divide {kv_heads} (--agents 1 or 3; at least 1)")
-    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    unknown = [m for m in args.modes.split(",") if m.partition("@")[0] not in MODES]
     if unknown:
         raise SystemExit(f"--modes: unknown halo sync mode(s) {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    for mode in args.modes.split(","):  # a variant --variants does not define stops here, not mid-run
+        mode_settings(mode, argparse.Namespace(**{"settings": "{}", "variants": "{}", "plan": "even-mlp-only",
+                                                  **vars(args)}))
     try:
         plrs = [float(p) for p in args.plr.split(",")]
     except ValueError:
@@ -478,7 +482,11 @@ def main(argv=None) -> int:
                                                               "nodes as the model has KV heads: 4)")
     parser.add_argument("--plr", default="0,0.02,0.05", help="packet loss rates, comma-separated (default 0,0.02,0.05)")
     add_profile_argument(parser)
-    parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo)")
+    parser.add_argument("--modes", default="exact,halo", help="halo sync modes (default exact,halo); MODE@NAME runs "
+                        "MODE with the SyncSettings of --variants' NAME, e.g. --modes exact,exact@twice --variants "
+                        "'{\"twice\": {\"copies\": 2}}'")
+    parser.add_argument("--variants", default="{}", help="named SyncSettings overrides for --modes (JSON)")
+    parser.add_argument("--settings", default="{}", help="SyncSettings fields for every halo cluster run (JSON)")
     parser.add_argument("--plan", default="even-mlp-only", choices=PLANS, help="halo's plan (bench_halo_speed "
                                                                                "--plan; default even-mlp-only)")
     parser.add_argument("--layers", type=int, default=22, help="layers of the TinyLlama-shaped model both run "

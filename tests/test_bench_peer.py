@@ -116,9 +116,11 @@ def arguments(**changes):
 @pytest.mark.parametrize("changes, says", [
     (dict(agents=2), "must divide 4"), (dict(modes="exact,fast"), "unknown halo sync mode"),
     (dict(plr="0,5"), r"\[0, 1\)"), (dict(plr="none"), "fractions"), (dict(tokens=500), "between 8 and"),
-    (dict(dllama=None), "name a peer"), (dict(dllama=None, llamacpp="x", agents=0), "at least 1")])
+    (dict(dllama=None), "name a peer"), (dict(dllama=None, llamacpp="x", agents=0), "at least 1"),
+    (dict(modes="exact,exact@twice"), "which --variants does not define")])
 def test_what_the_peer_or_the_bench_cannot_run_is_refused_before_anything_starts(changes, says):
     bench_peer.check_arguments(arguments())  # the defaults pass
+    bench_peer.check_arguments(arguments(modes="exact,exact@twice", variants='{"twice": {"copies": 2}}'))
     with pytest.raises(SystemExit, match=says):
         bench_peer.check_arguments(arguments(**changes))
 

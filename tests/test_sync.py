@@ -243,6 +243,8 @@ def test_sync_settings_are_checked():
         SyncSettings(mode="fast")
     with pytest.raises(ConfigError, match="floor"):
         SyncSettings(deadline_floor_ms=20, deadline_ceiling_ms=10)
+    with pytest.raises(ConfigError, match="copies must lie in"):
+        SyncSettings(copies=0)
 
 
 def test_deadline_rule_follows_the_median_and_is_clamped():

@@ -20,18 +20,19 @@ def cluster(plr: float, one_way_ms: float, agents: int = 3) -> Cluster:
     return Cluster(tuple(devices), context=256, weights="Q4_0")
 
 
-@pytest.mark.parametrize("plr, one_way_ms, predictors, mode, said", [
-    (0.0, 0.1, True, "exact", "recovering a loss costs little"),  # wired (the ethernet profile)
-    (0.05, 0.04, True, "exact", "recovering a loss costs little"),  # the plain bed at 5 %: HALO was slower there
-    (0.0, 5.0, True, "exact", "recovering a loss costs little"),  # slow but clean
-    (0.01, 1.0, True, "halo", "a recovery costs a round trip"),  # wifi-good: 1 % lost, ~2 ms least round trip
-    (0.05, 2.5, True, "halo", "3 of 3 links"),  # wifi-busy
-    (0.05, 2.5, False, "exact", "no trained predictors"),
-    (0.10, 5.0, True, "exact", "loses more than 8 %"),  # wifi-bad: HALO measured no faster
+@pytest.mark.parametrize("plr, one_way_ms, predictors, mode, copies, said", [
+    (0.0, 0.1, True, "exact", 1, "recovering a loss costs little"),  # wired (the ethernet profile)
+    (0.05, 0.04, True, "exact", 1, "recovering a loss costs little"),  # the plain bed at 5 %: HALO was slower there
+    (0.0, 5.0, True, "exact", 1, "recovering a loss costs little"),  # slow but clean
+    (0.01, 1.0, True, "exact", 1, "or is rare"),  # wifi-good: 1 % lost, ~2 ms: HALO and two copies within the noise
+    (0.05, 2.5, True, "halo", 2, "3 of 3 links"),  # wifi-busy
+    (0.05, 2.5, False, "exact", 2, "no trained predictors"),  # the copies pay in exact mode too
+    (0.10, 5.0, True, "halo", 2, "goes out 2 times"),  # wifi-bad
 ])
-def test_the_mode_follows_the_links(plr, one_way_ms, predictors, mode, said):
+def test_the_mode_and_the_copies_follow_the_links(plr, one_way_ms, predictors, mode, copies, said):
     choice = choose_sync(cluster(plr, one_way_ms), predictors)
-    assert choice.mode == mode and said in choice.reason, choice
+    assert (choice.mode, choice.copies) == (mode, copies) and said in choice.reason, choice
+    assert choice.to_json()["copies"] == copies
 
 
 def test_one_lossy_radio_link_is_enough_and_the_reason_names_it():

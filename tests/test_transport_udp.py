@@ -327,6 +327,36 @@ def test_p_and_q_repair_two_losses_of_a_group_without_a_nack(cluster, parity_chu
         np.testing.assert_array_equal(result.values[a.node_id], data)
 
 
+def test_a_burst_that_takes_chunks_and_parity_is_repaired_by_the_copy_without_a_nack(cluster):
+    """copies=2: the vector (and its parity) goes out twice in a row, each copy with counters of its own. A burst of
+    five frames takes four data chunks and P of the first copy (beyond what P + Q rebuild); the copy fills them: no
+    NACK, no replay refused. With one copy the same burst needs a NACK."""
+    master, agents = cluster
+    a = agents[0]
+    n = 6 * wire.values_per_chunk(wire.FLOAT32)
+    data = np.arange(n, dtype=np.float32)  # 6 chunks + P + Q = 8 frames a copy
+    for copies, epoch in ((2, 4), (1, 6)):
+        frames = []
+
+        def burst(sock, d, addr):
+            frames.append(d)
+            if not 3 <= len(frames) <= 7:  # frames 3-7 of the send: data chunks 2-5 and P
+                sock.sendto(d, addr)
+
+        a.send_hook = burst
+        assert a.send_vector({0: master.address}, epoch, data, wire.FLOAT32, parity_group=8, parity_chunks=2,
+                             copies=copies) == 8 * copies
+        a.send_hook = None
+        threads = serve_in_background([a], 0.3)  # a answers NACKs
+        result = master.gather(epoch, {a.node_id: n}, policy=GatherPolicy(deadline_s=1.0, nack=True))
+        for t in threads:
+            t.join()
+        assert result.complete
+        np.testing.assert_array_equal(result.values[a.node_id], data)
+        assert (master.stats[a.node_id].nacks_sent > 0) == (copies == 1)
+    assert master.stats[a.node_id].rejected["replayed"] == 0  # a copy is packed afresh: no replay
+
+
 def test_a_two_chunk_vector_gets_p_and_q_and_survives_losing_both_data_chunks(cluster):
     """A SmolLM2 vector (580 floats, 2 chunks) goes out as 2 + P + Q: both data chunks lost, no NACK needed; a lone
     chunk gets P alone (its copy)."""

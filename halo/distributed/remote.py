@@ -18,6 +18,11 @@ from halo.compute.shares import Block, Shares
 from halo.errors import HaloError
 from halo.transport.reliable import Message, MessageError, decode, encode
 
+# A wrong key fails every handshake (zmq reconnects every ~0.1-0.2 s: named within a second); a lossy radio link
+# fails one now and then (1 in 40 on the bed's wifi-bad profile, the agent seeing EAGAIN mid-handshake), which the
+# next reconnect completes: named only when it happens this many times in a row
+HANDSHAKE_ATTEMPTS = 3
+
 
 class AgentError(HaloError):
     """An agent refused, failed or went silent."""
@@ -51,8 +56,9 @@ class RemoteAgent:
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
     monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
-    link: str = "connecting"  # connecting, connected, secured (handshake done), disconnected, refused
+    link: str = "connecting"  # connecting, connected, secured (handshake done), retrying, disconnected, refused
     keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
+    handshake_failures: int = 0  # security handshakes failed in a row (one alone may be a lossy link's)
 
     def __post_init__(self):
         self.name = self.name or f"agent-{self.node_id}"
@@ -128,16 +134,18 @@ class RemoteAgent:
             if kind == zmq.EVENT_CONNECTED:
                 self.link = "connected"
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.link = "secured"
-            elif kind == zmq.EVENT_DISCONNECTED:
-                self.link = "disconnected"
+                self.link, self.handshake_failures = "secured", 0
+            elif kind == zmq.EVENT_DISCONNECTED:  # after a failed handshake: zmq connects again (not given up yet)
+                self.link = "retrying" if self.handshake_failures else "disconnected"
             elif kind == zmq.EVENT_CONNECT_RETRIED and self.link == "connecting":  # refused: nobody listens there
                 self.link = "refused"
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
                     event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
-                raise AgentError(f"agent {self} refused the security handshake: " + self._handshake_advice(mismatch))
+                self.handshake_failures += 1  # zmq reconnects and tries again by itself
+                if mismatch or self.handshake_failures >= HANDSHAKE_ATTEMPTS:
+                    raise AgentError(f"agent {self} refused the security handshake: " + self._handshake_advice(mismatch))
 
     def _handshake_advice(self, mismatch: bool) -> str:
         if not self.keyed:  # a plaintext agent accepts a plaintext master: this one wants the key

@@ -65,6 +65,7 @@ POLICIES: dict[str, ModePolicy] = {
 }
 SYNC_MODES = tuple(POLICIES)
 WIRE_PARTIALS = {"fp32": wire.FLOAT32, "fp16": wire.FLOAT16}
+MAX_COPIES = 4
 RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
                        "--sync tcp (the control connection)"}
 
@@ -85,6 +86,10 @@ class SyncSettings:
     # A lone data chunk gets P alone (erasure.Q_FROM); SmolLM2's 2-chunk vectors go out as 2 + P + Q
     parity_group: int = 8
     parity_chunks: int = 2
+    # once a link has shown loss, every vector (and its parity) sent this many times in a row: a burst of losses
+    # (radio links lose frames in runs) that takes a chunk and its parity rarely reaches its copy a vector later,
+    # where recovering costs a NACK's round trip (milliseconds on Wi-Fi); twice the bytes
+    copies: int = 1
     inject_plr: float = 0.0  # drop this fraction of UDP datagrams at every sender (seeded, for accuracy runs)
     seed: int = 0
     # agents' partial sums over UDP as fp16: half the datagrams, so fewer of them at risk on a lossy link (relative
@@ -111,6 +116,8 @@ class SyncSettings:
         if not 0 <= self.parity_group <= MAX_GROUP or self.parity_chunks not in (1, 2) or self.deadline_slack <= 0:
             raise ConfigError(f"parity_group must lie in [0, {MAX_GROUP}], parity_chunks be 1 or 2 and deadline_slack "
                               "> 0")
+        if not 1 <= self.copies <= MAX_COPIES:
+            raise ConfigError(f"copies must lie in [1, {MAX_COPIES}] (every vector sent that many times on a lossy link)")
         if self.wire_partials not in WIRE_PARTIALS:
             raise ConfigError(f"unknown partial-sum wire format {self.wire_partials!r}; choose one of {', '.join(WIRE_PARTIALS)}")
         if self.wire_partials != "fp32" and self.policy.all_critical:

@@ -42,16 +42,21 @@ class Sender:
     epochs kept to answer NACKs (sent again to where the vector went, never to where a NACK came from)."""
 
     def send_vector(self, recipients: dict[int, tuple], epoch: int, values: np.ndarray, dtype: int = wire.FLOAT32,
-                    parity_group: int = 0, parity_chunks: int = 2) -> int:
+                    parity_group: int = 0, parity_chunks: int = 2, copies: int = 1) -> int:
         """Send values as chunks to every recipient (peer id -> address), packed once, with `parity_chunks`
-        parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none); remember
-        them for NACKs. Returns datagrams per recipient."""
+        parity chunks (1: P, XOR; 2: P and Q, erasure.py) per `parity_group` data chunks (0: none), the whole
+        `copies` times one after the other (a burst of losses that takes a chunk rarely reaches its copy a vector
+        later; each copy packed afresh, so it is no replay of the first); remember them for NACKs. Returns
+        datagrams per recipient."""
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
         payloads = wire.chunk_payloads(values, dtype)
-        datagrams = self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1, payloads)
-        self.counter += len(payloads)
-        if parity_group:
-            datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
+        datagrams = []
+        for _ in range(copies):
+            datagrams += self.codec.pack_chunks(wire.DATA, dtype, self.node_id, self.session, epoch, self.counter + 1,
+                                                payloads)
+            self.counter += len(payloads)
+            if parity_group:
+                datagrams += self._parity(dtype, epoch, payloads, parity_group, parity_chunks)
         self._send_all(datagrams, list(recipients.values()))
         size = sum(map(len, datagrams))
         for peer in recipients:
