@@ -64,3 +64,37 @@ def test_auto_over_loopback_agents_picks_exact_says_why_and_gives_one_devices_to
     assert "recovering a loss costs little" in auto["planning"]["sync_auto"]["reason"]
     assert auto["sync"]["settings"]["mode"] == "exact"
     assert auto["token_ids"] == alone["token_ids"]
+
+
+@pytest.mark.parametrize("given, applied", [(1, 2), (3, 3)])
+def test_auto_applies_its_copies_unless_copies_were_given(monkeypatch, tmp_path, given, applied):
+    """The pick's copies reach the master's sync settings (and every re-plan's: settings["sync"]); a --copies other
+    than the default is the user's and is kept."""
+    import importlib
+
+    from halo.scheduler.sync_choice import SyncChoice
+    from halo.sync import SyncSettings
+
+    connect = importlib.import_module("halo.distributed.connect")  # the module (the package exports its function)
+    monkeypatch.setattr(connect, "measure_cluster", lambda *a, **k: cluster(0.05, 2.5))
+    monkeypatch.setattr("halo.scheduler.sync_choice.choose_sync", lambda c, p: SyncChoice("halo", "radio", 2))
+    monkeypatch.setattr(connect, "plan_measured", lambda weights, layout, settings, c, select: ("plan", {}))
+
+    class Weights:
+        source = "/nowhere/model.gguf"
+
+    monkeypatch.setattr("halo.compute.linear.resolve_format", lambda fmt, weights: "native")
+    monkeypatch.setattr("halo.predictors.store.predictors_path", lambda model, given: tmp_path)
+    settings = dict(context=64, slots=1, timeout_s=1.0, sync=SyncSettings(copies=given), predictors=None,
+                    fmt="native", insecure=True)
+    _, chosen, _ = connect.auto_plan(Weights(), None, [], None, True, True, settings)
+    assert chosen.copies == 2 and settings["sync"].mode == "halo" and settings["sync"].copies == applied
+
+
+def test_copies_on_the_command_line_reach_the_sync_settings():
+    from halo.cli.master import sync_settings
+
+    assert sync_settings(build_parser().parse_args(["generate", "--copies", "2"])).copies == 2
+    assert sync_settings(build_parser().parse_args(["generate"])).copies == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--copies", "9"])

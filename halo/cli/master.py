@@ -346,7 +346,9 @@ def add_sync_arguments(parser) -> None:
                    help=f"the adaptive deadline is never shorter (default {d.deadline_floor_ms:g} ms)")
     s.add_argument("--deadline-ceiling", type=number(0, low_open=True), default=d.deadline_ceiling_ms, metavar="MS",
                    help=f"... nor longer (default {d.deadline_ceiling_ms:g} ms); between them: "
-                        f"{d.deadline_slack:g} x the median agent turnaround")
+                        f"{d.deadline_slack:g} x the median agent turnaround, and in halo/lossy sync each measured "
+                        "agent's own: its mean turnaround + 2 (a partial with a hole) or 6 (one without) mean "
+                        "deviations")
     s.add_argument("--critical-fraction", type=number(0, 1), default=d.critical_fraction, metavar="F",
                    help=f"partials holding a group in the predicted top F always arrive whole (default {d.critical_fraction:g})")
     s.add_argument("--predictors", metavar="DIR", help="trained predictors (default: predictors/ beside the model)")
@@ -355,6 +357,11 @@ def add_sync_arguments(parser) -> None:
     s.add_argument("--wire-partials", choices=("fp32", "fp16"), default=d.wire_partials,
                    help="agents' partial sums over UDP in lossy/halo sync: fp16 sends half the datagrams, so a lossy "
                         "link damages fewer of them (default fp32; exact sync keeps fp32: it gives one device's tokens)")
+    s.add_argument("--copies", type=int, choices=range(1, 5), default=d.copies, metavar="N",
+                   help="send every vector N times in a row once a link has shown loss: a burst of losses rarely takes "
+                        "a datagram and its copy, where recovering it costs a round trip. Pays on radio links losing "
+                        "5 %% or more (0.7-0.8x the time a token takes with one copy), costs a little at 1 %% "
+                        "(default 1; --sync auto sends 2 on links losing 3 %% or more with round trips of 1 ms or more)")
     s.add_argument("--no-udp-gso", action="store_true",
                    help="send UDP datagrams one by one, not a vector's run to a peer as one segmented send (UDP GSO: the "
                         "same datagrams on the wire for less CPU; it turns itself off where the kernel refuses it)")
@@ -374,7 +381,7 @@ def sync_settings(args):
     return SyncSettings(mode="exact" if args.sync in (None, "auto") else args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed,
-                        wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso)
+                        wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso, copies=args.copies)
 
 
 def cmd_status(args) -> int:
