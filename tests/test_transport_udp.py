@@ -616,6 +616,25 @@ def test_a_peer_with_deadlines_of_its_own_is_cut_at_them_and_the_others_at_the_r
     assert result.masks[other.node_id].all() and result.masks[critical.node_id].all()
 
 
+def test_a_peer_that_nacks_its_input_during_a_gather_gets_the_loss_deadline(cluster):
+    """A NACK from a peer we gather from says it lost part of the input it answers: its partial can come a round trip
+    late at best, so a droppable one is cut at the loss deadline (it waited for the late one before)."""
+    master, agents = cluster
+    a = agents[0]
+    master.send_vector({a.node_id: a.address}, 3, np.ones(700), wire.FLOAT32)  # the input a lost part of
+    nack = threading.Timer(0.01, lambda: a._sendto(a.pack(wire.NACK, wire.FLOAT32, 3, 0, 1,
+                                                          np.array([0], "<u2").tobytes()), master.address))
+    nack.start()
+    started = time.monotonic()
+    try:
+        result = master.gather(4, {a.node_id: 700}, policy=GatherPolicy(deadline_s=0.05, late_deadline_s=2.0,
+                                                                      nack=True))
+    finally:
+        nack.join()
+    assert time.monotonic() - started < 1.0 and not result.masks[a.node_id].any()
+    assert a.node_id in result.lossy and master.stats[a.node_id].nacks_answered == 1
+
+
 def test_the_c_datagram_path_is_built_wherever_a_compiler_is():
     """The C path is an optional extension: an install without a C compiler runs the Python one. With a compiler and
     Python's headers it must be there (a silent fallback would cost every round its speed, and skip the C tests)."""

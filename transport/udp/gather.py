@@ -341,6 +341,9 @@ class Gatherer:
         kind, sender, h_epoch = header.kind, header.sender, header.epoch
         if kind == wire.NACK:
             self._answer_nack(header, payload)
+            state = inbound.get(sender)
+            if state is not None and not state.complete:  # it lost part of the input it answers: its partial comes
+                state.lossy = True  # a round trip late at best, so the loss deadline applies to it, not the late one
             return False
         if kind == wire.PROBE:
             self._answer_probe(header, payload, address)
