@@ -149,7 +149,8 @@ class ControlServer:
                           zmq.EVENT_HANDSHAKE_FAILED_AUTH):  # value: the protocol error
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # no refusal: the exchange broke off (errno)
                     log.info("a security handshake from %s broke off (%s): a lossy or slow link, or the master "
-                             "went away mid-handshake; it reconnects by itself", self._last_peer, os.strerror(value))
+                             "went away mid-handshake; it reconnects by itself", self._last_peer,
+                             os.strerror(value) if value else "no reason given")
                     continue
                 if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
                     reason = "it does not use the same security (plaintext --insecure against the cluster key, or the reverse)"

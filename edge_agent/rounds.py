@@ -33,6 +33,10 @@ MASTER = 0  # the master's UDP sender id
 KINDS = {Point.ATTENTION: "attention", Point.MLP: "mlp", Point.LM_HEAD: "lm_head"}
 MAX_FORWARD_JUMP = 4  # forward passes skipped at once beyond which a jump is not a lost packet
 RESEND_INTERVAL_S = 0.002
+# A second copy of an input (SyncSettings.copies) follows the first on the link, so it comes within a few ms of our
+# answer; a chase (the master re-sending an input it got no partial for) comes no sooner than 12 ms after the input
+# went out (deadline.py: 0.6 x the 20 ms late floor). A repeated input this soon after our answer is a copy.
+COPY_GRACE_S = 0.010
 
 
 class AgentRounds:
@@ -42,6 +46,7 @@ class AgentRounds:
         self.last_epoch = 0  # newest UDP input handled
         self.kv_gap = False  # an attention input never arrived: our KV caches are incomplete until reset
         self._resent: dict[int, float] = {}  # input epoch -> when we last re-sent its partial
+        self._answered = (0, 0.0)  # the newest input epoch we answered, and when
         self.times = BlockTimes()  # scheduler hook: running compute estimate (status)
 
     @cached_property
@@ -117,9 +122,10 @@ class AgentRounds:
         """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
         recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
         lossy = recovered and self.udp.lossy([MASTER])
+        self._answered = (epoch, time.monotonic())
         self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
                              dtype=self.sync.partial_dtype, parity_group=self.sync.parity_group if lossy else 0,
-                             parity_chunks=self.sync.parity_chunks, copies=self.sync.copies if lossy else 1)
+                             parity_chunks=self.sync.parity_chunks, copies=self.sync.copies_sent if lossy else 1)
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
     def poll(self) -> bool:
@@ -203,6 +209,8 @@ class AgentRounds:
         if header.kind != wire.DATA or header.index != 0:
             return
         now = time.monotonic()
+        if self.sync.copies_sent > 1 and self._answered[0] == header.epoch and now - self._answered[1] < COPY_GRACE_S:
+            return  # the input's next copy, not a chase: our partial is on its way
         if now - self._resent.get(header.epoch, 0.0) < RESEND_INTERVAL_S:
             return
         self._resent = {e: t for e, t in self._resent.items() if now - t < 1.0}

@@ -273,21 +273,17 @@ def add_dllama(args, bed, files: DllamaFiles, workers: tuple[PeerSetting, BedSer
                add, stalled: list) -> None:
     """One distributed-llama row: alone (workers None) or over one setting's workers; a run that times no token
     is recorded as stalled, and the benchmark goes on."""
-    if workers is None:
-        add({"system": "dllama", "sync": ALONE["dllama"], "plr": 0.0, "run": run,
-             **peer_summary(run_peer(bed, files.binary, files.model, files.tokenizer, [], "0", args.tokens,
-                                     args.time_limit))})
-        return
-    setting, servers = workers
-    servers.ready()
+    name, turbo = (ALONE["dllama"], "0") if workers is None else (workers[0].name, workers[0].turbo)
+    if workers is not None:
+        workers[1].ready()
     try:
-        result = run_peer(bed, files.binary, files.model, files.tokenizer, servers.addresses(), setting.turbo,
-                          args.tokens, args.time_limit, stall_s=args.peer_stall)
+        result = run_peer(bed, files.binary, files.model, files.tokenizer, [] if workers is None else
+                          workers[1].addresses(), turbo, args.tokens, args.time_limit, stall_s=args.peer_stall)
     except PeerStalled as e:  # a row of its own: the run goes on with the others
-        print(f"{setting.name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
-        stalled.append({"sync": setting.name, "plr": plr, "run": run, "why": e.short})
+        print(f"{name} at {100 * plr:g} %: {e}", file=sys.stderr, flush=True)
+        stalled.append({"sync": name, "plr": plr, "run": run, "why": e.short})
         return
-    add({"system": "dllama", "sync": setting.name, "plr": plr, "run": run, **peer_summary(result)})
+    add({"system": "dllama", "sync": name, "plr": plr, "run": run, **peer_summary(result)})
 
 
 def llamacpp_servers(bed, bin_dir: Path, n: int) -> BedServers:

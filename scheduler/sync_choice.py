@@ -1,16 +1,17 @@
 """`--sync auto`: exact or HALO sync, and how many copies of each vector, picked from the agents' measured links.
 
-What the measurements say (master + 3 agents, TinyLlama shape, 8 layers, Q4_0, emulated links; eval/results/
-copies_*.md and halo_deadlines_wifi_busy.md, one or two runs each): where a lost datagram costs little to recover,
-a round trip well under a millisecond (wired links; the plain namespace bed even at 2-5 % loss), HALO sync's
-predictors and re-mapping cost more than its deadline saves (1.2x exact's time on `ethernet`); at 1 % loss in
-bursts over 2 ms (`wifi-good`) the two are within the noise of each other (0.97-1.07x); from 5 % in bursts over 5 ms
-(`wifi-busy`) HALO's per-agent deadlines cut the rounds a recovery would stretch (0.86x exact), and at 10 % over
-10 ms (`wifi-bad`) more so. Sending every vector twice once a link has shown loss (SyncSettings.copies) turns most
-of those recoveries into nothing, for both modes: exact 0.80x / 0.69x its one-copy time on wifi-busy / wifi-bad,
-but 1.04x on wifi-good, where a recovery is rare and cheap. So: HALO where some agent's link lost at least
-`HALO_PLR` of its probes and has a least round trip of `MIN_RTT_S` or more, and predictors exist; exact everywhere
-else (exact also keeps one device's tokens, so it wins ties); two copies on such links whichever mode is picked.
+What the measurements say (master + 3 agents, TinyLlama shape, 8 layers, Q4_0, emulated links;
+eval/results/profiles_headline.md, copies_*.md, halo_deadlines_wifi_busy.md; one to three runs each): where a lost
+datagram costs little to recover, a round trip well under a millisecond (wired links; the plain namespace bed even at
+2-5 % loss), HALO sync's predictors and re-mapping cost more than its deadline saves (1.2-1.5x exact's time on
+`ethernet`); at 1 % loss in bursts over ~4 ms round trips (`wifi-good`) the two tie (0.97-1.07x); from 5 % in bursts
+over ~10 ms (`wifi-busy`) HALO's per-agent deadlines cut the rounds a recovery would stretch (0.79-0.86x exact), at
+10 % over ~20 ms (`wifi-bad`) too (0.87x). Sending every vector twice once a link has shown loss
+(SyncSettings.copies) turns most of those recoveries into nothing, for both modes: exact 0.80-0.82x / 0.69-0.75x its
+one-copy time on wifi-busy / wifi-bad, but 0.99-1.04x on wifi-good, where a recovery is rare. So: HALO where some
+agent's link lost at least `HALO_PLR` of its probes and has a least round trip of `MIN_RTT_S` or more, and predictors
+exist; exact everywhere else (exact also keeps one device's tokens, so it wins ties); two copies on such links
+whichever mode is picked.
 Thresholds from a few runs per profile: to revisit as runs accumulate.
 """
 

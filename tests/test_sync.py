@@ -244,7 +244,7 @@ def test_sync_settings_are_checked():
     with pytest.raises(ConfigError, match="floor"):
         SyncSettings(deadline_floor_ms=20, deadline_ceiling_ms=10)
     with pytest.raises(ConfigError, match="copies must lie in"):
-        SyncSettings(copies=0)
+        SyncSettings(copies=5)
 
 
 def test_deadline_rule_follows_the_median_and_is_clamped():
@@ -451,6 +451,36 @@ def test_forged_datagrams_do_not_keep_a_dead_masters_session(stories_weights, mo
         model.close()
         agent.stop()
         server.join(5)
+
+
+def test_an_agent_takes_the_inputs_next_copy_for_no_chase():
+    """With copies on, an input's second copy comes right behind the first: within COPY_GRACE_S of our answer it is
+    no chase (each copy made the agent send its whole partial again); later, or without copies, it is."""
+    import time
+
+    from halo.edge_agent.rounds import COPY_GRACE_S, AgentRounds
+
+    class Udp:
+        resent = 0
+
+        def resend(self, epoch, peer):
+            Udp.resent += 1
+            return True
+
+    def chunk0(epoch):
+        return wire.Header(wire.DATA, wire.FLOAT32, 0, 1, epoch, 2000, 0, 6, 0)
+
+    rounds = AgentRounds(None, SyncSettings(mode="halo", copies=2), Udp(), {"partials_resent": 0})
+    rounds._answered = (77, time.monotonic())
+    rounds._resend_partial(chunk0(77), None)
+    assert Udp.resent == 0  # the copy
+    rounds._answered = (77, time.monotonic() - 2 * COPY_GRACE_S)
+    rounds._resend_partial(chunk0(77), None)
+    assert Udp.resent == 1  # a chase
+    single = AgentRounds(None, SyncSettings(mode="halo"), Udp(), {"partials_resent": 0})
+    single._answered = (78, time.monotonic())
+    single._resend_partial(chunk0(78), None)
+    assert Udp.resent == 2  # one copy: a repeated input is always a chase
 
 
 def test_an_agent_sends_its_partial_again_once_per_re_sent_input():

@@ -66,10 +66,10 @@ def test_auto_over_loopback_agents_picks_exact_says_why_and_gives_one_devices_to
     assert auto["token_ids"] == alone["token_ids"]
 
 
-@pytest.mark.parametrize("given, applied", [(1, 2), (3, 3)])
+@pytest.mark.parametrize("given, applied", [(0, 2), (1, 1), (3, 3)])
 def test_auto_applies_its_copies_unless_copies_were_given(monkeypatch, tmp_path, given, applied):
-    """The pick's copies reach the master's sync settings (and every re-plan's: settings["sync"]); a --copies other
-    than the default is the user's and is kept."""
+    """The pick's copies reach the master's sync settings (and every re-plan's: settings["sync"]); a --copies given
+    is the user's and is kept, --copies 1 too (0: not given)."""
     import importlib
 
     from halo.scheduler.sync_choice import SyncChoice
@@ -95,6 +95,8 @@ def test_copies_on_the_command_line_reach_the_sync_settings():
     from halo.cli.master import sync_settings
 
     assert sync_settings(build_parser().parse_args(["generate", "--copies", "2"])).copies == 2
-    assert sync_settings(build_parser().parse_args(["generate"])).copies == 1
+    assert sync_settings(build_parser().parse_args(["generate", "--copies", "1"])).copies == 1
+    unset = sync_settings(build_parser().parse_args(["generate"]))
+    assert unset.copies == 0 and unset.copies_sent == 1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--copies", "9"])

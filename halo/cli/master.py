@@ -357,11 +357,12 @@ def add_sync_arguments(parser) -> None:
     s.add_argument("--wire-partials", choices=("fp32", "fp16"), default=d.wire_partials,
                    help="agents' partial sums over UDP in lossy/halo sync: fp16 sends half the datagrams, so a lossy "
                         "link damages fewer of them (default fp32; exact sync keeps fp32: it gives one device's tokens)")
-    s.add_argument("--copies", type=int, choices=range(1, 5), default=d.copies, metavar="N",
+    s.add_argument("--copies", type=int, choices=range(1, 5), default=None, metavar="N",
                    help="send every vector N times in a row once a link has shown loss: a burst of losses rarely takes "
                         "a datagram and its copy, where recovering it costs a round trip. Pays on radio links losing "
                         "5 %% or more (0.7-0.8x the time a token takes with one copy), costs a little at 1 %% "
-                        "(default 1; --sync auto sends 2 on links losing 3 %% or more with round trips of 1 ms or more)")
+                        "(default: one, or what --sync auto picks: 2 on links losing 3 %% or more with round trips of 1 ms or "
+                        "more)")
     s.add_argument("--no-udp-gso", action="store_true",
                    help="send UDP datagrams one by one, not a vector's run to a peer as one segmented send (UDP GSO: the "
                         "same datagrams on the wire for less CPU; it turns itself off where the kernel refuses it)")
@@ -381,7 +382,7 @@ def sync_settings(args):
     return SyncSettings(mode="exact" if args.sync in (None, "auto") else args.sync, deadline_floor_ms=args.deadline_floor, deadline_ceiling_ms=args.deadline_ceiling,
                         critical_fraction=args.critical_fraction, pred_overlap=not args.no_pred_overlap,
                         load_overlap=not args.no_load_overlap, inject_plr=args.inject_plr, seed=args.seed,
-                        wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso, copies=args.copies)
+                        wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso, copies=args.copies or 0)
 
 
 def cmd_status(args) -> int:

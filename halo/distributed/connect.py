@@ -100,7 +100,7 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
                               same_machine=same_machine)
     chosen = choose_sync(cluster, predictors_path(Path(weights.source), settings.get("predictors")).is_dir())
     log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
-    copies = chosen.copies if settings["sync"].copies == 1 else settings["sync"].copies  # a --copies given is kept
+    copies = settings["sync"].copies or chosen.copies  # a --copies given (even 1) is kept
     settings["sync"] = replace(settings["sync"], mode=chosen.mode, copies=copies)  # the master's and every re-plan's
     master_settings = replace(master_settings, sync=settings["sync"])
     plan, planning = plan_measured(weights, layout, master_settings, cluster, select)

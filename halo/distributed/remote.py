@@ -137,7 +137,7 @@ class RemoteAgent:
                 self.link, self.handshake_failures = "secured", 0
             elif kind == zmq.EVENT_DISCONNECTED:  # after a failed handshake: zmq connects again (not given up yet)
                 self.link = "retrying" if self.handshake_failures else "disconnected"
-            elif kind == zmq.EVENT_CONNECT_RETRIED and self.link == "connecting":  # refused: nobody listens there
+            elif kind == zmq.EVENT_CONNECT_RETRIED and self.link in ("connecting", "retrying"):  # nobody listens there
                 self.link = "refused"
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):

@@ -60,7 +60,7 @@ class MasterRound:
             lossy = ctx.udp.lossy(plan.input_udp)
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
                                 parity_group=ctx.sync.parity_group if lossy else 0, parity_chunks=ctx.sync.parity_chunks,
-                                copies=ctx.sync.copies if lossy else 1)
+                                copies=ctx.sync.copies_sent if lossy else 1)
         rows = isinstance(self.start, Rows)  # a batched pass: each row's slot and position ride as a second array
         arrays = [self.x, self.start.table] if rows else [self.x]
         for i in sorted(plan.input_tcp):
@@ -99,6 +99,8 @@ class MasterRound:
             self._check_alive(agent, i in result.heard, i in plan.critical and not result.masks[i].all())
             if i in result.done_s:
                 ctx.deadline.observe(self.block.kind, i, waited + result.done_s[i], self.tokens)
+            elif agent.holds(self.block):  # cut at its deadline: a turnaround at least that long (RFC 6298 backs off
+                ctx.deadline.observe(self.block.kind, i, gathered, self.tokens)  # too), or the deadlines only shrink
             agent.stats.reply_ms += 1e3 * (waited + result.done_s[i] if i in result.done_s else gathered)
             partial = self._read(agent, result.values[i], result.masks[i], lost=i in result.lossy)
             if agent.holds(self.block):

@@ -31,7 +31,10 @@ A partial with a hole is complete on time only if parity rebuilds it with the ve
 the link's usual spread (m + 2 v); a NACK's answer costs a round trip more, which is what HALO does not wait for. A
 partial with no sign of loss is cut only far out in its own spread. Over a Wi-Fi link (m ~ 15 ms, v ~ 3 ms) that is
 21 / 33 ms, where the round-wide rule gives 30 / 60; on a busy 2-core bed (m ~ 2, v ~ 1) the floors hold, as
-before. Until an agent's turnaround is known the round-wide rule applies to it.
+before. Until an agent's turnaround is known the round-wide rule applies to it. A partial cut at its deadline counts
+as a turnaround of that long (as TCP backs its timeout off): counting only the partials that came in time would
+pull m and v down and the deadlines with them. What the paragraphs below say of the late deadline and the chase
+holds for the round-wide rule: a measured agent silent past its own late deadline is dropped, chased or not.
 
 An agent that has sent nothing is chased (halo/sync/modes.py: its input sent again) after 0.6 x the
 late deadline: when it takes 2.4 x its usual turnaround (at least 12 ms). Chasing at 0.6 x the loss

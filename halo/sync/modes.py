@@ -89,7 +89,7 @@ class SyncSettings:
     # once a link has shown loss, every vector (and its parity) sent this many times in a row: a burst of losses
     # (radio links lose frames in runs) that takes a chunk and its parity rarely reaches its copy a vector later,
     # where recovering costs a NACK's round trip (milliseconds on Wi-Fi); twice the bytes
-    copies: int = 1
+    copies: int = 0  # 0: not set (one copy; --sync auto may pick more)
     inject_plr: float = 0.0  # drop this fraction of UDP datagrams at every sender (seeded, for accuracy runs)
     seed: int = 0
     # agents' partial sums over UDP as fp16: half the datagrams, so fewer of them at risk on a lossy link (relative
@@ -116,8 +116,9 @@ class SyncSettings:
         if not 0 <= self.parity_group <= MAX_GROUP or self.parity_chunks not in (1, 2) or self.deadline_slack <= 0:
             raise ConfigError(f"parity_group must lie in [0, {MAX_GROUP}], parity_chunks be 1 or 2 and deadline_slack "
                               "> 0")
-        if not 1 <= self.copies <= MAX_COPIES:
-            raise ConfigError(f"copies must lie in [1, {MAX_COPIES}] (every vector sent that many times on a lossy link)")
+        if not 0 <= self.copies <= MAX_COPIES:
+            raise ConfigError(f"copies must lie in [1, {MAX_COPIES}] (every vector sent that many times on a lossy link; "
+                              "0: not set, one)")
         if self.wire_partials not in WIRE_PARTIALS:
             raise ConfigError(f"unknown partial-sum wire format {self.wire_partials!r}; choose one of {', '.join(WIRE_PARTIALS)}")
         if self.wire_partials != "fp32" and self.policy.all_critical:
@@ -127,6 +128,11 @@ class SyncSettings:
     @property
     def policy(self) -> ModePolicy:
         return POLICIES[self.mode]
+
+    @property
+    def copies_sent(self) -> int:
+        """Copies of each vector on a lossy link (`copies`, one where it is not set)."""
+        return max(1, self.copies)
 
     @property
     def partial_dtype(self) -> int:
