@@ -29,17 +29,19 @@ def agent_reading(events, monkeypatch) -> RemoteAgent:
 
 
 def test_a_handshake_broken_off_once_is_retried_not_named(monkeypatch):
-    agent = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9), (zmq.EVENT_CONNECT_DELAYED, 0),
-                           (zmq.EVENT_CONNECTED, 9), (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)], monkeypatch)
+    agent = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9), (zmq.EVENT_CONNECT_RETRIED, 100),  # scheduled
+                           (zmq.EVENT_CONNECT_DELAYED, 0), (zmq.EVENT_CONNECTED, 9),
+                           (zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)], monkeypatch)
     agent._read_monitor()
     assert agent.link == "secured" and agent.handshake_failures == 0 and not agent.gone()
 
 
 def test_a_disconnect_after_a_failed_handshake_is_no_departure_unless_nobody_listens_any_more(monkeypatch):
-    agent = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9)], monkeypatch)
-    assert not agent.gone() and agent.link == "retrying"  # zmq is connecting again: the hello may still come
-    dead = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9), (zmq.EVENT_CONNECT_RETRIED, 100)], monkeypatch)
-    assert dead.gone() and dead.link == "refused"  # the agent went away: no waiting out the timeout
+    agent = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9), (zmq.EVENT_CONNECT_RETRIED, 100)], monkeypatch)
+    assert not agent.gone() and agent.link == "reconnecting"  # zmq connects again: the hello may still come
+    dead = agent_reading([BROKEN, (zmq.EVENT_DISCONNECTED, 9), (zmq.EVENT_CONNECT_RETRIED, 100),
+                          (zmq.EVENT_CONNECT_DELAYED, 0), (zmq.EVENT_CONNECT_RETRIED, 200)], monkeypatch)
+    assert dead.gone() and dead.link == "refused"  # the reconnect failed: the agent went away
 
 
 def test_failures_in_a_row_are_named_as_the_key_and_a_mechanism_mismatch_at_once(monkeypatch):

@@ -56,7 +56,8 @@ class RemoteAgent:
     last_heard: float = field(default_factory=time.monotonic)  # last datagram or reply (liveness)
     vocab_ids: np.ndarray | None = None  # the vocabulary rows of its LM-head slice
     monitor: object = None  # zmq monitor socket of the control connection: why a connection fails
-    link: str = "connecting"  # connecting, connected, secured (handshake done), retrying, disconnected, refused
+    link: str = "connecting"  # connecting, connected, secured (handshake done), retrying / reconnecting (after a failed
+    # handshake), disconnected, refused
     keyed: bool = True  # this master holds the cluster key (CURVE), else plaintext
     handshake_failures: int = 0  # security handshakes failed in a row (one alone may be a lossy link's)
 
@@ -137,8 +138,9 @@ class RemoteAgent:
                 self.link, self.handshake_failures = "secured", 0
             elif kind == zmq.EVENT_DISCONNECTED:  # after a failed handshake: zmq connects again (not given up yet)
                 self.link = "retrying" if self.handshake_failures else "disconnected"
-            elif kind == zmq.EVENT_CONNECT_RETRIED and self.link in ("connecting", "retrying"):  # nobody listens there
-                self.link = "refused"
+            elif kind == zmq.EVENT_CONNECT_RETRIED:  # a connect failed, or (after a disconnect) one is scheduled
+                self.link = {"retrying": "reconnecting", "connecting": "refused", "reconnecting": "refused"}.get(
+                    self.link, self.link)  # refused: nobody listens there (any more)
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
                           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
                 mismatch = kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
