@@ -121,11 +121,10 @@ class AgentRounds:
     def send_partial(self, epoch: int, out, status: Status, compute_ms: float) -> None:
         """Our partial of a UDP or TCP input, over UDP (the lossy baseline sends it without parity)."""
         recovered = self.sync.policy.recover_other or self.sync.policy.all_critical
-        lossy = recovered and self.udp.lossy([MASTER])
         self._answered = (epoch, time.monotonic())
         self.udp.send_vector({MASTER: self.udp.peers[MASTER]}, reply_epoch(epoch), frame_partial(out, status, compute_ms),
-                             dtype=self.sync.partial_dtype, parity_group=self.sync.parity_group if lossy else 0,
-                             parity_chunks=self.sync.parity_chunks, copies=self.sync.copies_sent if lossy else 1)
+                             dtype=self.sync.partial_dtype,
+                             **self.sync.protection(recovered and self.udp.lossy([MASTER])))
 
     # ---- UDP inputs ---------------------------------------------------------------------------------
     def poll(self) -> bool:

@@ -511,3 +511,10 @@ def test_an_agent_sends_its_partial_again_once_per_re_sent_input():
     assert Udp.resent == served["partials_resent"] == 1
     stale(0, epoch=78)  # another input re-sent
     assert Udp.resent == 2
+
+
+def test_a_lossy_link_gets_parity_and_copies_and_a_clean_one_neither():
+    settings = SyncSettings(parity_group=8, parity_chunks=2, copies=2)
+    assert settings.protection(True) == {"parity_group": 8, "parity_chunks": 2, "copies": 2}
+    assert settings.protection(False) == {"parity_group": 0, "copies": 1}
+    assert SyncSettings().protection(True)["copies"] == 1  # copies not set: one

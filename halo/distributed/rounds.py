@@ -57,10 +57,8 @@ class MasterRound:
         if plan.input_udp:
             body = frame_broadcast(self.x, self.start, self.digest, wire.values_per_chunk(wire.FLOAT32), self.ranking,
                                    self.next_ranking)
-            lossy = ctx.udp.lossy(plan.input_udp)
             ctx.udp.send_vector({i: ctx.agents[i].udp_address for i in sorted(plan.input_udp)}, self.epoch, body,
-                                parity_group=ctx.sync.parity_group if lossy else 0, parity_chunks=ctx.sync.parity_chunks,
-                                copies=ctx.sync.copies_sent if lossy else 1)
+                                **ctx.sync.protection(ctx.udp.lossy(plan.input_udp)))
         rows = isinstance(self.start, Rows)  # a batched pass: each row's slot and position ride as a second array
         arrays = [self.x, self.start.table] if rows else [self.x]
         for i in sorted(plan.input_tcp):

@@ -129,6 +129,13 @@ class SyncSettings:
     def policy(self) -> ModePolicy:
         return POLICIES[self.mode]
 
+    def protection(self, lossy: bool) -> dict:
+        """send_vector's redundancy for a vector to peers whose link has shown loss (lossy) or not: parity and
+        copies only where it has (at 0 % loss they are datagrams for nothing)."""
+        if not lossy:
+            return {"parity_group": 0, "copies": 1}
+        return {"parity_group": self.parity_group, "parity_chunks": self.parity_chunks, "copies": self.copies_sent}
+
     @property
     def copies_sent(self) -> int:
         """Copies of each vector on a lossy link (`copies`, one where it is not set)."""
