@@ -280,9 +280,9 @@ def test_the_master_keeps_its_re_mapped_groups_within_its_budget_and_gives_the_s
     monkeypatch.setattr(halo.runtime.measure, "default_memory_budget",
                         lambda: 400_000 + nack_reserve(stories_weights, 64, agent=False))
     bounded_tokens, bounded = run()
-    assert free["capacity_bytes"] is None and free["kernel"] == projection_kernel()
-    assert bounded["capacity_bytes"] is not None and 0 < bounded["held_bytes"] <= bounded["capacity_bytes"] < 400_000
-    assert bounded["kernel"] == COMPACT_KERNEL and bounded_tokens == free_tokens
+    assert free["capacity_bytes"] is None and free["kernel"] == projection_kernel(), free
+    assert bounded["capacity_bytes"] is not None and 0 < bounded["held_bytes"] <= bounded["capacity_bytes"] < 400_000, bounded
+    assert bounded["kernel"] == COMPACT_KERNEL and bounded_tokens == free_tokens, (bounded, bounded_tokens, free_tokens)
 
 
 def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weights, tmp_path):
@@ -808,3 +808,24 @@ def test_over_lossless_links_a_layers_groups_stay_put_and_an_agent_given_a_top_g
     assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6)]]  # lossy: cut at the top, agent 3 a tier alone
     del agents[3].profile["link"]
     assert DistributedModel._tiers(fake, 1) == [[(2, 4), (4, 6), (6, 8)]]  # never probed: not known lossless, the cut
+
+
+def test_memory_an_earlier_session_frees_while_shards_build_is_not_given_to_the_groups(stories_weights, monkeypatch):
+    """The groups' budget is the device's budget less what its other shards made the process grow by. Heap an earlier
+    session left, freed while they build, makes that growth negative: it must not raise the budget past what was
+    given (the master once held its groups as kernels under a budget that holds only compact ones)."""
+    import halo.compute.worker as worker_module
+    from halo.compute.shares import Shares
+    from halo.compute.worker import DeviceWorker
+
+    layout = GroupLayout.for_model(stories_weights.config)
+    n = stories_weights.config.n_layers
+    share = Shares(attention=[[] for _ in range(n)], mlp=[list(range(layout.n_mlp_groups)) for _ in range(n)],
+                   lm_head=[])
+    shrinking = iter([50_000_000] + [10_000_000] * 1000)  # at the start, then 40 MB freed by someone else
+    monkeypatch.setattr(worker_module, "resident_bytes", lambda: next(shrinking))
+    monkeypatch.setattr(worker_module, "groups_headroom", lambda: None)
+    worker = DeviceWorker(stories_weights, layout, share, 32, "int8", remap=True, memory_budget=400_000)
+    report = worker.remapper.report()["group_cache"]
+    assert worker.remapper.resident_budget <= 400_000, report
+    assert report["capacity_bytes"] is not None and report["kernel"] == COMPACT_KERNEL, report

@@ -105,10 +105,11 @@ class DeviceWorker:
     def _groups_budget(self, memory_budget: int, started: int) -> int:
         """HALO mode: the process memory its built MLP groups may take: the budget less what the other shards made the
         process grow by and the KV cache (filled as positions come), and under a cgroup limit at most what the limit
-        leaves (it counts everything: the predictors, buffers, page cache)."""
+        leaves (it counts everything: the predictors, buffers, page cache). The process shrinking meanwhile (heap an
+        earlier session left, freed) gives the groups nothing: it is not room the shards made."""
         self._warm_static()  # measured after the other shards' first run
         kv = sum(s.cache_nbytes for s in self.attention.values())
-        budget = memory_budget - (resident_bytes() - started) - kv
+        budget = memory_budget - max(0, resident_bytes() - started) - kv
         headroom = groups_headroom()
         return budget if headroom is None else min(budget, headroom - kv)
 
