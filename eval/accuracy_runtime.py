@@ -15,6 +15,12 @@ cluster gives its tokens: eval/results/halo_speed_smollm2.md), on the same data:
 Exact mode recovers every loss: its row at the highest PLR is the check that the runtime loses nothing there.
 Rows are written after every configuration (a long run that stops keeps what it measured).
 Writes eval/results/accuracy_runtime_<model>.{json,md}.
+
+On radio links instead of injected loss (--profile: the namespace bed, rpi/testbed.py, with every agent's link
+emulated as rpi/links.py says: delay, jitter, loss in bursts, rate; root), the master in its namespace and the
+agents in theirs, each a process of its own, as a household would run them:
+
+    python -m halo.eval.accuracy_runtime --profile wifi-busy --agents 3 --modes halo --plr 0 --copies 2
 """
 
 from __future__ import annotations
@@ -22,13 +28,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence
 from halo.eval.report import command_line, host_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
@@ -99,15 +108,23 @@ def chat_questions(limit: int, path: Path = CHAT_PROMPTS) -> list[str]:
     return [q for q in Path(path).read_text(encoding="utf-8").splitlines() if q.strip()][:limit]
 
 
-def measure(model, tokenizer, data: dict, answer_tokens: int) -> dict:
-    """Everything one configuration is scored on, as token ids (compared with the reference afterwards)."""
+def measure(model, tokenizer, data: dict, answer_tokens: int, progress: bool = False) -> dict:
+    """Everything one configuration is scored on, as token ids (compared with the reference afterwards).
+    progress: a bar on stderr per part (a run over radio links takes tens of minutes)."""
     from halo.generation.generate import generate
     from halo.model.chat import chat_prompt
 
-    scored = teacher_forced(model, data["windows"])
-    continuations = [greedy_tokens(model, p, data["continuation_tokens"]) for p in data["prompts"]]
+    def steps(items, what: str):
+        if not progress:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, desc=what, unit="", file=sys.stderr, mininterval=5.0)
+
+    scored = teacher_forced(model, steps(data["windows"], "perplexity windows"))
+    continuations = [greedy_tokens(model, p, data["continuation_tokens"]) for p in steps(data["prompts"], "continuations")]
     chats = [generate(model, tokenizer, chat_prompt(tokenizer, [{"role": "user", "content": q}]), answer_tokens).token_ids
-             for q in data["chats"]]
+             for q in steps(data["chats"], "chat answers")]
     return {"nll": scored.nll, "top1": scored.top1, "perplexity": scored.perplexity,
             "ms_per_token": float(np.median(scored.ms)), "continuations": continuations, "chats": chats}
 
@@ -147,11 +164,79 @@ def run_cluster(model_path: str, weights, tokenizer, data: dict, args, agents: i
     return row
 
 
+def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: float) -> dict:
+    """One configuration over the namespace bed with --profile links: agents in their namespaces, the master in its
+    own (this module again, --bed-master SPEC), scoring the same data; plr adds independent loss on every agent's
+    port on top of the profile's bursts. A failure is a row that says why."""
+    from halo.eval.bench_halo_speed import Cluster, with_testbed
+    from halo.runtime.local import module_command
+    from halo.transport.reliable import generate_key
+
+    row = {"agents": agents, "sync": mode, "plr": plr, "profile": args.profile, "plan": args.plan,
+           "copies": args.copies, "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, with_testbed(agents, args.profile, prefix="ha") as bed:
+        key, spec, result = Path(tmp) / "cluster.key", Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        generate_key(key)
+        bed.set_loss(plr)
+        cluster = Cluster(bed, Path(model_path), key, agents)
+        try:
+            spec.write_text(json.dumps({"model": model_path, "key": str(key), "endpoints": cluster.endpoints,
+                                        "mode": mode, "plan": args.plan, "copies": args.copies,
+                                        "wire_partials": row["wire_partials"], "predictors": args.predictors,
+                                        "context": args.context, "answer_tokens": args.answer_tokens, "data": data,
+                                        "result": str(result)}))
+            done = bed.popen("master", module_command("halo.eval.accuracy_runtime", "--bed-master", str(spec)),
+                             stdout=subprocess.PIPE, stderr=None, text=True)
+            done.communicate(timeout=args.bed_timeout)
+            if result.exists():
+                row.update(json.loads(result.read_text()))
+            else:
+                row["error"] = f"the master in the bed wrote no result (exit status {done.returncode}; its log above)"
+            row["dropped_frames"] = bed.drop_counters()
+        except subprocess.TimeoutExpired:
+            done.kill()
+            row["error"] = f"no result within --bed-timeout {args.bed_timeout:.0f} s"
+        finally:
+            cluster.close()
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def bed_master(spec_path: str) -> int:
+    """Inside the bed's master namespace: the cluster over the spec's agents, as `halo-master generate --agents`
+    builds it (survive=None: an agent lost mid-run ends the configuration), scored on the spec's data."""
+    from halo.distributed.connect import connect
+    from halo.errors import HaloError
+    from halo.model.loader import load_tokenizer, load_weights
+    from halo.sync import SyncSettings
+
+    spec = json.loads(Path(spec_path).read_text())
+    weights = load_weights(spec["model"])
+    tokenizer = load_tokenizer(weights)
+    out: dict = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            model = connect(weights, stack, model_path=spec["model"], agents=spec["endpoints"], plan=spec["plan"],
+                            key=spec["key"], context=spec["context"], fmt="native", predictors=spec["predictors"],
+                            auto_sync=spec["mode"] == "auto", survive=None,
+                            sync=SyncSettings(mode="exact" if spec["mode"] == "auto" else spec["mode"],
+                                              copies=spec["copies"], wire_partials=spec["wire_partials"]))
+            stack.callback(model.close)
+            out["result"] = measure(model, tokenizer, spec["data"], spec["answer_tokens"], progress=True)
+            report = model.sync_report()
+            out.update(loss=report["loss"], sync_auto=getattr(model, "sync_auto", None))
+    except HaloError as e:
+        out["error"] = str(e)
+    Path(spec["result"]).write_text(json.dumps(out))
+    return 0 if "error" not in out else 1
+
+
 def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.0f} %"
 
 
-def previous_run(path: Path, model: str, data: dict) -> dict | None:
+def previous_run(path: Path, model: str, data: dict, chat_prompts: str) -> dict | None:
     """--append: the earlier run's results when they scored the same model on the same data (its reference is
     reused and its rows kept); None when there is none to extend."""
     if not path.exists():
@@ -160,7 +245,8 @@ def previous_run(path: Path, model: str, data: dict) -> dict | None:
     ref = out["reference"]
     same = (out["model"] == model and len(ref["nll"]) == sum(len(w) - 1 for w in data["windows"])
             and len(ref["continuations"]) == len(data["prompts"]) and len(ref["chats"]) == len(data["chats"])
-            and out["continuation_tokens"] == data["continuation_tokens"] and out["answer_tokens"] == data["answer_tokens"])
+            and out["continuation_tokens"] == data["continuation_tokens"] and out["answer_tokens"] == data["answer_tokens"]
+            and out.get("chat_prompts", chat_prompts) == chat_prompts)
     if not same:
         raise SystemExit(f"--append: {path} scored other data or another model; use the same settings or --name")
     out.setdefault("commands", [out.pop("command")] if "command" in out else [])
@@ -170,10 +256,17 @@ def previous_run(path: Path, model: str, data: dict) -> dict | None:
 def render(data: dict) -> list[str]:
     ref = data["reference"]
     commands = "; ".join(f"`{c}`" for c in data["commands"])
-    lines = [f"# Accuracy under injected loss through the runtime: {data['model']}", "",
+    profiles = sorted({r["profile"] for r in data["rows"] if r.get("profile")})
+    where = ("Master + N local agents on loopback; every UDP sender drops PLR of its datagrams (seeded, `--inject-plr`)."
+             if not profiles else
+             "Master + N agents in the namespace test bed, each a process in its own namespace"
+             + "".join(profile_sentence(p) for p in profiles) + "; PLR: independent loss on every agent's port on top "
+             "(nftables), the plan and copies as each row says.")
+    title = "injected loss" if not profiles else "radio links (" + ", ".join(profiles) + ")"
+    lines = [f"# Accuracy under {title} through the runtime: {data['model']}", "",
              f"Commands (each appends its rows): {commands}. {data.get('host', '')}", "",
-             f"Master + N local agents on loopback; every UDP sender drops PLR of its datagrams (seeded, "
-             f"`--inject-plr`). Reference: the same weights in one process, perplexity {ref['perplexity']:.3f} over "
+             f"{where} Chat questions: {data.get('chat_prompts', CHAT_PROMPTS.name)}. "
+             f"Reference: the same weights in one process, perplexity {ref['perplexity']:.3f} over "
              f"{len(ref['nll'])} held-out tokens (teacher-forced, one token per forward), "
              f"{len(ref['continuations'])} held-out prompts for {data['continuation_tokens']}-token greedy "
              f"continuations, {len(ref['chats'])} chat questions answered greedily up to {data['answer_tokens']} tokens. "
@@ -184,7 +277,12 @@ def render(data: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
         wire_format = "" if row.get("wire_partials", "fp32") == "fp32" else f", {row['wire_partials']} partials"
-        head = f"| {row['agents']} | {row['sync']}{wire_format} | {100 * row['plr']:g} % |"
+        extras = "".join(f", {label}" for label in (f"{row['copies']} copies" if row.get("copies") else "",
+                                                    f"plan {row['plan']}" if row.get("plan") else "",
+                                                    f"picked {row['sync_auto'].get('mode')}"
+                                                    if row.get("sync_auto") else "") if label)
+        link = f"{row['profile']} + " if row.get("profile") else ""
+        head = f"| {row['agents']} | {row['sync']}{wire_format}{extras} | {link}{100 * row['plr']:g} % |"
         if "error" in row:
             lines.append(f"{head} failed: {row['error'][:200]} | | | | | | |")
             continue
@@ -219,7 +317,25 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval/results")
+    add_profile_argument(parser)
+    parser.add_argument("--plan", default=None, help="how the cluster shares the model (halo-master --plan; default: "
+                        "halo-master's own with local agents, 'even-mlp-only' with --profile: every agent takes MLP "
+                        "groups of every layer, where a measured plan over slow links may leave them nothing)")
+    parser.add_argument("--copies", type=int, default=0, help="every vector sent this many times on a lossy link "
+                        "(halo-master --copies; default: not set, one)")
+    parser.add_argument("--bed-timeout", type=float, default=7200.0, help="--profile: seconds one configuration may "
+                        "take (default: %(default)s)")
+    parser.add_argument("--bed-master", help=argparse.SUPPRESS)  # internal: the master inside the bed
     args = parser.parse_args(argv)
+    if args.bed_master:
+        return bed_master(args.bed_master)
+    if args.profile:
+        from halo.rpi.testbed import available
+
+        ok, why = available()
+        if not ok:
+            raise SystemExit(f"--profile needs the namespace test bed, which cannot run here: {why}")
+        args.plan = args.plan or "even-mlp-only"
     from halo.compute.transformer import Transformer
     from halo.model.catalog import resolve_model
     from halo.model.loader import load_tokenizer, load_weights
@@ -234,12 +350,14 @@ def main(argv=None) -> int:
             "chats": chat_questions(args.chats, args.chat_prompts) if tokenizer.chat_template is not None else [],
             "answer_tokens": args.answer_tokens}
     stem = args.name or f"accuracy_runtime_{Path(model_path).name.split('.')[0]}"
-    out = previous_run(Path(args.out) / f"{stem}.json", Path(model_path).name, data) if args.append else None
+    out = (previous_run(Path(args.out) / f"{stem}.json", Path(model_path).name, data, Path(args.chat_prompts).name)
+           if args.append else None)
     if out is None:
         print(f"reference: {Path(model_path).name} in one process", file=sys.stderr, flush=True)
         reference = measure(Transformer(weights, fmt="native", max_seq_len=args.context), tokenizer, data, args.answer_tokens)
         out = {"commands": [], "model": Path(model_path).name, "continuation_tokens": args.continuation_tokens,
-               "answer_tokens": args.answer_tokens, "reference": reference, "rows": []}
+               "answer_tokens": args.answer_tokens, "chat_prompts": Path(args.chat_prompts).name,
+               "reference": reference, "rows": []}
     reference = out["reference"]
     out["commands"].append(command_line("halo.eval.accuracy_runtime", argv))
     plrs = [float(p) for p in args.plr.split(",")]
@@ -249,7 +367,8 @@ def main(argv=None) -> int:
         configs += [(n, "exact", max(plrs)) for n in (int(a) for a in args.agents.split(","))]
     out.setdefault("host", host_line())  # where the first rows were measured (--append keeps it)
     for n, mode, plr in configs:
-        row = run_cluster(model_path, weights, tokenizer, data, args, n, mode, plr)
+        row = (run_on_bed(model_path, data, args, n, mode, plr) if args.profile else
+               run_cluster(model_path, weights, tokenizer, data, args, n, mode, plr))
         if "result" in row:
             row["compared"] = compared(row["result"], reference)
         out["rows"].append(row)

@@ -42,3 +42,29 @@ def test_exact_mode_under_injected_loss_scores_as_the_single_process(tmp_path):
     assert len(data["reference"]["nll"]) == 63 and "| 1 | exact | 10 % |" in (tmp_path / "accuracy_runtime_stories260K.md").read_text()
     with pytest.raises(SystemExit, match="other data"):
         main(common[:-6] + ["--prompts", "3", "--data", str(DATA), "--out", str(tmp_path), "--append"])
+
+
+@pytest.mark.skipif(not DATA.exists(), reason=f"needs the held-out text {DATA}")
+def test_on_radio_links_in_the_bed_exact_mode_scores_as_the_single_process(tmp_path):
+    """--profile: master and agent each in a namespace of the test bed, the agent's link wifi-bad (10 % lost in
+    bursts of ~8, 10 +- 5 ms) with 5 % more on its port: exact mode recovers every burst, so its scores are the
+    reference's, and the row says where it ran."""
+    from halo.rpi.testbed import available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(f"the namespace test bed cannot run here: {why}")
+    from halo.eval.accuracy_runtime import main
+
+    assert main(["--model", str(BUNDLED_MODEL), "--profile", "wifi-bad", "--agents", "1", "--modes", "exact",
+                 "--plr", "0.05", "--ppl-tokens", "32", "--prompts", "1", "--continuation-tokens", "4",
+                 "--data", str(DATA), "--out", str(tmp_path), "--name", "bed", "--bed-timeout", "300"]) == 0
+    data = json.loads((tmp_path / "bed.json").read_text())
+    (row,) = data["rows"]
+    assert "error" not in row, row
+    assert (row["profile"], row["plan"], row["sync"]) == ("wifi-bad", "even-mlp-only", "exact")
+    assert row["compared"]["top1_agreement"] == 1.0 and row["compared"]["continuation_exact"] == 1.0, row["compared"]
+    assert row["compared"]["ppl_change"] == pytest.approx(0.0, abs=1e-5)
+    assert row["loss"]["partials"] > 0 and row["loss"]["partials_dropped"] == 0
+    assert sum(row["dropped_frames"].values()) > 0, row["dropped_frames"]  # the bed did lose frames
+    assert "| 1 | exact, plan even-mlp-only | wifi-bad + 5 % |" in (tmp_path / "bed.md").read_text()

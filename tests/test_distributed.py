@@ -386,3 +386,36 @@ def test_a_long_prompt_goes_in_passes_whose_vectors_stay_small_and_keep_the_sing
             model.close()
     assert sizes == [64, 64, 22] and int(np.argmax(got)) == int(np.argmax(expected))
     np.testing.assert_allclose(got, expected, atol=5e-3)  # (partial sums merged in another order: rounding)
+
+
+def test_a_control_reply_held_back_by_tcp_is_waited_for_while_the_agent_echoes_probes(monkeypatch):
+    """TCP's retransmissions can hold a reset's reply back past timeout_s on a lossy radio link: the master waits on
+    while the agent still answers UDP link probes, and names it stopped at once when it does not."""
+    from types import SimpleNamespace
+
+    from halo.distributed.session import Session
+
+    def agent_answering_after(failures: int):
+        calls = []
+
+        def receive(what):
+            calls.append(what)
+            if len(calls) <= failures:
+                raise AgentError(f"agent did not answer {what} within 0.1 s")
+            return "ready"
+
+        return SimpleNamespace(receive=receive, gone=lambda: False, calls=calls)
+
+    session = Session.__new__(Session)
+    monkeypatch.setattr(Session, "_echoes_probes", lambda self, agent: True)
+    late = agent_answering_after(2)
+    assert session.receive_control(late, "reset") == "ready" and late.calls == ["reset"] * 3
+    monkeypatch.setattr(Session, "_echoes_probes", lambda self, agent: False)
+    stopped = agent_answering_after(2)
+    with pytest.raises(AgentError, match="did not answer reset"):
+        session.receive_control(stopped, "reset")
+    assert stopped.calls == ["reset"]
+    gone = SimpleNamespace(receive=agent_answering_after(1).receive, gone=lambda: True)
+    monkeypatch.setattr(Session, "_echoes_probes", lambda self, agent: True)
+    with pytest.raises(AgentError):  # its connection closed: no probe can make it answer
+        session.receive_control(gone, "reset")

@@ -518,3 +518,29 @@ def test_a_lossy_link_gets_parity_and_copies_and_a_clean_one_neither():
     assert settings.protection(True) == {"parity_group": 8, "parity_chunks": 2, "copies": 2}
     assert settings.protection(False) == {"parity_group": 0, "copies": 1}
     assert SyncSettings().protection(True)["copies"] == 1  # copies not set: one
+
+
+def test_a_critical_partial_is_waited_for_past_the_turnaround_its_round_expects(stories_weights, monkeypatch):
+    """Exact mode: a first 24-token pass expects up to 2.4 s (the ceiling per token, nothing measured yet), and its
+    partials are critical. They are waited for timeout_s (2 s) past that, not 2 s from the start: on wifi-bad a burst
+    that took a first prompt pass's whole vector was chased at 1.44 s and the agent named failed at 2.0 s."""
+    from halo.transport.udp import gather as gather_module
+
+    policies = []
+    real = gather_module.Gatherer.gather
+
+    def recording(self, epoch, expected, dtype=wire.FLOAT32, policy=GatherPolicy(), on_silent=None, on_stale=None):
+        policies.append(policy)
+        return real(self, epoch, expected, dtype, policy, on_silent, on_stale)
+
+    monkeypatch.setattr(gather_module.Gatherer, "gather", recording)
+    with LocalCluster(1) as cluster:
+        model = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=64, sync=SyncSettings())
+        try:
+            model.forward(list(range(1, 25)))
+        finally:
+            model.close()
+    critical = [p for p in policies if p.critical]
+    assert critical, "the pass gathered no critical partial over UDP"
+    for policy in critical:  # measured from the send; the gather starts a little later
+        assert policy.hard_deadline_s >= policy.late_deadline_s + 1.9, policy

@@ -84,7 +84,11 @@ class MasterRound:
         own = {} if ctx.sync.policy.all_critical else {  # deadlines of its own for each dropped-if-late agent
             i: PeerDeadline(max(0.0, d.loss_s - waited), max(0.0, d.late_s - waited))
             for i, d in ctx.deadline.per_peer(self.block.kind, holders, self.tokens).items()}
-        policy = GatherPolicy(deadline_s=max(0.0, deadline - waited), hard_deadline_s=ctx.timeout_s,
+        # a critical partial: the turnaround a droppable one is given (token-scaled until measured: a first 24-token
+        # pass may take 2.4 s) and timeout_s beyond it (a fixed timeout_s from the start failed first prompt passes
+        # on Wi-Fi whose whole vector a burst took: the chase comes at 0.6 x the late deadline)
+        self.critical_s = late + ctx.timeout_s
+        policy = GatherPolicy(deadline_s=max(0.0, deadline - waited), hard_deadline_s=max(0.0, self.critical_s - waited),
                               late_deadline_s=max(0.0, late - waited), critical=plan.critical, nack=plan.nack,
                               silent_s=AdaptiveDeadline.chase_after_s(late), per_peer=own)
         result = ctx.udp.gather(reply_epoch(self.epoch), self.expected, ctx.sync.partial_dtype, policy, on_silent=self._chase)
@@ -124,7 +128,7 @@ class MasterRound:
     def _check_alive(self, agent: RemoteAgent, heard: bool, incomplete_critical: bool) -> None:
         if incomplete_critical:
             raise AgentError(f"agent {agent} did not deliver its partial of {self.label} within "
-                             f"{self.ctx.timeout_s:.1f} s: it stopped or its link is down")
+                             f"{self.critical_s:.1f} s: it stopped or its link is down")
         if heard:
             agent.heard()
         elif agent.gone():

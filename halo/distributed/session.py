@@ -38,6 +38,7 @@ from halo.transport.reliable import Message, encode
 from halo.distributed.remote import AgentError, RemoteAgent
 
 DEFAULT_TIMEOUT_S = 2.0
+CONTROL_PATIENCE_S = 30.0  # a control reply's longest wait while its agent still answers link probes
 LOAD_BYTES_PER_S = 20e6  # the slowest load a hello allows for: an SD card, or quantizing on a shared core
 
 
@@ -225,7 +226,29 @@ class Session:
         for agent in self.agents.values():
             agent.send("reset", {})
         for agent in self.agents.values():
-            agent.receive("reset")
+            self.receive_control(agent, "reset")
+
+    def receive_control(self, agent: RemoteAgent, what: str):
+        """A reply over the control connection (TCP): within timeout_s, or up to CONTROL_PATIENCE_S while the agent
+        still echoes link probes over UDP (its process runs and its link carries datagrams). TCP's retransmission
+        timeout doubles from 200 ms, so a burst of Wi-Fi losses that takes a segment and its retransmissions holds
+        a reply back for seconds: on wifi-bad a reset went unanswered for 2 s in about one run of six, and the
+        agent was named stopped."""
+        patience_ends = time.monotonic() + CONTROL_PATIENCE_S
+        while True:
+            try:
+                return agent.receive(what)
+            except AgentError:
+                if agent.gone() or time.monotonic() >= patience_ends or not self._echoes_probes(agent):
+                    raise
+
+    def _echoes_probes(self, agent: RemoteAgent) -> bool:
+        """Whether the agent answers a few UDP link probes within a second: alive, whatever TCP is doing."""
+        from halo.transport.probe import probe
+
+        if self.udp is None or agent.udp_address is None:
+            return False
+        return probe(self.udp, agent.udp_address, count=10, interval_s=0.01, burst=0, wait_s=0.9).echoed > 0
 
     def close(self, retain: bool = False) -> None:
         """Say bye where that can be done at once; never wait for an agent that is gone. retain: the agents keep
