@@ -7,7 +7,9 @@
  * protocol and address passes unchanged). Per direction: a one-way delay, uniform jitter of +- jitter_us (netem's
  * default distribution), loss from a two-state Gilbert-Elliott chain (every frame in the bad state is lost, none in
  * the good one; mean loss `loss`, mean burst `burst` frames: P(bad -> good) = 1 / burst, P(good -> bad) = loss /
- * (burst (1 - loss))), and a rate (each frame occupies the link size x 8 / rate; 0: unlimited). One queue per
+ * (burst (1 - loss))) that steps once per frame and once per STEP_NS of silence (a burst is a time on the air, a
+ * frame's worth of it 100 us: stepped per frame alone, as netem's gemodel does, a link carrying one small datagram
+ * every 40 ms stayed in a burst for seconds, taking every retry of a round), and a rate (each frame occupies the link size x 8 / rate; 0: unlimited). One queue per
  * direction, first in first out as on one radio: a frame never leaves before the one ahead of it, so jitter delays
  * but does not reorder, and a full queue (QUEUE frames) drops at its tail. No netem is needed (this machine's
  * kernel has none). SIGUSR1 prints the counters on stderr; SIGTERM ends it after printing them.
@@ -16,6 +18,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <linux/if_packet.h>
+#include <math.h>
 #include <net/ethernet.h>
 #include <net/if.h>
 #include <poll.h>
@@ -30,6 +33,7 @@
 
 #define QUEUE 4096
 #define FRAME 2048
+#define STEP_NS 100000LL  /* the chain's step in silence */
 
 #ifndef PACKET_IGNORE_OUTGOING
 #define PACKET_IGNORE_OUTGOING 23
@@ -39,6 +43,7 @@ typedef struct {
     double delay_ns, jitter_ns, loss, burst, rate_kbit;
     double p_good_to_bad, p_bad_to_good;
     int bad;  /* the chain's state */
+    int64_t last;  /* when the chain last stepped (the previous frame), 0: never */
     int64_t free_at;  /* when the link is free again (rate, FIFO) */
     int head, count;
     int64_t due[QUEUE];
@@ -110,10 +115,25 @@ static void parse(Direction *d, const char *spec)
     d->p_good_to_bad = d->loss > 0 ? d->loss / (d->burst * (1.0 - d->loss)) : 0.0;
 }
 
+/* The chain after the silence since the previous frame: its steps beyond one per frame, in closed form (a two-state
+ * chain forgets its state at the rate lambda = 1 - P(good -> bad) - P(bad -> good) a step). */
+static void step_silence(Direction *d, int64_t now)
+{
+    int64_t steps = d->last ? (now - d->last) / STEP_NS - 1 : 0;
+    d->last = now;
+    double moving = d->p_good_to_bad + d->p_bad_to_good;
+    if (steps <= 0 || moving <= 0)
+        return;
+    double stationary = d->p_good_to_bad / moving, kept = pow(1.0 - moving, (double)steps);
+    double p_bad = d->bad ? stationary + (1.0 - stationary) * kept : stationary * (1.0 - kept);
+    d->bad = uniform() < p_bad;
+}
+
 /* A frame that arrived: lost (the chain's state after this frame), or queued with its departure time. */
 static void arrive(Direction *d, const unsigned char *frame, int size, int64_t now)
 {
     d->received++;
+    step_silence(d, now);
     d->bad = d->bad ? uniform() >= d->p_bad_to_good : uniform() < d->p_good_to_bad;
     if (d->bad) {
         d->lost++;

@@ -3,7 +3,8 @@
 This machine's kernel has no netem, so a link is a small compiled forwarder (rpi/linkemu.c, built on first use with
 the system's C compiler) between the device's veth and the bridge: raw Ethernet frames in, each direction its own
 first-in-first-out queue that holds a frame for its delay plus uniform jitter, a two-state Gilbert-Elliott chain
-that loses frames in bursts, and a serialization rate.
+that loses frames in bursts (stepped per frame and per 100 us of silence: a burst lasts a time, so sparse traffic
+sees the loss rate with short bursts, not seconds-long outages), and a serialization rate.
 
     with LossyTestbed(n_agents=3, links="wifi-busy") as bed:    # every agent's link to the access point
         ...
@@ -93,7 +94,7 @@ def linkemu_binary(cache: Path | None = None) -> Path:
         raise RuntimeError("emulated links need a C compiler once to build rpi/linkemu.c (apt-get install gcc)")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
-    done = subprocess.run([compiler, "-O2", "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
+    done = subprocess.run([compiler, "-O2", "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-800:]}")
     partial.rename(target)

@@ -61,3 +61,13 @@ def test_a_radio_links_lossless_twin_is_the_same_link_without_its_losses(name):
     link, twin = PROFILES[name], profile(f"{name}-lossless")
     assert (twin.delay_ms, twin.jitter_ms, twin.rate_mbit) == (link.delay_ms, link.jitter_ms, link.rate_mbit)
     assert twin.loss == 0 and link.loss > 0 and twin.spec().split(",")[2] == "0"
+
+
+def test_a_burst_is_a_time_on_the_air_so_sparse_traffic_sees_short_bursts(bed):
+    """Probes 1 ms apart (10 of the chain's 100 us steps): the loss rate is the profile's, but bursts are ~1 frame,
+    not the ~5 of back-to-back frames. Stepped per frame alone, a link carrying a datagram every 40 ms stayed in one
+    burst for seconds and took every retry of a round."""
+    link = PROFILES["wifi-busy"]
+    one_way = measure(bed, "master", "agent-1", count=4000, interval_us=1000, port=7304)
+    assert one_way["loss"] == pytest.approx(link.loss, rel=0.35), one_way
+    assert one_way["mean_burst"] < 1.6, one_way
