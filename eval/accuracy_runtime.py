@@ -147,13 +147,15 @@ def run_cluster(model_path: str, weights, tokenizer, data: dict, args, agents: i
     from halo.errors import HaloError
     from halo.sync import SyncSettings
 
-    row = {"agents": agents, "sync": mode, "plr": plr, "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
+    row = {"agents": agents, "sync": mode, "plr": plr, "wire_partials": "fp32" if mode == "exact" else args.wire_partials,
+           "copies": args.copies, "settings": json.loads(args.settings)}
     start = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
             model = connect(weights, stack, model_path=model_path, local_agents=agents, fmt="native",
-                            sync=SyncSettings(mode=mode, inject_plr=plr, seed=args.seed,
-                                              wire_partials="fp32" if mode == "exact" else args.wire_partials), predictors=args.predictors,
+                            sync=SyncSettings(mode=mode, inject_plr=plr, seed=args.seed, copies=args.copies,
+                                              wire_partials="fp32" if mode == "exact" else args.wire_partials,
+                                              **json.loads(args.settings)), predictors=args.predictors,
                             context=args.context, survive=None)
             stack.callback(model.close)
             row["result"] = measure(model, tokenizer, data, args.answer_tokens)
@@ -173,7 +175,8 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
     from halo.transport.reliable import generate_key
 
     row = {"agents": agents, "sync": mode, "plr": plr, "profile": args.profile, "plan": args.plan,
-           "copies": args.copies, "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
+           "copies": args.copies, "settings": json.loads(args.settings),
+           "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, with_testbed(agents, args.profile, prefix="ha") as bed:
         key, spec, result = Path(tmp) / "cluster.key", Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -183,6 +186,7 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
         try:
             spec.write_text(json.dumps({"model": model_path, "key": str(key), "endpoints": cluster.endpoints,
                                         "mode": mode, "plan": args.plan, "copies": args.copies,
+                                        "settings": json.loads(args.settings),
                                         "wire_partials": row["wire_partials"], "predictors": args.predictors,
                                         "context": args.context, "answer_tokens": args.answer_tokens, "data": data,
                                         "result": str(result)}))
@@ -221,7 +225,8 @@ def bed_master(spec_path: str) -> int:
                             key=spec["key"], context=spec["context"], fmt="native", predictors=spec["predictors"],
                             auto_sync=spec["mode"] == "auto", survive=None,
                             sync=SyncSettings(mode="exact" if spec["mode"] == "auto" else spec["mode"],
-                                              copies=spec["copies"], wire_partials=spec["wire_partials"]))
+                                              copies=spec["copies"], wire_partials=spec["wire_partials"],
+                                              **spec["settings"]))
             stack.callback(model.close)
             out["result"] = measure(model, tokenizer, spec["data"], spec["answer_tokens"], progress=True)
             report = model.sync_report()
@@ -278,6 +283,7 @@ def render(data: dict) -> list[str]:
     for row in data["rows"]:
         wire_format = "" if row.get("wire_partials", "fp32") == "fp32" else f", {row['wire_partials']} partials"
         extras = "".join(f", {label}" for label in (f"{row['copies']} copies" if row.get("copies") else "",
+                                                    *(f"{k} {v}" for k, v in row.get("settings", {}).items()),
                                                     f"plan {row['plan']}" if row.get("plan") else "",
                                                     f"picked {row['sync_auto'].get('mode')}"
                                                     if row.get("sync_auto") else "") if label)
@@ -323,12 +329,21 @@ def main(argv=None) -> int:
                         "groups of every layer, where a measured plan over slow links may leave them nothing)")
     parser.add_argument("--copies", type=int, default=0, help="every vector sent this many times on a lossy link "
                         "(halo-master --copies; default: not set, one)")
+    parser.add_argument("--settings", default="{}", help="more SyncSettings fields as JSON for every cluster run, e.g. "
+                        "'{\"critical_fraction\": 0.5, \"loss_deviations\": 6}' (halo/sync/modes.py)")
     parser.add_argument("--bed-timeout", type=float, default=7200.0, help="--profile: seconds one configuration may "
                         "take (default: %(default)s)")
     parser.add_argument("--bed-master", help=argparse.SUPPRESS)  # internal: the master inside the bed
     args = parser.parse_args(argv)
     if args.bed_master:
         return bed_master(args.bed_master)
+    from halo.errors import ConfigError
+    from halo.sync import SyncSettings
+
+    try:
+        SyncSettings(**json.loads(args.settings))  # a bad field stops here, not in the first configuration
+    except (ValueError, TypeError, ConfigError) as e:
+        raise SystemExit(f"--settings: {e}")
     if args.profile:
         from halo.rpi.testbed import available
 

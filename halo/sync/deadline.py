@@ -51,8 +51,6 @@ CHASE_FRACTION = 0.6
 LATE_SLACK = 4.0
 LATE_FLOOR_S = 0.020
 DEVIATION_BETA = 0.25  # RFC 6298's weight of a new sample in the mean deviation
-LOSS_DEVIATIONS = 2.0  # a partial with a hole: its link's usual spread, not a NACK's round trip more
-LATE_DEVIATIONS = 6.0  # a partial with no sign of loss: far out in its spread
 
 
 def clip(value: float, low: float, high: float) -> float:
@@ -67,6 +65,7 @@ class AdaptiveDeadline:
         self.floor = settings.deadline_floor_ms / 1e3
         self.ceiling = settings.deadline_ceiling_ms / 1e3
         self.slack = settings.deadline_slack
+        self.loss_deviations, self.late_deviations = settings.loss_deviations, settings.late_deviations
         self.turnaround: dict[tuple, float] = {}  # (block kind, agent, size class) -> EWMA seconds
         self.deviation: dict[tuple, float] = {}  # the same key -> EWMA of |sample - turnaround| (seconds)
 
@@ -112,8 +111,8 @@ class AdaptiveDeadline:
             key = self._key(kind, agent, tokens)
             if key in self.turnaround:
                 mean, spread = self.turnaround[key], self.deviation[key]
-                out[agent] = PeerDeadline(loss_s=clip(mean + LOSS_DEVIATIONS * spread, self.floor, ceiling),
-                                          late_s=clip(mean + LATE_DEVIATIONS * spread, late_floor,
+                out[agent] = PeerDeadline(loss_s=clip(mean + self.loss_deviations * spread, self.floor, ceiling),
+                                          late_s=clip(mean + self.late_deviations * spread, late_floor,
                                                       max(late_floor, ceiling)))
         return out
 

@@ -77,6 +77,10 @@ class SyncSettings:
     deadline_ceiling_ms: float = 100.0
     deadline_slack: float = 2.0
     critical_fraction: float = 0.25
+    # in halo/lossy sync, each measured agent's own deadlines: its mean turnaround plus this many mean deviations, for
+    # a partial with a hole (parity's tail) and for one with no sign of loss (halo/sync/deadline.py)
+    loss_deviations: float = 2.0
+    late_deviations: float = 6.0
     predict: bool = True  # False: static ranking, groups loaded once (the ablation's upper bound)
     pred_overlap: bool = True  # run prediction while partial sums are in flight
     load_overlap: bool = True  # load the next layer's groups in a background thread
@@ -111,6 +115,9 @@ class SyncSettings:
         if not 0 < self.deadline_floor_ms <= self.deadline_ceiling_ms:
             raise ConfigError(f"deadline floor {self.deadline_floor_ms} ms must be positive and at most the ceiling "
                               f"{self.deadline_ceiling_ms} ms")
+        if not 0 <= self.loss_deviations <= self.late_deviations:
+            raise ConfigError(f"loss_deviations ({self.loss_deviations:g}) must lie in [0, late_deviations "
+                              f"({self.late_deviations:g})]: a partial with a hole is cut no later than one without")
         if not 0.0 <= self.critical_fraction <= 1.0 or not 0.0 <= self.inject_plr < 1.0:
             raise ConfigError("critical_fraction must lie in [0, 1] and inject_plr in [0, 1)")
         if not 0 <= self.parity_group <= MAX_GROUP or self.parity_chunks not in (1, 2) or self.deadline_slack <= 0:
