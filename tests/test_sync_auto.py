@@ -20,28 +20,32 @@ def cluster(plr: float, one_way_ms: float, agents: int = 3) -> Cluster:
     return Cluster(tuple(devices), context=256, weights="Q4_0")
 
 
-@pytest.mark.parametrize("plr, one_way_ms, predictors, mode, copies, said", [
-    (0.0, 0.1, True, "exact", 1, "recovering a loss costs little"),  # wired (the ethernet profile)
-    (0.05, 0.04, True, "exact", 1, "recovering a loss costs little"),  # the plain bed at 5 %: HALO was slower there
-    (0.0, 5.0, True, "exact", 1, "recovering a loss costs little"),  # slow but clean
-    (0.01, 1.0, True, "exact", 1, "or is rare"),  # wifi-good: 1 % lost, ~2 ms: HALO and two copies within the noise
-    (0.05, 2.5, True, "halo", 2, "3 of 3 links"),  # wifi-busy
-    (0.05, 2.5, False, "exact", 2, "no trained predictors"),  # the copies pay in exact mode too
-    (0.10, 5.0, True, "halo", 2, "goes out 2 times"),  # wifi-bad
+@pytest.mark.parametrize("plr, one_way_ms, copies, said", [
+    (0.0, 0.1, 1, "recovering a loss costs little"),  # wired (the ethernet profile)
+    (0.05, 0.04, 1, "recovering a loss costs little"),  # the plain bed at 5 %
+    (0.0, 5.0, 1, "recovering a loss costs little"),  # slow but clean
+    (0.01, 1.0, 1, "or is rare"),  # wifi-good: 1 % lost, ~2 ms: two copies within the noise
+    (0.05, 2.5, 2, "3 of 3 links"),  # wifi-busy
+    (0.10, 5.0, 2, "goes out 2 times"),  # wifi-bad
 ])
-def test_the_mode_and_the_copies_follow_the_links(plr, one_way_ms, predictors, mode, copies, said):
-    choice = choose_sync(cluster(plr, one_way_ms), predictors)
-    assert (choice.mode, choice.copies) == (mode, copies) and said in choice.reason, choice
+def test_exact_is_picked_and_the_copies_follow_the_links(plr, one_way_ms, copies, said):
+    """Exact everywhere: on the radio profiles HALO's deadlines dropped enough partials to change most answers for a
+    few percent of speed (eval/results/sweep_wifi_busy*.md); two copies where links lose in bursts over radio round
+    trips."""
+    choice = choose_sync(cluster(plr, one_way_ms))
+    assert (choice.mode, choice.copies) == ("exact", copies) and said in choice.reason, choice
     assert choice.to_json()["copies"] == copies
+    if copies > 1:
+        assert "not HALO" in choice.reason
 
 
 def test_one_lossy_radio_link_is_enough_and_the_reason_names_it():
     mixed = cluster(0.0, 0.1)
     devices = list(mixed.devices)
     devices[2] = DeviceProfile("pi-kitchen", 2e9, 5e9, plr=0.03, latency_s=3e-3)
-    choice = choose_sync(Cluster(tuple(devices), context=256, weights="Q4_0"), True)
-    assert choice.mode == "halo" and "1 of 3 links" in choice.reason and "pi-kitchen" in choice.reason
-    assert choose_sync(cluster(0.05, 3.0, agents=0), True).mode == "exact"
+    choice = choose_sync(Cluster(tuple(devices), context=256, weights="Q4_0"))
+    assert choice.copies == 2 and "1 of 3 links" in choice.reason and "pi-kitchen" in choice.reason
+    assert choose_sync(cluster(0.05, 3.0, agents=0)).mode == "exact"
 
 
 def test_auto_needs_the_measured_plan():
@@ -77,7 +81,7 @@ def test_auto_applies_its_copies_unless_copies_were_given(monkeypatch, tmp_path,
 
     connect = importlib.import_module("halo.distributed.connect")  # the module (the package exports its function)
     monkeypatch.setattr(connect, "measure_cluster", lambda *a, **k: cluster(0.05, 2.5))
-    monkeypatch.setattr("halo.scheduler.sync_choice.choose_sync", lambda c, p: SyncChoice("halo", "radio", 2))
+    monkeypatch.setattr("halo.scheduler.sync_choice.choose_sync", lambda c: SyncChoice("halo", "radio", 2))
     monkeypatch.setattr(connect, "plan_measured", lambda weights, layout, settings, c, select: ("plan", {}))
 
     class Weights:

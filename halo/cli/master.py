@@ -317,10 +317,10 @@ def add_sync_mode(parser, lead: str = "") -> None:
                                     " TCP's 200 ms timeout) · lossy: UDP, partial sums dropped at a deadline, static "
                                     "groups · halo: predictors route important groups to reliable links, recover lost"
                                     " chunks first, drop only unimportant ones at the deadline · halo-tcp: halo with "
-                                    "TCP for critical traffic · auto: measure the agents' links and pick halo where "
-                                    "they lose datagrams with round trips of a millisecond or more (Wi-Fi: HALO was "
-                                    "0.9x exact's time there), exact elsewhere (wired links: HALO was 1.1x); says "
-                                    "which and why (--json: planning.sync_auto)")
+                                    "TCP for critical traffic · auto: measure the agents' links and pick the sync "
+                                    "and --copies for them: exact, with 2 copies where links lose datagrams over round "
+                                    "trips of a millisecond or more (on emulated Wi-Fi, halo's drops changed most "
+                                    "answers for 2-6 %% of speed); says which and why (--json: planning.sync_auto)")
 
 
 def plan_sync_mode(args) -> str:

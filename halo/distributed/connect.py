@@ -91,14 +91,13 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     """--sync auto: (plan, SyncChoice, planning report) from one measurement of the agents: the mode picked from
     their links (scheduler/sync_choice.py; settings["sync"] is set to it), the plan made for it."""
     from halo.compute.linear import resolve_format
-    from halo.predictors.store import predictors_path
     from halo.scheduler.sync_choice import choose_sync
 
     master_settings = MasterSettings(**{k: settings[k] for k in ("context", "slots", "timeout_s", "sync", "predictors")},
                                      fmt=resolve_format(settings["fmt"], weights))
     cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
                               same_machine=same_machine)
-    chosen = choose_sync(cluster, predictors_path(Path(weights.source), settings.get("predictors")).is_dir())
+    chosen = choose_sync(cluster)
     log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
     copies = settings["sync"].copies or chosen.copies  # a --copies given (even 1) is kept
     settings["sync"] = replace(settings["sync"], mode=chosen.mode, copies=copies)  # the master's and every re-plan's
