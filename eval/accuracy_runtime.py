@@ -42,6 +42,7 @@ from halo.eval.report import command_line, host_line, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 CHAT_PROMPTS = Path(__file__).with_name("chat_prompts.txt")
+RESERVED_SETTINGS = {"mode", "copies", "inject_plr", "seed", "wire_partials"}  # --settings may not give these
 
 
 @dataclass
@@ -200,6 +201,7 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
             row["dropped_frames"] = bed.drop_counters()
         except subprocess.TimeoutExpired:
             done.kill()
+            done.wait()
             row["error"] = f"no result within --bed-timeout {args.bed_timeout:.0f} s"
         finally:
             cluster.close()
@@ -341,7 +343,12 @@ def main(argv=None) -> int:
     from halo.sync import SyncSettings
 
     try:
-        SyncSettings(**json.loads(args.settings))  # a bad field stops here, not in the first configuration
+        settings = json.loads(args.settings)
+        given = sorted(set(settings) & RESERVED_SETTINGS)
+        if given:
+            raise ConfigError(f"{', '.join(given)} come from their own options (--modes, --copies, --plr, --seed, "
+                              "--wire-partials)")
+        SyncSettings(**settings)  # a bad field stops here, not after the reference
     except (ValueError, TypeError, ConfigError) as e:
         raise SystemExit(f"--settings: {e}")
     if args.profile:

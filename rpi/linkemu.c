@@ -113,6 +113,11 @@ static void parse(Direction *d, const char *spec)
     d->delay_ns *= 1e3, d->jitter_ns *= 1e3;
     d->p_bad_to_good = 1.0 / d->burst;
     d->p_good_to_bad = d->loss > 0 ? d->loss / (d->burst * (1.0 - d->loss)) : 0.0;
+    if (d->p_good_to_bad > 1.0) {  /* loss > burst / (burst + 1): no chain has that mean loss with that mean burst */
+        fprintf(stderr, "halo-linkemu: bad spec '%s': a loss of %g needs bursts of at least %g frames\n", spec,
+                d->loss, d->loss / (1.0 - d->loss));
+        exit(2);
+    }
 }
 
 /* The chain after the silence since the previous frame: its steps beyond one per frame, in closed form (a two-state

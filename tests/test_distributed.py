@@ -393,6 +393,7 @@ def test_a_control_reply_held_back_by_tcp_is_waited_for_while_the_agent_echoes_p
     while the agent still answers UDP link probes, and names it stopped at once when it does not."""
     from types import SimpleNamespace
 
+    from halo.distributed.remote import AgentSilent
     from halo.distributed.session import Session
 
     def agent_answering_after(failures: int):
@@ -401,10 +402,10 @@ def test_a_control_reply_held_back_by_tcp_is_waited_for_while_the_agent_echoes_p
         def receive(what):
             calls.append(what)
             if len(calls) <= failures:
-                raise AgentError(f"agent did not answer {what} within 0.1 s")
+                raise AgentSilent(f"agent did not answer {what} within 0.1 s")
             return "ready"
 
-        return SimpleNamespace(receive=receive, gone=lambda: False, calls=calls)
+        return SimpleNamespace(receive=receive, gone=lambda: False, calls=calls, timeout_s=0.1)
 
     session = Session.__new__(Session)
     monkeypatch.setattr(Session, "_echoes_probes", lambda self, agent: True)
@@ -415,7 +416,16 @@ def test_a_control_reply_held_back_by_tcp_is_waited_for_while_the_agent_echoes_p
     with pytest.raises(AgentError, match="did not answer reset"):
         session.receive_control(stopped, "reset")
     assert stopped.calls == ["reset"]
-    gone = SimpleNamespace(receive=agent_answering_after(1).receive, gone=lambda: True)
+    gone = SimpleNamespace(receive=agent_answering_after(1).receive, gone=lambda: True, timeout_s=0.1)
     monkeypatch.setattr(Session, "_echoes_probes", lambda self, agent: True)
     with pytest.raises(AgentError):  # its connection closed: no probe can make it answer
         session.receive_control(gone, "reset")
+
+    def refusing(what):
+        calls.append(what)
+        raise AgentError(f"agent refused {what}: its model changed")
+
+    calls = []
+    with pytest.raises(AgentError, match="refused reset"):  # an answer, not silence: final at once
+        session.receive_control(SimpleNamespace(receive=refusing, gone=lambda: False, timeout_s=0.1), "reset")
+    assert calls == ["reset"]

@@ -71,3 +71,14 @@ def test_a_burst_is_a_time_on_the_air_so_sparse_traffic_sees_short_bursts(bed):
     one_way = measure(bed, "master", "agent-1", count=4000, interval_us=1000, port=7304)
     assert one_way["loss"] == pytest.approx(link.loss, rel=0.35), one_way
     assert one_way["mean_burst"] < 1.6, one_way
+
+
+def test_a_loss_no_chain_can_give_with_that_burst_is_refused():
+    """A mean loss of 60 % in bursts of 1 frame needs P(good -> bad) = 1.5: the forwarder says what burst it needs."""
+    import subprocess
+
+    from halo.rpi.links import linkemu_binary
+
+    done = subprocess.run([str(linkemu_binary()), "lo", "lo", "0,0,0.6,1,0", "0,0,0,1,0"], capture_output=True,
+                          text=True, timeout=10)
+    assert done.returncode == 2 and "needs bursts of at least 1.5 frames" in done.stderr, done.stderr

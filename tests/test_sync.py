@@ -544,3 +544,17 @@ def test_a_critical_partial_is_waited_for_past_the_turnaround_its_round_expects(
     assert critical, "the pass gathered no critical partial over UDP"
     for policy in critical:  # measured from the send; the gather starts a little later
         assert policy.hard_deadline_s >= policy.late_deadline_s + 1.9, policy
+
+
+def test_per_agent_deadline_settings_are_checked():
+    with pytest.raises(ConfigError, match="loss_deviations .* must lie in"):
+        SyncSettings(loss_deviations=8, late_deviations=6)
+    with pytest.raises(ConfigError, match="both be finite"):
+        SyncSettings(late_deviations=float("inf"))
+    rule = AdaptiveDeadline(SyncSettings(loss_deviations=3, late_deviations=9))
+    for seconds in (0.010, 0.014, 0.010, 0.014):
+        rule.observe("mlp", 1, seconds)
+    own = rule.per_peer("mlp", [1])[1]
+    mean, spread = rule.turnaround[("mlp", 1, 0)], rule.deviation[("mlp", 1, 0)]
+    assert own.loss_s == pytest.approx(max(0.005, mean + 3 * spread))
+    assert own.late_s == pytest.approx(max(0.020, mean + 9 * spread))

@@ -28,6 +28,10 @@ class AgentError(HaloError):
     """An agent refused, failed or went silent."""
 
 
+class AgentSilent(AgentError):
+    """No reply came within the wait, and the connection is not known to be gone (it may only be slow)."""
+
+
 @dataclass
 class AgentStats:
     requests: int = 0  # replies received over the control connection
@@ -89,8 +93,9 @@ class RemoteAgent:
     def receive(self, what: str) -> Message:
         t = time.perf_counter()
         if not self._wait(t + self.timeout_s):
-            within = "" if self.link in ("disconnected", "refused") else f" within {self.timeout_s:.1f} s"
-            raise AgentError(f"agent {self} did not answer {what}{within}: {self._why_silent()}")
+            if self.link in ("disconnected", "refused"):
+                raise AgentError(f"agent {self} did not answer {what}: {self._why_silent()}")
+            raise AgentSilent(f"agent {self} did not answer {what} within {self.timeout_s:.1f} s: {self._why_silent()}")
         frames = self.socket.recv_multipart()
         self.stats.bytes_received += sum(len(f) for f in frames)
         try:

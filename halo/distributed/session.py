@@ -35,7 +35,7 @@ from halo.sync import SyncSettings
 from halo.transport.control import ControlError, Ready
 from halo.transport.reliable import Message, encode
 
-from halo.distributed.remote import AgentError, RemoteAgent
+from halo.distributed.remote import AgentError, AgentSilent, RemoteAgent
 
 DEFAULT_TIMEOUT_S = 2.0
 CONTROL_PATIENCE_S = 30.0  # a control reply's longest wait while its agent still answers link probes
@@ -234,13 +234,15 @@ class Session:
         timeout doubles from 200 ms, so a burst of Wi-Fi losses that takes a segment and its retransmissions holds
         a reply back for seconds: on wifi-bad a reset went unanswered for 2 s in about one run of six, and the
         agent was named stopped."""
-        patience_ends = time.monotonic() + CONTROL_PATIENCE_S
+        started = time.monotonic()
         while True:
             try:
                 return agent.receive(what)
-            except AgentError:
-                if agent.gone() or time.monotonic() >= patience_ends or not self._echoes_probes(agent):
-                    raise
+            except AgentSilent as e:  # (a refusal, a malformed reply or a closed connection is final at once)
+                waited = time.monotonic() - started
+                if agent.gone() or waited >= CONTROL_PATIENCE_S or not self._echoes_probes(agent):
+                    raise AgentSilent(f"{e} (waited {waited:.1f} s in all; it answered link probes until then)"
+                                      if waited > agent.timeout_s else str(e)) from None
 
     def _echoes_probes(self, agent: RemoteAgent) -> bool:
         """Whether the agent answers a few UDP link probes within a second: alive, whatever TCP is doing."""

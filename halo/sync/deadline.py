@@ -34,7 +34,8 @@ partial with no sign of loss is cut only far out in its own spread. Over a Wi-Fi
 before. Until an agent's turnaround is known the round-wide rule applies to it. A partial cut at its deadline counts
 as a turnaround of that long (as TCP backs its timeout off): counting only the partials that came in time would
 pull m and v down and the deadlines with them. What the paragraphs below say of the late deadline and the chase
-holds for the round-wide rule: a measured agent silent past its own late deadline is dropped, chased or not.
+holds for the round-wide rule: a measured agent silent past its own late deadline is dropped, chased or not, once
+no other agent is awaited (a gather cuts no peer while it waits for another: transport/udp/gather.py _hold).
 
 An agent that has sent nothing is chased (halo/sync/modes.py: its input sent again) after 0.6 x the
 late deadline: when it takes 2.4 x its usual turnaround (at least 12 ms). Chasing at 0.6 x the loss
