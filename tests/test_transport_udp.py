@@ -966,3 +966,31 @@ def test_the_vectors_kept_for_nacks_stay_within_their_byte_cap_and_keep_the_newe
         assert not sender.sent and sender.sent_bytes == 0
     finally:
         sender.close()
+
+
+def test_a_partial_heard_with_a_hole_past_its_loss_deadline_gets_its_tail_in_time(cluster):
+    """A droppable vector whose head comes after its loss deadline (its link's spread) with a hole is taken until its
+    tail mends it: the tail follows the head within the link's rate. It was cut the moment the hole showed (HALO on
+    wifi-busy: a third of the drops)."""
+    master, agents = cluster
+    a = agents[0]
+    values = np.arange(700, dtype=np.float32)
+    per = wire.values_per_chunk(wire.FLOAT32)
+    count = wire.chunk_count(len(values), wire.FLOAT32)
+    assert count >= 2
+    chunks = [a.pack(wire.DATA, wire.FLOAT32, 3, i, count, values[i * per:(i + 1) * per].tobytes()) for i in range(count)]
+
+    def send_head_then_tail():  # chunk 1 first (a hole before it), the rest half a millisecond behind
+        a._sendto(chunks[1], master.address)
+        time.sleep(0.0005)
+        for i in [0, *range(2, count)]:
+            a._sendto(chunks[i], master.address)
+
+    late = threading.Timer(0.040, send_head_then_tail)
+    late.start()
+    try:
+        result = master.gather(3, {a.node_id: len(values)}, policy=GatherPolicy(deadline_s=0.020, late_deadline_s=0.5))
+    finally:
+        late.join()
+    assert result.masks[a.node_id].all() and a.node_id in result.lossy, dict(master.stats[a.node_id].rejected)
+    np.testing.assert_array_equal(result.values[a.node_id], values)

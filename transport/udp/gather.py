@@ -17,6 +17,7 @@ from halo.transport.udp.base import PeerStats
 from halo.transport.udp.send import PARITY_PREFIX
 
 EARLY_KEPT = 4096  # datagrams of future epochs held for their gather
+TAIL_S = 0.002  # a vector's tail, parity and copies behind its first datagram (GatherPolicy.gap_s's NACK gap alike)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Inbound:
 
     __slots__ = ("peer", "dtype", "per", "count", "n_values", "got", "received", "payloads", "parities", "heard",
                  "nacked", "lossy", "chased", "completed_at", "next_nack", "next_silent", "nack", "end", "loss_end", "origin",
-                 "parity_expected", "whole_bytes", "held_until")
+                 "parity_expected", "whole_bytes", "held_until", "heard_at")
 
     def __init__(self, peer: int, n_values: int | None, dtype: int, end: float, loss_end: float, nack: bool,
                  silent_at: float, parity_expected: bool = False):
@@ -78,6 +79,7 @@ class Inbound:
         self.parity_expected = parity_expected  # the peer has sent parity this session: wait for it at the tail
         self.end, self.loss_end = end, loss_end  # until when we wait: without / with evidence of loss
         self.held_until = 0.0  # ... or while the gather waits for another peer anyway (Gatherer._hold)
+        self.heard_at = 0.0  # when its first datagram of this vector came
         self.per = wire.values_per_chunk(dtype)
         self.whole_bytes = wire.payload_bytes(self.per, dtype)  # a whole chunk's payload
         self.count = None if n_values is None else wire.chunk_count(n_values, dtype)  # None: learn from chunks
@@ -98,10 +100,16 @@ class Inbound:
         return self.count is not None and self.received == self.count
 
     def own_until(self) -> float:
-        return self.loss_end if self.lossy else self.end
+        """A vector with a hole is waited for until its loss deadline, and at least TAIL_S past its first datagram
+        (at most its late deadline): the rest of it, its parity and its copies follow the head within the link's
+        rate, so a head that came in the spread's tail was cut before its tail could mend it (HALO on wifi-busy:
+        a third of the drops were of partials heard with one chunk of two, cut at the moment they came)."""
+        if not self.lossy:
+            return self.end
+        return max(self.loss_end, min(self.end, self.heard_at + TAIL_S)) if self.heard else self.loss_end
 
     def until(self) -> float:
-        return max(self.held_until, self.loss_end if self.lossy else self.end)
+        return max(self.held_until, self.own_until())
 
     def owed(self, now: float) -> bool:
         return not self.complete and now < self.until()
@@ -116,7 +124,8 @@ class Inbound:
         if dtype != self.dtype or count != self.count:
             stats.rejected["malformed"] += 1
             return
-        self.heard = True
+        if not self.heard:
+            self.heard, self.heard_at = True, time.perf_counter()
         if late:
             stats.rejected["late"] += 1  # past its deadline a peer's data only says it is alive
             return
