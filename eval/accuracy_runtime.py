@@ -171,6 +171,7 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
     """One configuration over the namespace bed with --profile links: agents in their namespaces, the master in its
     own (this module again, --bed-master SPEC), scoring the same data; plr adds independent loss on every agent's
     port on top of the profile's bursts. A failure is a row that says why."""
+    from halo.errors import HaloError
     from halo.eval.bench_halo_speed import Cluster, with_testbed
     from halo.runtime.local import module_command
     from halo.transport.reliable import generate_key
@@ -183,7 +184,11 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
         key, spec, result = Path(tmp) / "cluster.key", Path(tmp) / "spec.json", Path(tmp) / "result.json"
         generate_key(key)
         bed.set_loss(plr)
-        cluster = Cluster(bed, Path(model_path), key, agents)
+        try:
+            cluster = Cluster(bed, Path(model_path), key, agents)
+        except HaloError as e:  # an agent that did not start: this configuration's row says so
+            row.update(error=f"the agents did not start: {e}", seconds=round(time.perf_counter() - start, 1))
+            return row
         try:
             spec.write_text(json.dumps({"model": model_path, "key": str(key), "endpoints": cluster.endpoints,
                                         "mode": mode, "plan": args.plan, "copies": args.copies,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from halo.arguments import check_insecure
 from halo.compute.neuron_groups import GroupLayout
