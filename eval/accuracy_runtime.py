@@ -141,6 +141,19 @@ def compared(result: dict, reference: dict) -> dict:
             "ms_per_token": result["ms_per_token"]}
 
 
+def sync_fields(args, mode: str, inject_plr: float = 0.0) -> dict:
+    """One configuration's SyncSettings fields (auto measures the links first, starting from exact's)."""
+    return {"mode": "exact" if mode == "auto" else mode, "inject_plr": inject_plr, "seed": args.seed,
+            "copies": args.copies, "wire_partials": "fp32" if mode in ("exact", "auto") else args.wire_partials,
+            **json.loads(args.settings)}
+
+
+def config_row(args, agents: int, mode: str, plr: float) -> dict:
+    """What a results row says of its configuration (its scores are added to it)."""
+    return {"agents": agents, "sync": mode, "plr": plr, "wire_partials": sync_fields(args, mode)["wire_partials"],
+            "copies": args.copies, "settings": json.loads(args.settings)}
+
+
 def run_cluster(model_path: str, weights, tokenizer, data: dict, args, agents: int, mode: str, plr: float) -> dict:
     """One configuration over freshly started local agents (a failure is a row that says why, not the end of
     the study). An agent lost mid-run ends the configuration: a re-plan would change what is measured."""
@@ -148,15 +161,13 @@ def run_cluster(model_path: str, weights, tokenizer, data: dict, args, agents: i
     from halo.errors import HaloError
     from halo.sync import SyncSettings
 
-    row = {"agents": agents, "sync": mode, "plr": plr, "wire_partials": "fp32" if mode == "exact" else args.wire_partials,
-           "copies": args.copies, "settings": json.loads(args.settings)}
+    row = config_row(args, agents, mode, plr)
     start = time.perf_counter()
     try:
         with contextlib.ExitStack() as stack:
             model = connect(weights, stack, model_path=model_path, local_agents=agents, fmt="native",
-                            sync=SyncSettings(mode=mode, inject_plr=plr, seed=args.seed, copies=args.copies,
-                                              wire_partials="fp32" if mode == "exact" else args.wire_partials,
-                                              **json.loads(args.settings)), predictors=args.predictors,
+                            sync=SyncSettings(**sync_fields(args, mode, inject_plr=plr)), auto_sync=mode == "auto",
+                            predictors=args.predictors,
                             context=args.context, survive=None)
             stack.callback(model.close)
             row["result"] = measure(model, tokenizer, data, args.answer_tokens)
@@ -176,9 +187,7 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
     from halo.runtime.local import module_command
     from halo.transport.reliable import generate_key
 
-    row = {"agents": agents, "sync": mode, "plr": plr, "profile": args.profile, "plan": args.plan,
-           "copies": args.copies, "settings": json.loads(args.settings),
-           "wire_partials": "fp32" if mode == "exact" else args.wire_partials}
+    row = {**config_row(args, agents, mode, plr), "profile": args.profile, "plan": args.plan}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, with_testbed(agents, args.profile, prefix="ha") as bed:
         key, spec, result = Path(tmp) / "cluster.key", Path(tmp) / "spec.json", Path(tmp) / "result.json"
@@ -191,9 +200,8 @@ def run_on_bed(model_path: str, data: dict, args, agents: int, mode: str, plr: f
             return row
         try:
             spec.write_text(json.dumps({"model": model_path, "key": str(key), "endpoints": cluster.endpoints,
-                                        "mode": mode, "plan": args.plan, "copies": args.copies,
-                                        "settings": json.loads(args.settings),
-                                        "wire_partials": row["wire_partials"], "predictors": args.predictors,
+                                        "mode": mode, "plan": args.plan, "sync": sync_fields(args, mode),
+                                        "predictors": args.predictors,
                                         "context": args.context, "answer_tokens": args.answer_tokens, "data": data,
                                         "result": str(result)}))
             done = bed.popen("master", module_command("halo.eval.accuracy_runtime", "--bed-master", str(spec)),
@@ -231,9 +239,7 @@ def bed_master(spec_path: str) -> int:
             model = connect(weights, stack, model_path=spec["model"], agents=spec["endpoints"], plan=spec["plan"],
                             key=spec["key"], context=spec["context"], fmt="native", predictors=spec["predictors"],
                             auto_sync=spec["mode"] == "auto", survive=None,
-                            sync=SyncSettings(mode="exact" if spec["mode"] == "auto" else spec["mode"],
-                                              copies=spec["copies"], wire_partials=spec["wire_partials"],
-                                              **spec["settings"]))
+                            sync=SyncSettings(**spec["sync"]))
             stack.callback(model.close)
             out["result"] = measure(model, tokenizer, spec["data"], spec["answer_tokens"], progress=True)
             report = model.sync_report()
