@@ -31,6 +31,9 @@ class SamplingSettings:
             raise ConfigError(f"--seed must be an integer from 0 to 2^64 - 1, got {self.seed}")
 
 
+DRAW_BLOCK = 512  # tokens a draw sums one by one (Sampler.draw)
+
+
 class Sampler:
     def __init__(self, settings: SamplingSettings):
         self.settings = settings
@@ -66,4 +69,21 @@ class Sampler:
         return probs
 
     def draw(self, probs: np.ndarray) -> int:
-        return int(self.rng.choice(len(probs), p=probs))
+        """Inverse-CDF sampling with one uniform draw, as `rng.choice(len(probs), p=probs)` draws (the same token for the
+        same seed but where u lies within rounding of a boundary), in two levels: the block of DRAW_BLOCK tokens whose
+        running sum first passes u x total, then the token inside it. choice's cumulative sum over the whole
+        vocabulary and its checks took 0.26 ms a token at SmolLM2's 49k; a batch of 16 requests spent 4 ms of each
+        pass there (halo-master serve)."""
+        target = self.rng.random()
+        sums = np.add.reduceat(probs, np.arange(0, len(probs), DRAW_BLOCK))
+        running = np.cumsum(sums)
+        target *= running[-1]
+        block = min(int(np.searchsorted(running, target, side="right")), len(running) - 1)
+        while sums[block] <= 0:  # (target rounded to the total: the last block with mass)
+            block -= 1
+        first = block * DRAW_BLOCK
+        inside = np.cumsum(probs[first:first + DRAW_BLOCK])
+        i = int(np.searchsorted(inside, target - (running[block - 1] if block else 0.0), side="right"))
+        if i >= len(inside):  # rounding past the block's end: its last token with mass
+            i = int(np.flatnonzero(probs[first:first + DRAW_BLOCK])[-1])
+        return first + i

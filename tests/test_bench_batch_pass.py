@@ -1,0 +1,19 @@
+"""The batched-pass benchmark runs end to end on the bundled model and reports every plan, row count and phase."""
+
+import json
+
+from halo.eval import bench_batch_pass
+from halo import BUNDLED_MODEL
+
+
+def test_each_plan_and_row_count_is_timed_with_where_the_pass_went(tmp_path):
+    assert bench_batch_pass.main(["--model", str(BUNDLED_MODEL), "--agents", "1", "--plans", "paired-mlp",
+                                  "--rows", "1,3", "--seconds", "0.05", "--out", str(tmp_path), "--name", "bp"]) == 0
+    result = json.loads((tmp_path / "bp.json").read_text())
+    seen = {(r["plan"], r["rows"]) for r in result["passes"]}
+    assert seen == {("one process", 1), ("one process", 3), ("paired-mlp", 1), ("paired-mlp", 3)}
+    cluster = [r for r in result["passes"] if r["plan"] == "paired-mlp"]
+    assert all(r["ms_per_pass"] > 0 and r["own_compute"] > 0 and r["sync_wait"] >= 0 for r in cluster)
+    assert all(us > 0 for us in result["sampling_us"].values()) and len(result["sampling_us"]) == 2
+    table = (tmp_path / "bp.md").read_text()
+    assert "| paired-mlp | 3 |" in table and result["host"]["cpu"] in table
