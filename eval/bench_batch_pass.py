@@ -28,13 +28,15 @@ from halo.eval.report import command_line, cpu_model, write_report
 PHASES = ("own_compute", "send", "sync_wait", "slowest_agent_compute")
 
 
-def passes(model, rows: int, seconds: float) -> float:
-    """Mean seconds of a pass of `rows` decode rows (one per slot, position 10), after one untimed pass."""
+def passes(model, rows: int, seconds: float, warmed=lambda: None) -> float:
+    """Mean seconds of a pass of `rows` decode rows (one per slot, position 10), after one untimed pass (then
+    `warmed()`: what the caller times from there)."""
     from halo.compute.batch import Rows
 
     layout = Rows.of([(slot, 10, 1) for slot in range(rows)])
     tokens = [100 + slot for slot in range(rows)]
     model.forward_rows(tokens, layout)
+    warmed()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         model.forward_rows(tokens, layout)
@@ -54,8 +56,7 @@ def over_agents(weights, path: str, plan: str, agents: int, rows: list[int], sec
                               sync=SyncSettings(mode="exact"), fmt="native")
         try:
             for b in rows:
-                model.timings = Timings()
-                seconds_per_pass = passes(model, b, seconds)
+                seconds_per_pass = passes(model, b, seconds, lambda: setattr(model, "timings", Timings()))
                 per_pass = model.timings.to_json()["per_token_ms"]  # (per forward pass)
                 out.append({"plan": plan, "rows": b, "ms_per_pass": round(1e3 * seconds_per_pass, 2),
                             **{k: per_pass[k] for k in PHASES}})

@@ -70,3 +70,53 @@ def test_a_draw_picks_the_token_numpys_choice_picks_for_the_same_seed():
         drawn = [sampler.draw(probs) for _ in range(25)]
         assert drawn == [int(reference.choice(n, p=probs)) for _ in range(25)]
         assert all(probs[i] > 0 for i in drawn)
+
+
+class _Uniform:
+    """A generator whose uniform draw is fixed: the draw's edges, where u x total rounds to the total."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
+@pytest.mark.parametrize("n, mass_at", [(1024, slice(0, 3)), (512, slice(510, 512)), (1, slice(0, 1)),
+                                        (1500, slice(600, 601))])
+def test_a_draw_at_the_top_of_the_cdf_takes_the_last_token_with_mass(n, mass_at):
+    probs = np.zeros(n)
+    probs[mass_at] = 1.0 / len(range(n)[mass_at])
+    sampler = Sampler(SamplingSettings(1.0))
+    sampler.rng = _Uniform(np.nextafter(1.0, 0.0))
+    assert sampler.draw(probs) == range(n)[mass_at][-1]
+    sampler.rng = _Uniform(0.0)
+    assert sampler.draw(probs) == range(n)[mass_at][0]
+
+
+def test_probabilities_without_a_finite_total_are_refused():
+    sampler = Sampler(SamplingSettings(1.0))
+    for probs in (np.array([0.5, np.nan, 0.5]), np.zeros(700), np.array([np.inf, 0.0])):
+        with pytest.raises(ValueError, match="finite with a positive total"):
+            sampler.draw(probs)
+
+
+def test_probabilities_worked_in_place_have_the_bits_of_the_plain_formula():
+    """probabilities() works in one copy of the logits (fresh 400 KB arrays cost page faults); the values are those
+    of exp((z - max) / T) normalized, top-k and top-p cuts included, to the bit."""
+    rng = np.random.default_rng(3)
+    for top_k, top_p in ((0, 1.0), (5, 1.0), (0, 0.9), (50, 0.8)):
+        for temperature in (0.3, 0.8, 1.7):
+            logits = (rng.standard_normal(3000) * 3).astype(np.float32)
+            z = logits.astype(np.float64) / temperature
+            if top_k:
+                z = np.where(z < np.partition(z, -top_k)[-top_k], -np.inf, z)
+            expected = np.exp(z - z.max())
+            expected /= expected.sum()
+            if top_p < 1.0:
+                order = np.argsort(-expected, kind="stable")
+                keep = order[: int(np.searchsorted(np.cumsum(expected[order]), top_p) + 1)]
+                expected = np.where(np.isin(np.arange(len(z)), keep), expected, 0.0)
+                expected /= expected.sum()
+            got = Sampler(SamplingSettings(temperature, top_k=top_k, top_p=top_p)).probabilities(logits)
+            assert np.array_equal(got, expected)
