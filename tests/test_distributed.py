@@ -166,6 +166,30 @@ def hello_fields(weights, **overrides):
     return fields
 
 
+def test_a_master_newer_than_its_agent_is_told_to_install_the_same_version(stories_weights):
+    """A newer master's hello carries sync settings an older agent does not know (copies and loss_deviations came so):
+    the agent refuses it with "unknown sync settings", and the master's error names the fix, not only the fields."""
+    from halo.distributed.remote import RemoteAgent
+
+    with LocalCluster(1) as cluster:
+        context, sock = raw_client(cluster)
+        try:
+            later = hello_fields(stories_weights, sync={"mode": "tcp", "a_later_setting": 1})
+            refusal = ask(sock, encode(Message("hello", later)))
+            assert refusal.kind == "refused" and "unknown sync settings" in refusal.fields["reason"]
+            router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)  # the master reads that refusal
+            router.bind("inproc://older-agent")
+            dealer.connect("inproc://older-agent")
+            agent = RemoteAgent(1, "inproc://older-agent", Shares([], [], []), dealer, 2.0)
+            dealer.send(b"hello")
+            peer, _ = router.recv_multipart()
+            router.send_multipart([peer, *encode(refusal)])
+            with pytest.raises(AgentError, match=r"unknown sync settings.*a_later_setting.*older halo.*same halo vers"):
+                agent.receive("hello")
+        finally:
+            context.destroy(linger=0)
+
+
 def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weights, tmp_path):
     with LocalCluster(1) as cluster:
         context, sock = raw_client(cluster)

@@ -106,7 +106,10 @@ class RemoteAgent:
         self.stats.wait_ms += 1e3 * (time.perf_counter() - t)
         self.last_heard = time.monotonic()
         if reply.kind in ("error", "refused"):
-            raise AgentError(f"agent {self} {reply.kind} {what}: {reply.fields.get('reason')}")
+            reason = str(reply.fields.get("reason"))
+            hint = (" (it runs an older halo than this master, which does not know these settings: install the same "
+                    "halo version on every device)" if "unknown sync settings" in reason else "")
+            raise AgentError(f"agent {self} {reply.kind} {what}: {reason}{hint}")
         return reply
 
     def _wait(self, deadline: float) -> bool:
