@@ -16,6 +16,7 @@ import zmq
 
 from halo.compute.shares import Block, Shares
 from halo.errors import HaloError
+from halo.sync.modes import UNKNOWN_SETTINGS
 from halo.transport.reliable import Message, MessageError, decode, encode
 
 # A wrong key fails every handshake (zmq reconnects every ~0.1-0.2 s: named within a second); a lossy radio link
@@ -108,7 +109,7 @@ class RemoteAgent:
         if reply.kind in ("error", "refused"):
             reason = str(reply.fields.get("reason"))
             hint = (" (it runs an older halo than this master, which does not know these settings: install the same "
-                    "halo version on every device)" if "unknown sync settings" in reason else "")
+                    "halo version on every device)" if UNKNOWN_SETTINGS in reason else "")
             raise AgentError(f"agent {self} {reply.kind} {what}: {reason}{hint}")
         return reply
 

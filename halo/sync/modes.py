@@ -66,6 +66,7 @@ POLICIES: dict[str, ModePolicy] = {
 SYNC_MODES = tuple(POLICIES)
 WIRE_PARTIALS = {"fp32": wire.FLOAT32, "fp16": wire.FLOAT16}
 MAX_COPIES = 4
+UNKNOWN_SETTINGS = "unknown sync settings"  # how an agent refuses a hello's settings it does not know (a newer master's)
 RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
                        "--sync tcp (the control connection)"}
 
@@ -162,7 +163,7 @@ class SyncSettings:
         known = set(cls.__dataclass_fields__)
         unknown = set(fields) - known
         if unknown:
-            raise ConfigError(f"unknown sync settings {sorted(unknown)}")
+            raise ConfigError(f"{UNKNOWN_SETTINGS} {sorted(unknown)}")
         return cls(**fields)
 
 
