@@ -3,9 +3,10 @@
     python -m halo.rpi.linkprobe recv PORT COUNT TIMEOUT_S      # in the receiving namespace: prints a JSON summary
     python -m halo.rpi.linkprobe send HOST PORT COUNT INTERVAL_US
 
-Every probe carries its sequence number and the sender's CLOCK_MONOTONIC time; namespaces share the machine's
-clock, so the receiver reads the one-way delay directly. Loss bursts are runs of consecutive missing sequence
-numbers.
+Every probe carries its sequence number and the sender's clock (CLOCK_REALTIME, taken just before the send);
+namespaces share the machine's clock, and the receiver takes the kernel's arrival time of each datagram
+(SO_TIMESTAMPNS), so the one-way delay read is the link's, not how late the receiving process woke up (on a busy
+2-core machine that added half a millisecond). Loss bursts are runs of consecutive missing sequence numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import time
 
 import numpy as np
 
-PROBE = struct.Struct("<QQ")  # sequence number, send time (ns, CLOCK_MONOTONIC)
+PROBE = struct.Struct("<QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
+TIMESPEC = struct.Struct("@qq")  # SO_TIMESTAMPNS: seconds, nanoseconds
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's number; Python names it from 3.13 on only
+SPIN_NS = 300_000  # the sender sleeps until this close to a probe's time, then spins: exact, without a core busy
 
 
 def send(host: str, port: int, count: int, interval_us: float) -> None:
@@ -26,22 +30,25 @@ def send(host: str, port: int, count: int, interval_us: float) -> None:
     start = time.monotonic_ns()
     for seq in range(count):
         due = start + int(seq * interval_us * 1e3)
+        if due - time.monotonic_ns() > SPIN_NS:
+            time.sleep((due - time.monotonic_ns() - SPIN_NS) / 1e9)
         while time.monotonic_ns() < due:
             pass
-        sock.sendto(PROBE.pack(seq, time.monotonic_ns()), (host, port))
+        sock.sendto(PROBE.pack(seq, time.time_ns()), (host, port))
 
 
 def receive(port: int, count: int, timeout_s: float) -> dict:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     sock.bind(("0.0.0.0", port))
     print("listening", flush=True)
     sock.settimeout(timeout_s)
     delays, seen = [], np.zeros(count, bool)
     try:
         while True:
-            data = sock.recv(64)
-            now = time.monotonic_ns()
+            data, ancillary, _, _ = sock.recvmsg(64, 64)
+            now = arrival_ns(ancillary)
             seq, sent = PROBE.unpack_from(data)
             if seq < count:
                 seen[seq] = True
@@ -51,6 +58,15 @@ def receive(port: int, count: int, timeout_s: float) -> dict:
     except socket.timeout:
         pass
     return summarize(seen, np.asarray(delays, np.float64) / 1e6)
+
+
+def arrival_ns(ancillary: list) -> int:
+    """The kernel's arrival time of a datagram (CLOCK_REALTIME ns); now where the kernel gave none."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= TIMESPEC.size:
+            seconds, nanoseconds = TIMESPEC.unpack_from(data)
+            return seconds * 1_000_000_000 + nanoseconds
+    return time.time_ns()
 
 
 def summarize(seen: np.ndarray, delays_ms: np.ndarray) -> dict:

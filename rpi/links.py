@@ -110,6 +110,7 @@ class Forwarder:
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                         text=True)
         ready = self.process.stderr.readline()
+        self.realtime = "real-time priority" in ready  # root's forwarders are; wake-ups come late otherwise
         if "ready" not in ready:
             self.process.kill()
             raise RuntimeError(f"the link emulator between {a} and {b} did not start: {ready.strip()} "

@@ -21,7 +21,9 @@ def bed():
 def test_delay_and_jitter_are_the_profiles(bed):
     """Probes 7 ms apart (more than the jitter's 6 ms span: one never waits behind the one ahead, which a link
     that keeps order would make it): the median one-way delay is 5 ms and the 10th-90th percentile spread that of
-    uniform +- 3 ms (4.8 ms)."""
+    uniform +- 3 ms (4.8 ms). The forwarders run at real-time priority and the probes read the kernel's arrival
+    times: at normal priority, in CI's busy run, this link measured 5.5 ms."""
+    assert all(forwarder.realtime for forwarder in bed.forwarders.values())
     link = PROFILES["wifi-busy"]
     both = [measure(bed, "master", "agent-1", count=500, interval_us=7000),
             measure(bed, "agent-1", "master", count=500, interval_us=7000, port=7301)]
