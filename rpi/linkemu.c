@@ -16,7 +16,9 @@
  *
  * It runs at real-time priority where it may (root): it is the network, which on a real cluster never waits for a
  * node's CPU. At normal priority, on a machine whose cores the nodes keep busy, its wake-ups came late and a 5 ms
- * link measured 5.5 ms. The ready line says which it got.
+ * link measured 5.5 ms. The ready line says which it got. It ends with the process that started it (a bed whose
+ * owner was killed left forwarders behind) and when an interface it forwards between is gone (one left behind
+ * spun a core on its socket's error, at real-time priority a whole core).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -28,6 +30,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -192,6 +195,10 @@ int main(int argc, char **argv)
     int a = open_interface(argv[1]), b = open_interface(argv[2]);
     dirs[0].in = a, dirs[0].out = b, dirs[1].in = b, dirs[1].out = a;
     signal(SIGUSR1, on_usr1), signal(SIGTERM, on_term), signal(SIGINT, on_term);
+    pid_t parent = getppid();
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent)  /* it ended before the line above took effect */
+        return 0;
     struct sched_param realtime = {.sched_priority = 10};
     int on_time = sched_setscheduler(0, SCHED_FIFO, &realtime) == 0;
     fprintf(stderr, "halo-linkemu %s <-> %s ready (%s priority)\n", argv[1], argv[2], on_time ? "real-time" : "normal");
@@ -213,6 +220,10 @@ int main(int argc, char **argv)
         }
         now = now_ns();
         for (int i = 0; i < 2; i++) {
+            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+                fprintf(stderr, "halo-linkemu: interface %s is gone\n", argv[1 + i]);
+                stop = 1;
+            }
             if (!(fds[i].revents & POLLIN))
                 continue;
             for (;;) {

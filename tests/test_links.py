@@ -84,3 +84,54 @@ def test_a_loss_no_chain_can_give_with_that_burst_is_refused():
     done = subprocess.run([str(linkemu_binary()), "lo", "lo", "0,0,0.6,1,0", "0,0,0,1,0"], capture_output=True,
                           text=True, timeout=10)
     assert done.returncode == 2 and "needs bursts of at least 1.5 frames" in done.stderr, done.stderr
+
+
+@pytest.fixture
+def veth_ends():
+    """Two interfaces for a forwarder of its own (each a veth with its peer up), removed afterwards."""
+    names = ("lkgd", "lkgw")
+    for name in names:
+        testbed._run("ip", "link", "add", name, "type", "veth", "peer", "name", name + "p")
+        testbed._run("ip", "link", "set", name, "up")
+        testbed._run("ip", "link", "set", name + "p", "up")
+    yield names
+    for name in names:
+        testbed._run("ip", "link", "del", name, check=False)
+
+
+def test_a_forwarder_whose_interface_is_gone_ends(veth_ends):
+    """One left behind by a crashed run used to spin a core on its socket's error (at real-time priority, all of it)."""
+    from halo.rpi.links import Forwarder
+
+    forwarder = Forwarder(*veth_ends, ZERO)
+    testbed._run("ip", "link", "del", veth_ends[0])
+    assert forwarder.process.wait(timeout=5) == 0
+    assert "interface lkgd is gone" in forwarder.process.stderr.read()
+
+
+def test_a_forwarder_ends_with_the_process_that_started_it(veth_ends):
+    """A bed's owner killed outright (no teardown) leaves no forwarder running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom halo.rpi.links import Forwarder, LinkProfile\n"
+                              f"f = Forwarder({veth_ends[0]!r}, {veth_ends[1]!r}, LinkProfile('zero', 0.0))\n"
+                              "print(f.process.pid, flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    pid = int(owner.stdout.readline())
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _running(pid):
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a forwarder whose owner died is reaped by init, not at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
