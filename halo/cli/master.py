@@ -356,7 +356,7 @@ def add_sync_arguments(parser) -> None:
     s.add_argument("--no-load-overlap", action="store_true", help="ablation: load the next layer's groups inline")
     s.add_argument("--wire-partials", choices=("fp32", "fp16"), default=d.wire_partials,
                    help="agents' partial sums over UDP in lossy/halo sync: fp16 sends half the datagrams, so a lossy "
-                        "link damages fewer of them (default fp32; exact sync keeps fp32: it gives one device's tokens)")
+                        "link damages fewer of them (default fp32; exact sync keeps fp32: it gives a lossless run's logits bit for bit)")
     s.add_argument("--copies", type=int, choices=range(1, 5), default=None, metavar="N",
                    help="send every vector N times in a row once a link has shown loss: a burst of losses rarely takes "
                         "a datagram and its copy, where recovering it costs a round trip. Pays on radio links losing "
