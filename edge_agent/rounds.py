@@ -214,5 +214,5 @@ class AgentRounds:
             return
         self._resent = {e: t for e, t in self._resent.items() if now - t < 1.0}
         self._resent[header.epoch] = now
-        if self.udp.resend(reply_epoch(header.epoch), MASTER):
+        if self.udp.resend(reply_epoch(header.epoch), MASTER, lost=True):  # asked 12 ms or more after it went out
             self.served["partials_resent"] += 1

@@ -482,7 +482,8 @@ def test_an_agent_takes_the_inputs_next_copy_for_no_chase():
     class Udp:
         resent = 0
 
-        def resend(self, epoch, peer):
+        def resend(self, epoch, peer, lost=False):
+            assert lost  # a chase of an input it answered: its partial was lost
             Udp.resent += 1
             return True
 
@@ -510,7 +511,8 @@ def test_an_agent_sends_its_partial_again_once_per_re_sent_input():
     class Udp:
         resent = 0
 
-        def resend(self, epoch, peer):
+        def resend(self, epoch, peer, lost=False):
+            assert lost  # a chase of an input it answered: its partial was lost
             Udp.resent += 1
             return True
 

@@ -996,3 +996,21 @@ def test_a_partial_heard_with_a_hole_past_its_loss_deadline_gets_its_tail_in_tim
         late.join()
     assert result.masks[a.node_id].all() and a.node_id in result.lossy, dict(master.stats[a.node_id].rejected)
     np.testing.assert_array_equal(result.values[a.node_id], values)
+
+
+def test_a_whole_vector_asked_for_again_as_lost_marks_the_link_lossy():
+    """A one-chunk vector lost whole leaves no hole to NACK: the peer asks for all of it again. Where the asking
+    says it was lost (an agent chased for an input it answered long before), its chunks count as lost on our way,
+    so the link gets parity like one that loses chunks; a plain resend (the peer may only have been slow) does not."""
+    sender = UdpEndpoint(KEY, SESSION, 1)
+    sender.send_hook = lambda sock, datagram, address: None
+    try:
+        for epoch in range(1, 41):  # 40 one-chunk partials went out
+            sender.send_vector({0: ("127.0.0.1", 9)}, 2 * epoch + 1, np.ones(64, np.float32), wire.FLOAT32)
+        assert sender.resend(3, 0) and not sender.lossy([0])
+        assert sender.resend(5, 0, lost=True) and sender.lossy([0])
+        assert sender.stats[0].resends == 2 and sender.stats[0].chunks_sent_again == 1
+        assert not sender.resend(999, 0, lost=True)  # never sent: nothing counted
+        assert sender.stats[0].resends == 2
+    finally:
+        sender.close()

@@ -104,13 +104,18 @@ class Sender:
         self._send_all(datagrams, [entry.recipients[peer]])  # one sendmmsg (a run of them one segmented message)
         return len(datagrams)
 
-    def resend(self, epoch: int, peer: int) -> bool:
+    def resend(self, epoch: int, peer: int, lost: bool = False) -> bool:
         """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
-        missed); False when that vector is no longer kept."""
+        missed); False when that vector is no longer kept. lost: the asking says the vector never arrived (an agent
+        asked again for an input it answered well before: its partial was lost), so its chunks count as lost on our
+        way to the peer, as a NACK's do: a link that loses whole one-chunk vectors (no hole to NACK) shows its loss
+        and gets parity and copies like any other."""
         entry = self.sent.get(epoch)
-        sent = entry is not None and self._send_again(epoch, peer, range(len(entry.payloads))) is not None
-        self.stats[peer].resends += sent
-        return sent
+        sent = None if entry is None else self._send_again(epoch, peer, range(len(entry.payloads)))
+        self.stats[peer].resends += sent is not None
+        if lost and sent:
+            self.stats[peer].chunks_sent_again += sent
+        return sent is not None
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
         """Send the chunks a NACK names again, to where the vector went (never to where the NACK came from)."""
