@@ -240,7 +240,7 @@ def speed(args) -> None:
                     for run in range(args.runs):  # interleaved: every configuration sees the machine's drift
                         bed.set_loss(0.0)
                         single = run_master(bed, model, key, [], "single", args.tokens, {}, args.time_limit,
-                                            args.weights)
+                                            args.weights, prompt_tokens=args.prompt_tokens)
                         rows.append({"agents": n, "plr": 0.0, "sync": "single process", "run": run,
                                      **summarize(single)})
                         print(json.dumps(rows[-1]), flush=True)
@@ -249,7 +249,8 @@ def speed(args) -> None:
                             bed.set_loss(plr)
                             for sync, (mode, settings, plan) in modes.items():
                                 result = run_master(bed, model, key, cluster.endpoints, mode, args.tokens,
-                                                    settings, args.time_limit, args.weights, plan)
+                                                    settings, args.time_limit, args.weights, plan,
+                                                    prompt_tokens=args.prompt_tokens)
                                 rows.append({"agents": n, "plr": plr, "sync": sync, "run": run, **summarize(result),
                                              "dropped_frames": bed.drop_counters()})
                                 print(json.dumps(rows[-1]), flush=True)
@@ -566,8 +567,8 @@ def main(argv=None) -> int:
     parser.add_argument("--key")
     parser.add_argument("--endpoints")
     parser.add_argument("--sync", default="exact")
-    parser.add_argument("--prompt-tokens", type=int, default=0, help="master: a prompt of this many tokens (0: the "
-                        "short fixed one)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of this many tokens in every run (0: "
+                        "the short fixed one, whose ids a small vocabulary such as stories260K's lacks)")
     parser.add_argument("--settings", default="{}", help="SyncSettings fields as JSON for every cluster run of speed "
                         "and master, e.g. '{\"parity_group\": 8}'")
     parser.add_argument("--variants", default="{}", help="speed: named SyncSettings overrides that --modes entries "
