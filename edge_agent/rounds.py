@@ -208,11 +208,13 @@ class AgentRounds:
         if header.kind != wire.DATA or header.index != 0:
             return
         now = time.monotonic()
-        if self.sync.copies_sent > 1 and self._answered[0] == header.epoch and now - self._answered[1] < COPY_GRACE_S:
+        just_answered = self._answered[0] == header.epoch and now - self._answered[1] < COPY_GRACE_S
+        if self.sync.copies_sent > 1 and just_answered:
             return  # the input's next copy, not a chase: our partial is on its way
         if now - self._resent.get(header.epoch, 0.0) < RESEND_INTERVAL_S:
             return
         self._resent = {e: t for e, t in self._resent.items() if now - t < 1.0}
         self._resent[header.epoch] = now
-        if self.udp.resend(reply_epoch(header.epoch), MASTER, lost=True):  # asked 12 ms or more after it went out
+        # a chase this soon after our answer crossed it (we were slow); later, our partial was lost on its way
+        if self.udp.resend(reply_epoch(header.epoch), MASTER, lost=not just_answered):
             self.served["partials_resent"] += 1

@@ -109,6 +109,16 @@ static int open_interface(const char *name)
     return fd;
 }
 
+/* Whether an interface whose socket reported an error is gone (deleted, or another interface under its name). The
+ * error is read, which clears it: an interface that is only down (ENETDOWN) comes back and the socket with it. */
+static int gone(int fd, const char *name, unsigned index)
+{
+    int error = 0;
+    socklen_t size = sizeof error;
+    getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &size);
+    return if_nametoindex(name) != index;
+}
+
 static void parse(Direction *d, const char *spec)
 {
     if (sscanf(spec, "%lf,%lf,%lf,%lf,%lf", &d->delay_ns, &d->jitter_ns, &d->loss, &d->burst, &d->rate_kbit) != 5
@@ -185,6 +195,10 @@ static void print_counters(const Direction *d, const char *name)
 
 int main(int argc, char **argv)
 {
+    prctl(PR_SET_PDEATHSIG, SIGTERM);  /* first: the starter may die at any moment from here on */
+    const char *starter = getenv("HALO_LINKEMU_PARENT");  /* its pid: a parent already gone reads as the reaper */
+    if (starter && strtol(starter, NULL, 10) != (long)getppid())
+        return 0;
     if (argc < 5) {
         fprintf(stderr, "usage: halo-linkemu IF_A IF_B A2B_SPEC B2A_SPEC [SEED]\n");
         return 2;
@@ -193,12 +207,9 @@ int main(int argc, char **argv)
     parse(&dirs[0], argv[3]), parse(&dirs[1], argv[4]);
     rng_state = argc > 5 ? strtoull(argv[5], NULL, 10) * 2654435761ULL + 1 : 88172645463325252ULL;
     int a = open_interface(argv[1]), b = open_interface(argv[2]);
+    const unsigned index[2] = {if_nametoindex(argv[1]), if_nametoindex(argv[2])};
     dirs[0].in = a, dirs[0].out = b, dirs[1].in = b, dirs[1].out = a;
     signal(SIGUSR1, on_usr1), signal(SIGTERM, on_term), signal(SIGINT, on_term);
-    pid_t parent = getppid();
-    prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (getppid() != parent)  /* it ended before the line above took effect */
-        return 0;
     struct sched_param realtime = {.sched_priority = 10};
     int on_time = sched_setscheduler(0, SCHED_FIFO, &realtime) == 0;
     fprintf(stderr, "halo-linkemu %s <-> %s ready (%s priority)\n", argv[1], argv[2], on_time ? "real-time" : "normal");
@@ -220,7 +231,7 @@ int main(int argc, char **argv)
         }
         now = now_ns();
         for (int i = 0; i < 2; i++) {
-            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL)) {
+            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL) && gone(fds[i].fd, argv[1 + i], index[i])) {
                 fprintf(stderr, "halo-linkemu: interface %s is gone\n", argv[1 + i]);
                 stop = 1;
             }

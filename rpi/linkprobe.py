@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 PROBE = struct.Struct("<QQ")  # sequence number, send time (ns, CLOCK_REALTIME)
-TIMESPEC = struct.Struct("@qq")  # SO_TIMESTAMPNS: seconds, nanoseconds
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's number; Python names it from 3.13 on only
+TIMESPEC = struct.Struct("@ll")  # SO_TIMESTAMPNS: seconds, nanoseconds (C longs)
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's number (Python's socket module does not name it)
 SPIN_NS = 300_000  # the sender sleeps until this close to a probe's time, then spins: exact, without a core busy
 
 
@@ -30,8 +30,9 @@ def send(host: str, port: int, count: int, interval_us: float) -> None:
     start = time.monotonic_ns()
     for seq in range(count):
         due = start + int(seq * interval_us * 1e3)
-        if due - time.monotonic_ns() > SPIN_NS:
-            time.sleep((due - time.monotonic_ns() - SPIN_NS) / 1e9)
+        ahead = due - time.monotonic_ns() - SPIN_NS
+        if ahead > 0:
+            time.sleep(ahead / 1e9)
         while time.monotonic_ns() < due:
             pass
         sock.sendto(PROBE.pack(seq, time.time_ns()), (host, port))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -108,7 +109,7 @@ class Forwarder:
         self.link, self.counters = link, None
         self.process = subprocess.Popen([str(linkemu_binary()), a, b, link.spec(), link.spec(), str(seed)],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True)
+                                        text=True, env={**os.environ, "HALO_LINKEMU_PARENT": str(os.getpid())})
         ready = self.process.stderr.readline()
         self.realtime = "real-time priority" in ready  # root's forwarders are; wake-ups come late otherwise
         if "ready" not in ready:

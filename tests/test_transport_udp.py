@@ -1012,5 +1012,7 @@ def test_a_whole_vector_asked_for_again_as_lost_marks_the_link_lossy():
         assert sender.stats[0].resends == 2 and sender.stats[0].chunks_sent_again == 1
         assert not sender.resend(999, 0, lost=True)  # never sent: nothing counted
         assert sender.stats[0].resends == 2
+        sender.send_vector({0: ("127.0.0.1", 9)}, 101, np.ones(5000, np.float32), wire.FLOAT32)  # 14 chunks
+        assert sender.resend(101, 0, lost=True) and sender.stats[0].chunks_sent_again == 2  # one a vector lost
     finally:
         sender.close()

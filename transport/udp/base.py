@@ -62,8 +62,9 @@ class PeerStats:
     nacks_answered: int = 0
     resends: int = 0  # whole vectors sent again on request
     chunks_sent: int = 0  # datagrams of vectors we sent the peer (parity included)
-    chunks_sent_again: int = 0  # of those, sent again because the peer NACKed them (whole-vector resends: not
-    # counted, a chase follows silence, which a slow peer shows as well as a lossy link)
+    chunks_sent_again: int = 0  # of those, sent again because the peer NACKed them, and one a vector resent because
+    # the peer said it was lost (resend lost=True); other whole-vector resends are not counted: a chase follows
+    # silence, which a slow peer shows as well as a lossy link
     rejected: dict = field(default_factory=lambda: defaultdict(int))  # reason -> count
     sync_ms: deque = field(default_factory=lambda: deque(maxlen=1000))  # recent gather times involving the peer
 

@@ -107,14 +107,15 @@ class Sender:
     def resend(self, epoch: int, peer: int, lost: bool = False) -> bool:
         """Send again every chunk of a vector sent to peer in `epoch` (it asked without knowing what it
         missed); False when that vector is no longer kept. lost: the asking says the vector never arrived (an agent
-        asked again for an input it answered well before: its partial was lost), so its chunks count as lost on our
-        way to the peer, as a NACK's do: a link that loses whole one-chunk vectors (no hole to NACK) shows its loss
-        and gets parity and copies like any other."""
+        chased for an input it answered well before: its partial was lost), so one chunk counts as lost on our way
+        to the peer, as a NACKed one does: a link that loses whole one-chunk vectors (no hole to NACK) shows its loss
+        and gets parity and copies like any other (one, not the vector's every chunk: a chase of a large vector
+        would otherwise keep parity on for the rest of the session)."""
         entry = self.sent.get(epoch)
         sent = None if entry is None else self._send_again(epoch, peer, range(len(entry.payloads)))
         self.stats[peer].resends += sent is not None
         if lost and sent:
-            self.stats[peer].chunks_sent_again += sent
+            self.stats[peer].chunks_sent_again += 1
         return sent is not None
 
     def _answer_nack(self, header: wire.Header, payload: bytes) -> None:
