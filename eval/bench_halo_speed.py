@@ -321,7 +321,10 @@ def render_speed(rows: list[dict], args) -> list[str]:
              f"2 cores, one compute thread each{profile_sentence(args.profile)}. Mean ms per output token over up to {args.tokens} greedy steps after "
              f"{WARMUP} warm-up steps; the single-process row runs the same weights in the master's namespace. "
              + PLAN_TEXT[args.plan] + (f" Every configuration ran {args.runs} times, interleaved: a cell is the median run (every run in "
-                "parentheses), and the ratios compare median runs." if args.runs > 1 else ""), ""]
+                "parentheses), and the ratios compare median runs." if args.runs > 1 else "")
+             + " `exact = exact at 0 %`: loss changed no token (exact recovers every datagram); `exact = single "
+             "tokens`: a cluster equals one process only up to float summation order (docs/sync-modes.md), so greedy "
+             "decoding may leave it at a near-tie, early on random weights, whose logits are nearly flat.", ""]
     for n in sorted({r["agents"] for r in rows}):
         base = by.get((n, 0.0, "single process"))
         lines += [f"## master + {n} agents (single process: {base['ms_mean']:.1f} ms/token)" if base else
