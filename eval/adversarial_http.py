@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, host, write_report
 
 PROMPT = "Once upon a time"
 STREAM_TOKENS = 120
@@ -217,6 +216,6 @@ def run(requests: int, concurrency: int, out: str, name: str, argv=None) -> dict
             result = asyncio.run(run_attack(url, server.pid, requests, concurrency))
         finally:
             stop_processes([server])
-    result.update(command=command_line("halo.eval.adversarial", argv), host={"cpu": cpu_model(), "cores": os.cpu_count()})
+    result.update(command=command_line("halo.eval.adversarial", argv), host=host())
     write_report(Path(out), name, result, render(result))
     return result

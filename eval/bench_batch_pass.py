@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, host, write_report
 
 PHASES = ("own_compute", "send", "sync_wait", "slowest_agent_compute")
 
@@ -114,7 +114,7 @@ def render(result: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from halo.model.catalog import fetch
+    from halo.model.catalog import resolve_model
     from halo.model.loader import load_weights
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,13 +129,13 @@ def main(argv=None) -> int:
     rows = [int(b) for b in args.rows.split(",")]
     if not all(1 <= b <= 256 for b in rows) or args.agents < 1 or args.seconds <= 0:
         raise SystemExit("--rows: 1 to 256 each; --agents: 1 or more; --seconds: above 0")
-    path = str(fetch(args.model, progress=False)) if not os.path.exists(args.model) else args.model
+    path = str(resolve_model(args.model))
     weights = load_weights(path)
     measured = in_one_process(weights, rows, args.seconds)
     for plan in args.plans.split(","):
         measured += over_agents(weights, path, plan, args.agents, rows, args.seconds)
     result = {"command": command_line("halo.eval.bench_batch_pass", argv), "model": os.path.basename(path),
-              "agents": args.agents, "seconds": args.seconds, "host": {"cpu": cpu_model(), "cores": os.cpu_count()},
+              "agents": args.agents, "seconds": args.seconds, "host": host(),
               "passes": measured, "vocab": weights.config.vocab_size,
               "sampling_us": sampling_us(weights.config.vocab_size)}
     write_report(args.out, args.name, result, render(result))

@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
-from halo.eval.report import command_line, cpu_model, write_report  # noqa: E402
+from halo.eval.report import command_line, host, write_report  # noqa: E402
 from halo.runtime.local import module_command
 
 FORMATS = ("fp32", "int8")
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
               "context": args.context, "decode_tokens": args.tokens, "stream_copy_gb_s": copy_bw / 1e9,
               "stream_copy_samples_gb_s": [c / 1e9 for c in copy_samples],
               "stream_copy_gb_s_by_cores": {t: bw / 1e9 for t, bw in cores_bw.items()},
-              "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
+              "machine": host(),
               "command": command_line("halo.eval.bench_engine", argv), "results": rows}
     if anchor_note:
         result["llama_cpp"] = anchor_note

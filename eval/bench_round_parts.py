@@ -14,13 +14,12 @@ Writes eval/results/NAME.{json,md} with the host.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, host, write_report
 
 STEPS = ("master: frame + send input", "agent: take the input whole", "agent: frame + send partial",
          "master: gather the partial", "master: read the partial")
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     if not 64 <= args.dim <= 65536 or args.rounds < 10:
         raise SystemExit("--dim: 64 to 65536; --rounds: 10 or more")
     result = {"command": command_line("halo.eval.bench_round_parts", argv), "dim": args.dim, "rounds": args.rounds,
-              "host": {"cpu": cpu_model(), "cores": os.cpu_count()}, **measure(args.dim, args.rounds)}
+              "host": host(), **measure(args.dim, args.rounds)}
     write_report(args.out, args.name, result, render(result))
     return 0
 

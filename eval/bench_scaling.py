@@ -42,7 +42,7 @@ import numpy as np
 
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_halo_speed import add_profile_argument
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, host, write_report
 
 CONTEXT = 256
 START_TIMEOUT_S = 120.0
@@ -223,7 +223,7 @@ def bench(args) -> dict:
                     add(row_of(run_dllama(Path(args.dllama), *peer, cores, args.tokens), run=run, nodes=n, plr=0.0,
                                setup="distributed-llama"))
     return {"command": command_line("halo.eval.bench_scaling", args.argv), "model": str(model),
-            "host": {"cpu": cpu_model(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0))},
+            "host": {**host(), "usable_cores": len(os.sched_getaffinity(0))},
             "threads_per_node": k, "tokens": args.tokens, "runs": args.runs, "bed": args.bed, "profile": args.profile, "rows": rows}
 
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from halo.errors import HaloError
 from halo.eval.bench_halo_speed import add_profile_argument
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, host, host_line, write_report
 from halo.runtime.local import AgentProcess, module_command
 
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
@@ -271,10 +271,10 @@ def report(results: list[dict], args) -> None:
             lines += ["", f"Errors in '{r['setting']}': " + "; ".join(r["error_examples"])]
         if r.get("frames_dropped"):
             lines += ["", f"Frames dropped by the test bed in '{r['setting']}': {r['frames_dropped']}"]
-    lines += ["", f"Host: {cpu_model()}, {os.cpu_count()} cores. Load average when the "
+    lines += ["", f"{host_line()} Load average when the "
               f"run started (above ~0.5 something else ran): {args.load_at_start:.2f}."]
     data = {"command": command_line("halo.eval.bench_serve", args.argv), "load_at_start": args.load_at_start,
-            "host": {"cpu": cpu_model(), "cores": os.cpu_count()}, "ratios": ratios, "results": results}
+            "host": host(), "ratios": ratios, "results": results}
     write_report(args.out, "serve_load", data, lines)
 
 

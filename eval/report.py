@@ -23,6 +23,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def host() -> dict:
+    """The host as a results file's JSON records it: its CPU model and core count."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count()}
+
+
 def host_line() -> str:
     """'Host: CPU model, N cores.' for a results file: figures differ ~3x between hosts of the same kind."""
     return f"Host: {cpu_model()}, {os.cpu_count()} cores."
