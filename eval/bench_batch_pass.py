@@ -11,6 +11,8 @@ partials; the slowest agent's compute as it reports it). Beside them, in the sam
 - choosing a token from one row's logits at temperature 0.8 (what a serve pass does per request): halo's sampler
   against the same probabilities drawn by numpy's rng.choice (the sampler before it drew in blocks).
 "batch gain": B rows' tokens/s over one row's, inside a plan: what `serve` with B clients can gain over one client.
+--paired-shares 0.5,0.25: paired-mlp once per agent's part of each layer's MLP (the plan gives it half): on cores the
+agents share with the master, how much of a layer the agent should compute depends on the model and on B.
 Writes eval/results/NAME.{json,md} with the host.
 """
 
@@ -44,21 +46,36 @@ def passes(model, rows: int, seconds: float, warmed=lambda: None) -> float:
     return (time.perf_counter() - start) / n
 
 
-def over_agents(weights, path: str, plan: str, agents: int, rows: list[int], seconds: float) -> list[dict]:
+def paired_plan(weights, agents: int, agent_share: float, context: int):
+    """--plan paired-mlp's plan with the agent's part of each layer's MLP `agent_share` (paired-mlp: a half)."""
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.scheduler.even import EVEN_PLANS, even_plan
+
+    return even_plan(weights, GroupLayout.for_model(weights.config), agents + 1, context=context,
+                     on_master=EVEN_PLANS["paired-mlp"], paired=True, agent_share=agent_share)
+
+
+def plan_label(plan: str, agent_share: float) -> str:
+    return plan if agent_share == 0.5 else f"{plan}, agent {100 * agent_share:g} %"
+
+
+def over_agents(weights, path: str, plan: str, agents: int, rows: list[int], seconds: float,
+                agent_share: float = 0.5) -> list[dict]:
     from halo.distributed.connect import cluster_model
     from halo.distributed.timing import Timings
     from halo.runtime.local import LocalCluster
     from halo.sync import SyncSettings
 
-    out = []
+    out, context = [], 256
+    given = paired_plan(weights, agents, agent_share, context * max(rows)) if agent_share != 0.5 else plan
     with LocalCluster(agents, path) as cluster:
-        model = cluster_model(weights, cluster.endpoints, cluster.key, plan=plan, context=256, slots=max(rows),
+        model = cluster_model(weights, cluster.endpoints, cluster.key, plan=given, context=context, slots=max(rows),
                               sync=SyncSettings(mode="exact"), fmt="native")
         try:
             for b in rows:
                 seconds_per_pass = passes(model, b, seconds, lambda: setattr(model, "timings", Timings()))
                 per_pass = model.timings.to_json()["per_token_ms"]  # (per forward pass)
-                out.append({"plan": plan, "rows": b, "ms_per_pass": round(1e3 * seconds_per_pass, 2),
+                out.append({"plan": plan_label(plan, agent_share), "rows": b, "ms_per_pass": round(1e3 * seconds_per_pass, 2),
                             **{k: per_pass[k] for k in PHASES}})
         finally:
             model.close()
@@ -123,17 +140,24 @@ def main(argv=None) -> int:
     parser.add_argument("--plans", default="paired-mlp,even-mlp-only", help="comma-separated keyword plans")
     parser.add_argument("--rows", default="1,4,16", help="comma-separated rows a pass (each at most 256)")
     parser.add_argument("--seconds", type=float, default=4.0, help="time each (plan, B) is repeated for")
+    parser.add_argument("--paired-shares", default="0.5", metavar="F,...",
+                        help="paired-mlp: the agent's part of each layer's MLP, one setup each (default 0.5, the "
+                             "plan's half; e.g. 0.5,0.25 compares a quarter)")
     parser.add_argument("--name", default="batch_pass")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
     rows = [int(b) for b in args.rows.split(",")]
+    shares = [float(f) for f in args.paired_shares.split(",")]
     if not all(1 <= b <= 256 for b in rows) or args.agents < 1 or args.seconds <= 0:
         raise SystemExit("--rows: 1 to 256 each; --agents: 1 or more; --seconds: above 0")
+    if not all(0 < f <= 0.5 for f in shares):
+        raise SystemExit("--paired-shares: each in (0, 0.5] (the master takes the rest)")
     path = str(resolve_model(args.model))
     weights = load_weights(path)
     measured = in_one_process(weights, rows, args.seconds)
     for plan in args.plans.split(","):
-        measured += over_agents(weights, path, plan, args.agents, rows, args.seconds)
+        for share in shares if plan == "paired-mlp" else [0.5]:
+            measured += over_agents(weights, path, plan, args.agents, rows, args.seconds, share)
     result = {"command": command_line("halo.eval.bench_batch_pass", argv), "model": os.path.basename(path),
               "agents": args.agents, "seconds": args.seconds, "host": host(),
               "passes": measured, "vocab": weights.config.vocab_size,

@@ -20,11 +20,12 @@ PLAN_KEYWORDS = ("measured", *EVEN_PLANS)  # what --plan takes besides a plan fi
 
 
 def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, compute: list[float] | None = None,
-              context: int = DEFAULT_CONTEXT, on_master: tuple[str, ...] = (), paired: bool = False):
+              context: int = DEFAULT_CONTEXT, on_master: tuple[str, ...] = (), paired: bool = False,
+              agent_share: float = 0.5):
     """A plan for n equal local devices (or devices with the given relative compute), all taking part; on_master:
     blocks kept whole on the master (scheduler/tp_plan.py `on_master`): "attention" (one sync round a layer),
     "lm_head" (no logits slices on the wire); paired: each layer's MLP halved between the master and one agent,
-    the agents taking the layers in turn (tp_plan.py `paired`)."""
+    the agents taking the layers in turn (tp_plan.py `paired`; `agent_share`: the agent's part, half by default)."""
     check_master_kinds(on_master)
     if paired and compute is not None:
         raise ConfigError("a paired plan halves each layer's MLP between the master and one agent: relative compute "
@@ -39,4 +40,4 @@ def even_plan(weights: ModelWeights, layout: GroupLayout, n_devices: int, comput
     # every device stays a participant (one may get no groups): the caller has one agent per device
     plan = build_plan(Cluster(devices, context=context, weights="fp32"), profile, "minmax", prune=False)
     plan = move(plan, tuple(on_master)) if on_master and n_devices > 1 else plan
-    return pair(plan) if paired else plan
+    return pair(plan, agent_share=agent_share) if paired else plan

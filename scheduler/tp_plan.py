@@ -180,28 +180,32 @@ def check_master_kinds(kinds) -> None:
                               "stay whole on the master")
 
 
-def paired(plan: TensorParallelPlan, kind: str = "mlp") -> TensorParallelPlan:
-    """The plan with each layer's `kind` groups halved between the master (the larger half) and one agent, the
-    agents taking the layers in turn (agent 1 layer 0, agent 2 layer 1, ...); the other blocks as they were. Every
-    round of that kind then engages two processes, and each agent holds its layers' halves. Why: on a machine whose
+def paired(plan: TensorParallelPlan, kind: str = "mlp", agent_share: float = 0.5) -> TensorParallelPlan:
+    """The plan with each layer's `kind` groups split between the master and one agent (`agent_share` of them,
+    rounded down; the master the rest), the agents taking the layers in turn (agent 1 layer 0, agent 2 layer 1, ...);
+    the other blocks as they were. Every round of that kind then engages two processes, and each agent holds its
+    layers' part. Why: on a machine whose
     agents share the master's cores (the namespace test bed, --local-agents on two cores), a round that engages every
     agent time-slices them all on the same cores for no more parallelism than two, and pays each one's round
     overhead (its wake-up, Python, datagrams) in every round (eval/results/halo_speed_tinyllama_q4.md). On
     devices with cores of their own, the even split engages them all at once and is the better plan."""
     if kind not in TP_KINDS:
         raise ConfigError(f"{kind!r}: only the per-layer blocks ({', '.join(TP_KINDS)}) can be paired")
+    if not 0 < agent_share <= 0.5:
+        raise ConfigError(f"a paired plan's agent share must be in (0, 0.5] (the master takes the rest), not {agent_share}")
     if plan.n < 2:
         return plan
     counts = {k: c.copy() for k, c in plan.counts.items()}
     total = counts[kind].sum(axis=0)
     counts[kind][:] = 0
     layers = np.arange(total.size)
-    counts[kind][0] = total - total // 2
-    counts[kind][1 + layers % (plan.n - 1), layers] = total // 2
+    agent = np.floor(total * agent_share + 1e-9).astype(np.int64)
+    counts[kind][0] = total - agent
+    counts[kind][1 + layers % (plan.n - 1), layers] = agent
     pairs = TensorParallelPlan(plan.cluster, plan.model, plan.algorithm, list(plan.devices), counts)
     for device, used in zip(pairs.profiles(), pairs.memory_used()):
         if used > device.memory_bytes:
-            raise InsufficientMemory(f"{device.name!r} would need {used / 1e6:.0f} MB for its halves of the {kind} "
+            raise InsufficientMemory(f"{device.name!r} would need {used / 1e6:.0f} MB for its part of the {kind} "
                                      f"of a paired plan and has {device.memory_bytes / 1e6:.0f} MB: use an even plan")
     return pairs
 

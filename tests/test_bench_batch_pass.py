@@ -8,14 +8,15 @@ from halo import BUNDLED_MODEL
 
 def test_each_plan_and_row_count_is_timed_with_where_the_pass_went(tmp_path):
     assert bench_batch_pass.main(["--model", str(BUNDLED_MODEL), "--agents", "1", "--plans", "paired-mlp",
-                                  "--rows", "1,3", "--seconds", "0.05", "--out", str(tmp_path), "--name", "bp"]) == 0
+                                  "--paired-shares", "0.5,0.25", "--rows", "1,3", "--seconds", "0.05",
+                                  "--out", str(tmp_path), "--name", "bp"]) == 0
     result = json.loads((tmp_path / "bp.json").read_text())
     seen = {(r["plan"], r["rows"]) for r in result["passes"]}
-    assert seen == {("one process", 1), ("one process", 3), ("paired-mlp", 1), ("paired-mlp", 3)}
-    cluster = [r for r in result["passes"] if r["plan"] == "paired-mlp"]
+    assert seen == {(plan, rows) for plan in ("one process", "paired-mlp", "paired-mlp, agent 25 %") for rows in (1, 3)}
+    cluster = [r for r in result["passes"] if r["plan"].startswith("paired-mlp")]
     assert all(r["ms_per_pass"] > 0 and r["own_compute"] > 0 and r["slowest_agent_compute"] > 0 for r in cluster)
     # the phases are of the timed passes alone (not the warm-up's): they fit inside the pass they are a part of
     assert all(r["own_compute"] + r["send"] + r["sync_wait"] <= r["ms_per_pass"] + 0.02 for r in cluster)
     assert all(us > 0 for us in result["sampling_us"].values()) and len(result["sampling_us"]) == 2
     table = (tmp_path / "bp.md").read_text()
-    assert "| paired-mlp | 3 |" in table and result["host"]["cpu"] in table
+    assert "| paired-mlp | 3 |" in table and "| paired-mlp, agent 25 % | 3 |" in table and result["host"]["cpu"] in table

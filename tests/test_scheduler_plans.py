@@ -219,12 +219,18 @@ def test_a_paired_plan_halves_each_layers_mlp_between_the_master_and_one_agent_i
     for kind in ("attention", "lm_head"):
         assert (pairs.counts[kind] == split.counts[kind]).all()
     assert pairs.sync_rounds() == split.sync_rounds() == TINY.n_layers
+    quarter = paired(split, agent_share=0.25)  # the agent's part of each layer, the master the rest
+    check_plan(quarter)
+    assert (quarter.counts["mlp"][1:].sum(axis=0) == total // 4).all() and (quarter.counts["mlp"][0] == total - total // 4).all()
+    for share in (0.0, 0.75):
+        with pytest.raises(ConfigError, match=r"agent share must be in \(0, 0.5\]"):
+            paired(split, agent_share=share)
     alone = build_plan(Cluster(devices[:1], context=512, weights="int4"), TINY, "minmax")
     assert paired(alone) is alone  # no agent to pair with
     with pytest.raises(ConfigError, match="only the per-layer blocks"):
         paired(split, "lm_head")
     small = (DeviceProfile("m", split.memory_used()[0] * 1.01, 2e9, bandwidth_bps=1e9, is_master=True), *devices[1:])
-    with pytest.raises(InsufficientMemory, match="'m' would need .* for its halves of the mlp of a paired plan"):
+    with pytest.raises(InsufficientMemory, match="'m' would need .* for its part of the mlp of a paired plan"):
         paired(on_master(build_plan(Cluster(small, context=512, weights="int4"), TINY, "minmax"),
                          ("attention", "lm_head")))
 
