@@ -222,7 +222,7 @@ def testbed(args) -> list[dict]:
             def popen(argv, **kwargs):
                 return bed.popen("master", argv, **kwargs)
 
-            # --plan even and no re-plans for speed: the measured plan, and the running estimates, would leave both
+            # a keyword plan (--testbed-plan) and no re-plans: the measured plan, and the running estimates, would leave both
             # lossy agents out for a model this small (the master alone is faster), and no load would cross a
             # lossy link
             results = []
@@ -230,9 +230,9 @@ def testbed(args) -> list[dict]:
                 before = bed.drop_counters()
                 result = run_setting(
                     f"test bed: {clients} client{'s' if clients > 1 else ''}, {args.agents} agents, {100 * args.plr:g} % "
-                    f"loss on every agent link, {args.testbed_sync} sync, even plan, --slots {args.slots}", popen,
+                    f"loss on every agent link, {args.testbed_sync} sync, {args.testbed_plan} plan, --slots {args.slots}", popen,
                     ["--agents", ",".join(e.removeprefix("tcp://") for e in cluster.endpoints),
-                     "--key", str(key), "--sync", args.testbed_sync, "--timeout", "5", "--plan", "even",
+                     "--key", str(key), "--sync", args.testbed_sync, "--timeout", "5", "--plan", args.testbed_plan,
                      "--rebalance-every", "0", "--slots", str(args.slots)], args, clients)
                 after = bed.drop_counters()
                 results.append({**result, "place": "bed",
@@ -315,6 +315,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--plr", type=float, default=0.02, help="test bed loss on every agent link (default 0.02)")
     parser.add_argument("--testbed-sync", default="exact", help="the test bed's sync mode (default exact)")
+    parser.add_argument("--testbed-plan", default="paired-mlp", choices=("even", "even-mlp", "even-mlp-only", "paired-mlp"),
+                        help="the test bed's keyword plan (default paired-mlp: on the bed's 2 shared cores 2.6x the "
+                             "tokens/s of even, one client and 16 alike)")
     add_profile_argument(parser)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="eval/results")

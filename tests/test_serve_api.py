@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,10 +115,12 @@ def test_401_without_or_with_a_wrong_key(server):
 
 @pytest.mark.parametrize("body, where", [
     (b"{not json", "not valid JSON"),
-    ({"model": "gpt-4", "prompt": PROMPT}, "unknown model"),
     ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
     ({"model": "stories260K", "prompt": PROMPT, "temperature": -0.5}, "temperature"),
     ({"model": "stories260K", "prompt": PROMPT, "n": 2}, "one choice"),
+    ({"model": "stories260K", "prompt": PROMPT, "n": 0}, "n must be 1"),
+    ({"model": "stories260K", "prompt": PROMPT, "logprobs": 0}, "logprobs"),  # completions' 0: the chosen tokens'
+    ({"model": "stories260K", "prompt": PROMPT, "stream": "yes"}, "stream"),
     ({"model": "stories260K", "prompt": PROMPT, "seed": -1}, "seed"),  # once a 500 that took the cluster down
     ({"model": "stories260K", "prompt": "word " * 600}, "context holds"),
 ])
@@ -130,12 +133,30 @@ def test_400_for_bad_requests(server, body, where):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_unknown_model_is_404_model_not_found(server):
+    r = httpx.post(server + "/v1/completions", json={"model": "gpt-4", "prompt": PROMPT}, timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert "unknown model 'gpt-4'" in error["message"] and error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_null_sampling_fields_are_their_defaults(server):
+    """OpenAI's clients send null for what is left unset: it is the default, not a 400."""
+    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 4, "seed": 3}
+    nulls = {"temperature": None, "top_p": None, "top_k": None, "stream": None}
+    answers = [httpx.post(server + "/v1/completions", json=b, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"})
+               for b in (body, {**body, **nulls})]
+    assert [r.status_code for r in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["choices"][0]["text"] == answers[1].json()["choices"][0]["text"]
+
+
 def test_400_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="stories260K", prompt=PROMPT, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="unknown model"):
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
         client.completions.create(model="nope", prompt=PROMPT)
 
 
@@ -224,8 +245,18 @@ def test_a_non_streamed_request_whose_client_leaves_is_cancelled(server, client)
     assert cluster(server)["totals"]["requests"]["cancelled"] == before + 1
 
 
+def requests_counted(server) -> dict[str, float]:
+    """/metrics' halo_requests_total of the completions endpoint, by outcome."""
+    text = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    found = re.findall(r'^halo_requests_total\{endpoint="completions",outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {outcome: float(value) for outcome, value in found}
+
+
 def test_the_cluster_view_and_metrics(server, client):
+    before = requests_counted(server)
     client.completions.create(model="stories260K", prompt=PROMPT, max_tokens=10, temperature=0)
+    after = requests_counted(server)  # a request answered whole (not streamed) counts as completed, not as an error
+    assert after.get("completed", 0) == before.get("completed", 0) + 1 and after.get("error") == before.get("error")
     view = cluster(server)
     assert view["state"] == "idle" and view["sync"] == "exact"
     names = [d["name"] for d in view["devices"]]
@@ -282,3 +313,42 @@ def test_listening_beyond_localhost_without_a_key_warns_loudly(tmp_path):
     finally:
         stop_server(process)
     assert "WITHOUT an API key" in process.said()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_sigterm_ends_running_and_waiting_requests_with_a_shutting_down_503(tmp_path, slots):
+    """On SIGTERM a streamed request gets an error event and [DONE], a plain one a 503 "shutting_down" (one waiting
+    in the queue with --slots 1, both in the batch with 2), and the server exits 0. (The engine closed only after
+    uvicorn's graceful shutdown: the stream was cut mid-token and the plain request got a bare 500.)"""
+    # over an agent a token takes milliseconds: a whole context (511 tokens) lasts seconds
+    process, url = start_server(tmp_path, "--local-agents", "1", "--plan", "even", "--rebalance-every", "0",
+                                "--max-queue", "2", "--slots", str(slots), "--request-timeout", "120")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "stories260K", "prompt": "", "max_tokens": 2000, "temperature": 0}
+    streamed, answered, started = [], [], threading.Event()
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, headers=headers, json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                started.set()
+                if line.startswith("data: "):
+                    streamed.append(line[6:])
+
+    def plain():
+        answered.append(httpx.post(url + "/v1/completions", timeout=60, headers=headers, json=body))
+
+    threads = [threading.Thread(target=stream, daemon=True), threading.Thread(target=plain, daemon=True)]
+    try:
+        threads[0].start()
+        assert started.wait(30)
+        threads[1].start()
+        time.sleep(1.0)  # the plain request is in: queued (--slots 1) or in the batch
+        assert not answered, "the stream's 511 tokens took less than a second"
+        process.terminate()
+        for t in threads:
+            t.join(30)
+    finally:
+        stop_server(process)
+    assert process.returncode == 0
+    assert streamed[-1] == "[DONE]" and json.loads(streamed[-2])["error"]["code"] == "shutting_down", streamed[-3:]
+    assert answered and answered[0].status_code == 503 and answered[0].json()["error"]["code"] == "shutting_down"

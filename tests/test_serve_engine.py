@@ -91,6 +91,24 @@ def test_stop_string_and_text_match_greedy(stories_weights, tokenizer):
     assert outcome2.completion_tokens < 40
 
 
+@pytest.mark.parametrize("slots", [1, 4])
+def test_a_stop_string_the_last_allowed_token_completes_is_a_stop(stories_weights, tokenizer, slots):
+    """max_tokens reached by the very token that completes a stop string: the text is cut there and the finish is
+    "stop", one request at a time (--slots 1) as in a batch."""
+    full = generate(Transformer(stories_weights, max_seq_len=512), tokenizer, "Once upon a time", 12).text
+    stop = full[-5:]
+    assert full.index(stop) == len(full) - 5, "the stop string must first appear at the end"
+    engine = engine_for(stories_weights, tokenizer, lambda stack: Transformer(stories_weights, max_seq_len=512, slots=slots))
+    try:
+        async def run():
+            return await collect(engine.submit(request(tokens=12, stop=[stop]), asyncio.get_running_loop()))
+
+        text, (kind, outcome) = asyncio.run(run())
+    finally:
+        engine.close()
+    assert kind == "done" and text == full[:-5] and outcome.finish_reason == "stop"
+
+
 def test_queue_bound_cancel_while_waiting_and_timeouts(stories_weights, tokenizer):
     engine = engine_for(stories_weights, tokenizer, max_queue=1, request_timeout_s=0.1)
     try:

@@ -37,8 +37,8 @@ from halo.model.chat import chat_prompt
 from halo.serve.engine import Cancelled, Engine, GenerationRequest
 from halo.serve.guard import MAX_BODY_BYTES, Guard
 from halo.serve.metrics import CONTENT_TYPE, Metrics
-from halo.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, ServeError, Shaper, Unauthorized,
-                                 parse)
+from halo.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, NotFound, ServeError, Shaper,
+                                 Unauthorized, parse)
 
 STATIC = resources.files("halo.serve") / "static"
 MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this many characters a context token cannot fit (no tokenizer's do)
@@ -144,8 +144,8 @@ class Server:
             self.authorize(request)
             body = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
             if body.model != self.engine.model_name:
-                raise BadRequest(f"unknown model {body.model!r}: this server runs {self.engine.model_name!r} "
-                                 "(GET /v1/models)", "model_not_found", "model")
+                raise NotFound(f"unknown model {body.model!r}: this server runs {self.engine.model_name!r} "
+                               "(GET /v1/models)", "model_not_found", "model")
             # the template and the tokenizer run beside the event loop: a long prompt must not stall other clients
             generation = await asyncio.to_thread(self._prepare, body, chat)
             job = self.engine.submit(generation, asyncio.get_running_loop())
@@ -172,7 +172,7 @@ class Server:
                 text.append(event[1])
                 event = await job.events.get()
             watcher.cancel()
-            self.metrics.requests.labels(endpoint, _outcome(event[1])).inc()
+            self.metrics.requests.labels(endpoint, _outcome(event[1]) if event[0] == "error" else "completed").inc()
             if event[0] == "error":
                 return Response(status_code=499) if isinstance(event[1], Cancelled) else error_response(event[1])
             outcome = event[1]
@@ -263,7 +263,7 @@ class Server:
 def _outcome(error) -> str:
     if isinstance(error, Cancelled):
         return "cancelled"
-    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 413: "too_large", 415: "bad_request",
+    return {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found", 413: "too_large", 415: "bad_request",
             429: "queue_full", 503: "unavailable", 504: "timeout"}.get(getattr(error, "status", 500), "error")
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import stat
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -98,7 +99,7 @@ def serve(args, open_model) -> int:
         err.print(f"serving [bold]{name}[/bold] ({engine.snapshot['sync']} sync, context {engine.max_seq_len}): "
                   f"chat page {url}/ · API {url}/v1 · metrics {url}/metrics"
                   + ("" if api_key else " · no API key"), soft_wrap=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2))
+        server = _graceful_server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=2), engine)
         # uvicorn shuts down gracefully on SIGTERM, then raises the signal again: end here, not by it
         previous = signal.signal(signal.SIGTERM, _terminated)
         try:
@@ -115,6 +116,21 @@ def serve(args, open_model) -> int:
 
 class Terminated(Exception):
     """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+def _graceful_server(config, engine):
+    """uvicorn's server whose SIGTERM / Ctrl-C first ends the engine's requests with 503 "the server is shutting down"
+    (their handlers answer so within the graceful shutdown; with the engine closed after it, a stream was cut
+    mid-token and a plain request got a bare 500), then shuts down as uvicorn does."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                threading.Thread(target=engine.close, name="halo-engine-close", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _terminated(signum, frame):

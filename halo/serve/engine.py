@@ -40,6 +40,7 @@ from halo.serve.protocol import BadRequest, ClusterUnavailable, QueueFull, Reque
 
 log = logging.getLogger("halo.serve")
 SNAPSHOT_EVERY_S = 0.5  # while generating
+SHUTDOWN = "shutdown"  # a job's cancel_reason when the server stops under it (it ends with a 503, not as cancelled)
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ class Engine:
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         with self._lock:
+            if self._closing:
+                raise _shutting_down()
             # waiting requests beyond the slots about to free up wait in the queue: at most max_queue of them
             free = max(0, self.slots - self._active) if self.batched else int(self._running is None)
             if self._waiting >= self.max_queue + free:
@@ -236,7 +239,25 @@ class Engine:
                 "slots": self.slots, "slots_busy": self._active if self.batched else int(self._running is not None)}
 
     def close(self) -> None:
-        self._closing = True
+        """Stop serving: requests still waiting, and one generation running alone, end now with a 503 "the server is
+        shutting down" (a batch's requests at its next pass), so their clients hear why rather than lose the
+        connection; then the engine thread ends and the cluster with it."""
+        with self._lock:
+            self._closing = True
+            if self._running is not None and self._running.cancel_reason is None:
+                self._running.cancel_reason = SHUTDOWN
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                if job is None or job.state != "waiting":
+                    continue
+                job.state = "done"
+                self._waiting -= 1
+            self.totals.requests["error"] += 1
+            job.put("error", _shutting_down())
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -355,8 +376,8 @@ class Engine:
             result = generate(self.model, self.tokenizer, job.request.prompt, job.request.max_tokens,
                               job.request.sampling, on_text=run.on_text, cancelled=run.cancelled,
                               speculation=self.speculation, drafter=self.drafter)
-            finish = "stop" if result.stop_reason == "eos" else "length"
-        except GenerationCancelled as e:
+            finish = "stop" if result.stop_reason == "eos" or run.scanner.stopped else "length"  # (a stop string
+        except GenerationCancelled as e:  # completed by the last token allowed: no cancel came after it, still "stop")
             result = e.result
             if not run.scanner.stopped:
                 self._cancelled(job, result)
@@ -404,7 +425,10 @@ class Engine:
         return True
 
     def _cancelled(self, job: Job, result) -> None:
-        if job.cancel_reason:
+        if job.cancel_reason == SHUTDOWN:
+            self.totals.requests["error"] += 1
+            job.put("error", _shutting_down())
+        elif job.cancel_reason:
             self.totals.requests["cancelled"] += 1
             job.put("error", Cancelled(job.cancel_reason))
             log.info("request cancelled (%s) after %d tokens", job.cancel_reason, len(result.token_ids))
@@ -451,7 +475,7 @@ class Engine:
             for member in running:
                 job, _ = member.owner
                 self.totals.requests["error"] += 1
-                job.put("error", ClusterUnavailable("the server is shutting down", "shutting_down"))
+                job.put("error", _shutting_down())
 
     def _pass_after_pass(self, running: list[Running]) -> None:
         while not self._closing:
@@ -650,3 +674,7 @@ class _Run:
             self.base, self.base_time = view.counters(self.engine.model), time.perf_counter()
         job = self.job
         return self.scanner.stopped or job.cancel_reason is not None or time.monotonic() > job.deadline
+
+
+def _shutting_down() -> ClusterUnavailable:
+    return ClusterUnavailable("the server is shutting down", "shutting_down")

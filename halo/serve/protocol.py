@@ -47,6 +47,10 @@ class Forbidden(ServeError):
     status, type = 403, "invalid_request_error"
 
 
+class NotFound(ServeError):
+    status, type = 404, "invalid_request_error"
+
+
 class PayloadTooLarge(ServeError):
     status, type = 413, "invalid_request_error"
 
@@ -69,11 +73,11 @@ class RequestTimeout(ServeError):
 
 # what clients may send only at its neutral value: field -> (is neutral, why not)
 UNSUPPORTED = {
-    "n": (lambda v: v in (None, 1), "n > 1: halo generates one choice per request"),
-    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported"),
+    "n": (lambda v: v is None or v == 1 and v is not True, "n must be 1: halo generates one choice per request"),
+    "best_of": (lambda v: v is None or v == 1 and v is not True, "best_of must be 1: halo generates one choice per request"),
     "presence_penalty": (lambda v: not v, "presence_penalty is not supported (send 0 or leave it out)"),
     "frequency_penalty": (lambda v: not v, "frequency_penalty is not supported (send 0 or leave it out)"),
-    "logprobs": (lambda v: v in (None, False), "logprobs are not supported"),
+    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),  # (completions' 0 asks for them)
     "top_logprobs": (lambda v: not v, "logprobs are not supported"),
     "echo": (lambda v: not v, "echo is not supported"),
     "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
@@ -102,8 +106,14 @@ class _Request(BaseModel):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2 ** 64)
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)  # true or false, not "yes"
     stream_options: dict[str, Any] | None = None
+
+    @field_validator("temperature", "top_p", "top_k", "stream", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """OpenAI's clients send null for a field left unset: it means the default."""
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @field_validator("stop")
     @classmethod
