@@ -203,9 +203,7 @@ def main(argv=None) -> int:
         else:
             print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2
-    print(f"LISTENING {agent.endpoint}", flush=True)
-    agent.serve()
-    return 0
+    return agent.run_command("halo-agent")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket as sockets
+import sys
 import threading
 
 from halo.errors import HaloError
@@ -59,6 +60,23 @@ class ControlServer:
 
     def stop(self, *_) -> None:
         self.running = False
+
+    def run_command(self, command: str) -> int:
+        """The daemon as a command (halo-agent, halo-stage-worker): its LISTENING line, then serve until stopped ->
+        the exit code. Ctrl-C drains as SIGTERM does (the first one printed a KeyboardInterrupt traceback); a
+        second one interrupts at once ("interrupted", 130)."""
+        def interrupted(*_):
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self.stop()
+
+        signal.signal(signal.SIGINT, interrupted)  # before anyone learns our address
+        print(f"LISTENING {self.endpoint}", flush=True)
+        try:
+            self.serve()
+        except KeyboardInterrupt:
+            print(f"{command}: interrupted", file=sys.stderr)
+            return 130
+        return 0
 
     def poll_sources(self) -> list:
         """Sockets or file descriptors to wait on beside the control socket."""

@@ -251,9 +251,7 @@ def main(argv=None) -> int:
     except HaloError as e:
         print(f"halo-stage-worker: error: {e}", file=sys.stderr)
         return 2
-    print(f"LISTENING {worker.endpoint}", flush=True)
-    worker.serve()
-    return 0
+    return worker.run_command("halo-stage-worker")
 
 
 if __name__ == "__main__":

@@ -218,7 +218,7 @@ def test_status_reports_a_peer_that_is_not_a_halo_agent(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert code == 1
     assert rows == [{"endpoint": f"tcp://127.0.0.1:{port}",
-                     "error": "not a halo agent's answer: expected at least 2 frames, got 1"}]
+                     "error": "sent a malformed reply to status: expected at least 2 frames, got 1"}]
 
 
 def test_the_shipped_agent_config_passes_the_checks():

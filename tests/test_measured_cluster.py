@@ -1,6 +1,7 @@
 """Measured plans over local agents: the profile request, the plan `generate` uses by default, running
 estimates in --json and status, and `halo-master plan --local-agents` saying why."""
 
+import json
 import os
 import subprocess
 import sys
@@ -130,3 +131,15 @@ def test_plan_command_measures_local_agents_and_writes_a_usable_plan(tmp_path):
     assert [d.name for d in plan.profiles()] == ["master", "local-1#1"]
     assert plan.profiles()[1].address.startswith("tcp://127.0.0.1:")
     assert np.isclose(sum(plan.counts["lm_head"]), plan.model.lm_head.count)
+
+
+def test_plan_measured_named_keeps_every_local_agent_as_the_default_does():
+    """--help calls 'measured' the default, with which --local-agents N keeps every agent: named, it left both
+    agents out ("left out: local-1#1, local-2#2") on the tiny model, where the master alone is faster."""
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--local-agents", "2", "--plan", "measured",
+                          "--max-new-tokens", "2", "--json"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["planning"]["source"] == "measured"
+    assert [a["name"] for a in result["agents"]] == ["local-1#1", "local-2#2"], result["agents"]
+    assert "left out" not in out.stderr

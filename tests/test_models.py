@@ -53,6 +53,15 @@ def test_fetch_verifies_caches_and_resolves(fake_model):
     assert str(models.resolve_model("./some/file.gguf")) == "some/file.gguf"  # paths pass through
 
 
+def test_a_cache_directory_that_cannot_be_made_is_named_with_the_fix(fake_model, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("HALO_CACHE_DIR", str(tmp_path / "a-file" / "models"))  # below a file: no directory there
+    calls = []
+    with pytest.raises(ConfigError, match=r"cannot use .*a-file/models as the model cache .*point HALO_CACHE_DIR"):
+        models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, calls))
+    assert calls == []  # refused before anything was downloaded
+
+
 def test_a_corrupted_download_is_refused_and_leaves_nothing(fake_model):
     with pytest.raises(ConfigError, match="failed verification"):
         models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD[:-1] + b"x", []))

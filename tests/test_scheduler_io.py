@@ -100,3 +100,20 @@ def test_plan_command_prints_and_writes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(tmp_path / "none.toml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such cluster file" in out.stderr
+
+
+def test_a_plan_made_for_another_model_is_refused_naming_what_differs(tmp_path):
+    """`generate --plan p.json` on a model other than the plan's: a ConfigError that says so (it was an IndexError
+    deep in the shares, or in the worker)."""
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.distributed.connect import check_plan_fits
+
+    config = named_config("llama-2-7b")
+    plan = plan_tp(load_cluster(EXAMPLE), model_profile(config, "int4"))
+    plan_io.save(plan_io.tp_plan_json(plan), tmp_path / "p.json")
+    back = plan_io.load(tmp_path / "p.json")
+    check_plan_fits(back, config, GroupLayout.for_model(config))  # its own model: nothing to say
+    other = named_config("llama-3.1-8b")
+    with pytest.raises(ConfigError, match=r"made for another model .*MLP groups 43 \(this model: 56\)") as e:
+        check_plan_fits(back, other, GroupLayout.for_model(other))
+    assert "halo-master plan --model" in str(e.value) and "layers" not in str(e.value)  # both have 32 layers

@@ -484,6 +484,9 @@ def cmd_fetch(args) -> int:
             path = cached_path(model)
             state = f"cached at {path}" if path.is_file() else "not downloaded"
             print(f"{model.name}: {model.description}; {model.size / 1e6:.1f} MB, {model.license}; {state}")
+        if not args.list:
+            print("halo-master fetch: name the model to download (one of those above), e.g. "
+                  f"`halo-master fetch {next(iter(MODELS))}`", file=sys.stderr)
         return 0 if args.list else 2
     path = fetch(args.name, progress=not args.quiet)
     print(path)

@@ -67,6 +67,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         raise ConfigError(f"plan {plan!r}: give 'measured', {', '.join(repr(k) for k in EVEN_PLANS)} or a "
                           "TensorParallelPlan")
     else:
+        check_plan_fits(plan, weights.config, layout)
         planning = {"source": "given", "algorithm": plan.algorithm}
     if shares is None:
         order = head_order(weights, master_settings, heads)
@@ -75,6 +76,20 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings, reuse=reuse)
     model.plan, model.planning = plan, planning
     return model
+
+
+def check_plan_fits(plan, config, layout: GroupLayout) -> None:
+    """A given plan (`halo-master plan --out`) counts the groups of the model it was made for: this one's layers,
+    width and groups, or a ConfigError naming what differs (it failed as an IndexError deep in the shares)."""
+    made = plan.model
+    theirs = {"layers": made.n_layers, "width": made.dim, "attention heads": made.attention.count,
+              "MLP groups": made.mlp.count, "LM-head groups": made.lm_head.count}
+    ours = {"layers": config.n_layers, "width": config.dim, "attention heads": layout.n_attention_groups,
+            "MLP groups": layout.n_mlp_groups, "LM-head groups": layout.n_vocab_groups}
+    differ = [f"{what} {theirs[what]} (this model: {ours[what]})" for what in ours if theirs[what] != ours[what]]
+    if differ:
+        raise ConfigError(f"the plan was made for another model ({made.name}: {', '.join(differ)}): make one for this "
+                          "model with `halo-master plan --model MODEL ... --out plan.json`")
 
 
 def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key,
@@ -231,7 +246,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         check_insecure(endpoints, insecure_lan, "would talk plaintext to")
         log.warning("--insecure: plaintext to %s; anyone on the path can read and forge the cluster's traffic",
                     ", ".join(endpoints))
-    select = not (local_agents and plan is None)
+    select = not (local_agents and plan in (None, "measured"))  # --local-agents N: the user asked for N agents
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
                     sync=sync, predictors=predictors, slots=slots)
     chosen = None

