@@ -249,3 +249,21 @@ def test_plaintext_stays_on_loopback_unless_told_otherwise(tmp_path):
     master = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--agents", f"0.0.0.0:{port}", "--insecure",
                              "--max-new-tokens", "1"], capture_output=True, text=True, timeout=60)
     assert master.returncode == 2 and "--insecure-lan" in master.stderr, master.stderr
+
+
+def test_status_on_a_narrow_terminal_prints_a_block_per_agent_not_a_table_cut_to_pieces():
+    """At 80 columns (a pipe, a small terminal) eleven columns were each cut to a few letters ("age…", "ses…")."""
+    from rich.console import Console
+
+    row = {"name": "pi-kitchen", "endpoint": "tcp://10.0.0.7:7070", "session": None, "served": {"blocks": 12},
+           "profile": {"cores": 4, "cpu_mhz": 1800.0, "compute_flops": 3.2e9, "memory_available_bytes": 3.1e9}}
+    failed = {"endpoint": "tcp://10.0.0.8:7070", "error": "did not answer status: nothing accepted a connection there"}
+    narrow = Console(width=80, record=True)
+    narrow.print(cli._agents_table([row, failed], 80))
+    text = narrow.export_text()
+    assert "pi-kitchen tcp://10.0.0.7:7070" in text and "memory (MB): available / budget / held" in text
+    assert "nothing accepted a connection there" in text.replace("\n", " ").replace("  ", " ") and "…" not in text
+    wide = Console(width=200, record=True)
+    wide.print(cli._agents_table([row, failed], 200))
+    table = wide.export_text()
+    assert "halo agents" in table and "pi-kitchen" in table

@@ -400,7 +400,7 @@ def cmd_status(args) -> int:
         with Live(console=console, auto_refresh=False) as live:
             while True:
                 rows, _ = _query_agents(args)
-                live.update(_agents_table(rows), refresh=True)
+                live.update(_agents_table(rows, live.console.width), refresh=True)
                 time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
@@ -413,7 +413,8 @@ def _agents_status(args) -> int:
     else:
         from rich.console import Console
 
-        Console().print(_agents_table(rows))
+        console = Console()
+        console.print(_agents_table(rows, console.width))
     return 1 if failed else 0
 
 
@@ -438,42 +439,63 @@ def _memory_cell(profile: dict, memory: dict | None) -> str:
     return f"{available} / {memory['budget_bytes'] / 1e6:.0f} / {held / 1e6:.1f}"
 
 
-def _agents_table(rows: list[dict]):
+AGENT_COLUMNS = ("agent", "endpoint", "cores", "MHz", "memory (MB): available / budget / held", "GFLOP/s", "session",
+                 "blocks served", "ms per block: compute / input wait / send / predict", "ms per block a/m/l (running)",
+                 "retransmitted")
+WIDE_TABLE_COLUMNS = 160  # narrower terminals (and pipes, 80) get one block of lines per agent: 11 columns cut to "age…"
+
+
+def _agents_table(rows: list[dict], width: int | None = None):
+    """The agents as one table where the terminal is wide enough, else one field-per-line block per agent."""
+    from rich.console import Group
     from rich.table import Table
 
-    table = Table(title="halo agents")
-    for column in ("agent", "endpoint", "cores", "MHz", "memory (MB): available / budget / held", "GFLOP/s", "session",
-                   "blocks served",
-                   "ms per block: compute / input wait / send / predict", "ms per block a/m/l (running)",
-                   "retransmitted"):
-        table.add_column(column)
-    for r in rows:
-        if "error" in r:
-            table.add_row("?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "", "")
-            continue
-        p, s = r["profile"], r["session"]
-        share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
-        if r.get("loading"):
-            load = r["loading"]
-            share = f"loading {load['percent']:.0f} % for {load['master']} ({load['seconds']:.0f} s)"
-        if s and s.get("udp"):
-            share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
-        if s and s.get("rejected"):
-            share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
-        if r.get("insecure"):
-            share = f"[bold red]INSECURE (no cluster key)[/bold red] {share}"
-        served, udp = r["served"], (s or {}).get("udp") or {}
-        per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
-        retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
-                         f"{served.get('partials_resent', 0)} partials again") if udp else ""
-        running = (s or {}).get("estimates", {})
-        per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
-                            for k in ("attention", "mlp", "lm_head")) if running else ""
-        table.add_row(r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}",
-                      _memory_cell(p, r.get("memory")), f"{p['compute_flops'] / 1e9:.1f}", share,
-                      str(served["blocks"]), f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / "
-                      f"{per('send_ms'):.2f} / {per('predict_ms'):.2f}", per_kind, retransmitted)
-    return table
+    cells = [_agent_cells(r) for r in rows]
+    if (width or WIDE_TABLE_COLUMNS) >= WIDE_TABLE_COLUMNS:
+        table = Table(title="halo agents")
+        for column in AGENT_COLUMNS:
+            table.add_column(column)
+        for row in cells:
+            table.add_row(*row)
+        return table
+    blocks = []
+    for row in cells:
+        block = Table(title=f"{row[0]} {row[1]}", show_header=False, title_justify="left")
+        block.add_column(style="dim")
+        block.add_column(overflow="fold")
+        for column, value in zip(AGENT_COLUMNS[2:], row[2:]):
+            if value:
+                block.add_row(column, value)
+        blocks.append(block)
+    return Group(*blocks)
+
+
+def _agent_cells(r: dict) -> list[str]:
+    """One agent's status answer as the AGENT_COLUMNS' cells."""
+    if "error" in r:
+        return ["?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "", ""]
+    p, s = r["profile"], r["session"]
+    share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
+    if r.get("loading"):
+        load = r["loading"]
+        share = f"loading {load['percent']:.0f} % for {load['master']} ({load['seconds']:.0f} s)"
+    if s and s.get("udp"):
+        share += f", sync {s['sync']}: observed loss {100 * s['udp']['observed_plr']:.1f} %"
+    if s and s.get("rejected"):
+        share += ", refused " + ", ".join(f"{count} {reason}" for reason, count in s["rejected"].items())
+    if r.get("insecure"):
+        share = f"[bold red]INSECURE (no cluster key)[/bold red] {share}"
+    served, udp = r["served"], (s or {}).get("udp") or {}
+    per = lambda key: served.get(key, 0.0) / max(1, served["blocks"])  # noqa: E731
+    retransmitted = (f"{udp.get('nacks_answered', 0)} NACKs answered, {udp.get('resends', 0)} re-sends, "
+                     f"{served.get('partials_resent', 0)} partials again") if udp else ""
+    running = (s or {}).get("estimates", {})
+    per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
+                        for k in ("attention", "mlp", "lm_head")) if running else ""
+    return [r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}", _memory_cell(p, r.get("memory")),
+            f"{p['compute_flops'] / 1e9:.1f}", share, str(served["blocks"]),
+            f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / {per('send_ms'):.2f} / {per('predict_ms'):.2f}",
+            per_kind, retransmitted]
 
 
 def cmd_fetch(args) -> int:
