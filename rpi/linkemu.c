@@ -42,6 +42,7 @@
 #define QUEUE 4096
 #define FRAME 2048
 #define STEP_NS 100000LL  /* the chain's step in silence */
+#define SUSPECT_NS 100000000LL  /* how often an interface that reported an error is looked up while it stays down */
 
 #ifndef PACKET_IGNORE_OUTGOING
 #define PACKET_IGNORE_OUTGOING 23
@@ -215,11 +216,17 @@ int main(int argc, char **argv)
     fprintf(stderr, "halo-linkemu %s <-> %s ready (%s priority)\n", argv[1], argv[2], on_time ? "real-time" : "normal");
     unsigned char frame[FRAME];
     struct pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+    /* An interface whose socket reported an error and is still there (down) is looked up every SUSPECT_NS until
+     * frames come from it again: deleting one reports only its going down (the socket's hook is off from then, its
+     * unregistering reports nothing), and a check that came before the deletion finished saw it still there. */
+    int suspect[2] = {0, 0};
     while (!stop) {
         int64_t now = now_ns(), next = -1;
         for (int i = 0; i < 2; i++)
             if (dirs[i].count && (next < 0 || dirs[i].due[dirs[i].head] < next))
                 next = dirs[i].due[dirs[i].head];
+        if ((suspect[0] || suspect[1]) && (next < 0 || next > now + SUSPECT_NS))
+            next = now + SUSPECT_NS;
         struct timespec wait = {1, 0};
         if (next >= 0) {
             int64_t left = next > now ? next - now : 0;
@@ -231,12 +238,16 @@ int main(int argc, char **argv)
         }
         now = now_ns();
         for (int i = 0; i < 2; i++) {
-            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL) && gone(fds[i].fd, argv[1 + i], index[i])) {
-                fprintf(stderr, "halo-linkemu: interface %s is gone\n", argv[1 + i]);
-                stop = 1;
+            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL) || suspect[i]) {
+                if (gone(fds[i].fd, argv[1 + i], index[i])) {
+                    fprintf(stderr, "halo-linkemu: interface %s is gone\n", argv[1 + i]);
+                    stop = 1;
+                }
+                suspect[i] = 1;
             }
             if (!(fds[i].revents & POLLIN))
                 continue;
+            suspect[i] = 0;  /* frames again: it is up */
             for (;;) {
                 ssize_t n = recv(dirs[i].in, frame, sizeof frame, MSG_TRUNC);
                 if (n <= 0)
