@@ -196,6 +196,9 @@ def main(argv=None) -> int:
     except HaloError as e:
         print(f"halo-agent: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        print("halo-agent: interrupted", file=sys.stderr)
+        return 130
     except (zmq.ZMQError, OSError) as e:
         if isinstance(e, zmq.ZMQError) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
             print(f"halo-agent: error: cannot listen on {listen}: {e} (is another agent using the port? "

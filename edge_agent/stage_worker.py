@@ -251,6 +251,9 @@ def main(argv=None) -> int:
     except HaloError as e:
         print(f"halo-stage-worker: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        print("halo-stage-worker: interrupted", file=sys.stderr)
+        return 130
     return worker.run_command("halo-stage-worker")
 
 

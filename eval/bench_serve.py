@@ -300,6 +300,8 @@ def compare(results: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    from halo.scheduler.even import EVEN_PLANS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="run", choices=("run", "clients"))
     parser.add_argument("--settings", default="one-sequential,one,many,many-sequential,testbed",
@@ -315,7 +317,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--plr", type=float, default=0.02, help="test bed loss on every agent link (default 0.02)")
     parser.add_argument("--testbed-sync", default="exact", help="the test bed's sync mode (default exact)")
-    parser.add_argument("--testbed-plan", default="paired-mlp", choices=("even", "even-mlp", "even-mlp-only", "paired-mlp"),
+    parser.add_argument("--testbed-plan", default="paired-mlp", choices=tuple(EVEN_PLANS),
                         help="the test bed's keyword plan (default paired-mlp: on the bed's 2 shared cores 2.6x the "
                              "tokens/s of even, one client and 16 alike)")
     add_profile_argument(parser)

@@ -216,17 +216,18 @@ int main(int argc, char **argv)
     fprintf(stderr, "halo-linkemu %s <-> %s ready (%s priority)\n", argv[1], argv[2], on_time ? "real-time" : "normal");
     unsigned char frame[FRAME];
     struct pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
-    /* An interface whose socket reported an error and is still there (down) is looked up every SUSPECT_NS until
-     * frames come from it again: deleting one reports only its going down (the socket's hook is off from then, its
-     * unregistering reports nothing), and a check that came before the deletion finished saw it still there. */
-    int suspect[2] = {0, 0};
+    /* An interface whose socket reported an error and is still there (down) is looked up again every SUSPECT_NS
+     * until frames come from it without an error: deleting one reports only its going down (the socket's hook is off
+     * from then, its unregistering reports nothing), and a look taken before the deletion finished saw it there. */
+    int64_t look_at[2] = {0, 0};  /* when to look a suspect interface up next; 0: not suspect */
     while (!stop) {
         int64_t now = now_ns(), next = -1;
-        for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++) {
             if (dirs[i].count && (next < 0 || dirs[i].due[dirs[i].head] < next))
                 next = dirs[i].due[dirs[i].head];
-        if ((suspect[0] || suspect[1]) && (next < 0 || next > now + SUSPECT_NS))
-            next = now + SUSPECT_NS;
+            if (look_at[i] && (next < 0 || look_at[i] < next))
+                next = look_at[i];
+        }
         struct timespec wait = {1, 0};
         if (next >= 0) {
             int64_t left = next > now ? next - now : 0;
@@ -238,16 +239,18 @@ int main(int argc, char **argv)
         }
         now = now_ns();
         for (int i = 0; i < 2; i++) {
-            if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL) || suspect[i]) {
+            const int error = fds[i].revents & (POLLERR | POLLHUP | POLLNVAL);
+            if (error || (look_at[i] && now >= look_at[i])) {
                 if (gone(fds[i].fd, argv[1 + i], index[i])) {
                     fprintf(stderr, "halo-linkemu: interface %s is gone\n", argv[1 + i]);
                     stop = 1;
                 }
-                suspect[i] = 1;
+                look_at[i] = now + SUSPECT_NS;
             }
             if (!(fds[i].revents & POLLIN))
                 continue;
-            suspect[i] = 0;  /* frames again: it is up */
+            if (!error)
+                look_at[i] = 0;  /* frames again, no error with them: it is up */
             for (;;) {
                 ssize_t n = recv(dirs[i].in, frame, sizeof frame, MSG_TRUNC);
                 if (n <= 0)

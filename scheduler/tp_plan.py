@@ -183,8 +183,9 @@ def check_master_kinds(kinds) -> None:
 def paired(plan: TensorParallelPlan, kind: str = "mlp", agent_share: float = 0.5) -> TensorParallelPlan:
     """The plan with each layer's `kind` groups split between the master and one agent (`agent_share` of them,
     rounded down; the master the rest), the agents taking the layers in turn (agent 1 layer 0, agent 2 layer 1, ...);
-    the other blocks as they were. Every round of that kind then engages two processes, and each agent holds its
-    layers' part. Why: on a machine whose
+    the other blocks as they were. Every round of that kind then engages two processes (a layer whose agent part
+    rounds to nothing stays whole on the master: no round), and each agent holds its layers' part. Why: on a
+    machine whose
     agents share the master's cores (the namespace test bed, --local-agents on two cores), a round that engages every
     agent time-slices them all on the same cores for no more parallelism than two, and pays each one's round
     overhead (its wake-up, Python, datagrams) in every round (eval/results/halo_speed_tinyllama_q4.md). On

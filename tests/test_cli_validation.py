@@ -263,6 +263,7 @@ def test_status_on_a_narrow_terminal_prints_a_block_per_agent_not_a_table_cut_to
     text = narrow.export_text()
     assert "pi-kitchen tcp://10.0.0.7:7070" in text and "memory (MB): available / budget / held" in text
     assert "nothing accepted a connection there" in text.replace("\n", " ").replace("  ", " ") and "…" not in text
+    assert "│ error " in text  # a block says what it is
     wide = Console(width=200, record=True)
     wide.print(cli._agents_table([row, failed], 200))
     table = wide.export_text()

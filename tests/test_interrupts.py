@@ -17,7 +17,7 @@ def test_ctrl_c_drains_an_agent_quietly():
         assert agent.process.wait(timeout=30) == 0
     finally:
         agent.kill()
-    said = "\n".join(agent.stderr_tail)
+    said = agent.said()  # (all of it: the relay is joined once the process has exited)
     assert "Traceback" not in said and "KeyboardInterrupt" not in said and "stopping" in said, said
 
 

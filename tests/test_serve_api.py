@@ -342,8 +342,14 @@ def test_sigterm_ends_running_and_waiting_requests_with_a_shutting_down_503(tmp_
         threads[0].start()
         assert started.wait(30)
         threads[1].start()
-        time.sleep(1.0)  # the plain request is in: queued (--slots 1) or in the batch
-        assert not answered, "the stream's 511 tokens took less than a second"
+        for _ in range(600):  # until the plain request is in: queued (--slots 1) or in the batch (2)
+            queue = cluster(url)["queue"]
+            if (queue["waiting"] if slots == 1 else queue["slots_busy"]) == 1 + (slots > 1):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the plain request never got in: {queue}")
+        assert not answered, "the stream's 511 tokens ended before the plain request was in"
         process.terminate()
         for t in threads:
             t.join(30)

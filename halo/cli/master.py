@@ -455,25 +455,25 @@ def _agents_table(rows: list[dict], width: int | None = None):
         table = Table(title="halo agents")
         for column in AGENT_COLUMNS:
             table.add_column(column)
-        for row in cells:
-            table.add_row(*row)
+        for row in cells:  # an agent that did not answer: why, in its session column
+            table.add_row(*(row.get(c) or (row.get("error", "") if c == "session" else "") for c in AGENT_COLUMNS))
         return table
     blocks = []
     for row in cells:
-        block = Table(title=f"{row[0]} {row[1]}", show_header=False, title_justify="left")
+        block = Table(title=f"{row['agent']} {row['endpoint']}", show_header=False, title_justify="left")
         block.add_column(style="dim")
         block.add_column(overflow="fold")
-        for column, value in zip(AGENT_COLUMNS[2:], row[2:]):
-            if value:
+        for column, value in row.items():
+            if value and column not in ("agent", "endpoint"):
                 block.add_row(column, value)
         blocks.append(block)
     return Group(*blocks)
 
 
-def _agent_cells(r: dict) -> list[str]:
-    """One agent's status answer as the AGENT_COLUMNS' cells."""
+def _agent_cells(r: dict) -> dict[str, str]:
+    """One agent's status answer by AGENT_COLUMNS (or "error": why it did not answer)."""
     if "error" in r:
-        return ["?", r["endpoint"], "", "", "", "", f"[red]{r['error']}[/red]", "", "", "", ""]
+        return {"agent": "?", "endpoint": r["endpoint"], "error": f"[red]{r['error']}[/red]"}
     p, s = r["profile"], r["session"]
     share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
     if r.get("loading"):
@@ -492,10 +492,11 @@ def _agent_cells(r: dict) -> list[str]:
     running = (s or {}).get("estimates", {})
     per_kind = "/".join(f"{running[k]['ms_per_block']:.2f}" if k in running else "-"
                         for k in ("attention", "mlp", "lm_head")) if running else ""
-    return [r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}", _memory_cell(p, r.get("memory")),
-            f"{p['compute_flops'] / 1e9:.1f}", share, str(served["blocks"]),
-            f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / {per('send_ms'):.2f} / {per('predict_ms'):.2f}",
-            per_kind, retransmitted]
+    return dict(zip(AGENT_COLUMNS, (
+        r["name"], r["endpoint"], str(p["cores"]), f"{p['cpu_mhz'] or 0:.0f}", _memory_cell(p, r.get("memory")),
+        f"{p['compute_flops'] / 1e9:.1f}", share, str(served["blocks"]),
+        f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / {per('send_ms'):.2f} / {per('predict_ms'):.2f}",
+        per_kind, retransmitted)))
 
 
 def cmd_fetch(args) -> int:

@@ -69,6 +69,19 @@ class RemoteAgent:
     def __post_init__(self):
         self.name = self.name or f"agent-{self.node_id}"
 
+    @classmethod
+    def connect(cls, context, endpoint: str, key, insecure: bool, timeout_s: float, node_id: int, share: Shares | None,
+                **fields) -> "RemoteAgent":
+        """Its control connection (keyed, or plaintext with insecure), watched by a monitor that tells a refused key
+        or a security mismatch from a dead device; a send never blocks longer than a reply may take."""
+        from halo.transport.reliable import client_socket
+
+        sock = client_socket(context, key, insecure, endpoint)
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+        monitor = sock.get_monitor_socket()
+        sock.connect(endpoint)
+        return cls(node_id, endpoint, share, sock, timeout_s, monitor=monitor, keyed=key is not None, **fields)
+
     @property
     def host(self) -> str:
         return self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
@@ -176,8 +189,9 @@ class RemoteAgent:
         if self.link == "disconnected":
             return "its connection closed (the agent process ended, or its host went down)"
         if self.handshake_failures:  # fewer than HANDSHAKE_ATTEMPTS in the wait, none succeeded
-            return (f"it refused the security handshake ({self.handshake_failures} time"
-                    f"{'s' if self.handshake_failures > 1 else ''}): " + self._handshake_advice(False))
+            times = f"{self.handshake_failures} time{'s' if self.handshake_failures > 1 else ''}"
+            return (f"its security handshake failed {times} (a lossy link fails one now and then; every one failing "
+                    "points to the key): " + self._handshake_advice(False))
         return "it stopped, crashed or lost its network"
 
     def close(self) -> None:
@@ -206,18 +220,12 @@ def ask_status(endpoints: list[str], key=None, insecure: bool = False, timeout_s
     """Each endpoint's answer to a `status` request (its fields), or {"error": why} where none came within timeout_s:
     why as a master's request says it (a refused security handshake with the fix, nobody listening, silence). All
     are asked at once: the wait is timeout_s at most, however many do not answer."""
-    from halo.transport.reliable import client_socket
-
     context = zmq.Context()
     context.setsockopt(zmq.LINGER, 0)
     answers, agents = {}, {}
     try:
         for i, endpoint in enumerate(endpoints):
-            sock = client_socket(context, key, insecure, endpoint)
-            monitor = sock.get_monitor_socket()  # a refused key or a plaintext peer, told from silence
-            sock.connect(endpoint)
-            agents[endpoint] = RemoteAgent(i + 1, endpoint, None, sock, timeout_s, name=endpoint, monitor=monitor,
-                                           keyed=key is not None)
+            agents[endpoint] = RemoteAgent.connect(context, endpoint, key, insecure, timeout_s, i + 1, None, name=endpoint)
             agents[endpoint].send("status", {})
         deadline = time.monotonic() + timeout_s
         for endpoint, agent in agents.items():

@@ -167,15 +167,8 @@ class Session:
 
     def _connect(self, node_id: int, endpoint: str, share: Shares, key, insecure: bool, timeout_s: float,
                  layout: GroupLayout) -> RemoteAgent:
-        from halo.transport.reliable import client_socket
-
-        sock = client_socket(self.zmq_context, key, insecure, endpoint)
-        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))  # a send never blocks longer than a reply may take
-        monitor = sock.get_monitor_socket()  # tells a refused key or a security mismatch from a dead device
-        sock.connect(endpoint)
         vocab = layout.vocab_ids(share.lm_head) if share.lm_head else None
-        agent = RemoteAgent(node_id, endpoint, share, sock, timeout_s, vocab_ids=vocab, monitor=monitor,
-                            keyed=key is not None)
+        agent = RemoteAgent.connect(self.zmq_context, endpoint, key, insecure, timeout_s, node_id, share, vocab_ids=vocab)
         self.agents[node_id] = agent
         return agent
 

@@ -40,7 +40,6 @@ from halo.serve.protocol import BadRequest, ClusterUnavailable, QueueFull, Reque
 
 log = logging.getLogger("halo.serve")
 SNAPSHOT_EVERY_S = 0.5  # while generating
-SHUTDOWN = "shutdown"  # a job's cancel_reason when the server stops under it (it ends with a 503, not as cancelled)
 
 
 @dataclass(frozen=True)
@@ -242,10 +241,8 @@ class Engine:
         """Stop serving: requests still waiting, and one generation running alone, end now with a 503 "the server is
         shutting down" (a batch's requests at its next pass), so their clients hear why rather than lose the
         connection; then the engine thread ends and the cluster with it."""
-        with self._lock:
-            self._closing = True
-            if self._running is not None and self._running.cancel_reason is None:
-                self._running.cancel_reason = SHUTDOWN
+        self._closing = True  # a generation running stops at its next pass (_Run.cancelled); one taken from the
+        # queue meanwhile is refused (_can_run); the batch ends at its next pass (_pass_after_pass)
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -256,7 +253,7 @@ class Engine:
                     continue
                 job.state = "done"
                 self._waiting -= 1
-            self.totals.requests["error"] += 1
+                self.totals.requests["error"] += 1
             job.put("error", _shutting_down())
         self._queue.put(None)
         if self._thread.is_alive():
@@ -403,7 +400,12 @@ class Engine:
         self._finish(job, run, result, finish)
 
     def _can_run(self, job: Job) -> bool:
-        """Whether the job may run now: not cancelled, not timed out in the queue, a cluster to run on."""
+        """Whether the job may run now: the server not closing, not cancelled, not timed out in the queue, a cluster
+        to run on."""
+        if self._closing:  # taken from the queue as close() drained it
+            self.totals.requests["error"] += 1
+            job.put("error", _shutting_down())
+            return False
         if job.cancel_reason:  # (cancelled between leaving the queue and now: its client still hears why)
             self.totals.requests["cancelled"] += 1
             job.put("error", Cancelled(job.cancel_reason))
@@ -425,7 +427,7 @@ class Engine:
         return True
 
     def _cancelled(self, job: Job, result) -> None:
-        if job.cancel_reason == SHUTDOWN:
+        if self._closing:
             self.totals.requests["error"] += 1
             job.put("error", _shutting_down())
         elif job.cancel_reason:
@@ -673,7 +675,8 @@ class _Run:
         if self.forwards == 2:
             self.base, self.base_time = view.counters(self.engine.model), time.perf_counter()
         job = self.job
-        return self.scanner.stopped or job.cancel_reason is not None or time.monotonic() > job.deadline
+        return (self.scanner.stopped or job.cancel_reason is not None or time.monotonic() > job.deadline
+                or self.engine._closing)
 
 
 def _shutting_down() -> ClusterUnavailable:
