@@ -46,15 +46,6 @@ def passes(model, rows: int, seconds: float, warmed=lambda: None) -> float:
     return (time.perf_counter() - start) / n
 
 
-def paired_plan(weights, agents: int, agent_share: float, context: int):
-    """--plan paired-mlp's plan with the agent's part of each layer's MLP `agent_share` (paired-mlp: a half)."""
-    from halo.compute.neuron_groups import GroupLayout
-    from halo.scheduler.even import EVEN_PLANS, even_plan
-
-    return even_plan(weights, GroupLayout.for_model(weights.config), agents + 1, context=context,
-                     on_master=EVEN_PLANS["paired-mlp"], paired=True, agent_share=agent_share)
-
-
 def plan_label(plan: str, agent_share: float) -> str:
     return plan if agent_share == 0.5 else f"{plan}, agent {100 * agent_share:g} %"
 
@@ -66,11 +57,10 @@ def over_agents(weights, path: str, plan: str, agents: int, rows: list[int], sec
     from halo.runtime.local import LocalCluster
     from halo.sync import SyncSettings
 
-    out, context = [], 256
-    given = paired_plan(weights, agents, agent_share, context * max(rows)) if agent_share != 0.5 else plan
+    out = []
     with LocalCluster(agents, path) as cluster:
-        model = cluster_model(weights, cluster.endpoints, cluster.key, plan=given, context=context, slots=max(rows),
-                              sync=SyncSettings(mode="exact"), fmt="native")
+        model = cluster_model(weights, cluster.endpoints, cluster.key, plan=plan, context=256, slots=max(rows),
+                              sync=SyncSettings(mode="exact"), fmt="native", agent_share=agent_share)
         try:
             for b in rows:
                 seconds_per_pass = passes(model, b, seconds, lambda: setattr(model, "timings", Timings()))

@@ -24,7 +24,7 @@ log = logging.getLogger("halo.master")
 
 def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan=None, compute: list[float] | None = None,
                   insecure: bool = False, layout: GroupLayout | None = None, heads: str = "index", select: bool = True,
-                  fresh: bool = False, shares=None, reuse=None, same_machine: bool = False,
+                  fresh: bool = False, shares=None, reuse=None, same_machine: bool = False, agent_share: float = 0.5,
                   **settings) -> DistributedModel:
     """A master over running agents. plan:
     - "measured": profile the master and every agent (kernels, memory, link loss / RTT / bandwidth) and plan
@@ -35,8 +35,8 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     - None or "even": an even plan over all of them (`compute` gives relative speeds for an uneven one);
       "even-mlp": the same with every attention head on the master (one sync round a layer instead of two);
       "even-mlp-only": the LM head on the master too (no logits slices on the wire); "paired-mlp": as even-mlp-only
-      with each layer's MLP halved between the master and one agent, the agents taking the layers in turn (two
-      processes a round: for agents that share the master's cores);
+      with each layer's MLP halved between the master and one agent (agent_share: the agent's part), the agents
+      taking the layers in turn (two processes a round: for agents that share the master's cores);
     - a TensorParallelPlan whose participants are the master and then the agents in `endpoints` order.
     heads: "index" (rank r = head r), "importance" (the predictors' profile puts the heads that matter most on
     the master and the most reliable links) or "auto" (importance in lossy sync, where static placement is
@@ -60,9 +60,9 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     elif plan is None or (isinstance(plan, str) and plan in EVEN_PLANS):
         on_master, pair = EVEN_PLANS[plan or "even"], plan in PAIRED_PLANS
         plan = even_plan(weights, layout, len(endpoints) + 1, compute, context=context * master_settings.slots,
-                         on_master=on_master, paired=pair)
+                         on_master=on_master, paired=pair, agent_share=agent_share)
         planning = {"source": "even" if compute is None else "relative compute", "on_master": list(on_master),
-                    "paired": pair}
+                    "paired": pair, **({"agent_share": agent_share} if pair else {})}
     elif isinstance(plan, str):
         raise ConfigError(f"plan {plan!r}: give 'measured', {', '.join(repr(k) for k in EVEN_PLANS)} or a "
                           "TensorParallelPlan")
