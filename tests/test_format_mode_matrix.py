@@ -111,3 +111,15 @@ def test_a_refused_combination_stops_before_loading_the_model_and_says_why(tmp_p
     out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--mode", "pipeline", "--local-agents", "2",
                           "--sync", "halo", "--model", str(missing)], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--sync halo synchronizes tensor-parallel" in out.stderr, out.stderr
+
+
+def test_the_worker_page_options_are_refused_where_no_browser_tab_joins(model):
+    """--serve-worker and --worker-tls-* were ignored without a word in tensor-parallel mode: a user who set up TLS
+    for the page believed it in use."""
+    base = argv(model, "native", "tp", None, False)
+    for extra in (["--serve-worker", "0.0.0.0:8765"], ["--worker-tls-cert", "c.pem", "--worker-tls-key", "k.pem"]):
+        reason = refusal(base + extra)
+        assert reason is not None and extra[0] in reason and "--browser-workers N" in reason, (extra, reason)
+    pipeline = argv(model, "native", "pipeline", None, False)
+    assert "--serve-worker" in refusal(pipeline + ["--serve-worker", "127.0.0.1:9000"])
+    assert refusal(pipeline + ["--browser-workers", "1", "--serve-worker", "127.0.0.1:9000"]) is None

@@ -113,24 +113,26 @@ def test_401_without_or_with_a_wrong_key(server):
     assert httpx.get(server + "/", timeout=10).status_code == 200  # the page asks for the key itself
 
 
-@pytest.mark.parametrize("body, where", [
-    (b"{not json", "not valid JSON"),
-    ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
-    ({"model": "stories260K", "prompt": PROMPT, "temperature": -0.5}, "temperature"),
-    ({"model": "stories260K", "prompt": PROMPT, "n": 2}, "one choice"),
-    ({"model": "stories260K", "prompt": PROMPT, "n": 0}, "n must be 1"),
-    ({"model": "stories260K", "prompt": PROMPT, "logprobs": 0}, "logprobs"),  # completions' 0: the chosen tokens'
-    ({"model": "stories260K", "prompt": PROMPT, "stream": "yes"}, "stream"),
-    ({"model": "stories260K", "prompt": PROMPT, "seed": -1}, "seed"),  # once a 500 that took the cluster down
-    ({"model": "stories260K", "prompt": "word " * 600}, "context holds"),
+@pytest.mark.parametrize("body, where, param", [
+    (b"{not json", "not valid JSON", None),
+    ({"model": "stories260K", "prompt": PROMPT, "max_tokens": 0}, "max_tokens", "max_tokens"),
+    ({"model": "stories260K", "prompt": PROMPT, "temperature": -0.5}, "temperature", "temperature"),
+    ({"model": "stories260K", "prompt": PROMPT, "n": 2}, "one choice", "n"),
+    ({"model": "stories260K", "prompt": PROMPT, "n": 0}, "n must be 1", "n"),  # param was null: a model-level check
+    ({"model": "stories260K", "prompt": PROMPT, "logprobs": 0}, "logprobs", "logprobs"),  # completions' 0: chosen tokens'
+    ({"model": "stories260K", "prompt": PROMPT, "stream": "yes"}, "stream", "stream"),
+    ({"model": "stories260K", "prompt": PROMPT, "seed": -1}, "seed", "seed"),  # once a 500 that took the cluster down
+    ({"model": "stories260K", "prompt": "word " * 600}, "context holds", None),
 ])
-def test_400_for_bad_requests(server, body, where):
+def test_400_for_bad_requests(server, body, where, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(server + "/v1/completions", content=content, timeout=30,
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == 400, r.text
-    assert where in r.json()["error"]["message"]
-    assert r.json()["error"]["type"] == "invalid_request_error"
+    error = r.json()["error"]
+    assert where in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
 
 
 def test_an_unknown_model_is_404_model_not_found(server):

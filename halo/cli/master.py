@@ -296,7 +296,7 @@ def add_cluster_arguments(parser) -> None:
                            "implies it)")
     pipe.add_argument("--browser-workers", type=integer(0, MAX_LOCAL_AGENTS), default=0, metavar="N",
                       help="wait for N browser tabs to open the worker page (printed at start) and use them too")
-    pipe.add_argument("--serve-worker", default="127.0.0.1:8765", metavar="HOST:PORT",
+    pipe.add_argument("--serve-worker", metavar="HOST:PORT",
                       help="where the worker page is served (default 127.0.0.1:8765; 0.0.0.0:8765 for the LAN, with "
                            "--worker-tls-cert/--worker-tls-key: a tab elsewhere needs HTTPS for WebGPU, and without it "
                            "the tokens and every hidden state cross the LAN in clear)")
@@ -578,6 +578,7 @@ def check_model_and_cluster(args) -> None:
     pipeline = pipeline_mode(args)
     if pipeline:
         check_pipeline_arguments(args)
+    check_worker_page_options(args, pipeline)
     if args.sync == "auto" and (args.cluster or (args.plan and args.plan != "measured")):
         raise ConfigError("--sync auto picks the mode from the agents' measured links: drop --plan / --cluster (the "
                           "measured plan), or name the sync mode")
@@ -604,6 +605,19 @@ def pipeline_mode(args) -> bool:
 
     plan_file = args.plan and args.plan not in PLAN_KEYWORDS
     return args.mode == "pipeline" or bool(args.browser_workers) or bool(plan_file and plan_mode(args.plan) == "pipeline")
+
+
+def check_worker_page_options(args, pipeline: bool) -> None:
+    """--serve-worker and --worker-tls-* set up the page browser tabs open: refused where no tab can join, rather than
+    ignored (a user who set up TLS should not believe a tab is using it)."""
+    given = [option for option, value in (("--serve-worker", args.serve_worker),
+                                          ("--worker-tls-cert", args.worker_tls_cert),
+                                          ("--worker-tls-key", args.worker_tls_key)) if value]
+    tabs_possible = args.browser_workers or (pipeline and (args.cluster or args.plan))
+    if given and not tabs_possible:
+        raise ConfigError(f"{', '.join(given)} set up the page browser workers open, and no browser worker joins "
+                          "this run: add --browser-workers N (which implies --mode pipeline), or drop "
+                          f"{'them' if len(given) > 1 else 'it'}")
 
 
 def check_pipeline_arguments(args) -> None:

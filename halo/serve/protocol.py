@@ -87,6 +87,14 @@ UNSUPPORTED = {
 }
 
 
+class Unsupported(ValueError):
+    """A field sent at a value halo cannot honour; `field` names it (a model-level check has no location)."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(why)
+        self.field = field
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -96,7 +104,7 @@ class _Request(BaseModel):
         if isinstance(data, dict):
             for name, (neutral, why) in UNSUPPORTED.items():
                 if name in data and not neutral(data[name]):
-                    raise ValueError(why)
+                    raise Unsupported(name, why)
         return data
 
     model: str
@@ -183,7 +191,7 @@ def parse(model: type[BaseModel], body: bytes):
         return model.model_validate_json(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where = ".".join(str(p) for p in first["loc"]) or getattr(first.get("ctx", {}).get("error"), "field", None)
         if first["type"] == "json_invalid":
             raise BadRequest(f"the body is not valid JSON: {first['msg']}", "invalid_json") from None
         message = first["msg"].removeprefix("Value error, ")
