@@ -91,7 +91,8 @@ def prepare_main(argv: list[str]) -> int:
                         help="the weight format the cluster computes in (default native: a GGUF file's own blocks)")
     parser.add_argument("--mlp-group-size", type=integer(1, 1 << 20), help="neurons per MLP group (default: the "
                         "master's default for this model)")
-    parser.add_argument("--out", help="directory to write (default: the cache directory the agent looks in)")
+    parser.add_argument("--out", help="directory to write, new or empty, or one prepare wrote before (replaced); "
+                                      "default: the cache directory the agent looks in, where it finds it by itself")
     args = parser.parse_args(argv)
     try:
         from halo.compute.linear import resolve_format
@@ -110,7 +111,7 @@ def prepare_main(argv: list[str]) -> int:
             task = bar.add_task(f"preparing {Path(str(weights.source)).name} ({fmt})", total=weights.config.n_layers)
             out = prepare(weights, model_fingerprint(weights.source), fmt, layout, Path(args.out) if args.out else None,
                           progress=lambda done, total: bar.update(task, completed=done))
-    except HaloError as e:
+    except (HaloError, OSError) as e:
         print(f"halo-agent prepare: error: {e}", file=sys.stderr)
         return 2
     size = (out / "groups.bin").stat().st_size

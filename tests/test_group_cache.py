@@ -306,6 +306,30 @@ def test_prepared_groups_compute_exactly_what_the_model_file_gives(stories_weigh
         assert compact.nbytes == groups.groups[layer * layout.n_mlp_groups + group]["bytes"]
 
 
+def test_prepare_never_replaces_a_directory_it_did_not_write(stories_weights, tmp_path, monkeypatch):
+    """`halo-agent prepare --out DIR` removed DIR whole (a user's `--out ~/models` lost every file there); `--out .`
+    was a ValueError traceback. It now writes into a new or empty directory, or over one it wrote before."""
+    from halo.compute.prepared import prepare
+    from halo.model.loader import model_fingerprint
+
+    layout, sha = GroupLayout.for_model(stories_weights.config), model_fingerprint(stories_weights.source)
+    mine = tmp_path / "models"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(ConfigError, match=r"holds files prepare did not write \(notes.txt, sub\): give a new or empty"):
+        prepare(stories_weights, sha, "int8", layout, mine)
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "sub").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        prepare(stories_weights, sha, "int8", layout, tmp_path / "file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    assert prepare(stories_weights, sha, "int8", layout, Path(".")) == empty  # "." is the directory it names
+    assert prepare(stories_weights, sha, "int8", layout, Path(".")) == empty  # and its own output is replaced
+    assert sorted(p.name for p in empty.iterdir()) == ["groups.bin", "manifest.json"]
+
+
 def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):
     import json
 

@@ -66,11 +66,20 @@ def _fill_from_form(rows: KernelForm, codes, scales, offsets) -> None:
         offsets[:] = rows.offsets
 
 
+PREPARED_FILES = ("manifest.json", "groups.bin")  # all a prepared directory holds: the one thing prepare replaces
+
+
 def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, out: Path | None = None,
             progress=None) -> Path:
     """Write every MLP group of every layer in kernel form (see the module docstring); returns the directory.
     progress(done, total) after each layer. Written under a temporary name and renamed: never half a directory."""
-    out = out or prepared_dir(sha256, fmt, layout.mlp_group_size)
+    out = (out or prepared_dir(sha256, fmt, layout.mlp_group_size)).resolve()  # ("." has no name to add to)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: give a new or empty directory")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in PREPARED_FILES) if out.is_dir() else []
+    if foreign:  # prepare replaces the directory whole: never over somebody's files
+        raise ConfigError(f"{out} holds files prepare did not write ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}): give a new or empty directory")
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     groups, at = [], 0
@@ -100,11 +109,13 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
                 "n_layers": c.n_layers, "n_mlp_groups": layout.n_mlp_groups, "dim": c.dim, "bytes": at,
                 "source": str(weights.source), "groups": groups}
     (partial / "manifest.json").write_text(json.dumps(manifest))
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    if out.is_dir():  # empty, or prepare's own: its files replaced, the manifest (what makes it valid) last
+        (out / "manifest.json").unlink(missing_ok=True)
+        for name in PREPARED_FILES[::-1]:
+            os.replace(partial / name, out / name)
+        partial.rmdir()
+    else:
+        os.replace(partial, out)
     return out
 
 
