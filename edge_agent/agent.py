@@ -177,6 +177,12 @@ class Agent(ControlServer):
     def count_error(self) -> None:
         self.served["errors"] += 1
 
+    def recover(self) -> None:
+        self.count_error()
+        if self.loading is not None:
+            self.loading.abandoned = True  # as after a bye: closed once its thread is done
+        self._end_session()
+
     def _end_session(self, retain: bool = False) -> None:
         """retain: keep the worker's shards for RETAIN_S (a master that re-plans says bye, then hello)."""
         if self.session is not None:

@@ -92,6 +92,9 @@ class ControlServer:
     def handle(self, message: Message, peer: bytes, address: str | None) -> Message | None:
         raise NotImplementedError
 
+    def recover(self) -> None:
+        """After tick failed: drop what it was serving (its state may be half-updated)."""
+
     def serve(self) -> None:
         import zmq
 
@@ -104,7 +107,11 @@ class ControlServer:
         self._watcher.start()
         while self.running:
             events = self.wait(poller)
-            self.tick(events)
+            try:
+                self.tick(events)
+            except Exception:  # a bug must not take the daemon down: what the tick served is ended instead
+                log.exception("unexpected error between messages: the session ends, the daemon goes on")
+                self.recover()
             if self.socket in events:
                 self._receive()
         log.info("%s stopping", self.name)

@@ -158,3 +158,37 @@ def test_an_agent_on_throttled_storage_is_waited_for_while_it_loads(tmp_path):
     expected = Transformer(weights, fmt="native", max_seq_len=CONTEXT).forward([1, 17, 42, 99, 250])
     assert loaded_s > 2.0 and read > 10e6, (loaded_s, read)  # slower than the hello timeout, from the disk
     assert np.argmax(got) == np.argmax(expected) and np.allclose(got, expected, atol=5e-3)  # partials summed in two
+
+
+def test_a_hello_with_bad_sync_settings_is_refused_and_the_agent_lives_on(slow_agent, stories_weights, monkeypatch):
+    """A hello whose sync seed made the loss injector raise (seed -5000, inject_plr 0.1) ended the agent's process:
+    the settings were checked for their names only, and the failure came between messages, outside every guard."""
+    from dataclasses import asdict
+
+    from halo.errors import HaloError
+    from halo.sync import SyncSettings
+
+    agent, _ = slow_agent
+    for bad in ({"seed": -5000, "inject_plr": 0.1}, {"seed": "x", "inject_plr": 0.1}, {"predict": 1}):
+        monkeypatch.setattr(SyncSettings, "to_json", lambda self, bad=bad: {**asdict(self), **bad})  # the master's side
+        with pytest.raises(HaloError, match=f"sync setting {next(iter(bad))}|{next(iter(bad))} -5000 must lie"):
+            cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=2.0)
+        monkeypatch.undo()
+        assert agent.running and agent.session is None
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)  # still serving
+    model.close()
+
+
+def test_a_failure_between_messages_ends_the_session_not_the_agent(slow_agent, stories_weights, monkeypatch):
+    agent, _ = slow_agent
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in joining the UDP session")
+
+    monkeypatch.setattr(agent, "_join_udp", broken)
+    with pytest.raises(AgentError):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=1.0)
+    assert agent.session is None and agent.served["errors"] >= 1
+    monkeypatch.undo()
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)  # still serving
+    model.close()

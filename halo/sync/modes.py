@@ -25,6 +25,7 @@ that hold no groups of a block but need its input (they predict the next layer f
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -111,6 +112,9 @@ class SyncSettings:
     whole_vectors: bool = True
 
     def __post_init__(self):
+        self._check_types()
+        if not 0 <= self.seed < 2 ** 63:
+            raise ConfigError(f"seed {self.seed} must lie in [0, 2^63)")
         if self.mode in RENAMED:
             raise ConfigError(RENAMED[self.mode])
         if self.mode not in POLICIES:
@@ -135,6 +139,18 @@ class SyncSettings:
         if self.wire_partials != "fp32" and self.policy.all_critical:
             raise ConfigError(f"--sync {self.mode} gives the single-device tokens, which fp16 partial sums would round "
                               "away: use --wire-partials fp32 (the default), or --sync lossy / halo")
+
+    def _check_types(self) -> None:
+        """Each field of the type its default has (an int for a float; a bool is no number): the settings come from a
+        master's hello too, and a wrong type must be refused there, not fail later inside the agent."""
+        for name, field in self.__dataclass_fields__.items():
+            value, kind = getattr(self, name), type(field.default)
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool)) or (
+                kind is float and isinstance(value, int) and not isinstance(value, bool))
+            if not ok:
+                raise ConfigError(f"sync setting {name} must be {kind.__name__}, not {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"sync setting {name} must be finite, not {value!r}")
 
     @property
     def policy(self) -> ModePolicy:
