@@ -131,8 +131,10 @@ def agent_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="local copy of the model: a GGUF file, llama2.c .bin, Hugging Face directory or "
                                         "a fetched model's name (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the master (default: the host name)")
-    parser.add_argument("--weights", choices=FORMATS, help="weight format in memory when the master does not say "
-                        "(default native: the file's own); a master's choice applies to the whole cluster")
+    parser.add_argument("--weights", choices=FORMATS, help="serve sessions in this weight format only: the master "
+                        "picks the format for the whole cluster (halo-master --weights), and a hello in another is "
+                        "refused with that fix (e.g. int8 on a device whose memory cannot hold native's float32 "
+                        "checkpoint); default: whatever the master picks")
     parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: the cores this process may run on, its CPU affinity)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
     parser.add_argument("--memory-budget", type=number(0, low_open=True), metavar="MB",
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
         import socket
 
         agent = Agent(pick("model", None), listen, key, args.insecure,
-                      pick("name", socket.gethostname()), pick("weights", "native"), threads,
+                      pick("name", socket.gethostname()), pick("weights", None), threads,
                       pick("predictors", None), budget_bytes(pick("memory_budget", None)), pick("busy_poll", "auto"),
                       masters)
     except HaloError as e:

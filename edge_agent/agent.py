@@ -106,18 +106,19 @@ def _storage_reads() -> dict:
 
 class Agent(ControlServer):
     def __init__(self, model_path: str | None, listen: str, key: ClusterKey | None, insecure: bool = False,
-                 name: str = "agent", weights_format: str = "fp32", threads: int = 1, predictors: str | None = None,
+                 name: str = "agent", only_format: str | None = None, threads: int = 1, predictors: str | None = None,
                  memory_budget: int | None = None, busy_poll: str = "auto", masters=None):
         """memory_budget: bytes a session's weights and KV cache may take (None: MEMORY_SHARE of what is available
         at start); a hello whose share needs more is refused with the numbers. busy_poll: whether waits for the next
         UDP round spin before they sleep (transport/udp/base.py set_busy_poll: auto = where this process has dedicated
-        cores). masters: the authorized masters' keys (daemon.py)."""
+        cores). masters: the authorized masters' keys (daemon.py). only_format: the one weight format this agent
+        serves (the master picks the cluster's; a hello in another is refused, naming it); None: any."""
         from halo.transport.udp import UdpEndpoint, set_busy_poll
 
         from halo.edge_agent.profile import device_profile
 
         super().__init__(model_path, listen, key, insecure, name, masters)
-        self.format, self.threads = weights_format, threads
+        self.only_format, self.threads = only_format, threads
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.session: Session | None = None
         self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
@@ -404,6 +405,10 @@ class Agent(ControlServer):
         fmt = hello.weights  # the master's choice, so the whole cluster computes alike
         if fmt not in FORMATS:
             raise HaloError(f"unknown weight format {fmt!r}")
+        if self.only_format and resolve_format(fmt, self.weights) != resolve_format(self.only_format, self.weights):
+            raise HaloError(f"this agent serves {self.only_format} weights only (its --weights, or weights in its config"
+                            f" file) and the master computes in {fmt}: start the master with --weights "
+                            f"{self.only_format}, or drop the agent's setting")
         sync = SyncSettings.from_json(hello.sync)
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")

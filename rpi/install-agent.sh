@@ -52,7 +52,18 @@ if [ -n "$model" ]; then
       --model "/opt/halo/models/$(basename "$model")" \
     || echo "note: no prepared groups (a float model needs none for --weights native; see halo-agent prepare --help)"
 fi
-[ -f /etc/halo/agent.toml ] || install -o root -g halo -m 0640 "$here/agent.example.toml" /etc/halo/agent.toml
+if [ -f /etc/halo/agent.toml ]; then
+  echo "kept /etc/halo/agent.toml ($(grep -E '^(model|name) ' /etc/halo/agent.toml | tr -s ' ' | cut -d'#' -f1 | paste -sd';'))"
+else  # the example, named after this host and pointing at the model installed above (or the bundled one)
+  install -o root -g halo -m 0640 "$here/agent.example.toml" /etc/halo/agent.toml
+  escape() { printf '%s' "$1" | sed -e 's/[\\"]/\\&/g' -e 's/[&|\\]/\\&/g'; }  # a TOML string, in sed's replacement
+  sed -i "s|^name = \"[^\"]*\"|name = \"$(escape "$(hostname)")\"|" /etc/halo/agent.toml
+  if [ -n "$model" ]; then
+    sed -i "s|^model = \"[^\"]*\"|model = \"/opt/halo/models/$(escape "$(basename "$model")")\"|" /etc/halo/agent.toml
+  else
+    sed -i 's|^model = |# model = |' /etc/halo/agent.toml  # the agent's default: the bundled stories260K
+  fi
+fi
 if [ -n "$key" ]; then
   install -o halo -g halo -m 0600 "$key" /etc/halo/cluster.key
 elif [ ! -f /etc/halo/cluster.key ]; then

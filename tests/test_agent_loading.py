@@ -192,3 +192,14 @@ def test_a_failure_between_messages_ends_the_session_not_the_agent(slow_agent, s
     monkeypatch.undo()
     model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)  # still serving
     model.close()
+
+
+def test_an_agent_set_to_one_weight_format_refuses_another_with_the_fix(slow_agent, stories_weights):
+    """halo-agent --weights int8 (or weights in agent.toml) did nothing: the master's format was used, so a device set
+    to int8 for its memory held float32 without a word. It now serves that format only and says how to match it."""
+    agent, _ = slow_agent
+    agent.only_format = "int8"
+    with pytest.raises(AgentError, match="serves int8 weights only .* start the master with --weights int8"):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)  # the master's native: fp32
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, fmt="int8")
+    model.close()

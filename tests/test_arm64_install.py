@@ -18,6 +18,7 @@ import ssl
 import subprocess
 import sys
 import time
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -107,6 +108,7 @@ def test_install_agent_sh_sets_up_an_agent_that_answers_status_on_arm64(wheel, t
                                                                                   "halo-agent.service"))):
         shutil.copy(path, stage)
     port = free_port()
+    (root / "etc" / "halo" / "agent.toml").unlink(missing_ok=True)  # a fresh install's (the root is kept between runs)
     with Chroot(root) as chroot:
         out = chroot.run(["/bin/bash", "/tmp/halo-install/install-agent.sh", f"/tmp/halo-install/{wheel.name}",
                           "/tmp/halo-install/cluster.key", f"/tmp/halo-install/{Path(str(BUNDLED_MODEL)).name}"],
@@ -115,6 +117,8 @@ def test_install_agent_sh_sets_up_an_agent_that_answers_status_on_arm64(wheel, t
         assert "compact groups computed by halo._nbits" in out.stdout  # the C kernels, not numpy
         assert "systemd is not running here" in out.stdout
         assert (root / "etc" / "systemd" / "system" / "halo-agent.service").exists()
+        config = tomllib.loads((root / "etc" / "halo" / "agent.toml").read_text())  # the model given, not the example's
+        assert config["model"] == f"/opt/halo/models/{Path(str(BUNDLED_MODEL)).name}" and config["name"] == socket.gethostname()
         log = open(tmp_path / "agent.log", "w")  # a file, not a pipe nobody reads while the agent runs
         agent = subprocess.Popen(["chroot", "--userspec=halo:halo", str(root), "/usr/bin/env", "HOME=/tmp",
                                   "XDG_CACHE_HOME=/tmp/halo-cache", "/opt/halo/venv/bin/halo-agent", "--config",
@@ -141,4 +145,4 @@ def test_install_agent_sh_sets_up_an_agent_that_answers_status_on_arm64(wheel, t
                 agent.kill()
             log.close()
     text = json.dumps(answer)
-    assert "aarch64" in text and "pi-kitchen" in text, text[:2000]
+    assert "aarch64" in text and f'"{socket.gethostname()}"' in text, text[:2000]  # the installer names it after the host

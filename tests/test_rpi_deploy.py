@@ -28,7 +28,7 @@ def test_install_script_is_valid_bash():
 
 def test_example_config_starts_an_agent(tmp_path):
     config = tomllib.loads((RPI / "agent.example.toml").read_text())
-    assert set(config) == {"listen", "key", "model", "name", "weights", "threads"}  # (busy_poll: commented out)
+    assert set(config) == {"listen", "key", "model", "name", "threads"}  # (busy_poll, weights: commented out)
     generate_key(tmp_path / "cluster.key")
     mine = tmp_path / "agent.toml"
     mine.write_text(f'listen = "tcp://127.0.0.1:0"\nkey = "{tmp_path / "cluster.key"}"\nname = "t"\n')
