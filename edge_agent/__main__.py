@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import sys
 import tomllib
@@ -180,6 +179,8 @@ def main(argv=None) -> int:
     import zmq
     from threadpoolctl import threadpool_limits
 
+    from halo.edge_agent.daemon import start_failed
+
     threadpool_limits(threads)
     try:
         from halo.transport.reliable import daemon_keys
@@ -203,12 +204,7 @@ def main(argv=None) -> int:
         print("halo-agent: interrupted", file=sys.stderr)
         return 130
     except (zmq.ZMQError, OSError) as e:
-        if isinstance(e, zmq.ZMQError) or e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
-            print(f"halo-agent: error: cannot listen on {listen}: {e} (is another agent using the port? "
-                  "choose another with --listen)", file=sys.stderr)
-        else:
-            print(f"halo-agent: error: {e}", file=sys.stderr)
-        return 2
+        return start_failed("halo-agent", listen, e)
     return agent.run_command("halo-agent")
 
 

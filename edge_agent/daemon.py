@@ -23,6 +23,20 @@ from halo.transport.reliable import Message, MessageError, decode, encode, serve
 log = logging.getLogger("halo.daemon")
 
 
+def start_failed(prog: str, listen: str, error: Exception) -> int:
+    """The one line a daemon that could not start prints (a port in use, an unreadable file), and its exit status."""
+    import errno
+
+    import zmq
+
+    if isinstance(error, zmq.ZMQError) or getattr(error, "errno", None) in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        print(f"{prog}: error: cannot listen on {listen}: {error} (is another {prog} using the port? choose another "
+              "with --listen)", file=sys.stderr)
+    else:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2
+
+
 class ControlServer:
     """Subclasses implement `handle(message, peer, address)` and may add sockets to `poll_sources` and work
     to `tick(events)` (called after every poll)."""

@@ -237,6 +237,10 @@ def main(argv=None) -> int:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(threads)  # numpy's BLAS is loaded by now (halo imports numpy)
+    import zmq
+
+    from halo.edge_agent.daemon import start_failed
+
     try:
         from halo.transport.reliable import daemon_keys
 
@@ -254,6 +258,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         print("halo-stage-worker: interrupted", file=sys.stderr)
         return 130
+    except (zmq.ZMQError, OSError) as e:
+        return start_failed("halo-stage-worker", args.listen, e)
     return worker.run_command("halo-stage-worker")
 
 
