@@ -22,13 +22,15 @@ EPILOG = """examples:
   halo-agent --model /opt/halo/models/stories260K.bin --key /etc/halo/cluster.key --listen tcp://0.0.0.0:7070
   halo-agent prepare --model MODEL --weights native  (once: HALO mode's MLP groups laid out for re-mapping; see --help)
   halo-agent --config /etc/halo/agent.toml            (keys: listen, key, model, name, weights, threads, predictors,
-                                                       memory_budget in MB, busy_poll)
+                                                       memory_budget in MB, busy_poll, authorized_masters,
+                                                       log_level)
 """
 
 
 CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget", "busy_poll",
-               "authorized_masters")
+               "authorized_masters", "log_level")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MEMORY_BUDGET_MB = (1.0, 1e9)  # a budget below a megabyte holds no share; above a petabyte it is a typo
 
 
 def budget_bytes(megabytes: float | None) -> int | None:
@@ -50,7 +52,7 @@ def read_config(path: str) -> dict:
         if name == "threads":
             check_integer(value, f"{path}: threads", 1, MAX_THREADS)
         elif name == "memory_budget":
-            check_number(value, f"{path}: memory_budget (MB)", 0, low_open=True)
+            check_number(value, f"{path}: memory_budget (MB)", *MEMORY_BUDGET_MB)
         elif not isinstance(value, str) or not value:
             raise ConfigError(f"{path}: {name} must be a non-empty string, got {value!r}")
     if "listen" in settings:
@@ -61,6 +63,8 @@ def read_config(path: str) -> dict:
     if settings.get("busy_poll", BUSY_POLL_MODES[0]) not in BUSY_POLL_MODES:
         raise ConfigError(f"{path}: busy_poll must be one of {', '.join(BUSY_POLL_MODES)}, "
                           f"got {settings['busy_poll']!r}")
+    if str(settings.get("log_level", "INFO")).upper() not in LOG_LEVELS:
+        raise ConfigError(f"{path}: log_level must be one of {', '.join(LOG_LEVELS)}, got {settings['log_level']!r}")
     if settings.get("weights", FORMATS[0]) not in FORMATS:
         raise ConfigError(f"{path}: weights must be one of {', '.join(FORMATS)}, got {settings['weights']!r}")
     return settings
@@ -136,7 +140,7 @@ def agent_parser() -> argparse.ArgumentParser:
                         "checkpoint); default: whatever the master picks")
     parser.add_argument("--threads", type=integer(1, MAX_THREADS), help="compute threads (default: the cores this process may run on, its CPU affinity)")
     parser.add_argument("--predictors", help="trained predictors for --sync halo (default: predictors/ beside the model)")
-    parser.add_argument("--memory-budget", type=number(0, low_open=True), metavar="MB",
+    parser.add_argument("--memory-budget", type=number(*MEMORY_BUDGET_MB), metavar="MB",
                         help="most memory a session's weights and KV cache may take; a master's share that needs more "
                              "is refused with the numbers (default: 90 %% of the memory available at start)")
     parser.add_argument("--busy-poll", choices=BUSY_POLL_MODES,
@@ -144,7 +148,7 @@ def agent_parser() -> argparse.ArgumentParser:
                              "= on where this process was given cores of its own (taskset, systemd CPUAffinity=); a "
                              "sleeping core wakes tens of microseconds late at every round, but agents sharing cores "
                              "must not spin (default auto)")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="default INFO")
     return parser
 
 
@@ -153,8 +157,6 @@ def main(argv=None) -> int:
     if argv[:1] == ["prepare"]:
         return prepare_main(argv[1:])
     args = agent_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         settings = read_config(args.config) if args.config else {}
     except ConfigError as e:
@@ -165,6 +167,9 @@ def main(argv=None) -> int:
         """The command line, else the config file, else the default."""
         given = getattr(args, name)
         return given if given is not None else settings.get(name, default)
+
+    logging.basicConfig(level=pick("log_level", "INFO").upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     threads = pick("threads", None) or usable_cores()
     listen = pick("listen", DEFAULT_LISTEN)

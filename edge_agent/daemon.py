@@ -18,6 +18,7 @@ import sys
 import threading
 
 from halo.errors import HaloError
+from halo.sync.framing import FramingError
 from halo.transport.reliable import Message, MessageError, decode, encode, server_socket, start_authenticator
 
 log = logging.getLogger("halo.daemon")
@@ -141,7 +142,7 @@ class ControlServer:
             message = decode([f.buffer for f in frames])
             call = message.fields.get("call")
             reply = self.handle(message, identity.bytes, frames[0].get("Peer-Address"))
-        except MessageError as e:
+        except (MessageError, FramingError) as e:  # (a field no sync point or frame can have: an epoch of -1)
             log.warning("refused a malformed message: %s", e)
             reply = Message("error", {"reason": f"malformed message: {e}"})
         except HaloError as e:

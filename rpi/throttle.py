@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup/cpu")
 CFS_PERIOD_US = 100_000
+MIN_QUOTA_US = 1000  # the smallest cpu.cfs_quota_us cgroup v1 takes
 
 
 def available() -> tuple[bool, str]:
@@ -34,6 +35,10 @@ class CpuThrottle:
                  cfs_period_us: int = CFS_PERIOD_US):
         if not 0 < quota:
             raise ValueError("quota is a positive number of cores")
+        if quota * cfs_period_us < MIN_QUOTA_US:  # the kernel refuses it (EINVAL): the throttle would do nothing
+            raise ValueError(f"a quota of {quota:g} cores is {quota * cfs_period_us:.0f} us per {cfs_period_us} us "
+                             f"period, under the kernel's {MIN_QUOTA_US} us: give a longer cfs_period_us or a larger "
+                             "quota")
         self.pid, self.quota, self.period_s, self.cfs_period_us = pid, quota, period_s, cfs_period_us
         self.group = ROOT / (name or f"halo-throttle-{pid}")
         self._stop = threading.Event()

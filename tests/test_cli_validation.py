@@ -137,6 +137,7 @@ def write(tmp_path, text: str | bytes):
     (["--threads", "many"], "argument --threads: 'many' is not an integer"),
     (["--weights", "int4"], "argument --weights: invalid choice: 'int4'"),
     (["--log-level", "loud"], "argument --log-level: invalid choice: 'LOUD'"),
+    (["--memory-budget", "1e303"], "argument --memory-budget: must be in [1, 1e+09]"),
     (["--config", "/nonexistent/agent.toml"], "cannot read /nonexistent/agent.toml"),
     (["--insecure", "--model", "/nonexistent/model.bin"], "--model /nonexistent/model.bin: no such model file"),
     (["--insecure", "--model", "m" * 300], "File name too long"),  # was blamed on --listen
@@ -156,9 +157,17 @@ def test_agent_refuses_bad_options(argv, expected, capsys):
     ("threads = \n", "cannot read"),
     ("name = " + "[" * 600 + "]" * 600 + "\n", "nested too deeply"),
     (b"\xff\xfe", "cannot read"),
+    ("memory_budget = 1e303\n", "memory_budget (MB) must be in [1, 1e+09]"),  # was an OverflowError traceback
+    ("memory_budget = 1e-9\n", "memory_budget (MB) must be in [1, 1e+09]"),  # was a budget of 0 bytes
+    ("log_level = \"LOUD\"\n", "log_level must be one of DEBUG, INFO"),
 ])
 def test_agent_refuses_bad_config_values(tmp_path, text, expected, capsys):
     assert_one_line(*run(agent_main.main, ["--config", write(tmp_path, text)], capsys), expected)
+
+
+def test_the_agent_config_takes_the_log_level(tmp_path):
+    """Under systemd the level could be changed only in the unit's ExecStart: log_level was an unknown key."""
+    assert agent_main.read_config(write(tmp_path, 'log_level = "debug"\n')) == {"log_level": "debug"}
 
 
 def test_agent_command_line_overrides_the_config(tmp_path, capsys):

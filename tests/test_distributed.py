@@ -218,9 +218,13 @@ def test_bad_input_is_refused_with_a_reason_and_the_agent_survives(stories_weigh
             assert reply.kind == "error" and "shape" in reply.fields["reason"]
             reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0}, [np.ones((1, 64), np.float32)])))
             assert reply.kind == "partial" and reply.arrays[0].shape == (1, 64)
+            reply = ask(sock, encode(Message("block", {"kind": "mlp", "layer": 0, "start_pos": 0, "epoch": -1},
+                                             [np.ones((1, 64), np.float32)])))  # logged as a bug, with a traceback
+            assert reply.kind == "error" and "malformed message" in reply.fields["reason"], reply.fields
         finally:
             context.destroy(linger=0)
         assert cluster.processes[0].poll() is None  # still running
+        assert "unexpected error" not in "\n".join(cluster.processes[0].stderr_tail)
 
 
 def test_a_wrong_key_and_a_security_mismatch_are_named_at_once_not_taken_for_a_dead_device(stories_weights, tmp_path):

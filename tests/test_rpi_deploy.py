@@ -78,3 +78,13 @@ def test_the_installer_installs_only_what_is_named_exactly(tmp_path, argument, h
     out = subprocess.run(["bash", str(RPI / "install-agent.sh"), *args], capture_output=True, text=True, timeout=30,
                          env=env)
     assert out.returncode == 2 and said in out.stderr, out.stderr
+
+
+def test_a_cpu_quota_the_kernel_would_refuse_is_refused_at_once():
+    """cgroup v1 takes no cfs quota under 1000 us: the toggle thread's write failed with EINVAL and it returned, so
+    a throttle of 0.005 cores throttled nothing, without a word."""
+    from halo.rpi.throttle import CpuThrottle
+
+    with pytest.raises(ValueError, match="under the kernel's 1000 us"):
+        CpuThrottle(1, quota=0.005, period_s=0.2)
+    assert CpuThrottle(1, quota=0.005, period_s=0.2, cfs_period_us=1_000_000).quota == 0.005
