@@ -374,6 +374,11 @@ compute_gflops = 10
         out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--plan", str(plan), "--key",
                               str(workers.key_path)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 2 and "partial" in out.stderr
+        doc["stages"][1]["stop"], doc["model"]["dim"] = 7, 128  # a plan of another model with as many layers: it ran
+        plan.write_text(json.dumps(doc))
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--plan", str(plan), "--key",
+                              str(workers.key_path)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "the plan was made for another model" in out.stderr and "width 128" in out.stderr
 
 
 def test_the_self_benchmark_recovers_layer_time_and_overhead_despite_one_disturbed_sample(monkeypatch):

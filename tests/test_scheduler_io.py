@@ -112,8 +112,8 @@ def test_a_plan_made_for_another_model_is_refused_naming_what_differs(tmp_path):
     plan = plan_tp(load_cluster(EXAMPLE), model_profile(config, "int4"))
     plan_io.save(plan_io.tp_plan_json(plan), tmp_path / "p.json")
     back = plan_io.load(tmp_path / "p.json")
-    check_plan_fits(back, config, GroupLayout.for_model(config))  # its own model: nothing to say
+    check_plan_fits(back.model, config, GroupLayout.for_model(config))  # its own model: nothing to say
     other = named_config("llama-3.1-8b")
     with pytest.raises(ConfigError, match=r"made for another model .*MLP groups 43 \(this model: 56\)") as e:
-        check_plan_fits(back, other, GroupLayout.for_model(other))
+        check_plan_fits(back.model, other, GroupLayout.for_model(other))
     assert "halo-master plan --model" in str(e.value) and "layers" not in str(e.value)  # both have 32 layers

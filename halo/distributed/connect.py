@@ -67,7 +67,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         raise ConfigError(f"plan {plan!r}: give 'measured', {', '.join(repr(k) for k in EVEN_PLANS)} or a "
                           "TensorParallelPlan")
     else:
-        check_plan_fits(plan, weights.config, layout)
+        check_plan_fits(plan.model, weights.config, layout)
         planning = {"source": "given", "algorithm": plan.algorithm}
     if shares is None:
         order = head_order(weights, master_settings, heads)
@@ -78,14 +78,17 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     return model
 
 
-def check_plan_fits(plan, config, layout: GroupLayout) -> None:
-    """A given plan (`halo-master plan --out`) counts the groups of the model it was made for: this one's layers,
-    width and groups, or a ConfigError naming what differs (it failed as an IndexError deep in the shares)."""
-    made = plan.model
-    theirs = {"layers": made.n_layers, "width": made.dim, "attention heads": made.attention.count,
-              "MLP groups": made.mlp.count, "LM-head groups": made.lm_head.count}
-    ours = {"layers": config.n_layers, "width": config.dim, "attention heads": layout.n_attention_groups,
-            "MLP groups": layout.n_mlp_groups, "LM-head groups": layout.n_vocab_groups}
+def check_plan_fits(made, config, layout: GroupLayout | None = None) -> None:
+    """A given plan (`halo-master plan --out`) was made for a model (made: its ModelProfile) of this one's layers,
+    width and, for a tensor-parallel plan (layout), groups; or a ConfigError naming what differs (a TP plan failed as
+    an IndexError deep in the shares, a pipeline plan of another model's width ran with its memory figures)."""
+    theirs = {"layers": made.n_layers, "width": made.dim}
+    ours = {"layers": config.n_layers, "width": config.dim}
+    if layout is not None:
+        theirs.update({"attention heads": made.attention.count, "MLP groups": made.mlp.count,
+                       "LM-head groups": made.lm_head.count})
+        ours.update({"attention heads": layout.n_attention_groups, "MLP groups": layout.n_mlp_groups,
+                     "LM-head groups": layout.n_vocab_groups})
     differ = [f"{what} {theirs[what]} (this model: {ours[what]})" for what in ours if theirs[what] != ours[what]]
     if differ:
         raise ConfigError(f"the plan was made for another model ({made.name}: {', '.join(differ)}): make one for this "

@@ -106,6 +106,7 @@ def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context,
                        timeout, sha, threads) -> tuple[list | None, list[str]]:
     """Links to a plan's or cluster file's devices (appended to `links`); returns (the plan's stages by device
     name or None, names of devices that are browser tabs)."""
+    from halo.distributed.connect import check_plan_fits
     from halo.scheduler import plan_io
     from halo.scheduler.profiles import load_cluster
 
@@ -115,7 +116,8 @@ def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context,
         if not isinstance(loaded, tuple):
             raise ConfigError(f"{plan} is a tensor-parallel plan; --mode pipeline needs one written by "
                               "`halo-master plan --mode pipeline --out`")
-        pipeline_plan, cluster_file, _ = loaded
+        pipeline_plan, cluster_file, made_for = loaded
+        check_plan_fits(made_for, weights.config)  # layers and width: its stages' memory is that model's
         if pipeline_plan.n_units != weights.config.n_layers + 2:
             raise ConfigError(f"{plan} splits {pipeline_plan.n_units} units but this model has "
                               f"{weights.config.n_layers + 2} (embedding, {weights.config.n_layers} layers, head)")
