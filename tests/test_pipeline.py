@@ -400,3 +400,14 @@ def test_the_self_benchmark_recovers_layer_time_and_overhead_despite_one_disturb
     per_layer, overhead = profile.time_engine(FakeEngine, n_layers=8, dim=4)
     assert per_layer == pytest.approx(0.003) and overhead == pytest.approx(0.001)
     assert profile.time_engine(FakeEngine, n_layers=1, dim=4) == (pytest.approx(0.004), 0.0)
+
+
+def test_status_shows_a_stage_worker_instead_of_failing_on_it():
+    """`halo-master status --agents` on a halo-stage-worker ended in KeyError: 'profile' (its answer has no device
+    profile: it measures itself when a coordinator probes it)."""
+    with local_stage_workers(1) as workers:
+        out = subprocess.run([sys.executable, "-m", "halo.cli.master", "status", "--agents",
+                              workers.endpoints[0].split("://")[1], "--key", str(workers.key_path)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "stage worker, idle" in out.stdout and "0 forwards" in out.stdout, out.stdout

@@ -474,6 +474,8 @@ def _agent_cells(r: dict) -> dict[str, str]:
     """One agent's status answer by AGENT_COLUMNS (or "error": why it did not answer)."""
     if "error" in r:
         return {"agent": "?", "endpoint": r["endpoint"], "error": f"[red]{r['error']}[/red]"}
+    if "profile" not in r:  # a pipeline stage worker: it measures itself only when a coordinator probes it
+        return _stage_worker_cells(r)
     p, s = r["profile"], r["session"]
     share = f"{s['heads']} heads, {s['mlp_groups']} MLP groups for {s['master']}" if s else "idle"
     if r.get("loading"):
@@ -497,6 +499,17 @@ def _agent_cells(r: dict) -> dict[str, str]:
         f"{p['compute_flops'] / 1e9:.1f}", share, str(served["blocks"]),
         f"{per('compute_ms'):.2f} / {per('input_wait_ms'):.2f} / {per('send_ms'):.2f} / {per('predict_ms'):.2f}",
         per_kind, retransmitted)))
+
+
+def _stage_worker_cells(r: dict) -> dict[str, str]:
+    """A halo-stage-worker's status answer by AGENT_COLUMNS: its layer range, engine and how far it got."""
+    s, served = r["session"], r["served"]
+    session = (f"stage worker: units {s['units'][0]}..{s['units'][1] - 1} on {s['engine']}, {s['positions']} positions"
+               if s else "stage worker, idle")
+    per_forward = served.get("compute_ms", 0.0) / max(1, served.get("forwards", 0))
+    return {"agent": r["name"], "endpoint": r["endpoint"], "session": session,
+            "blocks served": f"{served.get('forwards', 0)} forwards",
+            "ms per block: compute / input wait / send / predict": f"{per_forward:.2f} a forward"}
 
 
 def cmd_fetch(args) -> int:
