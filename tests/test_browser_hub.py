@@ -93,3 +93,25 @@ def test_a_tab_returning_non_finite_or_absurd_hidden_states_is_dropped(stories_w
     tab.alive = True
     tab._call = lambda *a, **k: Message("output", {"compute_ms": 1.0}, [good, np.array([3], np.int64)])
     assert len(tab.forward(good, 0, HeadRequest())[0]) == 2
+
+
+def test_a_page_that_cannot_be_served_is_one_clear_error_and_ipv6_gets_a_usable_address(stories_weights):
+    """A port in use ended `generate --browser-workers` in an OSError traceback; `[::1]:0` was a gaierror, and
+    `::1:0` printed http://::1:PORT/, which is no URL."""
+    import socket
+
+    from halo.pipeline.browser import BrowserHub
+
+    hub_or_skip(stories_weights)  # (skips where the page is not built)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot serve the worker page on 127.0.0.1:{port}: .*--serve-worker"):
+            BrowserHub(stories_weights, f"127.0.0.1:{port}", 64, announce=lambda line: None).__enter__()
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    with BrowserHub(stories_weights, "[::1]:0", 64, announce=lambda line: None) as hub:
+        assert hub.url.startswith("http://[::1]:") and asyncio.run(join(hub.url)) == "joined"

@@ -63,8 +63,9 @@ class BrowserHub:
         if not assets_built():
             raise ConfigError(BUILD_HINT)
         host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--serve-worker {listen!r}: expected HOST:PORT")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:8765
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"--serve-worker {listen!r}: expected HOST:PORT ([ADDRESS]:PORT for IPv6)")
         self.weights, self.host, self.port, self.context = weights, host, int(port), context
         if bool(tls_cert) != bool(tls_key):
             raise ConfigError("give --worker-tls-cert and --worker-tls-key together")
@@ -90,9 +91,15 @@ class BrowserHub:
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def __enter__(self) -> "BrowserHub":
         self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        except OSError as e:  # a port in use, an address not of this machine, a certificate that does not load
+            self.__exit__(None, None, None)
+            raise ConfigError(f"cannot serve the worker page on {self.host}:{self.port}: {e} (choose another "
+                              "--serve-worker HOST:PORT, or check --worker-tls-cert/--worker-tls-key)") from None
         scheme = "https" if self.tls else "http"
         shown = "localhost" if self.host in ("127.0.0.1", "0.0.0.0", "") else self.host
+        shown = f"[{shown}]" if ":" in shown else shown  # an IPv6 address in a URL
         self.urls = [f"{scheme}://{shown}:{self.port}/?token={token}" for token in self.tokens]
         self.url = self.urls[0]
         for url in self.urls:
