@@ -44,8 +44,10 @@ def test_each_tab_has_a_token_of_its_own_and_each_admits_once(stories_weights):
     with hub_or_skip(stories_weights, tabs=2) as hub:
         assert len(set(hub.urls)) == 2
         first, second = hub.urls
-        assert asyncio.run(join(first)) == "joined"
-        assert asyncio.run(join(first)) == "refused 403"  # sniffed or shared: it joins no second tab
+        async def twice():  # the first tab still open
+            async with aiohttp.ClientSession() as session, session.ws_connect(first.replace("http", "ws", 1).replace("/?", "/ws?")):
+                return await join(first)
+        assert asyncio.run(twice()) == "refused 403"  # sniffed or shared: it joins no second tab
         assert asyncio.run(join(first.split("?")[0] + "?token=guess")) == "refused 403"
         assert asyncio.run(join(second)) == "joined"
 
@@ -115,3 +117,30 @@ def test_a_page_that_cannot_be_served_is_one_clear_error_and_ipv6_gets_a_usable_
         pytest.skip("no IPv6 on this machine")
     with BrowserHub(stories_weights, "[::1]:0", 64, announce=lambda line: None) as hub:
         assert hub.url.startswith("http://[::1]:") and asyncio.run(join(hub.url)) == "joined"
+
+
+def test_a_tab_reloaded_before_the_run_takes_it_joins_again(stories_weights):
+    """A tab that closed or reloaded before the plan started had spent its address: the reload was refused (403), the
+    coordinator waited out its 600 s and then said "only 1 of 1 browser workers opened their address". An address
+    still admits one tab at a time, and none once the run has taken its tab."""
+    import time
+
+    with hub_or_skip(stories_weights, tabs=1) as hub:
+        ws_url = hub.url.replace("http", "ws", 1).replace("/?", "/ws?")
+
+        async def scenario():
+            async with aiohttp.ClientSession() as session:
+                await (await session.ws_connect(ws_url)).close()  # the tab reloads
+                deadline = time.monotonic() + 5
+                while hub.left_early == 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                with pytest.raises(ConfigError, match=r"only 0 of 1 browser workers are open .* 1 tab\(s\) joined and left"):
+                    hub.wait_for_workers(1, 0.2)
+                reloaded = await session.ws_connect(ws_url)
+                assert await join(hub.url) == "refused 403"  # one tab at a time
+                taken = await asyncio.get_running_loop().run_in_executor(None, hub.wait_for_workers, 1, 5.0)
+                assert len(taken) == 1 and taken[0].claimed
+                await reloaded.close()
+                await asyncio.sleep(0.2)
+                assert await join(hub.url) == "refused 403"  # taken by the run: spent
+        asyncio.run(scenario())

@@ -77,7 +77,8 @@ class BrowserHub:
             (announce or print)(f"halo: WARNING: the worker page on {listen} without TLS: each tab's token and every "
                                 "hidden state cross the network in clear (give --worker-tls-cert/--worker-tls-key)")
         self.tokens = [secrets.token_urlsafe(16) for _ in range(max(1, tabs))]
-        self.unused = set(self.tokens)  # a token admits one WebSocket, once
+        self.unused = set(self.tokens)  # a token admits one WebSocket (again only if it left before the run took it)
+        self.left_early = 0  # tabs that joined and left before the run took them
         c = weights.config  # the largest message a stage exchanges: all positions' logits, or their hidden states
         self.max_message = 4 * context * max(c.dim, c.vocab_size) + (1 << 20)
         self.models: dict[str, bytes] = {}
@@ -197,6 +198,12 @@ class BrowserHub:
                     break
         finally:
             tab.gone("its WebSocket closed (the tab was closed, reloaded or lost its network)")
+            with self.joined:
+                if not tab.claimed:  # left before the run took it: its address admits the reloaded tab again
+                    self.unused.add(token)
+                    self.tabs.remove(tab)
+                    self.left_early += 1
+                self.joined.notify_all()
         return ws
 
     def wait_for_workers(self, n: int, timeout_s: float) -> list["BrowserStage"]:
@@ -205,10 +212,15 @@ class BrowserHub:
             while len([t for t in self.tabs if t.alive]) < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ConfigError(f"only {len(self.tabs)} of {n} browser workers opened their address "
-                                      f"({', '.join(self.urls)}) within {timeout_s:.0f} s")
+                    early = (f"; {self.left_early} tab(s) joined and left again (their addresses admit a tab again)"
+                             if self.left_early else "")
+                    raise ConfigError(f"only {len([t for t in self.tabs if t.alive])} of {n} browser workers are open "
+                                      f"on their addresses ({', '.join(self.urls)}) after {timeout_s:.0f} s{early}")
                 self.joined.wait(min(left, 1.0))
-            return [t for t in self.tabs if t.alive][:n]
+            taken = [t for t in self.tabs if t.alive][:n]
+            for tab in taken:
+                tab.claimed = True
+            return taken
 
 
 class BrowserStage:
@@ -221,6 +233,7 @@ class BrowserStage:
         self.name = f"browser-{len(hub.tabs) + 1}"
         self.traffic = Traffic()
         self.alive = True
+        self.claimed = False  # handed to the run by wait_for_workers: from then on its address is spent
         self.session = ""
         self.timeout_s = 30.0
         self.engine = "?"
