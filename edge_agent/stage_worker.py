@@ -11,7 +11,7 @@ numpy on the CPU, or torch on CUDA where a GPU is present -> `forward` messages 
 residual stream at a position) answered with the stage output -> `bye`, or a newer coordinator says
 hello. Every message is validated; a bad one gets an error with a reason and never ends the worker.
 A forward that would leave a hole in the KV cache (a position after the cached ones) is refused:
-the coordinator must replay what this worker never saw (halo/pipeline/recovery.py).
+the coordinator must replay what this worker never saw (halo/pipeline/coordinator.py).
 """
 
 from __future__ import annotations

@@ -411,3 +411,15 @@ def test_status_shows_a_stage_worker_instead_of_failing_on_it():
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     assert "stage worker, idle" in out.stdout and "0 forwards" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("extra", [["--sync", "halo"], ["--algorithm", "exact"], ["--all-devices"],
+                                   ["--mlp-group-size", "64"]])
+def test_a_pipeline_plan_refuses_what_only_tensor_parallel_planning_reads(tmp_path, extra):
+    """They were accepted without a word, and the same plan written."""
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('[cluster]\ncontext = 64\nweights = "fp32"\n[[device]]\nname = "gpu"\naddress = "10.0.0.2:7070"\n'
+                       'memory_mb = 1000\ncompute_gflops = 100\n')
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(cluster), "--mode", "pipeline",
+                          *extra], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"{extra[0]}: tensor-parallel planning only" in out.stderr, out.stderr

@@ -788,6 +788,13 @@ def cmd_plan(args) -> int:
     from halo.scheduler.profiles import load_cluster, model_profile, named_config
     from halo.scheduler.tp_plan import plan_tp
 
+    if args.mode == "pipeline":  # what only a tensor-parallel plan reads: refused, not ignored
+        given = [option for option, used in (("--sync", args.sync is not None), ("--all-devices", args.all_devices),
+                                             ("--algorithm", args.algorithm != "minmax"),
+                                             ("--mlp-group-size", args.mlp_group_size is not None)) if used]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: tensor-parallel planning only; a pipeline plan gives workers "
+                              "layer ranges by memory and speed (drop them, or plan --mode tp)")
     args.sync = plan_sync_mode(args)  # refused before anything loads, whichever planner runs
     if args.cluster is None:
         return _plan_measured(args)
