@@ -30,7 +30,7 @@ EPILOG = """examples:
 CONFIG_KEYS = ("listen", "key", "model", "name", "weights", "threads", "predictors", "memory_budget", "busy_poll",
                "authorized_masters", "log_level")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MEMORY_BUDGET_MB = (1.0, 1e9)  # a budget below a megabyte holds no share; above a petabyte it is a typo
+MEMORY_BUDGET_MB = (1e-6, 1e9)  # at least a byte (1e-9 was a budget of 0 bytes); above a petabyte it is a typo
 
 
 def budget_bytes(megabytes: float | None) -> int | None:

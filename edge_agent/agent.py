@@ -416,7 +416,7 @@ class Agent(ControlServer):
         self._check_budget(share, layout, context, fmt, hello.slots, streams)
         ranks = sync.policy.remap and sync.predict and any(ranks_next_layer_itself(sync.policy, share.mlp, l)
                                                             for l in range(c.n_layers))
-        predictors = self._predictors() if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
+        predictors = self._predictors(layout) if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
         prepared = self._prepared(fmt, layout) if sync.policy.remap else None
         # a new session keeps the previous one's shards whose groups stay here (after a sticky re-plan, most)
         if self.retired and not self.retired[0].compatible(self.weights, layout, context, fmt, self.threads, hello.slots):
@@ -489,7 +489,7 @@ class Agent(ControlServer):
                      "once per device: halo-agent prepare --model %s --weights %s", fmt, self.weights.source, fmt)
         return prepared
 
-    def _predictors(self):
+    def _predictors(self, layout: GroupLayout):
         """The model's predictors, loaded once; what they made this process grow by (their onnxruntime sessions,
         run once: a session allocates at its first run) is reported as `predictors_bytes` (a memory limit for HALO
         mode is sized from the share plus this runtime memory), as the agent's cgroup counts it."""
@@ -498,11 +498,12 @@ class Agent(ControlServer):
             from halo.predictors.store import load_predictors
 
             before = charged_bytes()
-            predictors = load_predictors(self.weights, self.predictors_dir)
+            predictors = load_predictors(self.weights, layout, self.predictors_dir)
             for layer in predictors.layers:
                 predictors.scores(layer, np.zeros(predictors.dim, np.float32))
             self._predictors_bytes = max(0, charged_bytes() - before)
             self._predictor_set = predictors
+        self._predictor_set.check_fits(layout, self.weights.config)  # (a later session may group otherwise)
         return self._predictor_set
 
     def _fill(self, message: Message) -> Message:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.compute.neuron_groups import GroupLayout
 from halo.compute.tracing import TracingTransformer
 from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     windows = [start + val[i * 127:(i + 1) * 127] for i in range(args.windows)]
     offset = args.windows * 127
     prompts = [start + val[offset + i * 200:offset + i * 200 + 32] for i in range(args.prompts)]
-    predictors = load_predictors(weights, args.predictors)
+    predictors = load_predictors(weights, GroupLayout.for_model(weights.config), args.predictors)
     static = static_ranking(model, tokenizer, train_text)
     reference = {"logits": [], "continuations": []}
     for w in windows:

@@ -97,6 +97,12 @@ class HaloLM(LM):
         else:
             if sync is not None:
                 raise ConfigError(f"sync={sync} synchronizes agents: add local_agents=N, agents=... or cluster=...")
+            defaults = SyncSettings()
+            unused = [name for name in ("inject_plr", "critical_fraction", "deadline_floor_ms", "deadline_ceiling_ms",
+                                        "wire_partials") if getattr(settings, name) != getattr(defaults, name)]
+            if unused or predictors:  # accuracy "under 50 % loss" was the lossless figure, without a word
+                raise ConfigError(f"{', '.join(unused + ['predictors'] * bool(predictors))}: set how a cluster's agents "
+                                  "sync, and this run has none: add local_agents=N, agents=... or cluster=...")
             self.model = Transformer(self.weights, fmt=weights, max_seq_len=context)
         self.max_length = self.model.max_seq_len
         identity = {k: v for k, v in dict(model=model, tokenizer=tokenizer, local_agents=local_agents, agents=agents,
@@ -157,6 +163,9 @@ class HaloLM(LM):
         """log P(continuation | context) and whether greedy decoding would produce it."""
         if not continuation_tokens:
             return 0.0, True
+        if len(continuation_tokens) > self.max_length:  # (an IndexError in the slicing below)
+            raise ConfigError(f"a continuation of {len(continuation_tokens)} tokens does not fit the context of "
+                              f"{self.max_length}: give a larger context=N in model_args (at most the model's)")
         tokens = list(context_tokens) + list(continuation_tokens)
         inputs = tokens[:-1][-self.max_length:]
         n = len(continuation_tokens)
@@ -263,7 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["halo-lm-eval", *argv]
-    cli_evaluate()
+    from halo.errors import HaloError
+
+    try:
+        cli_evaluate()
+    except HaloError as e:  # a bad model_args value, model file or cluster: one line, as halo-master says it
+        print(f"halo-lm-eval: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # (local agents are stopped on the way out)
+        print("halo-lm-eval: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

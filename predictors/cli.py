@@ -6,14 +6,17 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from halo.errors import HaloError
+from halo.arguments import integer
+from halo.errors import ConfigError, HaloError
 
 EPILOG = """example (the bundled model and the shared TinyStories text; first 80 % train, last 20 % validation):
-  halo-train-predictors --data tinystories_valid_dev.txt --out predictors/stories260K --hidden 64 --epochs 40
+  halo-train-predictors --model models/my-model.gguf --data tinystories_valid_dev.txt --out models/predictors
+  (halo-master and halo-agent look in predictors/ beside the model file, or where --predictors says)
 """
 
 
@@ -21,13 +24,30 @@ def train_predictors(model: str | None, data: str, out: str | Path, hidden: int 
                      max_chars: int | None = None, window: int = 256, train_fraction: float = 0.8,
                      mlp_group_size: int | None = None, progress: bool = True, keep_profile: bool = False) -> dict:
     """The whole pipeline; returns the manifest. Raises if ONNX and torch disagree by more than 1e-5."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "profile"  # kept there (--keep-profile); else a scratch directory of its own, removed whatever happens
+    if keep_profile and work.exists() and any(work.iterdir()):
+        raise ConfigError(f"{work} exists and is not empty: --keep-profile writes the profile there (move it, or give "
+                          "another --out)")
+    work = work if keep_profile else Path(tempfile.mkdtemp(dir=out, prefix=".profile-"))
+    try:
+        return _train(model, data, out, work, hidden, epochs, seed, max_chars, window, train_fraction, mlp_group_size,
+                      progress)
+    finally:
+        if not keep_profile:
+            shutil.rmtree(work, ignore_errors=True)  # (up to 5.7 GB for SmolLM2 and the full text)
+
+
+def _train(model, data, out: Path, work: Path, hidden, epochs, seed, max_chars, window, train_fraction, mlp_group_size,
+           progress) -> dict:
     from halo.predictors.export import export
     from halo.predictors.profiler import load_split, profile
     from halo.predictors.runtime import PredictorSet
     from halo.predictors.trainer import TrainSettings, torch_scores, train_layer
 
-    out = Path(out)
-    work = out / "profile"
     info = profile(model, data, work, train_fraction, window, max_chars, mlp_group_size, progress)
     meta = json.loads((work / "meta.json").read_text())
     settings = TrainSettings(hidden=hidden, epochs=epochs, seed=seed)
@@ -52,8 +72,6 @@ def train_predictors(model: str | None, data: str, out: str | Path, hidden: int 
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["onnx_torch_max_abs_diff"] = worst
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if not keep_profile:
-        shutil.rmtree(work)
     return manifest
 
 
@@ -86,21 +104,28 @@ def main(argv=None) -> int:
     parser.add_argument("--model", help="model file or HF directory (default: bundled stories260K)")
     parser.add_argument("--data", required=True, help="calibration text (UTF-8)")
     parser.add_argument("--out", required=True, help="output directory: manifest.json + layer_*.onnx")
-    parser.add_argument("--hidden", type=int, default=64, help="predictor hidden width (paper: 256 for 8B, 512 for 13B)")
-    parser.add_argument("--epochs", type=int, default=40, help="at most this many epochs (early stopping)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-chars", type=int, help="use only the first N characters of --data")
-    parser.add_argument("--window", type=int, default=256, help="tokens per profiling window")
+    parser.add_argument("--hidden", type=integer(1, 1 << 16), default=64,
+                        help="predictor hidden width (paper: 256 for 8B, 512 for 13B)")
+    parser.add_argument("--epochs", type=integer(1, 1 << 20), default=40,
+                        help="at most this many epochs (early stopping)")
+    parser.add_argument("--seed", type=integer(0, 2 ** 32 - 1), default=0)
+    parser.add_argument("--max-chars", type=integer(1), help="use only the first N characters of --data")
+    parser.add_argument("--window", type=integer(9, 1 << 20), default=256,
+                        help="tokens per profiling window (at least 9; at most the model's context)")
     parser.add_argument("--train-fraction", type=float, default=0.8, help="first part of the text for training")
-    parser.add_argument("--mlp-group-size", type=int, help="neurons per MLP group (default: as the runtime uses)")
+    parser.add_argument("--mlp-group-size", type=integer(1, 1 << 20), help="neurons per MLP group (default: the "
+                        "runtime's for this model; halo-master groups by it, and refuses predictors of another size)")
     parser.add_argument("--keep-profile", action="store_true", help="keep the profiled activations in OUT/profile")
     args = parser.parse_args(argv)
     try:
         manifest = train_predictors(args.model, args.data, args.out, args.hidden, args.epochs, args.seed, args.max_chars,
                                     args.window, args.train_fraction, args.mlp_group_size, True, args.keep_profile)
-    except HaloError as e:
+    except (HaloError, OSError, UnicodeDecodeError) as e:  # (an unreadable or non-UTF-8 --data, an unwritable --out)
         print(f"halo-train-predictors: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the profile is removed on the way out
+        print("halo-train-predictors: interrupted", file=sys.stderr)
+        return 130
     from rich.console import Console
     from rich.table import Table
 

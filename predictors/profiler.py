@@ -59,8 +59,11 @@ def profile(model_path: str | os.PathLike | None, text_path: str | os.PathLike, 
     text_path, out = Path(text_path), Path(out)
     if not text_path.is_file():
         raise ConfigError(f"{text_path}: no such calibration text file")
-    text = text_path.read_text(encoding="utf-8")
-    if max_chars:
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{text_path}: not UTF-8 text ({e})") from None
+    if max_chars is not None:
         text = text[:max_chars]
     weights = load_weights(model_path)
     tokenizer = load_tokenizer(weights)

@@ -38,17 +38,41 @@ class PredictorSet:
             raise ConfigError(f"{path}: these predictors were trained for another model "
                               f"(sha256 {manifest.get('model_sha256', '?')[:12]}..., this model {model_sha256[:12]}...)")
         self.manifest = manifest
-        self.n_heads = int(manifest["n_heads"])
-        self.n_mlp_groups = int(manifest["n_mlp_groups"])
-        self.dim = int(manifest["dim"])
+        try:
+            self.n_heads, self.n_mlp_groups, self.dim = (int(manifest[k]) for k in ("n_heads", "n_mlp_groups", "dim"))
+            self.mlp_group_size = int(manifest.get("mlp_group_size", 0))  # (0: a manifest older than the field)
+            files = {int(layer): directory / entry["file"] for layer, entry in manifest["layers"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{path}: a malformed manifest ({type(e).__name__}: {e}); retrain the predictors with "
+                              "halo-train-predictors") from None
         options = session_options(threads)
         self.sessions = {}
-        for layer, entry in manifest["layers"].items():
-            file = directory / entry["file"]
+        for layer, file in files.items():
             if not file.is_file():
                 raise ConfigError(f"{file}: listed in the manifest but missing")
-            self.sessions[int(layer)] = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
-        self.nbytes = sum((directory / e["file"]).stat().st_size for e in manifest["layers"].values())
+            try:
+                self.sessions[layer] = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime's own kinds (InvalidProtobuf, Fail, ...): a damaged or foreign file
+                raise ConfigError(f"{file}: not a predictor onnxruntime can load ({str(e)[:200]}); retrain the "
+                                  "predictors with halo-train-predictors") from None
+        self.nbytes = sum(file.stat().st_size for file in files.values())
+
+    def check_fits(self, layout, config) -> None:
+        """The predictors rank the groups of this layout (heads, MLP groups of the runtime's size) of a model this
+        wide and deep: a ConfigError naming what differs (predictors trained with another --mlp-group-size ranked
+        16 groups where the runtime had 8, and the first forward pass failed deep in the framing)."""
+        theirs = {"attention heads": self.n_heads, "MLP groups": self.n_mlp_groups, "width": self.dim}
+        ours = {"attention heads": layout.n_attention_groups, "MLP groups": layout.n_mlp_groups, "width": config.dim}
+        if self.mlp_group_size:
+            theirs["MLP group size"], ours["MLP group size"] = self.mlp_group_size, layout.mlp_group_size
+        differ = [f"{what} {theirs[what]} (this run: {ours[what]})" for what in ours if theirs[what] != ours[what]]
+        outside = [layer for layer in self.sessions if not 0 < layer < config.n_layers]
+        if outside:
+            differ.append(f"layers {outside} (this model: 1..{config.n_layers - 1})")
+        if differ:
+            raise ConfigError(f"{self.manifest.get('model', 'these predictors')}: trained for another layout: "
+                              f"{', '.join(differ)}; retrain them with halo-train-predictors (its default "
+                              "--mlp-group-size is the runtime's), or run with the group size they were trained for")
 
     @property
     def layers(self) -> list[int]:

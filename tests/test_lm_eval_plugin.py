@@ -119,6 +119,30 @@ def test_bad_model_args_say_what_is_wrong():
         HaloLM(temperature=0.5)
     with pytest.raises(ConfigError, match="local_agents"):
         HaloLM(sync="halo")
+    # loss and predictor settings without agents were ignored: "accuracy under 50 % loss" was the lossless figure
+    with pytest.raises(ConfigError, match=r"inject_plr, critical_fraction: set how a cluster's agents sync"):
+        HaloLM(inject_plr=0.5, critical_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"predictors: set how"):
+        HaloLM(predictors="/nonexistent")
+
+
+def test_a_continuation_longer_than_the_context_is_refused_with_the_limit():
+    """(An IndexError in the scoring.)"""
+    lm = HaloLM(context=16)
+    try:
+        with pytest.raises(ConfigError, match=r"does not fit the context of 16: give a larger context=N"):
+            lm.loglikelihood([request("loglikelihood", "Once", " upon a time there was a little girl named Lily who "
+                                      "loved to play outside in the park every day")])
+    finally:
+        lm.close()
+
+
+def test_the_command_line_says_a_configuration_error_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "halo.eval.lm_eval_plugin", "--model", "halo", "--model_args",
+                           "sync=halo", "--tasks", "tinystories_ppl", "--limit", "2"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "halo-lm-eval: error: sync=halo synchronizes agents" in done.stderr
 
 
 def test_registration_keeps_the_built_in_models():

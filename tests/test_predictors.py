@@ -128,3 +128,33 @@ def test_split_is_at_a_paragraph_boundary():
     assert train + val == "aaaa\n\nbbbb\n\ncccc\n\ndddd" and train.endswith("cccc")
     with pytest.raises(ConfigError):
         split_text("x", 1.5)
+
+
+def test_training_keeps_the_users_files_and_leaves_no_profile_behind(tmp_path, capsys):
+    """OUT/profile was the scratch directory and was removed whole afterwards (a user's OUT/profile/notes.txt with
+    it); a run that failed or was interrupted left its activations there (209 MB for SmolLM2 after 12 s)."""
+    from halo.predictors.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(DATA.read_text()[:20000] if DATA.exists() else SAMPLE)
+    out = tmp_path / "out"
+    (out / "profile").mkdir(parents=True)
+    (out / "profile" / "notes.txt").write_text("mine")
+    assert main(["--data", str(text), "--out", str(out), "--hidden", "8", "--epochs", "1"]) == 0
+    assert (out / "profile" / "notes.txt").read_text() == "mine" and (out / "manifest.json").exists()
+    assert not list(out.glob(".profile-*"))
+    failed = tmp_path / "failed"
+    assert main(["--data", str(text), "--out", str(failed), "--max-chars", "40"]) == 2  # too short to profile
+    assert "too short to profile" in capsys.readouterr().err and list(failed.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value", [("--epochs", "0"), ("--hidden", "0"), ("--window", "5"),
+                                           ("--max-chars", "0"), ("--mlp-group-size", "0")])
+def test_training_options_out_of_range_are_refused_before_anything_runs(tmp_path, option, value, capsys):
+    """(--epochs 0 was a TypeError traceback, --hidden 0 wrote predictors of a constant with exit 0, --max-chars 0
+    used the whole text.)"""
+    from halo.predictors.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--data", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"), option, value])
+    assert e.value.code == 2 and f"argument {option}" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from halo.compute.neuron_groups import GroupLayout
 from halo.compute.transformer import Transformer
 from halo.errors import ConfigError
 from halo.generation.generate import generate
@@ -164,7 +165,7 @@ def test_the_named_model_comes_with_its_predictors_and_runs_halo_mode(path):
     found = predictors_path(path)
     assert found.parent == SHIPPED_PREDICTORS and (found / "manifest.json").exists()
     weights = load_weights(str(path))
-    assert load_predictors(weights).layers == list(range(1, weights.config.n_layers))  # layer 0 is always exact
+    assert load_predictors(weights, GroupLayout.for_model(weights.config)).layers == list(range(1, weights.config.n_layers))  # layer 0 is always exact
     out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--model", NAME, "--chat", "--prompt",
                           KNOWN_ANSWERS[0][0], "--max-new-tokens", "8", "--local-agents", "2", "--sync", "halo",
                           "--json"], capture_output=True, text=True, timeout=600)
@@ -179,6 +180,7 @@ def test_a_model_without_predictors_names_what_is_shipped_and_how_to_train(tmp_p
     from gguf_models import TINY
 
     model = write_random_gguf(tmp_path / "random.gguf", TINY, "Q8_0")
-    with pytest.raises(ConfigError, match=r"ships them for: smollm2-135m-instruct\); train them: "
+    with pytest.raises(ConfigError, match=r"ships them for: smollm2-135m-instruct, stories260K\); train them: "
                                           r"halo-train-predictors --model .*random.gguf"):
-        load_predictors(load_weights(str(model)))
+        weights = load_weights(str(model))
+        load_predictors(weights, GroupLayout.for_model(weights.config))

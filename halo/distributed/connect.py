@@ -70,7 +70,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
         check_plan_fits(plan.model, weights.config, layout)
         planning = {"source": "given", "algorithm": plan.algorithm}
     if shares is None:
-        order = head_order(weights, master_settings, heads)
+        order = head_order(weights, master_settings, layout, heads)
         planning["heads"] = "index" if order is None else "importance"
         shares = shares_from_plan(plan, weights.config.n_layers, order)
     model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings, reuse=reuse)
@@ -171,7 +171,7 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
     return Cluster((master, *devices), context=context, weights=planning_format(settings.fmt, weights))
 
 
-def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "auto"):
+def head_order(weights: ModelWeights, settings: MasterSettings, layout: GroupLayout, heads: str = "auto"):
     """[L, H] heads by importance (halo/scheduler/importance.py), or None for index order."""
     if heads not in ("auto", "importance", "index"):
         raise ConfigError(f"heads={heads!r}: choose auto, importance or index")
@@ -185,7 +185,7 @@ def head_order(weights: ModelWeights, settings: MasterSettings, heads: str = "au
     from halo.scheduler.importance import cached_head_order
 
     try:
-        predictors = load_predictors(weights, settings.predictors)
+        predictors = load_predictors(weights, layout, settings.predictors)
     except ConfigError:
         if heads == "importance":
             raise

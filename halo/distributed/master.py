@@ -70,7 +70,7 @@ class DistributedModel:
         if self.sync.policy.remap and self.sync.predict:
             from halo.predictors.store import load_predictors
 
-            predictors = load_predictors(weights, settings.predictors)
+            predictors = load_predictors(weights, self.layout, settings.predictors)
 
         kept = kept_bytes(largest_pass_vector_bytes(c.dim, self.max_seq_len, self.slots))  # inputs kept for NACKs
 

@@ -122,10 +122,9 @@ class SyncSettings:
         if not 0 < self.deadline_floor_ms <= self.deadline_ceiling_ms:
             raise ConfigError(f"deadline floor {self.deadline_floor_ms} ms must be positive and at most the ceiling "
                               f"{self.deadline_ceiling_ms} ms")
-        if not 0 <= self.loss_deviations <= self.late_deviations < float("inf"):
+        if not 0 <= self.loss_deviations <= self.late_deviations:  # (finite: _check_types)
             raise ConfigError(f"loss_deviations ({self.loss_deviations:g}) must lie in [0, late_deviations "
-                              f"({self.late_deviations:g})] and both be finite: a partial with a hole is cut no later "
-                              "than one without")
+                              f"({self.late_deviations:g})]: a partial with a hole is cut no later than one without")
         if not 0.0 <= self.critical_fraction <= 1.0 or not 0.0 <= self.inject_plr < 1.0:
             raise ConfigError("critical_fraction must lie in [0, 1] and inject_plr in [0, 1)")
         if not 0 <= self.parity_group <= MAX_GROUP or self.parity_chunks not in (1, 2) or self.deadline_slack <= 0:
