@@ -53,6 +53,24 @@ def test_fetch_verifies_caches_and_resolves(fake_model):
     assert str(models.resolve_model("./some/file.gguf")) == "some/file.gguf"  # paths pass through
 
 
+def test_a_damaged_cached_copy_is_refused_with_the_fetch_to_run(fake_model, monkeypatch, tmp_path):
+    """Only the size was checked: a cached SmolLM2 with 4 MB overwritten mid-file decoded token 0 forever, exit 0."""
+    import os
+
+    monkeypatch.setenv("HALO_FINGERPRINT_CACHE_DIR", str(tmp_path / "fp"))
+    path = models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))
+    assert models.resolve_model("tiny-test") == path
+    stat = path.stat()
+    with open(path, "r+b") as f:  # same size, same modification time: only the bytes (and the change time) differ
+        f.seek(len(PAYLOAD) // 2)
+        f.write(b"damage")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ConfigError, match=r"is not the file fetch verified .* run `halo-master fetch tiny-test` again"):
+        models.resolve_model("tiny-test")
+    models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))  # mends it
+    assert models.resolve_model("tiny-test") == path
+
+
 def test_a_cache_directory_that_cannot_be_made_is_named_with_the_fix(fake_model, monkeypatch, tmp_path):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("HALO_CACHE_DIR", str(tmp_path / "a-file" / "models"))  # below a file: no directory there
@@ -131,3 +149,7 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     os.utime(model, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns + 10**9))
     assert loader.model_fingerprint(model) == hashlib.sha256(b"model.bin" + PAYLOAD[::-1]).hexdigest()
     assert len(reads) == 2
+    stat = model.stat()  # replaced by another file of the same size and modification time (cp -p): hashed again
+    model.write_bytes(PAYLOAD)
+    os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert loader.model_fingerprint(model) == expected and len(reads) == 3

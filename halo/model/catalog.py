@@ -67,6 +67,13 @@ def resolve_model(value: str | os.PathLike) -> Path:
     if path.stat().st_size != model.size:
         raise ConfigError(f"{path} has {path.stat().st_size} bytes, not {model.size}: run `halo-master fetch {name}` "
                           "again")
+    from halo.model.loader import cached_digest
+
+    # the bytes as fetched (once per file identity: ~0.3 s for SmolLM2): a damaged copy of the same size decoded
+    # token 0 forever, exit 0
+    if cached_digest([path], "plain sha256\n", lambda: file_sha256(path)) != model.sha256:
+        raise ConfigError(f"{path} is not the file fetch verified (its sha256 differs: damaged or replaced): run "
+                          f"`halo-master fetch {name}` again")
     return path
 
 
@@ -97,7 +104,7 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
     model = MODELS[name]
     target = cached_path(model)
     if target.is_file() and target.stat().st_size == model.size and file_sha256(target) == model.sha256:
-        return target
+        return target  # (hashed here whatever the cache says: fetch is how a damaged copy is mended)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(target.parent, os.W_OK):

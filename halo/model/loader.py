@@ -76,28 +76,37 @@ def model_fingerprint(path: str | os.PathLike) -> str:
 
     Hashing reads the whole model (a 1.1B model in float32: ~4.4 GB, seconds), and masters compute it at
     every hello (a re-plan says hello again), agents at every start: so the digest is kept per file
-    identity (path, size, modification time, inode) in this process and on disk (fingerprint_cache_dir()).
-    A file rewritten in place gets a new modification time and is hashed again."""
+    identity (cached_digest)."""
     import hashlib
 
     path = model_path(path)
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
         or p.name in ("model.safetensors.index.json", "tokenizer.json"))
-    identity = _file_identity(files)
+
+    def digest() -> str:
+        whole = hashlib.sha256()
+        for file in files:
+            whole.update(os.fsencode(file.name))  # (a name that is not UTF-8 is still bytes)
+            with open(file, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    whole.update(block)
+        return whole.hexdigest()
+
+    return cached_digest(files, "", digest)
+
+
+def cached_digest(files: list[Path], kind: str, compute) -> str:
+    """compute() (a sha256 of the files), kept per kind and file identity (path, size, modification and change
+    times, inode) in this process and on disk (fingerprint_cache_dir()): a file rewritten, or replaced by another
+    with the same size and modification time (cp -p), is hashed again (its change time moves on)."""
+    identity = kind + _file_identity(files)
     cached = _FINGERPRINTS.get(identity) or _read_cached_fingerprint(identity)
-    if cached:
-        _FINGERPRINTS[identity] = cached
-        return cached
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        with open(file, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    _FINGERPRINTS[identity] = digest.hexdigest()
-    _write_cached_fingerprint(identity, _FINGERPRINTS[identity])
-    return _FINGERPRINTS[identity]
+    if not cached:
+        cached = compute()
+        _write_cached_fingerprint(identity, cached)
+    _FINGERPRINTS[identity] = cached
+    return cached
 
 
 _FINGERPRINTS: dict[str, str] = {}
@@ -113,7 +122,8 @@ def _file_identity(files: list[Path]) -> str:
     parts = []
     for file in files:
         st = file.stat()
-        parts.append(f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_dev}")
+        parts.append(f"{os.fsencode(file.resolve())!r}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|"
+                     f"{st.st_dev}")
     return "\n".join(parts)
 
 
