@@ -120,3 +120,29 @@ def test_probabilities_worked_in_place_have_the_bits_of_the_plain_formula():
                 expected /= expected.sum()
             got = Sampler(SamplingSettings(temperature, top_k=top_k, top_p=top_p)).probabilities(logits)
             assert np.array_equal(got, expected)
+
+
+def test_logits_with_a_nan_or_a_positive_infinity_are_a_damaged_model_not_token_0():
+    """argmax of a NaN is 0: a model with one NaN weight (or a NaN norm epsilon) decoded token 0 forever, exit 0."""
+    from halo.errors import HaloError
+
+    for bad in (np.array([1.0, np.nan, 2.0], np.float32), np.array([1.0, np.inf, 2.0], np.float32),
+                np.full(3, -np.inf, np.float32)):
+        for temperature in (0.0, 0.8):
+            with pytest.raises(HaloError, match="logits are not finite .* weights are damaged"):
+                Sampler(SamplingSettings(temperature, seed=1))(bad)
+
+
+@pytest.mark.parametrize("field, value", [("norm_eps", float("nan")), ("norm_eps", 0.0), ("rope_theta", 0.0),
+                                          ("rope_theta", -1.0), ("rope_theta", float("inf")), ("bos_id", 512),
+                                          ("eos_ids", (2, 99999))])
+def test_a_model_config_refuses_what_no_model_can_run(field, value):
+    """Checked where every format's reader builds it: a NaN epsilon or a zero rope base decoded token 0 forever; a
+    Hugging Face bos_token_id past the vocabulary was a ValueError at the first token, an eos one never matched."""
+    from halo.errors import ConfigError
+    from halo.model.config import ModelConfig
+
+    shape = dict(dim=64, hidden_dim=128, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=512, max_seq_len=64)
+    ModelConfig(**shape)
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**shape, **{field: value})

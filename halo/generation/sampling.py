@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from halo.errors import ConfigError
+from halo.errors import ConfigError, HaloError
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,23 @@ class SamplingSettings:
 DRAW_BLOCK = 512  # tokens a draw sums one by one (Sampler.draw)
 
 
+def check_finite(logits: np.ndarray) -> None:
+    """Logits with a NaN or a +infinity, or none finite: a HaloError (argmax of a NaN is token 0: a damaged model said
+    "" forever, exit 0). -infinity is a masked token (a top-k head's), not damage."""
+    finite = np.isfinite(logits)
+    if not finite.all() and (np.isnan(logits).any() or np.isposinf(logits).any() or not finite.any()):
+        raise HaloError(f"the model's logits are not finite ({int(np.isnan(logits).sum())} NaN, "
+                        f"{int(np.isposinf(logits).sum())} +infinite of {logits.size}): its weights are damaged (fetch "
+                        "a named model again; check the file, or a device's copy of it)")
+
+
 class Sampler:
     def __init__(self, settings: SamplingSettings):
         self.settings = settings
         self.rng = np.random.default_rng(settings.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        check_finite(logits)
         probs = self.probabilities(logits)
         return int(np.argmax(logits)) if probs is None else self.draw(probs)
 

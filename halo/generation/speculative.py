@@ -28,7 +28,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from halo.compute.worker import STEPWISE_TOKENS
 from halo.errors import ConfigError
-from halo.generation.sampling import Sampler
+from halo.generation.sampling import Sampler, check_finite
 
 MAX_DRAFTS = STEPWISE_TOKENS - 1  # the last chosen token rides in the pass too
 
@@ -214,6 +214,7 @@ def accept(logits: np.ndarray, drafts: list[int], sampler: Sampler) -> list[int]
     """The tokens a verification pass yields: the drafts the model accepts, in order, then one token of its own
     (the correction at the first rejection, or the next one after them all). logits [len(drafts) + 1, V]: the
     model's at the last chosen token and at each draft."""
+    check_finite(logits)
     out: list[int] = []
     for i, draft in enumerate(drafts):
         probs = sampler.probabilities(logits[i])

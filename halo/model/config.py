@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from halo.errors import ConfigError
@@ -48,6 +49,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model config: head_dim={self.head_dim} must be even for rotary embeddings")
+        for name in ("norm_eps", "rope_theta"):  # (a NaN epsilon or a zero base decoded token 0 forever)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"model config: {name} must be a positive finite number, got {value!r}")
+        for name, ids in (("bos_id", () if self.bos_id is None else (self.bos_id,)), ("eos_ids", self.eos_ids)):
+            if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+                raise ConfigError(f"model config: {name} {ids} must be token ids of the vocabulary "
+                                  f"(0..{self.vocab_size - 1})")
 
     @property
     def kv_group(self) -> int:
