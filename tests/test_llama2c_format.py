@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from halo import BUNDLED_MODEL, BUNDLED_TOKENIZER
-from halo.errors import ModelFormatError
+from halo.errors import ConfigError, ModelFormatError
 from halo.model.formats import llama2c
 from halo.model.loader import load_tokenizer, load_weights
 from halo.model.tokenizer import Llama2cTokenizer
@@ -138,3 +138,15 @@ def test_out_of_vocabulary_id_is_refused():
 
 def test_weights_are_float32_memory_maps_where_possible(stories_weights):
     assert isinstance(stories_weights.layers[0].wv, np.memmap) or isinstance(stories_weights.layers[0].wv.base, np.memmap)
+
+
+def test_a_vocabulary_without_bos_or_eos_encodes_and_says_what_an_empty_prompt_needs():
+    """A SentencePiece GGUF without bos_token_id put None first (a TypeError at the first pass); one without an EOS id
+    was an IndexError when its tokenizer was built."""
+    from halo.generation.generate import encode_prompt
+
+    tok = Llama2cTokenizer(TOKENIZER, 512, bos_id=None, eos_ids=())
+    assert None not in tok.encode("Once upon a time") and tok.encode("Once upon a time")
+    assert tok.encode("") == [] and tok.eos_ids == ()
+    with pytest.raises(ConfigError, match="no BOS token: give a prompt"):
+        encode_prompt(tok, "", 64)

@@ -57,7 +57,7 @@ def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | No
     if tokenizer_path is None:
         candidates = sorted(source.parent.glob("tok*.bin")) + [Path(str(BUNDLED_TOKENIZER))]
         tokenizer_path = candidates[0]
-    return Llama2cTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids[0])
+    return Llama2cTokenizer(tokenizer_path, config.vocab_size, config.bos_id, config.eos_ids)
 
 
 def load_config(path: str | os.PathLike | None = None):

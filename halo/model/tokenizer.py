@@ -60,14 +60,15 @@ class Llama2cTokenizer:
     ties go to the leftmost pair, as in llama2.c.
     """
 
-    def __init__(self, path: str | os.PathLike, vocab_size: int, bos_id: int = 1, eos_id: int = 2, *,
+    def __init__(self, path: str | os.PathLike, vocab_size: int, bos_id: int | None = 1, eos_ids: tuple[int, ...] = (2,), *,
                  pieces: list[bytes] | None = None, scores: np.ndarray | None = None, add_dummy_prefix: bool = True):
-        """Reads tokenizer.bin at `path`, or takes `pieces` and `scores` (a GGUF SentencePiece vocabulary)."""
+        """Reads tokenizer.bin at `path`, or takes `pieces` and `scores` (a GGUF SentencePiece vocabulary). bos_id None:
+        the model has none (nothing is put first); eos_ids may be empty (the context's end ends a generation)."""
         self.path = Path(path)
         self.pieces, self.scores = (pieces, scores) if pieces is not None else llama2c.read_tokenizer(path, vocab_size)
         self.add_dummy_prefix = add_dummy_prefix
         self.vocab_size = len(self.pieces)
-        self.bos_id, self.eos_ids, self.unk_id = bos_id, (eos_id,), 0
+        self.bos_id, self.eos_ids, self.unk_id = bos_id, tuple(eos_ids), 0
         self.chat_template: ChatTemplate | None = None  # llama2.c models are not chat-tuned
         self.piece_id: dict[bytes, int] = {}
         for i, piece in enumerate(self.pieces):
@@ -82,7 +83,7 @@ class Llama2cTokenizer:
             raise ModelFormatError(path, f"expected 256 byte-fallback pieces <0x00>..<0xFF>, found {len(self.byte_id)}")
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        ids = [self.bos_id] if bos else []
+        ids = [self.bos_id] if bos and self.bos_id is not None else []
         if not text:
             return ids
         symbols: list[int] = [self.piece_id[b" "]] if self.add_dummy_prefix and b" " in self.piece_id else []
@@ -292,10 +293,9 @@ def gguf_tokenizer(file, config) -> Tokenizer:
         if outside:
             raise ModelFormatError(path, f"special token id {outside[0]} is outside the {len(tokens)} tokens")
         pieces = [t.replace("\u2581", " ").encode("utf-8") for t in tokens]
-        tokenizer = Llama2cTokenizer(path, len(tokens), config.bos_id, config.eos_ids[0] if config.eos_ids else -1,
+        tokenizer = Llama2cTokenizer(path, len(tokens), config.bos_id, config.eos_ids,
                                      pieces=pieces, scores=np.asarray(scores, np.float32),
                                      add_dummy_prefix=file.get("tokenizer.ggml.add_space_prefix", bool, True))
-        tokenizer.eos_ids = config.eos_ids
         tokenizer.chat_template = template
         return tokenizer
     if kind != "gpt2":

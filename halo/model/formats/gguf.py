@@ -262,14 +262,13 @@ def read_config(path: str | os.PathLike, file: GGUFFile | None = None) -> ModelC
         raise ModelFormatError(file.path, "tensor token_embd.weight is missing")
     vocab = file.get("llama.vocab_size", default=embedding.shape[0])
     special = {key: file.get(key, default=None, required=False) for key in SPECIAL_TOKEN_KEYS}
+    for key, token in special.items():  # a BOS outside the embedding would fail only once generation starts
+        if token is not None and not 0 <= token < vocab:
+            raise ModelFormatError(file.path, f"{key}={token} is outside the vocabulary (0..{vocab - 1})")
     try:
-        config = _model_config(file, dim, heads, head_dim, vocab, special)
+        return _model_config(file, dim, heads, head_dim, vocab, special)
     except ConfigError as e:  # shapes the metadata states but a model cannot have (e.g. heads not a multiple of kv)
         raise ModelFormatError(file.path, str(e)) from None
-    for key, token in special.items():  # a BOS outside the embedding would fail only once generation starts
-        if token is not None and not 0 <= token < config.vocab_size:
-            raise ModelFormatError(file.path, f"{key}={token} is outside the vocabulary (0..{config.vocab_size - 1})")
-    return config
 
 
 def _model_config(file: GGUFFile, dim: int, heads: int, head_dim: int, vocab: int, special: dict) -> ModelConfig:
