@@ -30,17 +30,21 @@ def gguf_from_hf(path: Path, reference, qtype: str = "F32") -> Path:
 
 
 def raw_gguf(path: Path, types: dict[str, str] | None = None, arch: str = "llama", tokenizer=True,
-             skip: tuple[str, ...] = (), vocab_size: int | None = None) -> Path:
+             skip: tuple[str, ...] = (), vocab_size: int | None = None, block_count: int | bool | None = None) -> Path:
     """A TINY-shaped GGUF of zero weights with chosen tensor types (GGUF names -> type; quantized tensors are
     zero blocks, any type), another architecture, no tokenizer, or tensors left out. `tokenizer` may be a
-    function(writer) that writes the tokenizer metadata."""
+    function(writer) that writes the tokenizer metadata; block_count: the metadata's (a bool: stored as one) over
+    TINY's layers."""
     import gguf
     import numpy as np
 
     types = types or {}
     writer = gguf.GGUFWriter(str(path), arch)
     t = dict(TINY, vocab_size=vocab_size or TINY["vocab_size"])
-    writer.add_block_count(t["num_hidden_layers"])
+    if isinstance(block_count, bool):
+        writer.add_bool(f"{arch}.block_count", block_count)
+    else:
+        writer.add_block_count(t["num_hidden_layers"] if block_count is None else block_count)
     writer.add_context_length(t["max_position_embeddings"])
     writer.add_embedding_length(t["hidden_size"])
     writer.add_feed_forward_length(t["intermediate_size"])

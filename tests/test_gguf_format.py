@@ -361,3 +361,15 @@ def test_a_large_random_gguf_is_written_a_run_of_rows_at_a_time(tmp_path, monkey
     want = gguf.quants.dequantize(gguf.quants.quantize(expected["lm_head.weight"], gguf.GGMLQuantizationType.Q4_0),
                                   gguf.GGMLQuantizationType.Q4_0)
     assert np.array_equal(head, want)
+
+
+@pytest.mark.parametrize("block_count, said", [
+    (1, r"stores layers \[1\] past llama.block_count=1"),  # ran one layer of two, other tokens, exit 0
+    (True, r"metadata llama.block_count=True is not a int"),  # a bool was taken for the integer 1
+])
+def test_a_block_count_that_disagrees_with_the_tensors_is_refused(tmp_path, block_count, said):
+    from gguf_models import raw_gguf
+
+    path = raw_gguf(tmp_path / "model.gguf", block_count=block_count)
+    with pytest.raises(ModelFormatError, match=said):
+        load_weights(path)

@@ -236,9 +236,14 @@ def read_hf_chat_template(directory: Path) -> ChatTemplate | None:
             config = json.loads(config_path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ModelFormatError(config_path, f"not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ModelFormatError(config_path, f"holds a JSON {type(config).__name__}, not an object of settings")
     source, origin = config.get("chat_template"), config_path
     if jinja_path.is_file():
-        source, origin = jinja_path.read_text(), jinja_path
+        try:
+            source, origin = jinja_path.read_text(encoding="utf-8"), jinja_path
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFormatError(jinja_path, f"cannot read the chat template: {e}") from None
     if isinstance(source, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")

@@ -26,6 +26,7 @@ import numpy as np
 
 from halo.errors import ConfigError, ModelFormatError
 from halo.model.config import ModelConfig
+from halo.model.formats import layers_past
 from halo.model.formats.llama2c import interleaved_to_half_rope, permute_heads
 from halo.model.quant import KERNEL_CODECS, QuantizedMatrix, codec_for
 from halo.model.weights import LayerWeights, ModelWeights
@@ -217,7 +218,7 @@ class GGUFFile:
             return int(value)
         if kind is list and isinstance(value, StringArray):
             return list(value)
-        if not isinstance(value, kind):
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:  # (True is an int to Python)
             raise ModelFormatError(self.path, f"metadata {key}={value!r} is not a {kind.__name__}")
         return value
 
@@ -299,6 +300,9 @@ def read_checkpoint(path: str | os.PathLike) -> ModelWeights:
 
     embeddings = file.tensor("token_embd.weight", (c.vocab_size, c.dim))
     head = embeddings if c.tied_embeddings else file.tensor("output.weight", (c.vocab_size, c.dim))
+    if past := layers_past(file.tensors, "blk.", c.n_layers):
+        raise ModelFormatError(file.path, f"it stores layers {past[:4]} past llama.block_count={c.n_layers}: the metadata"
+                               " and the tensors disagree (a damaged or mis-converted file)")
     final_norm = file.tensor("output_norm.weight", (c.dim,))
     if not np.isfinite(final_norm).all():
         raise ModelFormatError(file.path, "output_norm.weight holds NaN/inf: the file is corrupted")

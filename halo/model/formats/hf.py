@@ -9,6 +9,7 @@ from pathlib import Path
 from halo.arguments import check_integer, check_number
 from halo.errors import ConfigError, ModelFormatError
 from halo.model.config import Llama3RopeScaling, ModelConfig
+from halo.model.formats import layers_past
 from halo.model.formats.safetensors_file import SafetensorsFile
 from halo.model.weights import LayerWeights, ModelWeights
 
@@ -24,6 +25,14 @@ def _field(config: dict, path: Path, name: str, kind=int, default=None):
         return check_integer(value, "", 1) if kind is int else check_number(value, "", 0, low_open=True)
     except ConfigError as e:
         raise ModelFormatError(path, f"config.json field '{name}'={value!r:.80}: {e}") from None
+
+
+def _flag(config: dict, path: Path, name: str) -> bool:
+    """A true/false field (the string "false" was read as true)."""
+    value = config.get(name, False)
+    if not isinstance(value, bool):
+        raise ModelFormatError(path, f"config.json field '{name}' must be true or false, got {value!r:.40}")
+    return value
 
 
 def _token_id(value, path: Path, name: str) -> int:
@@ -97,7 +106,7 @@ def read_config(directory: Path) -> ModelConfig:
             norm_eps=_field(raw, path, "rms_norm_eps", float, 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tied_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tied_embeddings=_flag(raw, path, "tie_word_embeddings"),
             bos_id=None if bos is None else _token_id(bos, path, "bos_token_id"),
             eos_ids=eos_ids,
         )
@@ -171,6 +180,9 @@ def read_checkpoint(directory: str | os.PathLike) -> ModelWeights:
         w_gate=layer_tensor(i, "mlp.gate_proj"), w_up=layer_tensor(i, "mlp.up_proj"),
         w_down=layer_tensor(i, "mlp.down_proj"),
     ) for i in range(c.n_layers)]
+    if past := layers_past(index.where, "model.layers.", c.n_layers):
+        raise ModelFormatError(directory, f"it stores layers {past[:4]} past num_hidden_layers={c.n_layers}: config.json"
+                               " and the weights disagree")
     embeddings = index.float32("model.embed_tokens.weight", (c.vocab_size, c.dim))
     if c.tied_embeddings or "lm_head.weight" not in index:
         if not c.tied_embeddings:

@@ -65,7 +65,23 @@ class SafetensorsFile:
                                        f"{shape} {dtype_name} ({expected} bytes) inside {data_len} data bytes "
                                        "(truncated file?)")
             self.entries[name] = (dtype_name, shape, begin)
+        self._check_tiling([(entry["data_offsets"][0], entry["data_offsets"][1], name) for name, entry in header.items()],
+                           data_len)
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _check_tiling(self, ranges: list[tuple[int, int, str]], data_len: int) -> None:
+        """The tensors' byte ranges cover the data exactly, each byte once, as the format requires (safetensors' own
+        loader refuses the rest): a header that re-types a tensor over part of its bytes, or gives two tensors the
+        same bytes, ran and printed garbage."""
+        at = 0
+        for begin, end, name in sorted(ranges):
+            if begin != at:
+                raise ModelFormatError(self.path, f"tensor {name}: its data starts at byte {begin}, the one before it "
+                                       f"ends at {at} ({'overlapping' if begin < at else 'a gap'}: a damaged header)")
+            at = end
+        if at != data_len:
+            raise ModelFormatError(self.path, f"the tensors cover {at} of the {data_len} data bytes (a damaged header, "
+                                   "or bytes appended)")
 
     def names(self) -> list[str]:
         return list(self.entries)
