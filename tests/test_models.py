@@ -153,3 +153,15 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     model.write_bytes(PAYLOAD)
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert loader.model_fingerprint(model) == expected and len(reads) == 3
+
+
+def test_a_cache_that_cannot_take_the_file_is_one_line(fake_model, tmp_path):
+    """A full disk, or a directory where the model file belongs, was an OSError traceback after the download."""
+    models.cache_dir().mkdir(parents=True)
+    (models.cache_dir() / "model.gguf").mkdir()  # where the file belongs
+    with pytest.raises(ConfigError, match=r"cannot write .*model.gguf: .*point HALO_CACHE_DIR"):
+        models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))
+    (models.cache_dir() / "model.gguf").rmdir()
+    (models.cache_dir() / "model.gguf.partial").symlink_to("/dev/full")  # no space left
+    with pytest.raises(ConfigError, match=r"No space left on device"):
+        models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))

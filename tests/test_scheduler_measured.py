@@ -170,6 +170,26 @@ def test_device_benchmark_is_cached_per_quota_and_format(tmp_path, monkeypatch, 
     assert len(list(tmp_path.glob("device-*.json"))) == 2
 
 
+@pytest.mark.parametrize("damage", ["{}", "[]", '{"compute_flops": NaN}', "DAMAGED-FIELDS"])
+def test_a_damaged_cached_benchmark_is_measured_again(tmp_path, monkeypatch, stories_weights, damage):
+    """Any JSON was trusted for a day: {} was a KeyError in planning, [] a TypeError, a string field an agent
+    "reporting a malformed profile" (with advice to upgrade), a NaN in the master's file blamed on an agent."""
+    import json
+
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.runtime import measure
+
+    monkeypatch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path))
+    layout = GroupLayout.for_model(stories_weights.config)
+    first = measure.measure_device(stories_weights, layout, "fp32", name="pi")
+    [cached] = tmp_path.glob("device-*.json")
+    if damage == "DAMAGED-FIELDS":
+        damage = json.dumps({**json.loads(cached.read_text()), "overhead_s": ["a", "b", "c"]})
+    cached.write_text(damage)
+    again = measure.measure_device(stories_weights, layout, "fp32", name="pi")
+    assert again["samples"] != first["samples"] and measure.usable_benchmark(json.loads(cached.read_text()), "fp32", 1)
+
+
 def test_device_cache_lives_apart_and_its_pruning_removes_only_stale_benchmarks(tmp_path, monkeypatch,
                                                                                    stories_weights):
     import os

