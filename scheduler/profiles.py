@@ -8,7 +8,8 @@ Units: bytes, FLOP/s, seconds, bits/s. A cluster file is TOML:
 
     [[device]]
     name = "pi-1"
-    address = "192.168.1.20:7070"   # optional
+    address = "192.168.1.20:7070"   # optional; "browser": a tab that opens the worker page (pipeline mode);
+                                    # "local" (the master): this process
     memory_mb = 3000                # budget halo may use on the device
     compute_gflops = 14.4           # effective FLOP/s on matrix-vector work
     plr = 0.01                      # packet loss rate of its link, 0..1
@@ -38,10 +39,13 @@ from halo.model.config import ModelConfig
 MB = 1_000_000
 
 KV_BYTES = 4  # halo keeps the KV cache in fp32
+SPECIAL_ADDRESSES = ("browser", "local")  # a tab that opens the worker page; the master's own process
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """One device as the planner sees it (address "": not reachable by address, e.g. the master)."""
+
     name: str
     memory_bytes: float
     compute_flops: float
@@ -65,16 +69,17 @@ class DeviceProfile:
         check_number(self.latency_s, f"{where}: the latency", 0)
         if not isinstance(self.address, str):
             raise ConfigError(f"{where}: address must be a string such as \"192.168.1.20:7070\", got {self.address!r}")
-        if self.address:
+        if self.address and self.address not in SPECIAL_ADDRESSES:
             try:
                 parse_endpoint(self.address)
             except ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from None
+                raise ConfigError(f"{where}: {e} (or \"browser\" for a tab, \"local\" for the master)") from None
         if isinstance(self.overhead_s, (int, float)):  # one figure for every kind of block
-            object.__setattr__(self, "overhead_s", (float(self.overhead_s),) * 3)
-        object.__setattr__(self, "overhead_s", tuple(float(o) for o in self.overhead_s))
-        if len(self.overhead_s) != 3 or min(self.overhead_s) < 0:
-            raise ConfigError(f"{where}: overhead times must be three non-negative numbers, got {self.overhead_s}")
+            object.__setattr__(self, "overhead_s", (self.overhead_s,) * 3)
+        if not isinstance(self.overhead_s, (list, tuple)) or len(self.overhead_s) != 3:
+            raise ConfigError(f"{where}: overhead times must be three non-negative numbers, got {self.overhead_s!r:.80}")
+        object.__setattr__(self, "overhead_s", tuple(check_number(o, f"{where}: an overhead time", 0)
+                                                     for o in self.overhead_s))
         check_number(self.message_s, f"{where}: the message time", 0)
 
 
@@ -92,6 +97,10 @@ class Cluster:
             raise ConfigError(f"device names must be unique, got {names}")
         if sum(d.is_master for d in self.devices) > 1:
             raise ConfigError("more than one device says master = true")
+        addresses = [d.address for d in self.devices if d.address and d.address not in SPECIAL_ADDRESSES]
+        twice = sorted({a for a in addresses if addresses.count(a) > 1})
+        if twice:  # one agent planned as two: a busy refusal, or a run re-planned onto the master alone
+            raise ConfigError(f"address {twice[0]} is given to more than one device: one agent serves one share")
         if self.weights not in BYTES_PER_WEIGHT:
             raise ConfigError(f"weights = {self.weights!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
         if self.context <= 0:
@@ -122,6 +131,11 @@ def load_cluster(path: str | Path) -> Cluster:
     tables = raw.get("device", [])
     if not isinstance(settings, dict):
         raise ConfigError(f"{path}: 'cluster' must be a [cluster] table")
+    for where, keys, allowed_keys in ((path, raw, ("cluster", "device")), (f"{path}: [cluster]", settings,
+                                                                            ("context", "weights"))):
+        unknown = sorted(set(keys) - set(allowed_keys))
+        if unknown:  # a misspelt [clustre] or contxt planned for the defaults without a word
+            raise ConfigError(f"{where} has unknown keys {unknown}; allowed: {', '.join(allowed_keys)}")
     if not isinstance(tables, list) or not all(isinstance(d, dict) for d in tables):
         raise ConfigError(f"{path}: 'device' must be [[device]] tables")
     devices = []

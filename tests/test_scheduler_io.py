@@ -32,6 +32,13 @@ def test_example_cluster_file_loads():
     ("[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\nplr=1.5\n", "plr is a loss rate"),
     ("[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\nmaster=true\n[[device]]\nname='b'\nmemory_mb=1\n"
      "compute_gflops=1\nmaster=true\n", "more than one device says master"),
+    # a typo planned for the defaults without a word; one agent given twice became a busy refusal or the master alone
+    ("[cluster]\ncontxt=100\n[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\n",
+     r"\[cluster\] has unknown keys \['contxt'\]; allowed: context, weights"),
+    ("[clustre]\ncontext=100\n[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\n", r"unknown keys \['clustre'\]"),
+    ("[[device]]\nname='m'\nmemory_mb=1\ncompute_gflops=1\n[[device]]\nname='a'\naddress='10.0.0.2:7070'\n"
+     "memory_mb=1\ncompute_gflops=1\n[[device]]\nname='b'\naddress='10.0.0.2:7070'\nmemory_mb=1\ncompute_gflops=1\n",
+     "address 10.0.0.2:7070 is given to more than one device"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     path = tmp_path / "c.toml"
@@ -117,3 +124,21 @@ def test_a_plan_made_for_another_model_is_refused_naming_what_differs(tmp_path):
     with pytest.raises(ConfigError, match=r"made for another model .*MLP groups 43 \(this model: 56\)") as e:
         check_plan_fits(back.model, other, GroupLayout.for_model(other))
     assert "halo-master plan --model" in str(e.value) and "layers" not in str(e.value)  # both have 32 layers
+
+
+def test_a_cluster_file_names_browser_tabs_and_the_local_master_as_the_pipeline_docs_say(tmp_path):
+    """address = "browser" (docs/pipeline.md) and "local" were refused as "not HOST:PORT"."""
+    path = tmp_path / "c.toml"
+    path.write_text("[[device]]\nname='me'\naddress='local'\nmaster=true\nmemory_mb=100\ncompute_gflops=1\n"
+                    "[[device]]\nname='tab'\naddress='browser'\nmemory_mb=100\ncompute_gflops=1\n"
+                    "[[device]]\nname='tab2'\naddress='browser'\nmemory_mb=100\ncompute_gflops=1\n")
+    assert [d.address for d in load_cluster(path).devices] == ["local", "browser", "browser"]
+
+
+def test_device_overheads_must_be_finite_numbers():
+    """A hand-edited plan's "overhead_s": "abc" was a ValueError traceback; [Infinity, ...] was planned with."""
+    from halo.scheduler.profiles import DeviceProfile
+
+    for bad in ("abc", [float("inf")] * 3, [0.1, -1, 0]):
+        with pytest.raises(ConfigError, match="overhead"):
+            DeviceProfile("d", 1e6, 1e9, overhead_s=bad)

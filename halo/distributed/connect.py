@@ -12,6 +12,7 @@ from halo.errors import ConfigError
 from halo.model.config import DEFAULT_CONTEXT
 from halo.model.weights import ModelWeights
 from halo.scheduler.even import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan
+from halo.scheduler.profiles import SPECIAL_ADDRESSES
 from halo.sync import SyncSettings
 
 from halo.distributed.master import DistributedModel
@@ -373,8 +374,9 @@ def plan_mode(path: str) -> str | None:
 def _plan_addresses(tp_plan) -> list[str]:
     endpoints = []
     for d in tp_plan.profiles()[1:]:
-        if not d.address:
-            raise ConfigError(f"device {d.name!r} of the plan has no address; give --agents or set address =")
+        if not d.address or d.address in SPECIAL_ADDRESSES:
+            has = f"address {d.address!r} (pipeline mode only)" if d.address else "no address"
+            raise ConfigError(f"device {d.name!r} of the plan has {has}; give --agents or set address = \"HOST:PORT\"")
         endpoints.append(_address(d))
     return endpoints
 
