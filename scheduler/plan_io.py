@@ -17,6 +17,7 @@ mode "pipeline" adds: "units": [unit names]; "stages": [{"worker": name, "start"
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,8 +110,20 @@ def pipeline_plan_json(plan: PipelinePlan, cluster: Cluster, model: ModelProfile
             "complete": plan.complete, "cost_ms": 1e3 * plan.cost_s if plan.complete else None}
 
 
+def check_writable(path: str | Path) -> None:
+    """Where a plan will be written can take it: checked before planning (a MILP or a measurement takes a while)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        why = "is a directory" if path.is_dir() else f"{folder} is not a directory this user can write"
+        raise ConfigError(f"--out {path}: {why}; give a file path in a writable directory")
+
+
 def save(document: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    try:
+        Path(path).write_text(json.dumps(document, indent=1) + "\n")
+    except OSError as e:
+        raise ConfigError(f"cannot write the plan to {path}: {e.strerror or e}") from None
 
 
 def _require(condition: bool, where: str, message: str) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from halo.arguments import check_integer, check_number, parse_endpoint
 from halo.compute.neuron_groups import default_mlp_group_size
-from halo.compute.shares import BYTES_PER_WEIGHT
+from halo.compute.shares import BYTES_PER_WEIGHT, planning_format
 from halo.errors import ConfigError
 from halo.model.config import ModelConfig
 
@@ -115,7 +115,8 @@ class Cluster:
         return 0
 
 
-def load_cluster(path: str | Path) -> Cluster:
+def load_cluster(path: str | Path, weights: str = "int8") -> Cluster:
+    """weights: the format a file without [cluster] weights plans for (a run's own, where one asks)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -166,7 +167,39 @@ def load_cluster(path: str | Path) -> Cluster:
     if not devices:
         raise ConfigError(f"{path}: no [[device]] tables; see `halo-master plan --help` for the format")
     context = check_integer(settings.get("context", 2048), f"{path}: [cluster] context", 1)
-    return Cluster(tuple(devices), context, str(settings.get("weights", "int8")))
+    return Cluster(tuple(devices), context, str(settings.get("weights", weights)))
+
+
+def check_plan_fits(made, config, layout=None) -> None:
+    """A given plan (`halo-master plan --out`) was made for a model (made: its ModelProfile) of this one's layers,
+    width and, for a tensor-parallel plan (layout), groups; or a ConfigError naming what differs (a TP plan failed as
+    an IndexError deep in the shares, a pipeline plan of another model's width ran with its memory figures)."""
+    theirs = {"layers": made.n_layers, "width": made.dim}
+    ours = {"layers": config.n_layers, "width": config.dim}
+    if layout is not None:
+        theirs.update({"attention heads": made.attention.count, "MLP groups": made.mlp.count,
+                       "LM-head groups": made.lm_head.count})
+        ours.update({"attention heads": layout.n_attention_groups, "MLP groups": layout.n_mlp_groups,
+                     "LM-head groups": layout.n_vocab_groups})
+    differ = [f"{what} {theirs[what]} (this model: {ours[what]})" for what in ours if theirs[what] != ours[what]]
+    if differ:
+        raise ConfigError(f"the plan was made for another model ({made.name}: {', '.join(differ)}): make one for this "
+                          "model with `halo-master plan --model MODEL ... --out plan.json`")
+
+
+def check_plan_budget(cluster, weights, fmt: str, kv_tokens: int) -> None:
+    """A plan (a cluster file's, or a saved one) budgets each device's memory for its [cluster] weights and context:
+    a run that needs more (wider weights, a longer context) is refused, naming both (it ran with the file's
+    figures ignored: an agent then refused its share for memory, or the run went past a device's budget)."""
+    run = planning_format(fmt, weights)
+    if BYTES_PER_WEIGHT[run] > BYTES_PER_WEIGHT[cluster.weights] * 1.01:
+        raise ConfigError(f"the plan budgets memory for {cluster.weights} weights and this run computes in {run} "
+                          f"(--weights {fmt}): pass --weights to match, or set weights = \"{run}\" in the cluster "
+                          "file and plan again")
+    if kv_tokens > cluster.context:
+        raise ConfigError(f"the plan budgets a KV cache of {cluster.context} tokens and this run needs {kv_tokens} "
+                          "(--context x --slots): pass a smaller --context, or set context in the cluster file and "
+                          "plan again")
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,15 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
     (["plan", "--local-agents", "1", "--sync", "auto"], "--sync auto picks a mode when a session starts"),
     (["plan", "--local-agents", "1", "--sync", "reliable"], "--sync reliable was renamed: use --sync exact"),
+    # plan took --agents / --local-agents unchecked (0 was a traceback; one agent twice was planned as two devices)
+    (["plan", "--local-agents", "0"], "argument --local-agents: must be from 1"),
+    (["plan", "--agents", "127.0.0.1:17081,127.0.0.1:17081"], "is given more than once"),
+    (["plan", "--agents", "127.0.0.1:99999"], "port '99999' is not a number"),
+    # an unwritable --out was a traceback after the planning; a plan of other MLP groups could never run
+    (["plan", "--cluster", "/nonexistent.toml", "--out", "/nonexistent/dir/p.json"], "/nonexistent/dir is not a directory"),
+    (["plan", "--cluster", "/nonexistent.toml", "--out", "/tmp"], "--out /tmp: is a directory"),
+    (["plan", "--cluster", "/nonexistent.toml", "--mlp-group-size", "32", "--out", "p.json"], "--mlp-group-size with --out"),
+    (["plan", "--cluster", "/nonexistent.toml", "--context", "100"], "a cluster file plans for its [cluster]"),
     # checked before any planner runs (a cluster file's pipeline and exact planners never looked at --sync)
     (["plan", "--cluster", "/nonexistent.toml", "--mode", "pipeline", "--sync", "auto"], "--sync: tensor-parallel planning only"),
     (["plan", "--cluster", "/nonexistent.toml", "--algorithm", "exact", "--sync", "reliable"], "--sync reliable was"),

@@ -89,6 +89,7 @@ def test_a_device_key_alone_trusts_nobody(keys, tmp_path):
 
 
 @pytest.mark.parametrize("text, said", [("", "authorizes no device"), ("short pi-1\n", "40-character"),
+                                        (f"{'~' * 40} pi-1\n", "40-character z85"),  # was ZeroMQ's Invalid argument
                                         (f"{'x' * 40} pi-1 10.0.0.1:99999\n", "port")])
 def test_authorized_keys_files_are_checked(tmp_path, text, said):
     path = tmp_path / "authorized"

@@ -126,7 +126,7 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     reuse the digest; a rewritten file (new size or modification time) is hashed again."""
     import os
 
-    from halo.model import loader
+    from halo.model import digests, loader
 
     monkeypatch.setenv("HALO_FINGERPRINT_CACHE_DIR", str(tmp_path / "fp"))
     model = tmp_path / "model.bin"
@@ -143,7 +143,7 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     expected = hashlib.sha256(b"model.bin" + PAYLOAD).hexdigest()
     assert loader.model_fingerprint(model) == expected and len(reads) == 1
     assert loader.model_fingerprint(model) == expected and len(reads) == 1  # this process: memory
-    loader._FINGERPRINTS.clear()  # another process: the disk cache
+    digests._FINGERPRINTS.clear()  # another process: the disk cache
     assert loader.model_fingerprint(model) == expected and len(reads) == 1
     model.write_bytes(PAYLOAD[::-1])
     os.utime(model, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns + 10**9))

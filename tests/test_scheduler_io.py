@@ -113,7 +113,7 @@ def test_a_plan_made_for_another_model_is_refused_naming_what_differs(tmp_path):
     """`generate --plan p.json` on a model other than the plan's: a ConfigError that says so (it was an IndexError
     deep in the shares, or in the worker)."""
     from halo.compute.neuron_groups import GroupLayout
-    from halo.distributed.connect import check_plan_fits
+    from halo.scheduler.profiles import check_plan_fits
 
     config = named_config("llama-2-7b")
     plan = plan_tp(load_cluster(EXAMPLE), model_profile(config, "int4"))
@@ -142,3 +142,21 @@ def test_device_overheads_must_be_finite_numbers():
     for bad in ("abc", [float("inf")] * 3, [0.1, -1, 0]):
         with pytest.raises(ConfigError, match="overhead"):
             DeviceProfile("d", 1e6, 1e9, overhead_s=bad)
+
+
+@pytest.mark.parametrize("cluster, extra, said", [
+    ('weights = "int8"\ncontext = 64\n', [], "the plan budgets memory for int8 weights and this run computes in fp32"),
+    ('weights = "fp32"\ncontext = 64\n', ["--context", "128"], "budgets a KV cache of 64 tokens and this run needs 128"),
+])
+def test_a_run_that_needs_more_than_its_cluster_file_budgets_is_refused(tmp_path, cluster, extra, said):
+    """The file's weights and context were ignored: a plan budgeted for int8 ran fp32 (an agent then refused its share
+    for memory), a longer --context ran past what each device was given."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[cluster]\n{cluster}[[device]]\nname='m'\nmaster=true\nmemory_mb=1000\ncompute_gflops=10\n"
+                    "[[device]]\nname='a'\naddress='127.0.0.1:17999'\nmemory_mb=1000\ncompute_gflops=10\n")
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--cluster", str(path), "--insecure",
+                          "--max-new-tokens", "2", *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and said in out.stderr, out.stderr[-1500:]

@@ -137,3 +137,24 @@ def test_keygen_replaces_a_planted_symlink_instead_of_writing_through_it(tmp_pat
     assert load_key(path).fingerprint == key.fingerprint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.key", "victim.conf"]  # no partial left
     os.unlink(path)
+
+
+def test_a_damaged_key_file_or_a_directory_is_one_clear_error(tmp_path, key):
+    """A key whose public half does not match its secret was taken for another cluster's ("copy the coordinator's
+    cluster.key", though both ends held the same file); text that is not z85 failed inside ZeroMQ ("Invalid
+    argument", blamed on the port by the agent); --key DIR was an IsADirectoryError traceback; keygen --out . --force
+    a ValueError."""
+    import json
+
+    other = zmq.curve_keypair()[0].decode()
+    for edit in ({"public": other}, {"secret": "~" * 40}, {"version": 7}):
+        path = tmp_path / f"bad-{len(edit)}-{next(iter(edit))}.key"
+        raw = {"format": "halo-cluster-key", "version": 1, "public": key.public.decode(), "secret": key.secret.decode()}
+        path.write_text(json.dumps({**raw, **edit}))
+        os.chmod(path, 0o600)
+        with pytest.raises(ConfigError, match="not a CURVE key pair|not a version-1"):
+            load_key(path)
+    with pytest.raises(ConfigError, match="cannot read the key"):
+        load_key(tmp_path)
+    with pytest.raises(ConfigError, match="is a directory: give the key file's path"):
+        generate_key(tmp_path, force=True)

@@ -156,7 +156,7 @@ def load_authorized(path: str | os.PathLike) -> AuthorizedKeys:
         fields = line.split()
         if not fields or fields[0] == "#":  # a comment: '#' and a space (z85 keys may hold a '#', never a space)
             continue
-        if len(fields) not in (2, 3) or len(fields[0]) != 40:
+        if len(fields) not in (2, 3) or not is_z85_key(fields[0]):
             raise ConfigError(f"{path}:{number}: expected `PUBLIC_KEY NAME [HOST:PORT]` (a 40-character z85 key), "
                               f"got {line.strip()!r}")
         endpoint = parse_endpoint(fields[2]) if len(fields) == 3 else None
@@ -209,6 +209,8 @@ def generate_key(path: str | os.PathLike, force: bool = False, device: str | Non
     import zmq
 
     path = Path(path)
+    if path.is_dir():  # (". --force" was a ValueError traceback)
+        raise ConfigError(f"{path} is a directory: give the key file's path, e.g. {path / 'cluster.key'}")
     if os.path.lexists(path) and not force:
         raise ConfigError(f"{path} exists; pass --force to replace it (every device then needs the new key)")
     public, secret = zmq.curve_keypair()
@@ -231,7 +233,22 @@ def generate_key(path: str | os.PathLike, force: bool = False, device: str | Non
     return ClusterKey(public, secret, device)
 
 
+def is_z85_key(text: str) -> bool:
+    """A CURVE key as z85 text: 40 characters that decode to 32 bytes (ZeroMQ raised 'Invalid argument' from deep
+    inside a socket option for anything else)."""
+    import struct
+
+    from zmq.utils import z85
+
+    try:
+        return len(text) == 40 and len(z85.decode(text)) == 32
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, struct.error):
+        return False
+
+
 def load_key(path: str | os.PathLike) -> ClusterKey:
+    import zmq
+
     path = Path(path)
     try:
         mode = path.stat().st_mode
@@ -241,6 +258,8 @@ def load_key(path: str | os.PathLike) -> ClusterKey:
                           "and copy it to every device") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not a halo cluster key file ({e})") from None
+    except OSError as e:  # a directory, no permission to read it ...
+        raise ConfigError(f"{path}: cannot read the key ({e.strerror or e}); give --key the key file") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(f"{path}: the cluster key is readable by others (mode {stat.S_IMODE(mode):o}); "
                           f"run chmod 600 {path}")
@@ -249,9 +268,12 @@ def load_key(path: str | os.PathLike) -> ClusterKey:
     except (KeyError, AttributeError, TypeError):
         raise ConfigError(f"{path}: lacks 'public' and 'secret'") from None
     device = raw.get("device") if raw.get("format") == "halo-device-key" else None
-    if raw.get("format") not in ("halo-cluster-key", "halo-device-key") or len(public) != 40 or len(secret) != 40 \
+    if raw.get("format") not in ("halo-cluster-key", "halo-device-key") or raw.get("version") != 1 \
             or (raw.get("format") == "halo-device-key" and not (isinstance(device, str) and device)):
         raise ConfigError(f"{path}: not a version-1 halo cluster or device key")
+    if not (is_z85_key(public.decode()) and is_z85_key(secret.decode())) or zmq.curve_public(secret) != public:
+        raise ConfigError(f"{path}: its public and secret keys are not a CURVE key pair (a damaged or hand-edited "
+                          "file): make a new one with `halo-master keygen` and copy it to every device")
     return ClusterKey(public, secret, device)
 
 

@@ -100,14 +100,15 @@ def _add_plan(sub) -> None:
     devices = p.add_mutually_exclusive_group(required=True)
     devices.add_argument("--cluster", metavar="CLUSTER.toml", help="devices: memory, compute, link loss "
                          "(format: python -c 'import halo.scheduler.profiles as p; print(p.__doc__)')")
-    devices.add_argument("--agents", metavar="HOST:PORT,...", help="running agents to measure (tp mode); the plan "
-                         "is the one `generate --agents` would use")
-    devices.add_argument("--local-agents", type=int, metavar="N", help="start N agents here, measure them, stop them")
+    devices.add_argument("--agents", type=endpoints_argument, metavar="HOST:PORT,...", help="running agents to "
+                         "measure (tp mode); the plan is the one `generate --agents` would use")
+    devices.add_argument("--local-agents", type=integer(1, MAX_LOCAL_AGENTS), metavar="N",
+                         help="start N agents here, measure them, stop them")
     add_sync_mode(p, "tp: the sync mode to plan for (device selection minimizes its expected time per token, link "
                      "loss priced as the mode recovers it; every mode but auto, which picks one when a session "
                      "starts): ")
     measure = p.add_argument_group("measuring agents (--agents / --local-agents)")
-    measure.add_argument("--weights", choices=FORMATS, default="native", help="weight format the cluster computes in "
+    measure.add_argument("--weights", choices=FORMATS, help="weight format the cluster computes in "
                          "(default native: the model file's own)")
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
     add_master_key_arguments(measure)
@@ -776,6 +777,29 @@ def _print_planning_line(err, planning: dict) -> None:
               "(halo-master plan --agents ... says why)[/dim]")
 
 
+def check_plan_request(args) -> None:
+    """`halo-master plan`: what would be ignored or could not run, refused before anything loads or is measured
+    (args.sync becomes the mode planned for)."""
+    from halo.scheduler import plan_io
+
+    if args.mode == "pipeline":  # what only a tensor-parallel plan reads
+        given = [option for option, used in (("--sync", args.sync is not None), ("--all-devices", args.all_devices),
+                                             ("--algorithm", args.algorithm != "minmax"),
+                                             ("--mlp-group-size", args.mlp_group_size is not None)) if used]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: tensor-parallel planning only; a pipeline plan gives workers "
+                              "layer ranges by memory and speed (drop them, or plan --mode tp)")
+    if args.cluster and (args.weights or args.context):  # the measuring options: a file states its own
+        raise ConfigError("--weights / --context are for measured plans; a cluster file plans for its [cluster] "
+                          "weights and context (set them there)")
+    args.sync = plan_sync_mode(args)
+    if args.out:
+        plan_io.check_writable(args.out)  # before minutes of planning
+        if args.mlp_group_size is not None:  # (it ran into "made for another model")
+            raise ConfigError("--mlp-group-size with --out: generate groups MLP neurons by the model's default size, "
+                              "so a plan of other groups cannot run; drop --out (a what-if table) or --mlp-group-size")
+
+
 def cmd_plan(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -788,14 +812,7 @@ def cmd_plan(args) -> int:
     from halo.scheduler.profiles import load_cluster, model_profile, named_config
     from halo.scheduler.tp_plan import plan_tp
 
-    if args.mode == "pipeline":  # what only a tensor-parallel plan reads: refused, not ignored
-        given = [option for option, used in (("--sync", args.sync is not None), ("--all-devices", args.all_devices),
-                                             ("--algorithm", args.algorithm != "minmax"),
-                                             ("--mlp-group-size", args.mlp_group_size is not None)) if used]
-        if given:
-            raise ConfigError(f"{', '.join(given)}: tensor-parallel planning only; a pipeline plan gives workers "
-                              "layer ranges by memory and speed (drop them, or plan --mode tp)")
-    args.sync = plan_sync_mode(args)  # refused before anything loads, whichever planner runs
+    check_plan_request(args)
     if args.cluster is None:
         return _plan_measured(args)
     cluster = load_cluster(args.cluster)
@@ -883,7 +900,7 @@ def _plan_measured(args) -> int:
         raise ConfigError("measured plans are tensor-parallel plans for a real model: give --model (default: the "
                           "bundled one), not --model-config or --mode pipeline; or plan from a --cluster file")
     weights = load_weights(args.model)
-    args.weights = resolve_format(args.weights, weights)
+    args.weights = resolve_format(args.weights or "native", weights)
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
                               hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
@@ -893,7 +910,7 @@ def _plan_measured(args) -> int:
             local = stack.enter_context(LocalCluster(args.local_agents, args.model))
             endpoints, key = local.endpoints, local.key
         else:
-            endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in args.agents.split(",") if a]
+            endpoints = args.agents  # (checked as generate's: addresses, none twice)
             if args.insecure:
                 check_insecure(endpoints, args.insecure_lan, "would talk plaintext to")
             key = None if args.insecure else master_key(args.key, args.authorized_agents)

@@ -12,7 +12,7 @@ from halo.errors import ConfigError
 from halo.model.config import DEFAULT_CONTEXT
 from halo.model.weights import ModelWeights
 from halo.scheduler.even import EVEN_PLANS, PAIRED_PLANS, PLAN_KEYWORDS, even_plan
-from halo.scheduler.profiles import SPECIAL_ADDRESSES
+from halo.scheduler.profiles import SPECIAL_ADDRESSES, check_plan_budget, check_plan_fits
 from halo.sync import SyncSettings
 
 from halo.distributed.master import DistributedModel
@@ -69,6 +69,7 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
                           "TensorParallelPlan")
     else:
         check_plan_fits(plan.model, weights.config, layout)
+        check_plan_budget(plan.cluster, weights, master_settings.fmt, context * master_settings.slots)
         planning = {"source": "given", "algorithm": plan.algorithm}
     if shares is None:
         order = head_order(weights, master_settings, layout, heads)
@@ -77,23 +78,6 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
     model = DistributedModel(weights, shares, endpoints, key, insecure, layout, master_settings, reuse=reuse)
     model.plan, model.planning = plan, planning
     return model
-
-
-def check_plan_fits(made, config, layout: GroupLayout | None = None) -> None:
-    """A given plan (`halo-master plan --out`) was made for a model (made: its ModelProfile) of this one's layers,
-    width and, for a tensor-parallel plan (layout), groups; or a ConfigError naming what differs (a TP plan failed as
-    an IndexError deep in the shares, a pipeline plan of another model's width ran with its memory figures)."""
-    theirs = {"layers": made.n_layers, "width": made.dim}
-    ours = {"layers": config.n_layers, "width": config.dim}
-    if layout is not None:
-        theirs.update({"attention heads": made.attention.count, "MLP groups": made.mlp.count,
-                       "LM-head groups": made.lm_head.count})
-        ours.update({"attention heads": layout.n_attention_groups, "MLP groups": layout.n_mlp_groups,
-                     "LM-head groups": layout.n_vocab_groups})
-    differ = [f"{what} {theirs[what]} (this model: {ours[what]})" for what in ours if theirs[what] != ours[what]]
-    if differ:
-        raise ConfigError(f"the plan was made for another model ({made.name}: {', '.join(differ)}): make one for this "
-                          "model with `halo-master plan --model MODEL ... --out plan.json`")
 
 
 def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key,
@@ -228,7 +212,6 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
                                 timeout=timeout, fmt=fmt, survive=survive, **(pipeline or {}))
 
     layout = GroupLayout.for_model(weights.config)
-    context = min(weights.config.max_seq_len, DEFAULT_CONTEXT if context is None else context)
     cluster_key, endpoints = None, None
     if local_agents:
         if local_agents < 0 or agents or cluster:
@@ -241,9 +224,10 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
         cluster_key = master_key(key, authorized_agents)
     sync = sync or SyncSettings()
     plan_file = None if plan is None or plan in PLAN_KEYWORDS else plan
-    tp_plan = _load_plan(weights, layout, plan_file, cluster, sync, slots) if plan_file or cluster else None
+    tp_plan = _load_plan(weights, layout, plan_file, cluster, sync, slots, fmt) if plan_file or cluster else None
+    context = run_context(weights, context, tp_plan, slots)
     if tp_plan is None and endpoints is None:
-        raise ConfigError("no agents: give local_agents, agent addresses, a cluster file or a plan")
+        raise ConfigError("no agents: give --local-agents N, --agents, --cluster or --plan FILE (lm-eval: local_agents=...)")
     if endpoints is None:
         endpoints = _plan_addresses(tp_plan)
     if insecure:
@@ -275,6 +259,13 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     model.sync_auto = chosen.to_json() if chosen is not None else None  # kept across re-plans (the wrapper's own)
     stack.callback(model.close)
     return model
+
+
+def run_context(weights: ModelWeights, asked: int | None, tp_plan, slots: int) -> int:
+    """The KV-cache length of a run: as asked, else the default, or the one a given plan budgets if shorter; at most
+    the model's."""
+    budgeted = tp_plan.cluster.context // slots if tp_plan is not None and asked is None else DEFAULT_CONTEXT
+    return min(weights.config.max_seq_len, DEFAULT_CONTEXT if asked is None else asked, budgeted)
 
 
 @dataclass
@@ -339,7 +330,7 @@ class Replanner:
 
 
 def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, cluster: str | None, sync: SyncSettings,
-               slots: int = 1):
+               slots: int = 1, fmt: str = "native"):
     """A saved plan, a plan over a cluster file's devices (for the sync mode, its links' loss included, and the
     batch's slots), or None (measure the given agents)."""
     if plan:
@@ -350,10 +341,11 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
             raise ConfigError(f"{plan} is a pipeline plan; generate needs a tensor-parallel (--mode tp) plan")
         return tp_plan
     if cluster:
+        from halo.compute.shares import planning_format
         from halo.scheduler.profiles import load_cluster, model_profile
         from halo.scheduler.tp_plan import plan_tp
 
-        cluster_file = load_cluster(cluster)
+        cluster_file = load_cluster(cluster, planning_format(fmt, weights))  # (no [cluster] weights: this run's)
         profile = model_profile(weights.config, cluster_file.weights, mlp_group_size=layout.mlp_group_size,
                                 vocab_group_size=layout.vocab_group_size, rows=slots)  # a batch's passes, KV per slot
         return plan_tp(replace(cluster_file, context=cluster_file.context * slots), profile, mode=sync.mode, sync=sync)

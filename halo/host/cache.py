@@ -6,7 +6,7 @@ its own environment variable, owned by one module:
 - models/ (HALO_CACHE_DIR): named models `halo-master fetch` downloads (halo/model/catalog.py);
 - devices/ (HALO_DEVICE_CACHE_DIR): device benchmarks and head-importance profiles the scheduler
   measured (halo/runtime/measure.py, halo/scheduler/importance.py);
-- fingerprints/ (HALO_FINGERPRINT_CACHE_DIR): model sha256 digests by file identity (halo/model/loader.py).
+- fingerprints/ (HALO_FINGERPRINT_CACHE_DIR): model sha256 digests by file identity (halo/model/digests.py).
 
 Nothing ever removes a directory here, nor a file it did not write: a cache cleans up with
 `remove_files`, which deletes only regular files directly in one directory whose names match the

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from halo.errors import ConfigError
 from halo.host.cache import cache_subdir
+from halo.model.digests import cached_digest
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,6 @@ def resolve_model(value: str | os.PathLike) -> Path:
     if path.stat().st_size != model.size:
         raise ConfigError(f"{path} has {path.stat().st_size} bytes, not {model.size}: run `halo-master fetch {name}` "
                           "again")
-    from halo.model.loader import cached_digest
-
     # the bytes as fetched (once per file identity: ~0.3 s for SmolLM2): a damaged copy of the same size decoded
     # token 0 forever, exit 0
     if cached_digest([path], "plain sha256\n", lambda: file_sha256(path)) != model.sha256:

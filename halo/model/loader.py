@@ -8,6 +8,7 @@ from pathlib import Path
 from halo import BUNDLED_MODEL, BUNDLED_TOKENIZER
 from halo.errors import ModelFormatError
 from halo.model.catalog import resolve_model
+from halo.model.digests import cached_digest
 from halo.model.formats import gguf, hf, llama2c
 from halo.model.tokenizer import HFTokenizer, Llama2cTokenizer, Tokenizer, gguf_tokenizer
 from halo.model.weights import ModelWeights
@@ -94,67 +95,3 @@ def model_fingerprint(path: str | os.PathLike) -> str:
         return whole.hexdigest()
 
     return cached_digest(files, "", digest)
-
-
-def cached_digest(files: list[Path], kind: str, compute) -> str:
-    """compute() (a sha256 of the files), kept per kind and file identity (path, size, modification and change
-    times, inode) in this process and on disk (fingerprint_cache_dir()): a file rewritten, or replaced by another
-    with the same size and modification time (cp -p), is hashed again (its change time moves on)."""
-    identity = kind + _file_identity(files)
-    cached = _FINGERPRINTS.get(identity) or _read_cached_fingerprint(identity)
-    if not cached:
-        cached = compute()
-        _write_cached_fingerprint(identity, cached)
-    _FINGERPRINTS[identity] = cached
-    return cached
-
-
-_FINGERPRINTS: dict[str, str] = {}
-
-
-def fingerprint_cache_dir() -> Path:
-    from halo.host.cache import cache_subdir
-
-    return cache_subdir("fingerprints", "HALO_FINGERPRINT_CACHE_DIR")
-
-
-def _file_identity(files: list[Path]) -> str:
-    parts = []
-    for file in files:
-        st = file.stat()
-        parts.append(f"{os.fsencode(file.resolve())!r}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|"
-                     f"{st.st_dev}")
-    return "\n".join(parts)
-
-
-def _cache_file(identity: str) -> Path:
-    import hashlib
-
-    return fingerprint_cache_dir() / f"{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
-
-
-def _read_cached_fingerprint(identity: str) -> str | None:
-    import json
-
-    try:
-        entry = json.loads(_cache_file(identity).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(entry, dict) and entry.get("identity") == identity and isinstance(entry.get("sha256"), str) \
-        and len(entry["sha256"]) == 64
-    return entry["sha256"] if ok else None
-
-
-def _write_cached_fingerprint(identity: str, sha256: str) -> None:
-    """Best effort (a read-only home only costs the next start a re-hash); written whole, then renamed."""
-    import json
-    import tempfile
-
-    target = _cache_file(identity)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=target.parent, prefix=".fp-", suffix=".tmp", delete=False) as f:
-            json.dump({"identity": identity, "sha256": sha256}, f)
-        os.replace(f.name, target)
-    except OSError:
-        pass

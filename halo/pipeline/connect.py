@@ -106,9 +106,8 @@ def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context,
                        timeout, sha, threads) -> tuple[list | None, list[str]]:
     """Links to a plan's or cluster file's devices (appended to `links`); returns (the plan's stages by device
     name or None, names of devices that are browser tabs)."""
-    from halo.distributed.connect import check_plan_fits
     from halo.scheduler import plan_io
-    from halo.scheduler.profiles import load_cluster
+    from halo.scheduler.profiles import check_plan_fits, load_cluster
 
     planned_names, browser_names = None, []
     if plan:
