@@ -159,3 +159,13 @@ def test_a_broken_chat_template_file_is_one_clear_error(tmp_path, name, content,
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(ModelFormatError, match=said):
         read_hf_chat_template(tmp_path)
+
+
+def test_a_null_optional_field_is_its_default(tmp_path):
+    """"num_key_value_heads": null (as some exports write) was "lacks the required field"; transformers reads it as
+    the default."""
+    from halo.model.loader import load_config
+
+    write_config(tmp_path, num_key_value_heads=None, head_dim=None)
+    config = load_config(tmp_path)
+    assert config.n_kv_heads == config.n_heads == 2 and config.head_dim == 4

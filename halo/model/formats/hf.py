@@ -17,8 +17,10 @@ SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM"}
 
 
 def _field(config: dict, path: Path, name: str, kind=int, default=None):
-    """A positive integer (kind=int) or positive finite number (kind=float) field of config.json."""
-    value = config.get(name, default)
+    """A positive integer (kind=int) or positive finite number (kind=float) field of config.json (null: the
+    default, as transformers reads it)."""
+    value = config.get(name)
+    value = default if value is None else value
     if value is None:
         raise ModelFormatError(path, f"config.json lacks the required field '{name}'")
     try:
