@@ -40,6 +40,7 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["generate", "--agents", "pi-1:7070,pi-1:7070"], "tcp://pi-1:7070 is given more than once"),
     (["generate", "--agents", ","], "no agent addresses"),
     (["generate", "--context", "0"], "argument --context: must be >= 1, got 0"),
+    (["generate", "--context", "5000"], "--context 5000 is past the model's 512 positions"),  # was cut to 512 silently
     (["generate", "--context", "-5"], "argument --context: must be >= 1, got -5"),
     (["generate", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     (["generate", "--max-new-tokens", "ten"], "'ten' is not an integer"),
@@ -290,3 +291,21 @@ def test_status_on_a_narrow_terminal_prints_a_block_per_agent_not_a_table_cut_to
     wide.print(cli._agents_table([row, failed], 200))
     table = wide.export_text()
     assert "halo agents" in table and "pi-kitchen" in table
+
+
+def test_an_empty_system_message_is_still_a_chat(capsys):
+    """--system "" was a plain completion (--help: --system implies --chat); the bundled model has no template."""
+    code, err = run(cli.main, ["generate", "--system", "", "--prompt", "hi", "--max-new-tokens", "2"], capsys)
+    assert code == 2 and "chat template" in err, err
+
+
+def test_a_reader_that_leaves_early_or_a_terminal_without_utf8_is_no_traceback(tmp_path):
+    """`generate | head -c 3` was a BrokenPipeError traceback; PYTHONIOENCODING=ascii a UnicodeEncodeError one."""
+    import os
+
+    done = subprocess.run(f"{sys.executable} -m halo.cli.master generate --prompt x --max-new-tokens 400 | head -c 3",
+                          shell=True, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr and len(done.stdout) == 3, done.stderr
+    done = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--prompt", "café", "--max-new-tokens",
+                           "3"], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr and done.stdout.startswith("caf?"), done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -563,9 +564,9 @@ def cmd_generate(args) -> int:
     weights = load_weights(args.model)
     tokenizer = load_tokenizer(weights, args.tokenizer)
     prompt = args.prompt
-    args.chat = args.chat or bool(args.system)
+    args.chat = args.chat or args.system is not None  # (an empty --system too: a chat without the default one)
     if args.chat:
-        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = chat_prompt(tokenizer, ([{"role": "system", "content": args.system}] if args.system is not None else [])
                              + [{"role": "user", "content": args.prompt}])
     speculation = speculation_from(args.speculate, args.draft, weights.config.vocab_size, args.context, args.threads)
     with ExitStack() as stack:
@@ -601,6 +602,14 @@ def check_model_and_cluster(args) -> None:
                                ("--tokenizer", args.tokenizer, "tokenizer file"), ("--cluster", args.cluster, "file"),
                                ("--plan", None if args.plan in PLAN_KEYWORDS else args.plan, "file"), ("--predictors", args.predictors, "directory")):
         check_path(option, path, kind)
+    if args.context:  # (it was cut to the model's without a word)
+        from halo.model.config import DEFAULT_CONTEXT
+        from halo.model.loader import load_config
+
+        positions = load_config(model).max_seq_len
+        if args.context > positions:
+            raise ConfigError(f"--context {args.context} is past the model's {positions} positions: give at most "
+                              f"{positions} (or leave it out: the model's, at most {DEFAULT_CONTEXT})")
     if args.predictors and (settings.policy.all_critical and args.sync != "auto" or pipeline):
         raise ConfigError("--predictors rank neuron groups for the relaxed sync modes (lossy: heads placed by "
                           "importance; halo, halo-tcp: MLP groups re-mapped per token) in tensor-parallel mode; with "
@@ -961,6 +970,9 @@ def print_planning(planning: dict, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets '?', not a traceback
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     try:
         return args.func(args)
     except HaloError as e:
@@ -969,6 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("halo-master: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... | head`: the reader left; what it did not read is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush is quiet too)
+        return 0
 
 
 if __name__ == "__main__":
