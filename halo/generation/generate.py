@@ -183,12 +183,18 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
     t0 = time.perf_counter()
     logits = prefill(model, prompt_ids)
     result.prefill_ms = (time.perf_counter() - t0) * 1e3
-    chosen = [sample(logits)] if max_new_tokens else []
+    chosen, pass_ms = ([sample(logits)] if max_new_tokens else []), None
     while chosen:
-        if any(going.take(token) for token in chosen):
+        end = next((i for i, token in enumerate(chosen) if going.take(token)), None)
+        used = len(chosen) if end is None else end + 1
+        if pass_ms is not None:  # a pass's time over the tokens it gave the output (not those past an EOS)
+            result.decode_ms.extend([pass_ms / used] * used)
+            if speculator is not None:
+                speculator.stats.discard(len(chosen) - used)
+        if end is not None:
             break
         check_cancelled()
         t = time.perf_counter()
         chosen = next_pass()
-        result.decode_ms.extend([(time.perf_counter() - t) * 1e3 / len(chosen)] * len(chosen))
+        pass_ms = (time.perf_counter() - t) * 1e3
     return going.finish()

@@ -165,6 +165,17 @@ class SpeculationStats:
             self.accepted += chosen - 1
             self.per_pass.append(chosen - 1)
 
+    def discard(self, n: int) -> None:
+        """The last pass's last n tokens were not used (they came after its EOS, or past the budget): neither
+        produced nor accepted (the figures overstated a pass that ended the text)."""
+        if n <= 0:
+            return
+        self.tokens -= n
+        if self.per_pass:
+            cut = min(n, self.per_pass[-1])
+            self.per_pass[-1] -= cut
+            self.accepted -= cut
+
     @property
     def rounds_per_token(self) -> float | None:
         """Sync rounds a token cost (None: one process, or no pass yet)."""
