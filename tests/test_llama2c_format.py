@@ -150,3 +150,15 @@ def test_a_vocabulary_without_bos_or_eos_encodes_and_says_what_an_empty_prompt_n
     assert tok.encode("") == [] and tok.eos_ids == ()
     with pytest.raises(ConfigError, match="no BOS token: give a prompt"):
         encode_prompt(tok, "", 64)
+
+
+def test_a_story_ends_at_the_bos_that_begins_the_next_as_llama2c_stops():
+    """stories260K never said "eos": it writes BOS (1) after a story, where llama2.c's run.c stops; halo ran on into
+    the next story until the token budget or the context ran out."""
+    from halo.compute.transformer import Transformer
+    from halo.generation.generate import generate
+
+    weights = load_weights(None)
+    result = generate(Transformer(weights), load_tokenizer(weights), "", 600)
+    assert result.stop_reason == "eos" and len(result.token_ids) == 345
+    assert result.text.endswith('You are a good friend."') and "Once upon a time" not in result.text[20:]

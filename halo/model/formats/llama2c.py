@@ -44,8 +44,10 @@ def read_config(path: Path) -> tuple[ModelConfig, int]:
     if n_heads % n_kv:
         raise ModelFormatError(path, f"header: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
     try:
+        # a story ends at EOS (2) or, as llama2.c's run.c stops, at the BOS (1) that begins the next: TinyStories
+        # models write one after each story (stories260K's greedy text starts a second story at token 345)
         config = ModelConfig(dim=dim, hidden_dim=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
-                             vocab_size=abs(vocab), max_seq_len=seq_len, tied_embeddings=vocab > 0)
+                             vocab_size=abs(vocab), max_seq_len=seq_len, tied_embeddings=vocab > 0, eos_ids=(2, 1))
     except ConfigError as e:
         raise ModelFormatError(path, f"header: {e}") from None
     return config, vocab < 0
