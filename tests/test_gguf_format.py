@@ -373,3 +373,30 @@ def test_a_block_count_that_disagrees_with_the_tensors_is_refused(tmp_path, bloc
     path = raw_gguf(tmp_path / "model.gguf", block_count=block_count)
     with pytest.raises(ModelFormatError, match=said):
         load_weights(path)
+
+
+def test_a_sentencepiece_gguf_chat_keeps_its_control_tokens_whole(tmp_path):
+    """--chat on a SentencePiece ("llama") GGUF put BOS in twice, the template's one spelt out as '<', 's', '>'
+    (and a "</s>" between turns the same way): a prompt the model was never tuned on, without a word."""
+    from gguf_models import raw_gguf
+
+    from halo.model.chat import chat_prompt
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581a", "[INST]"]
+
+    def vocabulary(writer):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(pieces)
+        writer.add_token_scores([0.0] * len(pieces))
+        writer.add_token_types([2, 3, 3] + [6] * 256 + [1, 1])  # unknown, control x2, bytes, normal
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_chat_template("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{{ eos_token }}"
+                                 "{% endfor %}")
+
+    weights = load_weights(raw_gguf(tmp_path / "spm.gguf", tokenizer=vocabulary))
+    tokenizer = load_tokenizer(weights)
+    ids = tokenizer.encode(chat_prompt(tokenizer, [{"role": "user", "content": "a"}]))
+    assert ids[0] == 1 and ids.count(1) == 1 and ids.count(2) == 1, ids  # BOS once, the template's "</s>" whole
+    plain = tokenizer.encode("a", bos=False)
+    assert tokenizer.encode("a</s>a", bos=False) == plain + [2] + plain  # (the dummy space again after it, as llama.cpp)

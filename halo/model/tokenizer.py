@@ -61,14 +61,21 @@ class Llama2cTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike, vocab_size: int, bos_id: int | None = 1, eos_ids: tuple[int, ...] = (2,), *,
-                 pieces: list[bytes] | None = None, scores: np.ndarray | None = None, add_dummy_prefix: bool = True):
+                 pieces: list[bytes] | None = None, scores: np.ndarray | None = None, add_dummy_prefix: bool = True,
+                 control_ids: tuple[int | None, ...] = (), add_bos: bool = True):
         """Reads tokenizer.bin at `path`, or takes `pieces` and `scores` (a GGUF SentencePiece vocabulary). bos_id None:
-        the model has none (nothing is put first); eos_ids may be empty (the context's end ends a generation)."""
+        the model has none (nothing is put first); eos_ids may be empty (the context's end ends a generation).
+        control_ids: tokens that stay whole where their text appears (a GGUF's control tokens: a chat template's
+        "</s>"; llama2.c's tokenizer.bin has none, as run.c encodes); add_bos: BOS goes first when encoding asks for it (a chat template's own BOS text is dropped)."""
         self.path = Path(path)
         self.pieces, self.scores = (pieces, scores) if pieces is not None else llama2c.read_tokenizer(path, vocab_size)
-        self.add_dummy_prefix = add_dummy_prefix
+        self.add_dummy_prefix, self.add_bos = add_dummy_prefix, add_bos
         self.vocab_size = len(self.pieces)
         self.bos_id, self.eos_ids, self.unk_id = bos_id, tuple(eos_ids), 0
+        self.control = {self.pieces[i].decode("utf-8", "replace"): i for i in control_ids
+                        if i is not None and 0 <= i < len(self.pieces) and len(self.pieces[i]) > 1}
+        self._control_split = re.compile("(" + "|".join(map(re.escape, sorted(self.control, key=len, reverse=True)))
+                                         + ")") if self.control else None
         self.chat_template: ChatTemplate | None = None  # llama2.c models are not chat-tuned
         self.piece_id: dict[bytes, int] = {}
         for i, piece in enumerate(self.pieces):
@@ -83,17 +90,31 @@ class Llama2cTokenizer:
             raise ModelFormatError(path, f"expected 256 byte-fallback pieces <0x00>..<0xFF>, found {len(self.byte_id)}")
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
-        ids = [self.bos_id] if bos and self.bos_id is not None else []
+        """Control tokens written in the text stay whole; the text between them is encoded as llama.cpp does (the
+        dummy space again after each control token); BOS first where asked (and add_bos, or the text is empty)."""
+        ids = [self.bos_id] if bos and self.bos_id is not None and (self.add_bos or not text) else []
         if not text:
             return ids
-        symbols: list[int] = [self.piece_id[b" "]] if self.add_dummy_prefix and b" " in self.piece_id else []
+        parts = self._control_split.split(text) if self._control_split else [text]
+        after_control = True  # the text's start counts as one: the dummy space goes first
+        for i, part in enumerate(parts):
+            if i % 2:  # a control token's text
+                ids.append(self.control[part])
+                after_control = True
+            elif part:
+                ids += self._encode_plain(part, dummy_prefix=after_control)
+                after_control = False
+        return ids
+
+    def _encode_plain(self, text: str, dummy_prefix: bool) -> list[int]:
+        symbols: list[int] = [self.piece_id[b" "]] if dummy_prefix and self.add_dummy_prefix and b" " in self.piece_id else []
         for ch in valid_text(text):
             encoded = ch.encode("utf-8")
             if encoded in self.piece_id:
                 symbols.append(self.piece_id[encoded])
             else:
                 symbols.extend(self.byte_id[b] for b in encoded)
-        return ids + self._merge(symbols)
+        return self._merge(symbols)
 
     def _merge(self, symbols: list[int]) -> list[int]:
         n = len(symbols)
@@ -300,7 +321,10 @@ def gguf_tokenizer(file, config) -> Tokenizer:
         pieces = [t.replace("\u2581", " ").encode("utf-8") for t in tokens]
         tokenizer = Llama2cTokenizer(path, len(tokens), config.bos_id, config.eos_ids,
                                      pieces=pieces, scores=np.asarray(scores, np.float32),
-                                     add_dummy_prefix=file.get("tokenizer.ggml.add_space_prefix", bool, True))
+                                     add_dummy_prefix=file.get("tokenizer.ggml.add_space_prefix", bool, True),
+                                     control_ids=tuple(int(i) for i in np.flatnonzero(np.asarray(types) == CONTROL))
+                                     or (config.bos_id, *config.eos_ids),  # (no types: BOS and EOS)
+                                     add_bos=file.get("tokenizer.ggml.add_bos_token", bool, True))
         tokenizer.chat_template = template
         return tokenizer
     if kind != "gpt2":
