@@ -331,6 +331,8 @@ def test_a_batch_survives_a_killed_agent_every_slot_replayed(stories_weights):
 
         assert decode(model, kill_at=17, kill=kill) == expected
         assert len(model.recoveries) == 1 and cluster.endpoints[1] in model.recoveries[0].lost
+        # every slot's positions so far (its prompt and the tokens decoded), not 0 (the re-plan's own prefix)
+        assert model.recoveries[0].replayed_tokens >= sum(len(p) for p in prompts) + 3 * 10
 
 
 def test_batched_serving_gives_generates_greedy_text_for_long_prompts(q4_weights):

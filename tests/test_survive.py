@@ -181,3 +181,33 @@ def test_a_persistently_slow_agent_loses_its_work_to_the_others(stories_weights,
 def groups_of(model, endpoint: str) -> int:
     rows = [r for r in model.report() if r["endpoint"] == endpoint]
     return rows[0]["heads"] + rows[0]["mlp_groups"] + rows[0]["vocab_groups"] if rows else 0
+
+
+def test_stopping_local_agents_does_not_wait_out_a_stopped_one():
+    """A SIGSTOPped agent takes no SIGTERM until continued: the master waited the whole 5 s grace before SIGKILL,
+    for an agent the survival layer had already planned around."""
+    import subprocess
+
+    from halo.distributed import stop_processes
+
+    import sys
+
+    drains = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); print(flush=True); time.sleep(60)"
+    stopped = subprocess.Popen([sys.executable, "-c", drains], stdout=subprocess.PIPE)  # handles SIGTERM, as agents do
+    stopped.stdout.readline()  # its handler is in place
+    stopped.send_signal(signal.SIGSTOP)
+    t = time.monotonic()
+    stop_processes([stopped], grace_s=5.0)
+    assert time.monotonic() - t < 2.0 and stopped.returncode == 0  # it drained, not killed after the grace
+
+
+def test_generate_json_says_what_the_survival_layer_did(capsys):
+    """--json in tensor-parallel mode left out the recoveries (pipeline mode's JSON has them): a script could not
+    tell that an agent was lost and the per-agent figures cover only the survivors."""
+    import json
+
+    from halo.cli.master import main
+
+    assert main(["generate", "--local-agents", "1", "--plan", "even", "--max-new-tokens", "2", "--json"]) == 0
+    survival = json.loads(capsys.readouterr().out)["survival"]
+    assert survival["recoveries"] == [] and len(survival["in_plan"]) == 1

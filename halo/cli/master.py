@@ -719,6 +719,8 @@ def _run_generation(args, weights, tokenizer, model, sampling, prompt: str, spec
             if getattr(model, "sync_auto", None):  # --sync auto's pick (kept across re-plans)
                 out["planning"] = {**out["planning"], "sync_auto": model.sync_auto}
             out["estimates"] = model.estimates.to_json()  # running estimates per device and link
+            if hasattr(model, "survival_report"):  # agents lost and re-planned around, or back (a script must see it)
+                out["survival"] = model.survival_report()
         elif hasattr(model, "report"):
             out["pipeline"] = model.report()
         out["model"] = weights.source

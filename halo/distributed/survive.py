@@ -167,7 +167,11 @@ class SurvivingModel:
         for _ in range(self.settings.max_attempts):
             try:
                 if stale or self.model is not model:
-                    self._replay_slots({s.slot: s.start for s in rows.segments})
+                    replayed = self._replay_slots({s.slot: s.start for s in rows.segments})
+                    if self.recoveries:  # (the re-plan recorded no prefix: a batch's histories are replayed here)
+                        self.recoveries[-1].replayed_tokens += replayed
+                    log.info("replayed %d positions of %d sequences on the new assignment", replayed,
+                             len(self.slot_history))
                     model, stale = self.model, False
                 out = self.model.forward_rows(tokens, rows)
             except AgentError as e:
@@ -187,15 +191,17 @@ class SurvivingModel:
         """The sequence in `slot` is done: nothing of it is replayed after a re-plan."""
         self.slot_history.pop(slot, None)
 
-    def _replay_slots(self, kept: dict[int, int]) -> None:
+    def _replay_slots(self, kept: dict[int, int]) -> int:
         """Every slot's history through a new assignment, in prompt-sized passes (`kept`: slots the next pass rewrites
-        from a position on: only what precedes it)."""
-        chunk = prefill_chunk(self.model.config.dim)
+        from a position on: only what precedes it); returns the positions replayed."""
+        chunk, replayed = prefill_chunk(self.model.config.dim), 0
         for slot, history in sorted(self.slot_history.items()):
             history = history[:kept.get(slot, len(history))]
             for at in range(0, len(history), chunk):
                 piece = history[at:at + chunk]
                 self.model.forward_rows(piece, Rows.of([(slot, at, len(piece))]))
+            replayed += len(history)
+        return replayed
 
     def reset(self) -> None:
         self.history = []
@@ -278,9 +284,10 @@ class SurvivingModel:
             self.recoveries.append(Recovery(recovery_kind(cause), cause, lost, joined, endpoints, len(prefix),
                                             time.perf_counter() - t0, sticky=sticky, refilled=refilled,
                                             kept_groups=kept, moved_groups=moved))
-        log.warning("re-planned (%s) in %.2f s over %d agents (%s); %s %d positions", "sticky" if sticky else "full",
+        log.warning("re-planned (%s) in %.2f s over %d agents (%s); %s", "sticky" if sticky else "full",
                     time.perf_counter() - t0, len(endpoints), ", ".join(endpoints) or "the master alone",
-                    "refilled the KV caches of" if refilled else "replayed", len(prefix))
+                    f"{'refilled the KV caches of' if refilled else 'replayed'} {len(prefix)} positions" if prefix
+                    or not self.slot_history else f"the {len(self.slot_history)} sequences' positions are replayed next")
         return None
 
     # ---- sticky re-plans --------------------------------------------------------------------------------

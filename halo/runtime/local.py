@@ -156,10 +156,18 @@ def agent_command(listen: str, key_path, name: str, threads: int = 1, model_path
 
 
 def stop_processes(processes: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM (agents drain and leave), then SIGKILL whoever is still there after grace_s."""
+    """SIGTERM (agents drain and leave), then SIGKILL whoever is still there after grace_s. SIGCONT after the
+    SIGTERM: a stopped process (SIGSTOP, a debugger) takes neither until continued, and the master waited the whole
+    grace for one the survival layer had long planned around."""
+    import signal
+
     for p in processes:
         if p.poll() is None:
             p.terminate()
+            try:
+                p.send_signal(signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     for p in processes:
         try:
             p.wait(timeout=grace_s)
