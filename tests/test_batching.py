@@ -265,6 +265,8 @@ def test_full_slots_queue_then_refuse_and_a_cancelled_request_frees_its_slot_at_
     tokenizer = load_tokenizer(stories_weights)
     engine = Engine(lambda stack: Transformer(stories_weights, max_seq_len=512, slots=2), tokenizer, stories_weights,
                     model_name="stories260K", max_queue=1).start()
+    counted = []
+    engine.on_tokens = lambda prompt, completion: counted.append(completion)  # (set before a request: the engine's)
     try:
         async def run():
             loop = asyncio.get_running_loop()
@@ -294,6 +296,8 @@ def test_full_slots_queue_then_refuse_and_a_cancelled_request_frees_its_slot_at_
     finally:
         engine.close()
     assert engine.totals.requests["cancelled"] == 2 and engine.totals.requests["completed"] == 1
+    # the cancelled requests' tokens count as generated (halo_generated_tokens_total counted completed ones alone)
+    assert len(counted) == 2 and all(n > 0 for n in counted)
 
 
 def test_a_batch_survives_a_killed_agent_every_slot_replayed(stories_weights):

@@ -123,6 +123,8 @@ def test_401_without_or_with_a_wrong_key(server):
     ({"model": "stories260K", "prompt": PROMPT, "stream": "yes"}, "stream", "stream"),
     ({"model": "stories260K", "prompt": PROMPT, "seed": -1}, "seed", "seed"),  # once a 500 that took the cluster down
     ({"model": "stories260K", "prompt": "word " * 600}, "context holds", None),
+    ({"model": "stories260K", "prompt": PROMPT, "response_format": "json_object"}, "only text", "response_format"),  # 500
+    ({"model": "stories260K", "prompt": PROMPT, "logit_bias": {"300": 100}}, "logit_bias", "logit_bias"),  # ignored
 ])
 def test_400_for_bad_requests(server, body, where, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -11,9 +11,11 @@ from halo.generation.generate import GenerationCancelled, generate  # noqa: E402
 from halo.model.loader import load_tokenizer  # noqa: E402
 from halo.compute.transformer import Transformer  # noqa: E402
 from halo.generation.sampling import SamplingSettings  # noqa: E402
+from halo.serve.app import create_app  # noqa: E402
 from halo.serve.engine import Cancelled, Engine, GenerationRequest, StopScanner  # noqa: E402
 from halo.serve.protocol import ClusterUnavailable, QueueFull, RequestTimeout  # noqa: E402
 from halo.serve.view import render  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
 
 GREEDY = SamplingSettings()
 
@@ -205,10 +207,12 @@ def test_an_agent_failure_fails_one_request_then_the_cluster_is_rebuilt(stories_
             loop = asyncio.get_running_loop()
             failed = await collect(engine.submit(request(tokens=12), loop))
             down = engine.snapshot
+            listed = TestClient(create_app(engine)).get("/v1/models")  # docs/serving.md: 503 while down (it was 200)
             ok = await collect(engine.submit(request(tokens=12), loop))
-            return failed, down, ok
+            return failed, down, listed, ok
 
-        failed, down, ok = asyncio.run(run())
+        failed, down, listed, ok = asyncio.run(run())
+        assert listed.status_code == 503 and listed.json()["error"]["code"] == "cluster_unavailable"
         second = agent_processes()
     finally:
         engine.close()
@@ -323,3 +327,24 @@ def test_a_speculating_engine_serves_the_same_text_and_counts_its_drafts(stories
                         ("halo_speculative_accepted_tokens_total", totals.speculative_accepted_tokens),
                         ("halo_speculative_passes_total", totals.speculative_passes)):
         assert f"{name} {float(value)}" in metrics, name
+
+
+def test_a_speculating_engine_counts_no_tokens_past_a_stop_string(stories_weights, tokenizer):
+    """Drafts accepted in the pass that completed a stop string were counted in usage: 14 completion tokens with
+    --speculate where plain decoding said 13, for the same text."""
+    from halo.generation.speculative import SpeculationSettings
+
+    prompt = "Lily and Tom went to the park. They played with a ball. " * 4
+    outcomes = []
+    for speculation in ((SpeculationSettings(), None), (SpeculationSettings(max_drafts=8), None)):
+        engine = engine_for(stories_weights, tokenizer, speculation=speculation)
+        try:
+            async def run():
+                return await collect(engine.submit(request(prompt, tokens=40, stop=("ball",)),
+                                                   asyncio.get_running_loop()))
+            outcomes.append(asyncio.run(run()))
+        finally:
+            engine.close()
+    (plain_text, (_, plain)), (spec_text, (_, spec)) = outcomes
+    assert spec_text == plain_text and plain.finish_reason == spec.finish_reason == "stop"
+    assert spec.completion_tokens == plain.completion_tokens

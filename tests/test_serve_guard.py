@@ -96,3 +96,28 @@ def test_a_key_file_others_can_read_is_refused(tmp_path):
         read_api_key(args)
     key.chmod(0o600)
     assert read_api_key(args) == "k" * 24
+
+
+def test_an_api_key_no_client_can_send_is_refused_at_start():
+    """A non-ASCII --api-key was taken, and no client could ever authenticate (headers are latin-1 / ASCII: 401, or
+    the openai client's UnicodeEncodeError)."""
+    for key in ("clé-ü", "tab\there"):
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            read_api_key(argparse.Namespace(api_key=key, api_key_file=None))
+    assert read_api_key(argparse.Namespace(api_key="  s3cret-Key_1 ", api_key_file=None)) == "s3cret-Key_1"
+
+
+def test_requests_the_guard_refuses_are_counted_in_the_metrics(server):
+    """A 413 by Content-Length or a 415 never reached halo_requests_total (only a chunked body over the limit did),
+    though the labels were there for them."""
+    import re
+
+    def count(outcome: str) -> float:
+        text = httpx.get(server + "/metrics", headers=AUTH, timeout=10).text
+        found = re.search(rf'halo_requests_total{{endpoint="completions",outcome="{outcome}"}} ([0-9.]+)', text)
+        return float(found.group(1)) if found else 0.0
+
+    before = count("too_large"), count("bad_request")
+    assert post(server, json.dumps({**BODY, "prompt": "x" * 200_000}).encode()).status_code == 413
+    assert post(server, json.dumps(BODY).encode(), headers={"Content-Type": "text/plain"}).status_code == 415
+    assert (count("too_large"), count("bad_request")) == (before[0] + 1, before[1] + 1)

@@ -59,7 +59,7 @@ class GenerationResult:
     text: str  # the generated continuation (without the prompt)
     token_ids: list[int]  # generated ids
     prompt_ids: list[int]
-    stop_reason: str  # "eos", "max_new_tokens" or "context_full"
+    stop_reason: str  # "eos", "max_new_tokens", "context_full" or "stop" (the caller's stopped(): a stop string)
     prefill_ms: float
     decode_ms: list[float] = field(default_factory=list)  # per token a pass after the prompt yielded: its time / its tokens
     speculation: SpeculationStats | None = None
@@ -104,11 +104,14 @@ class Continuation:
     joins the text, streamed to on_text piece by piece. generate() and the serving engine's batches both use it."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], max_new_tokens: int, context: int,
-                 on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True):
+                 on_text: Callable[[str], None] | None = None, stop_at_eos: bool = True,
+                 stopped: Callable[[], bool] | None = None):
+        """stopped: asked after each token's text went to on_text; True ends the generation there ("stop": the
+        caller's stop string is complete: a speculative pass's later tokens are not the text's, nor its usage)."""
         if max_new_tokens < 0:
             raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
         self.tokenizer, self.max_new_tokens, self.context = tokenizer, max_new_tokens, context
-        self.on_text, self.stop_at_eos = on_text, stop_at_eos
+        self.on_text, self.stop_at_eos, self.stopped = on_text, stop_at_eos, stopped
         # the continuation's first piece keeps its leading space unless the prompt was empty
         self.emit = tokenizer.stream(at_start=len(prompt_ids) == 1 and prompt_ids[0] == tokenizer.bos_id)
         self.result = GenerationResult("", [], prompt_ids, "max_new_tokens", 0.0)
@@ -125,6 +128,9 @@ class Continuation:
         self.pieces.append(piece)
         if self.on_text and piece:
             self.on_text(piece)
+        if self.stopped is not None and self.stopped():
+            result.stop_reason = "stop"
+            return True
         if len(result.token_ids) == self.max_new_tokens:
             return True
         if len(result.prompt_ids) + len(result.token_ids) >= self.context:
@@ -147,7 +153,8 @@ class Continuation:
 def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
              sampling: SamplingSettings = SamplingSettings(), on_text: Callable[[str], None] | None = None,
              stop_at_eos: bool = True, cancelled: Callable[[], bool] | None = None,
-             speculation: SpeculationSettings = SpeculationSettings(), drafter: Drafter | None = None) -> GenerationResult:
+             speculation: SpeculationSettings = SpeculationSettings(), drafter: Drafter | None = None,
+             stopped: Callable[[], bool] | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after the prompt (BOS is prepended). on_text receives each new
     piece of text as soon as it is decoded. `cancelled` is asked before every forward pass: when it
     returns True the loop stops there (no message goes to the agents for this request any more) and
@@ -158,7 +165,7 @@ def generate(model: LanguageModel, tokenizer: Tokenizer, prompt: str, max_new_to
         raise ConfigError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     prompt_ids = encode_prompt(tokenizer, prompt, model.max_seq_len)
     sample = Sampler(sampling)
-    going = Continuation(tokenizer, prompt_ids, max_new_tokens, model.max_seq_len, on_text, stop_at_eos)
+    going = Continuation(tokenizer, prompt_ids, max_new_tokens, model.max_seq_len, on_text, stop_at_eos, stopped)
     result = going.result
 
     def check_cancelled() -> None:

@@ -37,8 +37,8 @@ from halo.model.chat import chat_prompt
 from halo.serve.engine import Cancelled, Engine, GenerationRequest
 from halo.serve.guard import MAX_BODY_BYTES, Guard
 from halo.serve.metrics import CONTENT_TYPE, Metrics
-from halo.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, NotFound, ServeError, Shaper,
-                                 Unauthorized, parse)
+from halo.serve.protocol import (BadRequest, ChatCompletionRequest, ClusterUnavailable, CompletionRequest, NotFound,
+                                 ServeError, Shaper, Unauthorized, parse)
 
 STATIC = resources.files("halo.serve") / "static"
 MAX_CHARS_PER_TOKEN = 64  # a prompt longer than this many characters a context token cannot fit (no tokenizer's do)
@@ -65,6 +65,7 @@ class Server:
         self.api_key = api_key
         self.metrics = Metrics(engine)
         engine.on_generation = self.metrics.on_generation
+        engine.on_tokens = self.metrics.count_tokens
         self.tokenizer = engine.tokenizer
         self.chat_template = getattr(engine.tokenizer, "chat_template", None)
         self.created = int(time.time())
@@ -104,6 +105,8 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
+        if self.snapshot().get("state") == "down":  # (docs/serving.md: 503 while the cluster is down)
+            raise ClusterUnavailable("the cluster is down: the next request rebuilds it", "cluster_unavailable")
         return JSONResponse({"object": "list", "data": [self.model_card()]})
 
     async def metrics_route(self, request: Request) -> Response:
@@ -134,6 +137,12 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)
+
+    def refused(self, path: str, error: ServeError) -> None:
+        """A generation request the guard refused (413 by its length, 415, 403) counts as the route's would."""
+        endpoint = GENERATION_ROUTES.get(path)
+        if endpoint is not None:
+            self.metrics.requests.labels(endpoint, _outcome(error)).inc()
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, chat=True)
@@ -260,6 +269,9 @@ class Server:
         return FileResponse(str(STATIC / "index.html"), headers={"Cache-Control": "no-cache"})
 
 
+GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}  # path -> metrics endpoint
+
+
 def _outcome(error) -> str:
     if isinstance(error, Cancelled):
         return "cancelled"
@@ -292,6 +304,6 @@ def create_app(engine: Engine, api_key: str | None = None, loopback_only: bool =
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found,
                                                        ServeError: lambda r, e: error_response(e)},
                     middleware=[Middleware(Guard, respond=error_response, loopback_only=loopback_only,
-                                           max_body_bytes=max_body_bytes)])
+                                           max_body_bytes=max_body_bytes, refused=server.refused)])
     app.state.server = server
     return app

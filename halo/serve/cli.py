@@ -35,10 +35,14 @@ def read_api_key(args) -> str | None:
                               f"{stat.S_IMODE(mode):04o}): chmod 600 {args.api_key_file}")
         if not key:
             raise ConfigError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
-        return key
-    if args.api_key is not None and not args.api_key.strip():
+    elif args.api_key is not None and not args.api_key.strip():
         raise ConfigError("--api-key is empty")
-    return args.api_key.strip() if args.api_key else None
+    else:
+        key = args.api_key.strip() if args.api_key else None
+    if key is not None and not (key.isascii() and key.isprintable()):  # HTTP headers carry no other: no client
+        raise ConfigError("the API key must be printable ASCII (an HTTP header cannot carry other characters; a "
+                          "client could never send it): e.g. `python -c 'import secrets; print(secrets.token_urlsafe())'`")
+    return key
 
 
 def default_model_name(model: str | None) -> str:

@@ -176,6 +176,7 @@ class Engine:
         self.model_name, self.sync_mode = model_name, sync_mode
         self.max_queue, self.request_timeout_s, self.ping_interval_s = max_queue, request_timeout_s, ping_interval_s
         self.on_generation = on_generation
+        self.on_tokens: Callable[[int, int], None] | None = None  # (prompt, completion) of an unfinished request
         self.speculation, self.drafter = speculation  # settings, drafter (None: prompt lookup)
         self.model = None
         self.max_seq_len = 0
@@ -372,7 +373,8 @@ class Engine:
         try:
             result = generate(self.model, self.tokenizer, job.request.prompt, job.request.max_tokens,
                               job.request.sampling, on_text=run.on_text, cancelled=run.cancelled,
-                              speculation=self.speculation, drafter=self.drafter)
+                              speculation=self.speculation, drafter=self.drafter,
+                              stopped=lambda: run.scanner.stopped)  # (within a speculative pass too)
             finish = "stop" if result.stop_reason == "eos" or run.scanner.stopped else "length"  # (a stop string
         except GenerationCancelled as e:  # completed by the last token allowed: no cancel came after it, still "stop")
             result = e.result
@@ -426,7 +428,14 @@ class Engine:
                 return False
         return True
 
+    def _count_unfinished(self, result) -> None:
+        """The tokens of a request that ended before completing (cancelled, timed out, failed): processed all the
+        same (halo_generated_tokens_total counted completed requests alone, and read 0 under a load of timeouts)."""
+        if self.on_tokens is not None:
+            self.on_tokens(len(result.prompt_ids), len(result.token_ids))
+
     def _cancelled(self, job: Job, result) -> None:
+        self._count_unfinished(result)
         if self._closing:
             self.totals.requests["error"] += 1
             job.put("error", _shutting_down())
@@ -626,6 +635,7 @@ class Engine:
         self._window = None
         for member in running:
             job, _ = member.owner
+            self._count_unfinished(member.going.result)
             self.totals.requests["error"] += 1
             job.put("error", reply)
             self._release(job)

@@ -42,8 +42,9 @@ class Guard:
     """The checks above around an ASGI app. loopback_only: refuse requests addressed to other host names (set when
     the server has no API key); respond(error) -> the response a refusal gets (app.error_response)."""
 
-    def __init__(self, app, respond, loopback_only: bool, max_body_bytes: int = MAX_BODY_BYTES):
-        self.app, self.respond = app, respond
+    def __init__(self, app, respond, loopback_only: bool, max_body_bytes: int = MAX_BODY_BYTES, refused=None):
+        """refused(path, error): told of each request refused here (the metrics count them as the routes' own)."""
+        self.app, self.respond, self.refused = app, respond, refused
         self.loopback_only, self.max_body_bytes = loopback_only, max_body_bytes
 
     async def __call__(self, scope, receive, send):
@@ -58,6 +59,8 @@ class Guard:
         try:
             self.check(scope, Headers(scope=scope))
         except ServeError as e:
+            if self.refused is not None:
+                self.refused(scope["path"], e)
             return await self.respond(e)(scope, receive, send_with_headers)
         await self.app(scope, self.limited(receive) if scope["method"] == "POST" else receive, send_with_headers)
 

@@ -32,12 +32,16 @@ class Metrics:
 
     def on_generation(self, outcome, decode_ms: list[float], ttft_s: float | None) -> None:
         """Called by the engine thread when a generation completes."""
-        self.generated.inc(outcome.completion_tokens)
-        self.prompt.inc(outcome.prompt_tokens)
+        self.count_tokens(outcome.prompt_tokens, outcome.completion_tokens)
         for ms in decode_ms:
             self.time_per_token.observe(ms / 1e3)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        """Tokens processed, whether or not their request completed (the engine thread)."""
+        self.generated.inc(completion)
+        self.prompt.inc(prompt)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

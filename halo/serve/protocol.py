@@ -2,7 +2,7 @@
 
 Requests are pydantic models: unknown fields that clients routinely send (user, logit_bias left empty,
 presence_penalty 0, ...) are accepted and ignored; what halo cannot honour (n > 1, logprobs, tools,
-non-zero penalties, echo, suffix, best_of > 1) is a 400 that says so, never silently dropped.
+non-zero penalties, a logit_bias, echo, suffix, best_of > 1) is a 400 that says so, never silently dropped.
 Sampling: temperature (0 = greedy; default 1 as in OpenAI), top_p, seed (default: a fresh one per
 request), plus top_k as llama.cpp's server accepts it. max_tokens (or max_completion_tokens) defaults
 to the rest of the context and is cut to it (finish_reason "length").
@@ -83,7 +83,9 @@ UNSUPPORTED = {
     "suffix": (lambda v: not v, "suffix (insertion) is not supported"),
     "tools": (lambda v: not v, "tools / function calling are not supported by this server"),
     "functions": (lambda v: not v, "tools / function calling are not supported by this server"),
-    "response_format": (lambda v: not v or v.get("type") == "text", "only text responses are supported"),
+    "response_format": (lambda v: not v or isinstance(v, dict) and v.get("type") == "text",
+                        "only text responses are supported"),  # (a string or list was an AttributeError: a 500)
+    "logit_bias": (lambda v: not v, "logit_bias is not supported (send {} or leave it out)"),
 }
 
 
