@@ -413,7 +413,7 @@ class Agent(ControlServer):
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
         streams = sync.policy.remap and resolve_format(fmt, self.weights) != "fp32"
-        self._check_budget(share, layout, context, fmt, hello.slots, streams)
+        self._check_budget(share, layout, context, fmt, hello.slots, streams, sync.policy.remap)
         ranks = sync.policy.remap and sync.predict and any(ranks_next_layer_itself(sync.policy, share.mlp, l)
                                                             for l in range(c.n_layers))
         predictors = self._predictors(layout) if ranks else None  # (over UDP the master's MLP inputs bring its rankings)
@@ -439,18 +439,27 @@ class Agent(ControlServer):
         return build, sync
 
     def _check_budget(self, share: Shares, layout: GroupLayout, context: int, fmt: str, slots: int,
-                      streams: bool = False) -> None:
+                      streams: bool = False, remap: bool = False) -> None:
         """Refuse a share whose weights (in the session's format) and KV caches exceed the memory budget. streams: HALO
         mode with compact weights, whose MLP groups the budget bounds (a cache, read again from storage when evicted:
-        DeviceWorker), so the share needs only the least such a cache holds, two layers of its ranks."""
+        DeviceWorker), so the share needs only the least such a cache holds, two layers of its ranks. remap without
+        streams (HALO mode in float32): every MLP group of its layers is held, any may be ranked its way (the share's
+        count alone let an agent take twice its budget)."""
         weights, cache = share_memory(share, layout, self.weights, fmt, context, slots)
         streams = streams and any(share.mlp)
+        mlp_only = Shares([[]] * len(share.mlp), share.mlp, [])
         if streams:  # (the worker checks the same: remap.py's minimum_capacity of its largest layer's ranks)
-            mlp = share_memory(Shares([[]] * len(share.mlp), share.mlp, []), layout, self.weights, fmt, context, 0)[0]
+            mlp = share_memory(mlp_only, layout, self.weights, fmt, context, 0)[0]
             per_group = mlp / sum(len(groups) for groups in share.mlp)
             weights -= mlp - minimum_capacity(int(per_group * max(len(groups) for groups in share.mlp)))
+        elif remap and any(share.mlp):
+            every = Shares([[]] * len(share.mlp), [list(range(layout.n_mlp_groups)) if g else [] for g in share.mlp], [])
+            weights += (share_memory(every, layout, self.weights, fmt, context, 0)[0]
+                        - share_memory(mlp_only, layout, self.weights, fmt, context, 0)[0])
         if weights + cache > self.memory_budget:
-            streamed = " with two layers of its MLP groups held (HALO mode reads the rest again)" if streams else ""
+            streamed = (" with two layers of its MLP groups held (HALO mode reads the rest again)" if streams else
+                        " with every MLP group of its layers (HALO mode in float32 holds them all; --weights int8 or "
+                        "a GGUF's native blocks are read as needed)" if remap and any(share.mlp) else "")
             raise HaloError(f"the share needs {(weights + cache) / 1e6:.1f} MB (weights {weights / 1e6:.1f} MB in {fmt}"
                             f"{streamed}, "
                             f"KV cache {cache / 1e6:.1f} MB for {context} positions x {slots} slot(s)) but this agent's "

@@ -171,7 +171,7 @@ def test_a_hello_with_bad_sync_settings_is_refused_and_the_agent_lives_on(slow_a
     agent, _ = slow_agent
     for bad in ({"seed": -5000, "inject_plr": 0.1}, {"seed": "x", "inject_plr": 0.1}, {"predict": 1}):
         monkeypatch.setattr(SyncSettings, "to_json", lambda self, bad=bad: {**asdict(self), **bad})  # the master's side
-        with pytest.raises(HaloError, match=f"sync setting {next(iter(bad))}|{next(iter(bad))} -5000 must lie"):
+        with pytest.raises(HaloError, match=f"sync setting {next(iter(bad))}|--seed must be an integer"):
             cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=2.0)
         monkeypatch.undo()
         assert agent.running and agent.session is None
@@ -203,3 +203,15 @@ def test_an_agent_set_to_one_weight_format_refuses_another_with_the_fix(slow_age
         cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)  # the master's native: fp32
     model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, fmt="int8")
     model.close()
+
+
+def test_a_halo_agent_in_float32_is_held_to_its_budget(slow_agent, stories_weights):
+    """HALO mode holds every MLP group of its layers, but the budget check counted the share's: with fp32 weights an
+    agent of a 0.3 MB budget took 0.7 MB."""
+    from halo.sync import SyncSettings
+
+    agent, _ = slow_agent
+    agent.memory_budget = 300_000
+    with pytest.raises(AgentError, match=r"HALO mode in float32 holds them all.*memory budget is 0.3 MB"):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, plan="even-mlp-only",
+                      sync=SyncSettings(mode="halo-tcp", predict=False))

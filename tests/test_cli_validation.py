@@ -57,6 +57,14 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["generate", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["generate", "--critical-fraction", "2"], "argument --critical-fraction: must be in [0, 1], got 2"),
     (["generate", "--inject-plr", "1"], "argument --inject-plr: must be in [0, 1), got 1"),
+    # sync options where nothing reads them: accepted, and did nothing
+    (["generate", "--inject-plr", "0.2"], "--inject-plr: how tensor-parallel agents sync their partial sums, and this run has none"),
+    (["generate", "--local-agents", "2", "--sync", "lossy", "--critical-fraction", "0"],
+     "--critical-fraction does nothing under --sync lossy: it applies to halo / halo-tcp"),
+    (["generate", "--local-agents", "2", "--sync", "tcp", "--inject-plr", "0.3"], "--inject-plr does nothing under --sync tcp"),
+    (["generate", "--local-agents", "2", "--wire-partials", "fp16"],
+     "--wire-partials does nothing under --sync exact (the default)"),  # (it named a --sync exact nobody typed)
+    (["generate", "--local-agents", "2", "--sync", "auto", "--wire-partials", "fp16"], "under --sync auto, which picks exact"),
     (["generate", "--deadline-floor", "0"], "argument --deadline-floor: must be > 0, got 0"),
     (["generate", "--weights", "int3"], "argument --weights: invalid choice: 'int3'"),
     (["plan", "--cluster", "c.toml", "--mlp-group-size", "0"], "argument --mlp-group-size: must be >= 1, got 0"),
@@ -309,3 +317,11 @@ def test_a_reader_that_leaves_early_or_a_terminal_without_utf8_is_no_traceback(t
     done = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--prompt", "café", "--max-new-tokens",
                            "3"], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert done.returncode == 0 and "Traceback" not in done.stderr and done.stdout.startswith("caf?"), done.stderr
+
+
+def test_an_unusable_predictors_directory_is_refused_under_lossy_sync_too(tmp_path, capsys):
+    """Under --sync lossy (heads placed by the predictors' importance) an empty --predictors DIR was logged at info
+    level and the heads silently kept their index order; halo mode refused it."""
+    code, err = run(cli.main, ["generate", "--local-agents", "1", "--plan", "even", "--sync", "lossy", "--predictors",
+                               str(tmp_path), "--max-new-tokens", "2"], capsys)
+    assert code == 2 and "no predictor manifest" in err, err

@@ -211,3 +211,23 @@ def test_generate_json_says_what_the_survival_layer_did(capsys):
     assert main(["generate", "--local-agents", "1", "--plan", "even", "--max-new-tokens", "2", "--json"]) == 0
     survival = json.loads(capsys.readouterr().out)["survival"]
     assert survival["recoveries"] == [] and len(survival["in_plan"]) == 1
+
+
+def test_the_loss_report_covers_the_tokens_before_a_replan(stories_weights):
+    """Each re-plan's master started an empty loss ledger, so --json's sync.loss covered only the tokens after the
+    last re-plan (the losses before it, often the heaviest, were gone: 'blocks 52' where a run without one said 120)."""
+    with LocalCluster(3) as cluster, ExitStack() as stack:
+        model = survivor(stories_weights, cluster, stack, "lossy")
+        seen = []  # partials counted before the kill, and at the first token after the re-plan
+
+        def on_text(_):
+            if len(seen) == 0 and len(model.history) >= 40:
+                seen.append(model.sync_report()["loss"]["partials"])
+                cluster.processes[1].kill()
+                cluster.processes[1].wait()
+            elif len(seen) == 1 and model.recoveries:
+                seen.append(model.sync_report()["loss"]["partials"])
+
+        generate(model, load_tokenizer(stories_weights), "", 60, on_text=on_text)
+        assert len(model.recoveries) == 1 and len(seen) == 2
+    assert seen[0] > 0 and seen[1] >= seen[0]  # (it fell back to the few partials since the re-plan)

@@ -375,7 +375,8 @@ def add_sync_arguments(parser) -> None:
                         "(default auto; start agents with the same option)")
     s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
-                        "accuracy-under-loss runs without a lossy network")
+                        "accuracy-under-loss runs without a lossy network (in --sync halo the deadlines decide what "
+                        "is recovered, so at high loss its tokens can vary with timing)")
 
 
 def sync_settings(args):
@@ -583,6 +584,7 @@ def check_model_and_cluster(args) -> None:
     from halo.model.catalog import resolve_model
     from halo.scheduler.even import PLAN_KEYWORDS
 
+    check_sync_knobs(args)
     settings = sync_settings(args)
     if args.sync is not None and not _distributed(args):
         raise ConfigError(f"--sync {args.sync} synchronizes agents: add --local-agents N, --agents or --cluster")
@@ -628,6 +630,33 @@ def pipeline_mode(args) -> bool:
 
     plan_file = args.plan and args.plan not in PLAN_KEYWORDS
     return args.mode == "pipeline" or bool(args.browser_workers) or bool(plan_file and plan_mode(args.plan) == "pipeline")
+
+
+def check_sync_knobs(args) -> None:
+    """The sync options given where nothing reads them are refused, naming where they apply (they were accepted and
+    did nothing: --inject-plr without agents or under tcp, --critical-fraction under lossy, ...)."""
+    from halo.sync import SyncSettings
+
+    d = SyncSettings()
+    given = {"--inject-plr": args.inject_plr != 0, "--critical-fraction": args.critical_fraction != d.critical_fraction,
+             "--deadline-floor": args.deadline_floor != d.deadline_floor_ms,
+             "--deadline-ceiling": args.deadline_ceiling != d.deadline_ceiling_ms,
+             "--wire-partials": args.wire_partials != d.wire_partials, "--copies": args.copies is not None,
+             "--no-pred-overlap": args.no_pred_overlap, "--no-load-overlap": args.no_load_overlap}
+    named = [option for option, used in given.items() if used]
+    if named and (not _distributed(args) or pipeline_mode(args)):
+        raise ConfigError(f"{', '.join(named)}: how tensor-parallel agents sync their partial sums, and this run has "
+                          "none: add --local-agents N, --agents or --cluster (or drop them)")
+    mode = args.sync or "exact"
+    only = {"--critical-fraction": ("halo", "halo-tcp"), "--no-pred-overlap": ("halo", "halo-tcp"),
+            "--no-load-overlap": ("halo", "halo-tcp"), "--wire-partials": ("lossy", "halo", "halo-tcp"),
+            "--inject-plr": ("exact", "lossy", "halo", "halo-tcp", "auto"),  # (tcp sends no datagrams to drop)
+            "--copies": ("exact", "lossy", "halo", "halo-tcp", "auto")}
+    for option in named:
+        if option in only and mode not in only[option]:
+            default = " (the default)" if args.sync is None else ", which picks exact" if mode == "auto" else ""
+            raise ConfigError(f"{option} does nothing under --sync {mode}{default}: it applies to "
+                              f"{' / '.join(only[option])} (add --sync {only[option][0]}, or drop it)")
 
 
 def check_worker_page_options(args, pipeline: bool) -> None:

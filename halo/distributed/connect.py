@@ -101,8 +101,10 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
                               same_machine=same_machine)
     chosen = choose_sync(cluster)
     log.info("--sync auto picked %s: %s", chosen.mode, chosen.reason)
-    copies = settings["sync"].copies or chosen.copies  # a --copies given (even 1) is kept
-    settings["sync"] = replace(settings["sync"], mode=chosen.mode, copies=copies)  # the master's and every re-plan's
+    if settings["sync"].copies and settings["sync"].copies != chosen.copies:  # a --copies given (even 1) is kept,
+        chosen = replace(chosen, copies=settings["sync"].copies,  # and the report says so (it said auto's pick)
+                         reason=f"{chosen.reason}; --copies {settings['sync'].copies} as given (auto picked {chosen.copies})")
+    settings["sync"] = replace(settings["sync"], mode=chosen.mode, copies=chosen.copies)  # the master's, every re-plan's
     master_settings = replace(master_settings, sync=settings["sync"])
     plan, planning = plan_measured(weights, layout, master_settings, cluster, select)
     return plan, chosen, planning
@@ -172,7 +174,7 @@ def head_order(weights: ModelWeights, settings: MasterSettings, layout: GroupLay
     try:
         predictors = load_predictors(weights, layout, settings.predictors)
     except ConfigError:
-        if heads == "importance":
+        if heads == "importance" or settings.predictors:  # (a --predictors DIR given and unusable was ignored)
             raise
         log.info("no predictors for %s: heads stay in index order", weights.source)
         return None

@@ -344,6 +344,13 @@ class DistributedModel:
             rows.append(row)
         return rows
 
+    def carry_from(self, previous: "DistributedModel") -> None:
+        """A re-plan's master goes on from the last one's figures: the time breakdown and what the sync lost (--json,
+        status), so they cover the whole generation, not the tokens since the re-plan (the losses before it, often
+        the worst, were gone from the report)."""
+        self.timings, self.ledger = previous.timings, previous.ledger
+        self.rounds.ledger = previous.ledger
+
     def sync_report(self) -> dict:
         """The sync mode, its settings and what it lost (the loss ledger)."""
         out = {"settings": self.sync.to_json(), "loss": self.ledger.to_json(), "breakdown": self.timings.to_json()}

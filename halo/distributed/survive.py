@@ -261,7 +261,7 @@ class SurvivingModel:
         self._close_model(replanning=True)
         self._plan_endpoints = list(endpoints)
         sticky, inputs = bool(shares), self.input_log.window(len(prefix)) if self.input_log and prefix else None
-        timings = getattr(self.model, "timings", None)  # where the generation's tokens went so far
+        previous = self.model  # its figures go on in the new master (carry_from)
         try:
             self.model = self.build(plan, endpoints, shares=shares[0] if sticky else None,
                                     reuse=getattr(self.model, "worker", None))
@@ -274,8 +274,8 @@ class SurvivingModel:
                 self.model.refill(inputs)  # what the history left in the KV caches, without running it again
             elif prefix:
                 prefill(self.model, prefix)  # (a fresh model starts at position 0; in passes whose vectors stay small)
-            if timings is not None:  # the breakdown (--json, status) covers every token, not those since the re-plan
-                self.model.timings = timings
+            if hasattr(previous, "ledger"):
+                self.model.carry_from(previous)
         except AgentError as e:
             return str(e)
         finally:

@@ -113,8 +113,8 @@ class SyncSettings:
 
     def __post_init__(self):
         self._check_types()
-        if not 0 <= self.seed < 2 ** 63:
-            raise ConfigError(f"seed {self.seed} must lie in [0, 2^63)")
+        if not 0 <= self.seed < 2 ** 64:  # (--seed's range: one seed drives the sampler and the loss injection)
+            raise ConfigError(f"--seed must be an integer from 0 to 2^64 - 1, got {self.seed}")
         if self.mode in RENAMED:
             raise ConfigError(RENAMED[self.mode])
         if self.mode not in POLICIES:
