@@ -465,7 +465,7 @@ def ablation(args) -> None:
         per_token = lambda k: np.median([(r[k] or 0) / (r["tokens"] + WARMUP) for r in sel])  # noqa: E731
         lines.append(f"| {v} | {med[v]:.1f} | {med[v] / med['both (default)']:.2f}x | {per_token('predict_ms'):.2f} | "
                      f"{per_token('load_ms'):.2f} |")
-    write_report(args.out, "halo_ablation", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_halo_speed", args.argv),
                                              "rows": rows}, lines)
 
 
@@ -531,7 +531,7 @@ def straggler(args) -> None:
                          f"{b['ms_mean']:.2f} ({b['ms_mean_second_half']:.2f}) | {b['ms_mean'] / a['ms_mean']:.2f}x "
                          f"({b['ms_mean_second_half'] / a['ms_mean_second_half']:.2f}x) | {b['ms_p90']:.2f} | "
                          f"{b['top1_agreement']:.3f} | {b['partials_dropped']}/{b['partials']} | {causes} |")
-    write_report(args.out, "halo_straggler", {"command": command_line("halo.eval.bench_halo_speed", args.argv),
+    write_report(args.out, args.name, {"command": command_line("halo.eval.bench_halo_speed", args.argv),
                                               "rows": rows}, lines)
 
 
@@ -559,7 +559,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--weights", default="int8", help="weight format of every device (default int8)")
-    parser.add_argument("--name", default="halo_speed", help="results file name under --out")
+    parser.add_argument("--name", help="results file name under --out (default halo_speed, halo_ablation or "
+                        "halo_straggler)")
     parser.add_argument("--repeats", type=int, default=3, help="ablation: runs of every setting")
     parser.add_argument("--runs", type=int, default=1, help="speed: run every configuration this many times, "
                         "interleaved (the machine drifts between runs); the table shows the median run and each one")
@@ -586,6 +587,13 @@ def main(argv=None) -> int:
                         "links, halo-master's default: it may leave agents out)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
+    args.name = args.name or {"ablation": "halo_ablation", "straggler": "halo_straggler"}.get(args.what, "halo_speed")
+    if args.what in ("ablation", "straggler"):  # (their own models and settings: these were ignored)
+        given = [option for option, used in (("--model", args.model is not None), ("--weights", args.weights != "int8"),
+                                             ("--plan", args.plan != "even"), ("--settings", args.settings != "{}"))
+                 if used]
+        if given:
+            parser.error(f"{', '.join(given)}: speed and master options; {args.what} runs its own configuration")
     if args.what == "master":
         master(args)
         return 0

@@ -49,6 +49,19 @@ def write_report(out: str | Path, stem: str, data: dict, lines: list[str]) -> No
 HOSTS = ("AMD EPYC", "Intel Xeon", "H200")  # the hosts results name in their text
 
 
+def host_named(text: str) -> str:
+    """The host a result names: its `Host:` line's, else the one its text mentions first (the first of HOSTS found
+    anywhere labelled an Intel Xeon run "AMD EPYC" because its prose compared it with one)."""
+    import re
+
+    line = re.search(r"^.*\bHost: ?(.*)$", text, re.MULTILINE)
+    for where in ([line.group(1)] if line else []) + [text]:
+        found = [(where.find(h), h) for h in HOSTS if h in where]
+        if found:
+            return min(found)[1]
+    return "-"
+
+
 def index(results: Path) -> list[str]:
     """eval/results/README.md: every result with the date it was committed (git; 'uncommitted' before), the host
     its text names and its command, newest first."""
@@ -62,7 +75,7 @@ def index(results: Path) -> list[str]:
         text = md.read_text()
         title = text.split("\n", 1)[0].lstrip("# ").strip()
         command = re.search(r"`(python -m [^`]+)`", text)
-        host = next((h for h in HOSTS if h in text), "-")
+        host = host_named(text)
         dated = subprocess.run(["git", "log", "--format=%cs", "--diff-filter=A", "-1", "--", md.name], cwd=results,
                                capture_output=True, text=True).stdout.strip() or "uncommitted"
         rows.append((dated, md.name, title, host, command.group(1) if command else "-"))
