@@ -123,6 +123,7 @@ def render(result: dict) -> list[str]:
 def main(argv=None) -> int:
     from halo.model.catalog import resolve_model
     from halo.model.loader import load_weights
+    from halo.scheduler.even import EVEN_PLANS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a model file or fetched name")
@@ -136,16 +137,25 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="batch_pass")
     parser.add_argument("--out", default="eval/results")
     args = parser.parse_args(argv)
-    rows = [int(b) for b in args.rows.split(",")]
-    shares = [float(f) for f in args.paired_shares.split(",")]
-    if not all(1 <= b <= 256 for b in rows) or args.agents < 1 or args.seconds <= 0:
-        raise SystemExit("--rows: 1 to 256 each; --agents: 1 or more; --seconds: above 0")
+    try:
+        rows = [int(b) for b in args.rows.split(",")]
+        shares = [float(f) for f in args.paired_shares.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"--rows / --paired-shares: comma-separated numbers ({e})") from None
+    plans = args.plans.split(",")
+    if not all(1 <= b <= 256 for b in rows) or 1 not in rows or args.agents < 1 or args.seconds <= 0:
+        raise SystemExit("--rows: 1 to 256 each, 1 among them (the batch gain is over one row); --agents: 1 or more; "
+                         "--seconds: above 0")
     if not all(0 < f <= 0.5 for f in shares):
         raise SystemExit("--paired-shares: each in (0, 0.5] (the master takes the rest)")
+    if unknown := [p for p in plans if p not in EVEN_PLANS]:  # (refused after the one-process pass had run)
+        raise SystemExit(f"--plans: {', '.join(unknown)} is no keyword plan; choose from {', '.join(EVEN_PLANS)}")
+    if args.paired_shares != "0.5" and "paired-mlp" not in plans:
+        raise SystemExit("--paired-shares is for --plans paired-mlp (it was ignored)")
     path = str(resolve_model(args.model))
     weights = load_weights(path)
     measured = in_one_process(weights, rows, args.seconds)
-    for plan in args.plans.split(","):
+    for plan in plans:
         for share in shares if plan == "paired-mlp" else [0.5]:
             measured += over_agents(weights, path, plan, args.agents, rows, args.seconds, share)
     result = {"command": command_line("halo.eval.bench_batch_pass", argv), "model": os.path.basename(path),

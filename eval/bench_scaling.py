@@ -370,6 +370,8 @@ def check_arguments(args) -> None:
         raise SystemExit("--busy-poll: any of on, off, auto")
     if any(not 0 <= p < 1 for p in args.plr) or (not args.bed and args.plr != [0.0]):
         raise SystemExit("--plr: loss rates in [0, 1), and only with --bed (loopback loses nothing)")
+    if args.profile and not args.bed:  # (it ran on loopback and the results said profile wifi-busy)
+        raise SystemExit("--profile: radio links are the test bed's; add --bed")
     if args.dllama and not os.access(args.dllama, os.X_OK):
         raise SystemExit(f"--dllama {args.dllama}: not an executable (build distributed-llama's `dllama` first)")
 

@@ -20,3 +20,15 @@ def test_each_plan_and_row_count_is_timed_with_where_the_pass_went(tmp_path):
     assert all(us > 0 for us in result["sampling_us"].values()) and len(result["sampling_us"]) == 2
     table = (tmp_path / "bp.md").read_text()
     assert "| paired-mlp | 3 |" in table and "| paired-mlp, agent 25 % | 3 |" in table and result["host"]["cpu"] in table
+
+
+def test_arguments_it_cannot_use_are_refused_before_anything_runs(tmp_path):
+    """--rows 1,x was a traceback, --rows 2,4 put nan in every batch gain, --plans bogus failed after the one-process
+    pass, --paired-shares without paired-mlp was ignored."""
+    import pytest
+
+    for extra, said in ((["--rows", "1,x"], "comma-separated numbers"), (["--rows", "2,4"], "1 among them"),
+                        (["--plans", "bogus"], "bogus is no keyword plan"),
+                        (["--plans", "even-mlp-only", "--paired-shares", "0.25"], "is for --plans paired-mlp")):
+        with pytest.raises(SystemExit, match=said):
+            bench_batch_pass.main(["--model", str(BUNDLED_MODEL), "--out", str(tmp_path), *extra])

@@ -66,5 +66,7 @@ def test_arguments_are_checked_before_anything_starts(tmp_path):
         bench_scaling.main(["--nodes", "1", "--plr", "0.05", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--plans"):
         bench_scaling.main(["--nodes", "1", "--plans", "evenly", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--profile: radio links are the test bed's"):  # (ran on loopback, said wifi)
+        bench_scaling.main(["--nodes", "1", "--profile", "wifi-busy", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="not an executable"):
         bench_scaling.main(["--nodes", "1", "--dllama", str(tmp_path / "dllama"), "--out", str(tmp_path)])
