@@ -301,6 +301,7 @@ def compare(results: list[dict]) -> list[str]:
 
 def main(argv=None) -> int:
     from halo.scheduler.even import EVEN_PLANS
+    from halo.sync import SYNC_MODES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", nargs="?", default="run", choices=("run", "clients"))
@@ -335,6 +336,15 @@ def main(argv=None) -> int:
     unknown = [name for name in args.settings.split(",") if name not in runners]
     if unknown:
         parser.error(f"unknown settings {unknown}: choose from {', '.join(runners)}")
+    if min(args.clients, args.slots, args.max_tokens, args.agents) < 1 or args.duration <= 0:
+        parser.error("--clients, --slots, --max-tokens and --agents must be at least 1, --duration above 0")
+    if args.testbed_sync not in SYNC_MODES:
+        parser.error(f"--testbed-sync {args.testbed_sync!r}: choose from {', '.join(SYNC_MODES)}")
+    bed_only = [option for option, used in (("--plr", args.plr != 0.02), ("--profile", bool(args.profile)),
+                                            ("--testbed-sync", args.testbed_sync != "exact"),
+                                            ("--testbed-plan", args.testbed_plan != "paired-mlp")) if used]
+    if bed_only and "testbed" not in args.settings.split(","):  # (they were ignored)
+        parser.error(f"{', '.join(bed_only)}: the testbed setting's options; add testbed to --settings")
     results = []
     for name in args.settings.split(","):
         for result in runners[name](args):

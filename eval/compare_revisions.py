@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['setup']} | {r['base_ms']:.2f} ({', '.join(f'{x:.1f}' for x in r['base_runs'])}) | "
                      f"{r['head_ms']:.2f} ({', '.join(f'{x:.1f}' for x in r['head_runs'])}) | {r['ratio']:.2f}x |")
     write_report(args.out, args.name, {"command": command, "host": host_line(), "bench": args.bench, "base": base,
-                                       "head": head, "runs": args.runs, "rows": rows}, lines)
-    print("\n".join(lines))
+                                       "head": head, "runs": args.runs, "rows": rows}, lines)  # (it prints the table)
     return 0
 
 

@@ -93,10 +93,14 @@ def index(results: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] != ["index"]:
-        print("usage: python -m halo.eval.report index [RESULTS_DIR]  (writes RESULTS_DIR/README.md)", file=sys.stderr)
-        return 2
+    usage = "usage: python -m halo.eval.report index [RESULTS_DIR]  (writes RESULTS_DIR/README.md)"
+    if args[:1] != ["index"] or len(args) > 2 or any(a.startswith("-") for a in args[1:]):
+        print(usage, file=sys.stderr)
+        return 0 if {"-h", "--help"} & set(args) else 2
     results = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parent / "results"
+    if not results.is_dir():
+        print(f"{results}: no such results directory\n{usage}", file=sys.stderr)
+        return 2
     (results / "README.md").write_text("\n".join(index(results)) + "\n")
     print(f"wrote {results / 'README.md'}")
     return 0
