@@ -846,7 +846,6 @@ def cmd_plan(args) -> int:
 
     from halo.model.loader import load_config
     from halo.scheduler import plan_io
-    from halo.scheduler.cost import ESTIMATE_MODES, estimate
     from halo.scheduler.milp import solve_exact
     from halo.scheduler.pipeline import plan_pipeline
     from halo.scheduler.profiles import load_cluster, model_profile, named_config
@@ -885,41 +884,53 @@ def cmd_plan(args) -> int:
         if args.algorithm == "exact":
             result = solve_exact(cluster, model)
             if result.plan is None:
-                raise ConfigError(f"the exact solver found no plan: {result.message}")
+                raise ConfigError(f"the exact solver found no plan ({result.message}): where it is infeasible the "
+                                  "devices' memory cannot hold the model; `--algorithm minmax` names the shortfall")
             plan = result.plan
         else:
             plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=args.sync)
-        used = plan.memory_used()
-        ranks = plan.priority_ranks("attention")
-        table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
-        for column in ("device", "heads/layer", "MLP groups/layer", "vocab groups", "memory used / budget (MB)", "PLR",
-                       "head ranks (layer 0)", "compute ms/token"):
-            table.add_column(column)
-        for j, d in enumerate(plan.profiles()):
-            flops = sum(getattr(model, k).flops * plan.counts[k][j].sum() for k in ("attention", "mlp"))
-            flops += model.lm_head.flops * plan.counts["lm_head"][j]
-            over = " [red]OOM[/red]" if d.name in plan.oom else ""
-            table.add_row(d.name + (" (master)" if plan.devices[j] == cluster.master else ""),
-                          f"{plan.counts['attention'][j].mean():.2f}", f"{plan.counts['mlp'][j].mean():.2f}",
-                          str(plan.counts["lm_head"][j]), f"{used[j] / 1e6:.0f} / {d.memory_bytes / 1e6:.0f}{over}",
-                          f"{d.plr:.3f}", f"{ranks[j, 0, 0]}..{ranks[j, 0, 1] - 1}" if ranks[j, 0, 1] > ranks[j, 0, 0] else "-",
-                          f"{flops / d.compute_flops * 1e3:.1f}")
-        left_out = [d.name for i, d in enumerate(cluster.devices) if i not in plan.devices]
-        console.print(table)
-        if left_out:
-            console.print(f"left out (they would cost more in synchronization than they add): {', '.join(left_out)}")
-        console.print(f"{plan.sync_rounds()} sync rounds a token"
-                      + ("; every attention head on the master" if plan.heads_on_master else "")
-                      + ("; the LM head on the master" if plan.lm_head_on_master else ""))
-        for mode in ESTIMATE_MODES:
-            e = estimate(plan, mode)
-            console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "
-                          f"(compute {e.compute_s * 1e3:.2f}, comm {e.comm_s * 1e3:.2f}, loss {e.loss_s * 1e3:.2f})")
+        print_tp_plan(console, plan, model, cluster, name, args.all_devices)
         document = plan_io.tp_plan_json(plan)
     if args.out:
         plan_io.save(document, args.out)
         console.print(f"wrote {args.out}")
     return 0
+
+
+def print_tp_plan(console, plan, model, cluster, name: str, all_devices: bool) -> None:
+    """A tensor-parallel plan from a cluster file: who holds what, memory, who was left out and why, the estimates."""
+    from rich.table import Table
+
+    from halo.scheduler.cost import ESTIMATE_MODES, estimate
+
+    used = plan.memory_used()
+    ranks = plan.priority_ranks("attention")
+    table = Table(title=f"tensor-parallel plan ({plan.algorithm}): {name}, {cluster.weights}, context {cluster.context}")
+    for column in ("device", "heads/layer", "MLP groups/layer", "vocab groups", "memory used / budget (MB)", "PLR",
+                   "head ranks (layer 0)", "compute ms/token"):
+        table.add_column(column)
+    for j, d in enumerate(plan.profiles()):
+        flops = sum(getattr(model, k).flops * plan.counts[k][j].sum() for k in ("attention", "mlp"))
+        flops += model.lm_head.flops * plan.counts["lm_head"][j]
+        over = " [red]OOM[/red]" if d.name in plan.oom else ""
+        table.add_row(d.name + (" (master)" if plan.devices[j] == cluster.master else ""),
+                      f"{plan.counts['attention'][j].mean():.2f}", f"{plan.counts['mlp'][j].mean():.2f}",
+                      str(plan.counts["lm_head"][j]), f"{used[j] / 1e6:.0f} / {d.memory_bytes / 1e6:.0f}{over}",
+                      f"{d.plr:.3f}", f"{ranks[j, 0, 0]}..{ranks[j, 0, 1] - 1}" if ranks[j, 0, 1] > ranks[j, 0, 0] else "-",
+                      f"{flops / d.compute_flops * 1e3:.1f}")
+    left_out = [d.name for i, d in enumerate(cluster.devices) if i not in plan.devices]
+    console.print(table)
+    if left_out:
+        why = (f"{plan.algorithm} gave them no groups (--all-devices keeps every device in minmax plans)"
+               if all_devices else "they would cost more in synchronization than they add")
+        console.print(f"left out ({why}): {', '.join(left_out)}")
+    console.print(f"{plan.sync_rounds()} sync rounds a token"
+                  + ("; every attention head on the master" if plan.heads_on_master else "")
+                  + ("; the LM head on the master" if plan.lm_head_on_master else ""))
+    for mode in ESTIMATE_MODES:
+        e = estimate(plan, mode)
+        console.print(f"estimate, {mode:8s} sync: {e.total_s * 1e3:9.2f} ms/token "
+                      f"(compute {e.compute_s * 1e3:.2f}, comm {e.comm_s * 1e3:.2f}, loss {e.loss_s * 1e3:.2f})")
 
 
 def _plan_measured(args) -> int:
