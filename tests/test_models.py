@@ -165,3 +165,19 @@ def test_a_cache_that_cannot_take_the_file_is_one_line(fake_model, tmp_path):
     (models.cache_dir() / "model.gguf.partial").symlink_to("/dev/full")  # no space left
     with pytest.raises(ConfigError, match=r"No space left on device"):
         models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))
+
+
+def test_a_model_path_that_is_no_file_says_what_it_is(fake_model, tmp_path, monkeypatch):
+    """/dev/null or a FIFO was "no such file or directory"; a local directory named like a catalog model was hidden by
+    the name without a word."""
+    import os
+
+    from halo.errors import ModelFormatError
+    from halo.model.loader import load_config
+
+    with pytest.raises(ModelFormatError, match="not a regular file or directory"):
+        load_config(os.devnull)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-test").mkdir()
+    with pytest.raises(ConfigError, match=r"not downloaded yet .*a local path: give it as ./tiny-test"):
+        models.resolve_model("tiny-test")

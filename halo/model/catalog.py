@@ -64,7 +64,9 @@ def resolve_model(value: str | os.PathLike) -> Path:
     model = MODELS[name]
     path = cached_path(model)
     if not path.is_file():
-        raise ConfigError(f"model {name} is not downloaded yet ({path} is missing): run `halo-master fetch {name}`")
+        local = f"; the {name} here is a local path: give it as ./{name}" if Path(name).exists() else ""
+        raise ConfigError(f"model {name} is not downloaded yet ({path} is missing): run `halo-master fetch {name}`"
+                          f"{local}")
     if path.stat().st_size != model.size:
         raise ConfigError(f"{path} has {path.stat().st_size} bytes, not {model.size}: run `halo-master fetch {name}` "
                           "again")

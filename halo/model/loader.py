@@ -38,7 +38,7 @@ def load_weights(path: str | os.PathLike | None = None) -> ModelWeights:
         return hf.read_checkpoint(path)
     if path.is_file():
         return gguf.read_checkpoint(path) if is_gguf(path) else llama2c.read_checkpoint(path)
-    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
+    raise not_a_model(path)
 
 
 def load_tokenizer(weights: ModelWeights, tokenizer_path: str | os.PathLike | None = None) -> Tokenizer:
@@ -68,7 +68,13 @@ def load_config(path: str | os.PathLike | None = None):
         return hf.read_config(path)
     if path.is_file():
         return gguf.read_config(path) if is_gguf(path) else llama2c.read_config(path)[0]
-    raise ModelFormatError(path, "no such file or directory", NOT_FOUND_FIX)
+    raise not_a_model(path)
+
+
+def not_a_model(path: Path) -> ModelFormatError:
+    """What is at a --model path that is neither a file nor a directory (a FIFO or /dev/null read as missing)."""
+    return ModelFormatError(path, "not a regular file or directory (a device, a pipe, a socket)" if path.exists()
+                            else "no such file or directory", NOT_FOUND_FIX)
 
 
 def model_fingerprint(path: str | os.PathLike) -> str:
