@@ -9,6 +9,7 @@ decode_values), median of 200. Fewer datagrams per vector means fewer packets at
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -31,6 +32,10 @@ def roundtrip(values: np.ndarray, dtype: int) -> np.ndarray:
 
 
 def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="eval/results", help="where the results go (default eval/results)")
+    parser.add_argument("--name", default="transport_compression")
+    args = parser.parse_args(argv)  # (it read none: --help ran the benchmark and wrote its results)
     rng = np.random.default_rng(0)
     rows = []
     for dim in (2048, 4096):
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['dim']} | {r['distribution']} | {r['format']} | {r['datagrams']} | "
                      f"{r['relative_l2_error_mean']:.1e} / {r['relative_l2_error_max']:.1e} | {r['encode_decode_us']:.0f} |")
-    write_report("eval/results", "transport_compression", {"command": command, "rows": rows}, lines)
+    write_report(args.out, args.name, {"command": command, "rows": rows}, lines)
     return 0
 
 

@@ -94,7 +94,8 @@ def linkemu_binary(cache: Path | None = None) -> Path:
     if compiler is None:
         raise RuntimeError("emulated links need a C compiler once to build rpi/linkemu.c (apt-get install gcc)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")  # its own: concurrent first builds renamed
+    # one shared .partial from under each other (FileNotFoundError, "Text file busy")
     done = subprocess.run([compiler, "-O2", "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"building {SOURCE.name} failed: {done.stderr.strip()[-800:]}")

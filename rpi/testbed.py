@@ -36,10 +36,11 @@ def available() -> tuple[bool, str]:
     for tool in ("ip", "nft", "ethtool", "nsenter"):
         if shutil.which(tool) is None:
             return False, f"'{tool}' is not installed (apt-get install iproute2 nftables ethtool util-linux)"
-    probe = subprocess.run(["ip", "netns", "add", "halo-probe"], capture_output=True, text=True)
+    name = f"halo-probe-{os.getpid()}"  # a name of its own: concurrent callers collided on one ("File exists")
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return False, f"cannot create network namespaces: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "halo-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return True, ""
 
 
@@ -60,15 +61,30 @@ class LossyTestbed:
     links: object = None
     hosts: dict = field(default_factory=dict)  # name -> (namespace, address, host-side veth)
     forwarders: dict = field(default_factory=dict)  # host -> links.Forwarder
+    processes: list = field(default_factory=list)  # what popen started: ended with the bed
 
     def __post_init__(self):
+        import re
+
         if not 1 <= self.n_agents <= 200:
             raise ValueError("between 1 and 200 agents")
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*", self.prefix):  # (nft took "1rvw" for a number, last of all)
+            raise ValueError(f"prefix {self.prefix!r}: a letter, then letters and digits")
+        longest = f"{self.prefix}-v{self.n_agents}" + ("d" if self.links else "")
+        if len(longest) > 15:  # the kernel's interface names (IFNAMSIZ - 1): "Attribute failed policy validation"
+            raise ValueError(f"prefix {self.prefix!r}: interface names such as {longest} pass Linux's 15 characters "
+                             f"with {self.n_agents} agents; give a shorter prefix")
+        rates = self.rate_mbit.values() if isinstance(self.rate_mbit, dict) else [self.rate_mbit]
+        if any(r is not None and not 0.001 <= r for r in rates):  # (a negative rate lifted the cap: tbf 18446744Tbit)
+            raise ValueError(f"rate_mbit {self.rate_mbit}: at least 0.001 (1 kbit/s), or None for no cap")
         from halo.rpi.links import profile
 
         if self.links is not None and not isinstance(self.links, dict):
             self.links = {f"agent-{i}": self.links for i in range(1, self.n_agents + 1)}
         self.links = {host: profile(p) for host, p in (self.links or {}).items()}  # a bad name fails here
+        hosts = {"master", *(f"agent-{i}" for i in range(1, self.n_agents + 1))}
+        if unknown := sorted(set(self.links) - hosts):  # (a KeyError after the whole bed was built)
+            raise ValueError(f"links for {unknown}: this bed's hosts are master and agent-1..agent-{self.n_agents}")
         self.bridge = f"{self.prefix}-br"
         self.table = f"{self.prefix}_loss"
         self.hosts["master"] = (f"{self.prefix}-m", f"{SUBNET}.1", f"{self.prefix}-vm")
@@ -79,18 +95,54 @@ class LossyTestbed:
         return self.hosts[host][1]
 
     def __enter__(self) -> "LossyTestbed":
+        import threading
+
+        if self.links and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("build a bed with emulated links in the main thread: a link's forwarder ends with the "
+                               "thread that started it (PR_SET_PDEATHSIG), and the link went silent with it")
+        self._claim()  # before anything is removed: another process's live bed of this prefix is not a leftover
         try:
             self._build()
         except BaseException:
             self.teardown()
             raise
+        self._on_sigterm()
         return self
 
     def __exit__(self, *exc) -> None:
         self.teardown()
 
+    def _claim(self) -> None:
+        """An exclusive lock on the prefix for the bed's life: a second bed of the same prefix removed a live one's
+        namespaces and links without a word (its forwarders died, its master heard nothing)."""
+        import fcntl
+
+        folder = "/run/lock" if os.path.isdir("/run/lock") else "/tmp"
+        self._lock = open(os.path.join(folder, f"halo-bed-{self.prefix}.lock"), "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            raise RuntimeError(f"a test bed with prefix {self.prefix!r} is up in another process: give this one "
+                               "another prefix") from None
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM (timeout, a CI cancel, systemctl stop) ends the program through the `with` block, so the bed is
+        removed (its default action left every namespace, link and nft table behind)."""
+        import signal
+        import threading
+
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            def leave(signum, frame):
+                raise SystemExit(128 + signum)
+
+            self._sigterm = signal.signal(signal.SIGTERM, leave)
+
     def _build(self) -> None:
-        self.teardown()  # leftovers of a crashed run
+        self._remove()  # leftovers of a crashed run (this prefix is ours: _claim)
+        self._remove_strays()
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
         for name, (ns, address, veth) in self.hosts.items():
@@ -154,12 +206,16 @@ class LossyTestbed:
 
     def set_loss(self, plr: float, hosts: list[str] | None = None) -> None:
         """Silent random loss with probability plr on the links of `hosts` (default: every agent), both ways."""
-        self.set_losses({host: plr for host in hosts or [h for h in self.hosts if h != "master"]})
+        every = [h for h in self.hosts if h != "master"]
+        self.set_losses({host: plr for host in (every if hosts is None else hosts)})  # ([]: none, not every agent)
 
     def set_losses(self, plrs: dict[str, float]) -> None:
-        """Silent random loss per agent link (host -> plr), both ways; links not named lose nothing."""
-        if not all(0 <= plr < 1 for plr in plrs.values()):
-            raise ValueError("plr must be in [0, 1)")
+        """Silent random loss per agent link (host -> plr), both ways; links not named lose nothing. Checked whole
+        before the rules change (a bad host or rate left the old rules flushed and half the new ones in)."""
+        if unknown := sorted(set(plrs) - set(self.hosts)):
+            raise ValueError(f"no host {unknown} in this bed ({', '.join(self.hosts)})")
+        if not all(plr == 0 or 0.001 <= plr <= 0.999 for plr in plrs.values()):
+            raise ValueError(f"plr {plrs}: 0, or from 0.001 to 0.999 (the rules drop whole thousandths)")
         _run("nft", "flush", "chain", "bridge", self.table, "forward")
         for host, plr in plrs.items():
             per_mille = int(round(plr * 1000))
@@ -196,11 +252,43 @@ class LossyTestbed:
         return {host: forwarder.stop() for host, forwarder in self.forwarders.items()}
 
     def popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Run a program in a host's network namespace. nsenter enters only the network namespace: `ip netns exec`
-        also remounts /sys, which hides /sys/fs/cgroup, so a process could not see its own memory or CPU limit."""
-        return subprocess.Popen(["nsenter", f"--net=/run/netns/{self.hosts[host][0]}", *argv], **kwargs)
+        """Run a program in a host's network namespace (ended with the bed). nsenter enters only the network
+        namespace: `ip netns exec` also remounts /sys, which hides /sys/fs/cgroup, so a process could not see its own
+        memory or CPU limit."""
+        process = subprocess.Popen(["nsenter", f"--net=/run/netns/{self.hosts[host][0]}", *argv], **kwargs)
+        self.processes.append(process)
+        return process
+
+    def _remove_strays(self) -> None:
+        """Namespaces and links of this prefix a crashed run with more agents left (teardown knows this bed's)."""
+        import re
+
+        ours = re.compile(rf"{re.escape(self.prefix)}-(a\d+|m|v\d+[dw]?|vm[dw]?|br)")
+        for ns in _run("ip", "netns", "list", check=False).stdout.split():
+            if ours.fullmatch(ns):
+                _run("ip", "netns", "del", ns, check=False)
+        for link in json.loads(_run("ip", "-j", "link", "show", check=False).stdout or "[]"):
+            if ours.fullmatch(link.get("ifname", "")):
+                _run("ip", "link", "del", link["ifname"], check=False)
 
     def teardown(self) -> None:
+        """Everything the bed made removed, what it started ended, the prefix given back."""
+        self._remove()
+        if getattr(self, "_sigterm", None) is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
+        if getattr(self, "_lock", None) is not None:  # (released last: the prefix is free once all of it is gone)
+            self._lock.close()
+            self._lock = None
+
+    def _remove(self) -> None:
+        for process in self.processes:  # (one left running held its namespace alive, unlisted)
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.processes = []
         for forwarder in self.forwarders.values():
             forwarder.stop()
         self.forwarders = {}

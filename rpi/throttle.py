@@ -35,6 +35,10 @@ class CpuThrottle:
                  cfs_period_us: int = CFS_PERIOD_US):
         if not 0 < quota:
             raise ValueError("quota is a positive number of cores")
+        if not 1000 <= cfs_period_us <= 1_000_000:  # (the kernel's range: past it __enter__ failed and left the group)
+            raise ValueError(f"cfs_period_us {cfs_period_us}: from 1000 to 1000000")
+        if period_s is not None and not period_s > 0:  # (0 toggled the quota in a loop: a whole core)
+            raise ValueError(f"period_s {period_s}: above 0, or None for a quota that holds throughout")
         if quota * cfs_period_us < MIN_QUOTA_US:  # the kernel refuses it (EINVAL): the throttle would do nothing
             raise ValueError(f"a quota of {quota:g} cores is {quota * cfs_period_us:.0f} us per {cfs_period_us} us "
                              f"period, under the kernel's {MIN_QUOTA_US} us: give a longer cfs_period_us or a larger "

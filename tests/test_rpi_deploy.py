@@ -88,3 +88,14 @@ def test_a_cpu_quota_the_kernel_would_refuse_is_refused_at_once():
     with pytest.raises(ValueError, match="under the kernel's 1000 us"):
         CpuThrottle(1, quota=0.005, period_s=0.2)
     assert CpuThrottle(1, quota=0.005, period_s=0.2, cfs_period_us=1_000_000).quota == 0.005
+
+
+def test_throttle_settings_the_kernel_or_the_toggle_cannot_take_are_refused():
+    """cfs_period_us past the kernel's range failed in __enter__ and left the cgroup behind; period_s 0 toggled the
+    quota in a loop, a whole core."""
+    from halo.rpi.throttle import CpuThrottle
+
+    with pytest.raises(ValueError, match="cfs_period_us"):
+        CpuThrottle(1, quota=0.5, cfs_period_us=2_000_000)
+    with pytest.raises(ValueError, match="period_s"):
+        CpuThrottle(1, quota=0.5, period_s=0)

@@ -115,3 +115,59 @@ def test_a_process_in_a_namespace_sees_its_own_cgroup_memory_limit():
         out = bed.popen("agent-1", [sys.executable, "-P", "-c", code, bed.address("agent-1")], preexec_fn=limits.join,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True).communicate(timeout=60)
         assert out[0].split() == [str(300 << 20)], out[1]  # bound to the namespace's own address, and saw the limit
+
+
+def test_a_second_bed_of_the_same_prefix_is_refused_while_the_first_is_up():
+    """It removed the live bed's namespaces and links as "leftovers of a crashed run", without a word."""
+    with LossyTestbed(1, prefix=PREFIX) as bed:
+        with pytest.raises(RuntimeError, match="is up in another process"):
+            _enter_elsewhere()
+        assert f"{PREFIX}-a1" in namespaces() and bed.hosts
+
+
+def _enter_elsewhere():
+    done = subprocess.run([sys.executable, "-c", f"from halo.rpi.testbed import LossyTestbed\n"
+                           f"LossyTestbed(1, prefix={PREFIX!r}).__enter__()"], capture_output=True, text=True, timeout=60)
+    raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.returncode else "the second bed was built")
+
+
+def test_loss_settings_are_checked_before_the_rules_change():
+    """set_loss(p, hosts=[]) put loss on every agent; a bad host or rate flushed the rules and applied half the new
+    ones; 0.9996 passed the check and failed inside nft; 0.0004 installed nothing without a word."""
+    with LossyTestbed(2, prefix=PREFIX) as bed:
+        bed.set_losses({"agent-1": 0.2})
+        for bad in ({"agent-1": 0.1, "agent-9": 0.1}, {"agent-2": 0.9996}, {"agent-2": 0.0004}):
+            with pytest.raises(ValueError):
+                bed.set_losses(bad)
+        rules = subprocess.run(["nft", "list", "chain", "bridge", bed.table, "forward"], capture_output=True,
+                               text=True).stdout
+        assert rules.count("numgen random mod 1000 < 200") == 2 and f"{PREFIX}-v2" not in rules  # the old ones kept
+        bed.set_loss(0.1, hosts=[])
+        assert "numgen" not in subprocess.run(["nft", "list", "chain", "bridge", bed.table, "forward"],
+                                              capture_output=True, text=True).stdout
+
+
+def test_sigterm_and_started_processes_leave_nothing_behind(tmp_path):
+    """SIGTERM (timeout, a CI cancel) left every namespace, link and nft table; a process popen started outlived the
+    bed, keeping its namespace alive unlisted."""
+    import signal
+    import time
+
+    script = (f"import sys, time\nfrom halo.rpi.testbed import LossyTestbed\n"
+              f"with LossyTestbed(1, prefix={PREFIX!r}) as bed:\n"
+              f"    child = bed.popen('agent-1', ['sleep', '60'])\n"
+              f"    print(child.pid, flush=True)\n"
+              f"    time.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(process.stdout.readline())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    assert PREFIX not in namespaces() and not os.path.exists(f"/proc/{child}")
+
+
+def test_names_the_kernel_or_nft_would_refuse_are_refused_first():
+    for kwargs, said in (({"prefix": "1rvw"}, "a letter"), ({"prefix": "abcdefghijklm"}, "15 characters"),
+                         ({"rate_mbit": -5}, "rate_mbit"), ({"links": {"agent-2": "wifi-good"}}, "agent-2")):
+        with pytest.raises(ValueError, match=said):
+            LossyTestbed(1, **kwargs)

@@ -20,11 +20,20 @@ import time
 GAPS: tuple[str, ...] = ()  # figures the runtime does not expose yet (the page lists them)
 
 
+def reports(model) -> tuple[list[dict], list[dict]]:
+    """(tensor-parallel agents' rows, pipeline stages' rows) of a model's report (a single process: neither). A
+    pipeline's report is a dict of stages: read as agent rows, `serve --mode pipeline` died at start."""
+    report = model.report() if hasattr(model, "report") else []
+    return ([], report["stages"]) if isinstance(report, dict) else (report, [])
+
+
 def counters(model) -> dict:
     """Cumulative per-device counters now (engine thread only)."""
+    agents, stages = reports(model)
     out = {row["name"]: {"compute_ms": float(row.get("compute_ms", 0.0)),
-                         "wait_ms": float(row.get("wait_ms", 0.0)) + float(row.get("reply_ms", 0.0))}
-           for row in (model.report() if hasattr(model, "report") else [])}
+                         "wait_ms": float(row.get("wait_ms", 0.0)) + float(row.get("reply_ms", 0.0))} for row in agents}
+    out.update({stage["worker"]: {"compute_ms": float(stage.get("compute_ms", 0.0)),
+                                  "wait_ms": float(stage.get("wall_ms", 0.0))} for stage in stages})
     out["master"] = {"compute_ms": float(getattr(model, "own_compute_ms", 0.0)), "wait_ms": 0.0}
     return out
 
@@ -34,6 +43,12 @@ def _groups_total(config) -> tuple[int, int, int]:
 
     layout = GroupLayout.for_model(config)
     return config.n_layers * layout.n_heads, config.n_layers * layout.n_mlp_groups, layout.n_vocab_groups
+
+
+def _groups(device: dict) -> str:
+    """heads/MLP/vocabulary groups of a tensor-parallel device ("-" for a pipeline stage: it holds whole layers)."""
+    counts = [device.get(k) for k in ("heads", "mlp_groups", "vocab_groups")]
+    return "-" if None in counts else "/".join(map(str, counts))
 
 
 def _r(value, digits: int = 3):
@@ -66,7 +81,7 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
                         replans=previous.get("replans"))
         return snapshot
 
-    rows = model.report() if hasattr(model, "report") else []
+    rows, stages = reports(model)
     heads, mlp, vocab = _groups_total(engine.weights.config)
     total = heads + mlp + vocab
     per_token, current = _per_token(engine, counters(model), live, final)
@@ -79,7 +94,15 @@ def build_snapshot(engine, state: str, live=None, final: bool = False, previous:
         return {k: old.get(name, {}).get(k) for k in ("compute_ms_per_token", "wait_ms_per_token", "sync_ms_per_token")}
 
     devices = []
-    if not rows:  # a single process: the master computes everything
+    if stages:  # a pipeline: each stage worker runs a range of units (embedding, layers, head)
+        units = engine.weights.config.n_layers + 2
+        for st in stages:
+            devices.append({"name": st["worker"], "role": "stage", "endpoint": f"units {st['start']}..{st['stop'] - 1}"
+                            f" on {st.get('engine', '?')}", "alive": st["worker"] not in engine.agent_errors,
+                            "error": engine.agent_errors.get(st["worker"]), "heads": None, "mlp_groups": None,
+                            "vocab_groups": None, "share": _r((st["stop"] - st["start"]) / units),
+                            **figures(st["worker"])})
+    elif not rows:  # a single process: the master computes everything
         devices.append({"name": "master", "role": "master", "endpoint": "this process", "alive": True, "error": None,
                         "heads": heads, "mlp_groups": mlp, "vocab_groups": vocab, "share": 1.0,
                         **figures("master")})
@@ -181,7 +204,7 @@ def render(snapshot: dict):
         share = _fmt(100 * d["share"] if d.get("share") is not None else None, " %", 1)
         link = "-" if d.get("link_plr") is None else f"{100 * d['link_plr']:.1f} %, {_fmt(d.get('rtt_ms'), ' ms', 2)}"
         table.add_row(f"{d['name']}\n[dim]{d.get('endpoint', '')}[/dim]", up,
-                      f"{share}\n[dim]{d.get('heads', '-')}/{d.get('mlp_groups', '-')}/{d.get('vocab_groups', '-')}[/dim]",
+                      f"{share}\n[dim]{_groups(d)}[/dim]",
                       _fmt(d.get("compute_ms_per_token"), "", 3),
                       _sync_cell(d), link,
                       _fmt(100 * d["observed_plr"] if d.get("observed_plr") is not None else None, " %", 2),
