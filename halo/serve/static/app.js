@@ -173,7 +173,8 @@ function render(s) {
     cell(tr, d.alive ? '<span class="up">●</span>' : '<span class="down">●</span>', d.error || "");
     const share = d.share || 0;
     cell(tr, `<span class="share"><span class="bar" style="width:${Math.round(60 * share)}px"></span>${pct(share, 0)}</span>`,
-         `${d.heads} heads, ${d.mlp_groups} MLP groups, ${d.vocab_groups} vocabulary groups`);
+         d.role === "stage" ? `pipeline stage: ${d.endpoint}`
+                            : `${d.heads} heads, ${d.mlp_groups} MLP groups, ${d.vocab_groups} vocabulary groups`);
     cell(tr, fmt(d.compute_ms_per_token, 3));
     if (d.role !== "master" && d.sync_ms_per_token == null && d.sync_ms_p50 != null) {
       cell(tr, `<span class="hint">gather p50</span> ${fmt(d.sync_ms_p50, 2)}`,
