@@ -170,6 +170,9 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=pick("log_level", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if pick("weights", None):  # (it once did nothing: an old agent.toml's weights = "fp32" now refuses native masters)
+        logging.getLogger("halo.agent").warning("weights = %s: this agent serves %s sessions only (a master computing "
+                                                "in another format is refused)", pick("weights", None), pick("weights", None))
 
     threads = pick("threads", None) or usable_cores()
     listen = pick("listen", DEFAULT_LISTEN)

@@ -53,7 +53,9 @@ if [ -n "$model" ]; then
     || echo "note: no prepared groups (a float model needs none for --weights native; see halo-agent prepare --help)"
 fi
 if [ -f /etc/halo/agent.toml ]; then
-  echo "kept /etc/halo/agent.toml ($(grep -E '^(model|name) ' /etc/halo/agent.toml | tr -s ' ' | cut -d'#' -f1 | paste -sd';'))"
+  # the old example's `weights = "fp32"` did nothing; weights now restricts the agent to that format: out with it
+  sed -i 's/^weights = "fp32" *# or "int8": ~3.5x less memory.*$/# & (commented out by the installer: weights now means "serve only this format")/' /etc/halo/agent.toml
+  echo "kept /etc/halo/agent.toml ($(grep -E '^(model|name|weights) ' /etc/halo/agent.toml | tr -s ' ' | cut -d'#' -f1 | paste -sd';'))"
 else  # the example, named after this host and pointing at the model installed above (or the bundled one)
   install -o root -g halo -m 0640 "$here/agent.example.toml" /etc/halo/agent.toml
   escape() { printf '%s' "$1" | sed -e 's/[\\"]/\\&/g' -e 's/[&|\\]/\\&/g'; }  # a TOML string, in sed's replacement

@@ -113,7 +113,7 @@ def pipeline_plan_json(plan: PipelinePlan, cluster: Cluster, model: ModelProfile
 def check_writable(path: str | Path) -> None:
     """Where a plan will be written can take it: checked before planning (a MILP or a measurement takes a while)."""
     path = Path(path)
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent
     if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
         why = "is a directory" if path.is_dir() else f"{folder} is not a directory this user can write"
         raise ConfigError(f"--out {path}: {why}; give a file path in a writable directory")

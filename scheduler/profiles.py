@@ -97,7 +97,7 @@ class Cluster:
             raise ConfigError(f"device names must be unique, got {names}")
         if sum(d.is_master for d in self.devices) > 1:
             raise ConfigError("more than one device says master = true")
-        addresses = [d.address for d in self.devices if d.address and d.address not in SPECIAL_ADDRESSES]
+        addresses = [parse_endpoint(d.address) for d in self.devices if d.address and d.address not in SPECIAL_ADDRESSES]
         twice = sorted({a for a in addresses if addresses.count(a) > 1})
         if twice:  # one agent planned as two: a busy refusal, or a run re-planned onto the master alone
             raise ConfigError(f"address {twice[0]} is given to more than one device: one agent serves one share")
@@ -191,11 +191,17 @@ def check_plan_budget(cluster, weights, fmt: str, kv_tokens: int) -> None:
     """A plan (a cluster file's, or a saved one) budgets each device's memory for its [cluster] weights and context:
     a run that needs more (wider weights, a longer context) is refused, naming both (it ran with the file's
     figures ignored: an agent then refused its share for memory, or the run went past a device's budget)."""
-    run = planning_format(fmt, weights)
-    if BYTES_PER_WEIGHT[run] > BYTES_PER_WEIGHT[cluster.weights] * 1.01:
-        raise ConfigError(f"the plan budgets memory for {cluster.weights} weights and this run computes in {run} "
-                          f"(--weights {fmt}): pass --weights to match, or set weights = \"{run}\" in the cluster "
-                          "file and plan again")
+    def fits(f: str) -> bool:
+        return BYTES_PER_WEIGHT[planning_format(f, weights)] <= BYTES_PER_WEIGHT[cluster.weights] * 1.01
+
+    if not fits(fmt):
+        from halo.compute.linear import FORMATS
+
+        would = [f for f in FORMATS if fits(f)]  # (the advice named a --weights the run could not take: int4)
+        raise ConfigError(f"the plan budgets memory for {cluster.weights} weights and this run computes in "
+                          f"{planning_format(fmt, weights)} (--weights {fmt}): "
+                          + (f"pass --weights {would[0]}, or " if would else "")
+                          + f"set weights = \"{planning_format(fmt, weights)}\" in the cluster file and plan again")
     if kv_tokens > cluster.context:
         raise ConfigError(f"the plan budgets a KV cache of {cluster.context} tokens and this run needs {kv_tokens} "
                           "(--context x --slots): pass a smaller --context, or set context in the cluster file and "

@@ -141,6 +141,8 @@ def test_a_tab_reloaded_before_the_run_takes_it_joins_again(stories_weights):
                 taken = await asyncio.get_running_loop().run_in_executor(None, hub.wait_for_workers, 1, 5.0)
                 assert len(taken) == 1 and taken[0].claimed
                 await reloaded.close()
-                await asyncio.sleep(0.2)
-                assert await join(hub.url) == "refused 403"  # taken by the run: spent
+                deadline = time.monotonic() + 5
+                while taken[0].alive and time.monotonic() < deadline:  # the hub has seen the tab leave
+                    await asyncio.sleep(0.02)
+                assert not taken[0].alive and await join(hub.url) == "refused 403"  # taken by the run: spent
         asyncio.run(scenario())

@@ -38,7 +38,7 @@ def test_example_cluster_file_loads():
     ("[clustre]\ncontext=100\n[[device]]\nname='a'\nmemory_mb=1\ncompute_gflops=1\n", r"unknown keys \['clustre'\]"),
     ("[[device]]\nname='m'\nmemory_mb=1\ncompute_gflops=1\n[[device]]\nname='a'\naddress='10.0.0.2:7070'\n"
      "memory_mb=1\ncompute_gflops=1\n[[device]]\nname='b'\naddress='10.0.0.2:7070'\nmemory_mb=1\ncompute_gflops=1\n",
-     "address 10.0.0.2:7070 is given to more than one device"),
+     "10.0.0.2:7070 is given to more than one device"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     path = tmp_path / "c.toml"
@@ -160,3 +160,40 @@ def test_a_run_that_needs_more_than_its_cluster_file_budgets_is_refused(tmp_path
     out = subprocess.run([sys.executable, "-m", "halo.cli.master", "generate", "--cluster", str(path), "--insecure",
                           "--max-new-tokens", "2", *extra], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and said in out.stderr, out.stderr[-1500:]
+
+
+def test_the_run_context_is_as_asked_else_the_default_or_a_plans_budget():
+    """A --context above 2048 was cut to 2048 for every distributed run (the plan-less fallback was the default)."""
+    from types import SimpleNamespace
+
+    from halo.distributed.connect import run_context
+
+    weights = SimpleNamespace(config=SimpleNamespace(max_seq_len=8192))
+    plan = SimpleNamespace(cluster=SimpleNamespace(context=1024))
+    assert run_context(weights, 4096, None, 1) == 4096 and run_context(weights, 4096, plan, 1) == 4096
+    assert run_context(weights, None, None, 1) == 2048 and run_context(weights, None, plan, 2) == 512
+    assert run_context(weights, 100_000, None, 1) == 8192
+
+
+def test_a_plan_written_from_a_cluster_file_without_weights_runs_with_the_default_weights(tmp_path):
+    """plan --out planned int8 for a file without [cluster] weights while generate --cluster planned the run's own
+    format: the saved plan was then refused for the default fp32 run, advising a --weights that does not exist."""
+    import subprocess
+    import sys
+
+    from halo.model.loader import load_weights
+    from halo.scheduler.profiles import check_plan_budget
+
+    cluster = tmp_path / "c.toml"
+    cluster.write_text("[[device]]\nname='m'\nmaster=true\nmemory_mb=1000\ncompute_gflops=10\n"
+                       "[[device]]\nname='a'\naddress='127.0.0.1:17999'\nmemory_mb=1000\ncompute_gflops=10\n")
+    out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(cluster), "--out",
+                          str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = plan_io.load(tmp_path / "p.json")
+    weights = load_weights(None)
+    check_plan_budget(plan.cluster, weights, "native", 64)  # the bundled model's fp32: no refusal
+    int4 = type(plan.cluster)(plan.cluster.devices, 64, "int4")
+    with pytest.raises(ConfigError, match=r"computes in fp32 \(--weights native\): set weights") as refused:
+        check_plan_budget(int4, weights, "native", 64)
+    assert "pass --weights" not in str(refused.value)  # no format of this run fits int4

@@ -854,7 +854,7 @@ def cmd_plan(args) -> int:
     check_plan_request(args)
     if args.cluster is None:
         return _plan_measured(args)
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster(args.cluster, "int8" if args.model_config else native_planning_format(args.model))
     if args.model_config:
         config, name = named_config(args.model_config), args.model_config
     else:
@@ -895,6 +895,18 @@ def cmd_plan(args) -> int:
         plan_io.save(document, args.out)
         console.print(f"wrote {args.out}")
     return 0
+
+
+def native_planning_format(model: str | None) -> str:
+    """What a cluster file without [cluster] weights plans for, for a real model: its own format, as generate
+    --cluster plans (int8 made `plan --out` write a plan generate then refused for an fp32 model). A GGUF's blocks
+    are mapped, not read."""
+    from halo.compute.shares import planning_format
+    from halo.model.catalog import resolve_model
+    from halo.model.loader import is_gguf, load_weights, model_path
+
+    path = model_path(str(resolve_model(model)) if model else None)
+    return planning_format("native", load_weights(path)) if path.is_file() and is_gguf(path) else "fp32"
 
 
 def print_tp_plan(console, plan, model, cluster, name: str, all_devices: bool) -> None:

@@ -266,7 +266,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
 def run_context(weights: ModelWeights, asked: int | None, tp_plan, slots: int) -> int:
     """The KV-cache length of a run: as asked, else the default, or the one a given plan budgets if shorter; at most
     the model's."""
-    budgeted = tp_plan.cluster.context // slots if tp_plan is not None and asked is None else DEFAULT_CONTEXT
+    budgeted = tp_plan.cluster.context // slots if tp_plan is not None and asked is None else weights.config.max_seq_len
     return min(weights.config.max_seq_len, DEFAULT_CONTEXT if asked is None else asked, budgeted)
 
 

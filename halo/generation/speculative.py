@@ -171,8 +171,8 @@ class SpeculationStats:
         if n <= 0:
             return
         self.tokens -= n
-        if self.per_pass:
-            cut = min(n, self.per_pass[-1])
+        if self.per_pass:  # (the pass's own last token is among the n, never an accepted draft)
+            cut = min(n - 1, self.per_pass[-1])
             self.per_pass[-1] -= cut
             self.accepted -= cut
 

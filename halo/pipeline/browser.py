@@ -79,6 +79,7 @@ class BrowserHub:
         self.tokens = [secrets.token_urlsafe(16) for _ in range(max(1, tabs))]
         self.unused = set(self.tokens)  # a token admits one WebSocket (again only if it left before the run took it)
         self.left_early = 0  # tabs that joined and left before the run took them
+        self.joins = 0  # tabs that joined so far: each one's name is its number
         c = weights.config  # the largest message a stage exchanges: all positions' logits, or their hidden states
         self.max_message = 4 * context * max(c.dim, c.vocab_size) + (1 << 20)
         self.models: dict[str, bytes] = {}
@@ -230,7 +231,8 @@ class BrowserStage:
 
     def __init__(self, hub: BrowserHub, ws, agent: str):
         self.hub, self.ws, self.agent = hub, ws, agent
-        self.name = f"browser-{len(hub.tabs) + 1}"
+        hub.joins += 1  # (not len(tabs): a tab that left early is removed, and its name came back to the next)
+        self.name = f"browser-{hub.joins}"
         self.traffic = Traffic()
         self.alive = True
         self.claimed = False  # handed to the run by wait_for_workers: from then on its address is spent

@@ -164,10 +164,7 @@ def stop_processes(processes: list[subprocess.Popen], grace_s: float = 5.0) -> N
     for p in processes:
         if p.poll() is None:
             p.terminate()
-            try:
-                p.send_signal(signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            p.send_signal(signal.SIGCONT)
     for p in processes:
         try:
             p.wait(timeout=grace_s)

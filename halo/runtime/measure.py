@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from halo.arguments import check_number
+from halo.errors import ConfigError
 from halo.host.cache import device_cache_dir, remove_files
 
 log = logging.getLogger("halo.measure")
@@ -239,8 +240,11 @@ def usable_benchmark(measured, fmt: str, threads: int) -> bool:
     """A cached benchmark as measure_device writes it: a damaged one ({}, a list, a NaN, a string) failed every
     run for a day (a KeyError, or a master blaming an agent for the master's own file)."""
     def number(value, positive: bool = False) -> bool:
-        return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                and (value > 0 if positive else value >= 0))
+        try:
+            check_number(value, "", 0, low_open=positive)
+            return True
+        except ConfigError:
+            return False
 
     if not isinstance(measured, dict):
         return False

@@ -26,6 +26,7 @@ that hold no groups of a block but need its input (they predict the next layer f
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from enum import Enum
 
@@ -144,8 +145,9 @@ class SyncSettings:
         master's hello too, and a wrong type must be refused there, not fail later inside the agent."""
         for name, field in self.__dataclass_fields__.items():
             value, kind = getattr(self, name), type(field.default)
-            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool)) or (
-                kind is float and isinstance(value, int) and not isinstance(value, bool))
+            number = {int: numbers.Integral, float: numbers.Real}.get(kind)  # (numpy's too)
+            ok = (isinstance(value, bool) if kind is bool else isinstance(value, kind) if number is None
+                  else isinstance(value, number) and not isinstance(value, bool))
             if not ok:
                 raise ConfigError(f"sync setting {name} must be {kind.__name__}, not {value!r}")
             if kind is float and not math.isfinite(value):

@@ -30,8 +30,9 @@ def _field(config: dict, path: Path, name: str, kind=int, default=None):
 
 
 def _flag(config: dict, path: Path, name: str) -> bool:
-    """A true/false field (the string "false" was read as true)."""
-    value = config.get(name, False)
+    """A true/false field (the string "false" was read as true); null: false, the default."""
+    value = config.get(name)
+    value = False if value is None else value
     if not isinstance(value, bool):
         raise ModelFormatError(path, f"config.json field '{name}' must be true or false, got {value!r:.40}")
     return value
