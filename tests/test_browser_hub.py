@@ -82,7 +82,7 @@ def test_a_tab_returning_non_finite_or_absurd_hidden_states_is_dropped(stories_w
     from halo.transport.reliable import Message
 
     class Hub:
-        tabs = []
+        tabs, joins = [], 0
 
     tab = BrowserStage(Hub(), None, "test")
     good = np.ones((1, 8), np.float32)
