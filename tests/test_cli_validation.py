@@ -85,6 +85,7 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["plan", "--cluster", "/nonexistent.toml", "--out", "/tmp"], "--out /tmp: is a directory"),
     (["plan", "--cluster", "/nonexistent.toml", "--mlp-group-size", "32", "--out", "p.json"], "--mlp-group-size with --out"),
     (["plan", "--cluster", "/nonexistent.toml", "--context", "100"], "a cluster file plans for its [cluster]"),
+    (["plan", "--cluster", "/nonexistent.toml", "--threads", "2"], "--threads are for measured plans"),
     # checked before any planner runs (a cluster file's pipeline and exact planners never looked at --sync)
     (["plan", "--cluster", "/nonexistent.toml", "--mode", "pipeline", "--sync", "auto"], "--sync: tensor-parallel planning only"),
     (["plan", "--cluster", "/nonexistent.toml", "--algorithm", "exact", "--sync", "reliable"], "--sync reliable was"),

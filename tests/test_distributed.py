@@ -38,6 +38,53 @@ def test_known_answer_over_local_agents(stories_weights, known_answer, n_agents,
     assert result.text == known_answer
 
 
+def test_the_master_computes_its_share_on_the_threads_asked(stories_weights, known_answer):
+    """halo-master --threads N beside agents: the master's own share runs on N kernel threads (it ran on one whatever
+    was asked), the known answer holds, and a count the kernels cannot take is refused by name."""
+    from halo.distributed.session import MasterSettings
+
+    with LocalCluster(1) as cluster:
+        model = distributed(stories_weights, cluster, threads=2)
+        try:
+            assert model.worker.threads == 2
+            assert generate(model, load_tokenizer(stories_weights), "", 256).text == known_answer
+        finally:
+            model.close()
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="the master's compute threads must be a whole number"):
+            MasterSettings(threads=bad)
+
+
+def test_the_cli_gives_the_master_its_threads(monkeypatch):
+    """generate --threads reaches the cluster's master (connect), and plan --threads its kernel benchmark."""
+    import importlib
+
+    from halo.cli import master as cli
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def connect(*args, **kwargs):
+        seen["connect"] = kwargs["threads"]
+        raise Stop
+
+    def measured_plan(weights, layout, settings, *args, **kwargs):
+        seen["plan"] = settings.threads
+        raise Stop
+
+    monkeypatch.setattr("halo.distributed.connect", connect)
+    monkeypatch.setattr(importlib.import_module("halo.distributed.connect"), "measured_plan", measured_plan)
+    monkeypatch.setattr("halo.runtime.local.LocalCluster.__enter__", lambda self: self)
+    monkeypatch.setattr("halo.runtime.local.LocalCluster.__exit__", lambda self, *exc: None)
+    for argv in (["generate", "--local-agents", "1", "--threads", "3"],
+                 ["plan", "--local-agents", "1", "--threads", "3"]):
+        with pytest.raises(Stop):
+            cli.main(argv)
+    assert seen == {"connect": 3, "plan": 3}
+
+
 @pytest.mark.parametrize("plan,sync", [("even-mlp", "exact"), ("even-mlp", "tcp"), ("even-mlp-only", "exact"),
                                        ("paired-mlp", "exact"), ("paired-mlp", "halo")])
 def test_blocks_on_the_master_take_their_rounds_away_and_keep_the_known_answer(stories_weights, known_answer, plan,

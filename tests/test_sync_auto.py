@@ -89,7 +89,7 @@ def test_auto_applies_its_copies_unless_copies_were_given(monkeypatch, tmp_path,
 
     monkeypatch.setattr("halo.compute.linear.resolve_format", lambda fmt, weights: "native")
     monkeypatch.setattr("halo.predictors.store.predictors_path", lambda model, given: tmp_path)
-    settings = dict(context=64, slots=1, timeout_s=1.0, sync=SyncSettings(copies=given), predictors=None,
+    settings = dict(context=64, slots=1, timeout_s=1.0, sync=SyncSettings(copies=given), predictors=None, threads=1,
                     fmt="native", insecure=True)
     _, chosen, _ = connect.auto_plan(Weights(), None, [], None, True, True, settings)
     assert settings["sync"].mode == "halo" and settings["sync"].copies == applied

@@ -112,6 +112,8 @@ def _add_plan(sub) -> None:
     measure.add_argument("--weights", choices=FORMATS, help="weight format the cluster computes in "
                          "(default native: the model file's own)")
     measure.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache length to plan for")
+    measure.add_argument("--threads", type=integer(1, MAX_THREADS), default=None, help="the master's compute threads "
+                         "(generate's --threads): its kernel benchmark is taken with them (default 1)")
     add_master_key_arguments(measure)
     measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
                          "takes seconds for a small model, longer for a big one on a slow device (default 60)")
@@ -235,7 +237,9 @@ def add_model_arguments(parser) -> None:
                              "uses it too")
     parser.add_argument("--context", type=integer(1), default=None, metavar="N",
                         help="KV-cache length in tokens (default: the model's, at most 2048)")
-    parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=1, help="compute threads for int8/4-bit kernels (default 1)")
+    parser.add_argument("--threads", type=integer(1, MAX_THREADS), default=1,
+                        help="compute threads for int8/4-bit kernels on this machine: the one process's, or in a "
+                             "cluster the master's own share (default 1; local agents share the machine's cores)")
 
 
 def add_speculation_arguments(parser) -> None:
@@ -712,7 +716,7 @@ def open_model(args, weights, stack):
     return connect(weights, stack, model_path=args.model, local_agents=args.local_agents, agents=args.agents,
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
                    insecure_lan=args.insecure_lan, authorized_agents=args.authorized_agents, context=args.context,
-                   auto_sync=args.sync == "auto", slots=getattr(args, "slots", 1),
+                   auto_sync=args.sync == "auto", slots=getattr(args, "slots", 1), threads=args.threads,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")
@@ -829,9 +833,9 @@ def check_plan_request(args) -> None:
         if given:
             raise ConfigError(f"{', '.join(given)}: tensor-parallel planning only; a pipeline plan gives workers "
                               "layer ranges by memory and speed (drop them, or plan --mode tp)")
-    if args.cluster and (args.weights or args.context):  # the measuring options: a file states its own
-        raise ConfigError("--weights / --context are for measured plans; a cluster file plans for its [cluster] "
-                          "weights and context (set them there)")
+    if args.cluster and (args.weights or args.context or args.threads):  # the measuring options: a file states its own
+        raise ConfigError("--weights / --context / --threads are for measured plans; a cluster file plans for its "
+                          "[cluster] weights and context and its devices' stated compute (set them there)")
     args.sync = plan_sync_mode(args)
     if args.out:
         plan_io.check_writable(args.out)  # before minutes of planning
@@ -967,7 +971,7 @@ def _plan_measured(args) -> int:
     layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
     settings = MasterSettings(context=args.context or DEFAULT_CONTEXT, fmt=args.weights, timeout_s=args.timeout,
                               hello_timeout_s=args.timeout, profile_timeout_s=args.timeout,
-                              sync=SyncSettings(mode=args.sync))
+                              sync=SyncSettings(mode=args.sync), threads=args.threads or 1)
     with ExitStack() as stack:
         if args.local_agents:
             local = stack.enter_context(LocalCluster(args.local_agents, args.model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 from halo.arguments import check_insecure
@@ -95,7 +96,8 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     from halo.compute.linear import resolve_format
     from halo.scheduler.sync_choice import choose_sync
 
-    master_settings = MasterSettings(**{k: settings[k] for k in ("context", "slots", "timeout_s", "sync", "predictors")},
+    master_settings = MasterSettings(**{k: settings[k] for k in ("context", "slots", "timeout_s", "sync", "predictors",
+                                                                 "threads")},
                                      fmt=resolve_format(settings["fmt"], weights))
     cluster = measure_cluster(weights, layout, master_settings, endpoints, key, settings["insecure"],
                               same_machine=same_machine)
@@ -141,7 +143,7 @@ def measure_cluster(weights: ModelWeights, layout: GroupLayout, settings: Master
     from halo.runtime.measure import measure_device
     from halo.scheduler.profiles import Cluster, measured_device
 
-    own = measure_device(weights, layout, settings.fmt, 1, "master", fresh)
+    own = measure_device(weights, layout, settings.fmt, settings.threads, "master", fresh)
     agents = Session.measure(weights, layout, settings, endpoints, key, insecure, take_over, fresh)
 
     def kernels(measured: dict) -> dict:
@@ -187,7 +189,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
             survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False,
-            authorized_agents: str | None = None, auto_sync: bool = False, slots: int = 1):
+            authorized_agents: str | None = None, auto_sync: bool = False, slots: int = 1, threads: int = 1):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -198,7 +200,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     insecure (plaintext) talks only to loopback agents unless insecure_lan (a trusted test bed) says otherwise.
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
-    the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/compute/batch.py)."""
+    the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/compute/batch.py);
+    threads: the master's compute threads for its own share."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -220,6 +223,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
         local = stack.enter_context(LocalCluster(local_agents, model_path, predictors=predictors))
         endpoints, cluster_key = local.endpoints, local.key
+        warn_oversubscribed(threads, local_agents * local.threads)
     elif agents:
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
     if cluster_key is None and not insecure:
@@ -233,12 +237,10 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if endpoints is None:
         endpoints = _plan_addresses(tp_plan)
     if insecure:
-        check_insecure(endpoints, insecure_lan, "would talk plaintext to")
-        log.warning("--insecure: plaintext to %s; anyone on the path can read and forge the cluster's traffic",
-                    ", ".join(endpoints))
+        check_plaintext(endpoints, insecure_lan)
     select = not (local_agents and plan in (None, "measured"))  # --local-agents N: the user asked for N agents
     settings = dict(insecure=insecure, layout=layout, heads="auto", context=context, timeout_s=timeout, fmt=fmt,
-                    sync=sync, predictors=predictors, slots=slots)
+                    sync=sync, predictors=predictors, slots=slots, threads=threads)
     chosen = None
     if auto_sync:
         if tp_plan is not None or plan not in (None, "measured"):
@@ -261,6 +263,22 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     model.sync_auto = chosen.to_json() if chosen is not None else None  # kept across re-plans (the wrapper's own)
     stack.callback(model.close)
     return model
+
+
+def check_plaintext(endpoints: list[str], insecure_lan: bool) -> None:
+    """--insecure: only to loopback agents unless insecure_lan (a trusted test bed) says otherwise; said in the log."""
+    check_insecure(endpoints, insecure_lan, "would talk plaintext to")
+    log.warning("--insecure: plaintext to %s; anyone on the path can read and forge the cluster's traffic",
+                ", ".join(endpoints))
+
+
+def warn_oversubscribed(threads: int, agent_threads: int) -> None:
+    """A master with kernel threads beside local agents that need more cores than there are: its waiting threads
+    spin on cores the agents need (measured: --threads 2 over 3 agents on 2 cores made a pass slower, not faster)."""
+    cores = os.cpu_count() or 1
+    if threads > 1 and threads + agent_threads > cores:
+        log.warning("--threads %d beside local agents of %d thread(s) in all asks for more than this machine's %d "
+                    "cores: on a shared machine --threads 1 is faster", threads, agent_threads, cores)
 
 
 def run_context(weights: ModelWeights, asked: int | None, tp_plan, slots: int) -> int:

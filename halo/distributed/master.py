@@ -77,7 +77,8 @@ class DistributedModel:
         def build_own_share():
             remap = self.sync.policy.remap
             budget, prepared = own_groups_memory(weights, self.layout, settings.fmt) if remap else (None, None)
-            self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt, remap=remap,
+            self.worker = DeviceWorker(weights, self.layout, shares[0], self.max_seq_len, settings.fmt, settings.threads,
+                                       remap=remap,
                                        predictors=predictors, load_overlap=self.sync.load_overlap, reuse=reuse,
                                        slots=self.slots, memory_budget=budget, prepared=prepared, reserved=kept)
 

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from halo.arguments import MAX_THREADS
 from halo.compute.neuron_groups import GroupLayout
 from halo.compute.shares import Shares, share_float32_bytes
+from halo.errors import ConfigError
 from halo.model.config import DEFAULT_CONTEXT
 from halo.model.weights import ModelWeights
 from halo.sync import SyncSettings
@@ -66,6 +68,12 @@ class MasterSettings:
     probe_links: bool = True  # measure every link (loss, RTT, bandwidth) at start
     sync: SyncSettings = field(default_factory=SyncSettings)
     predictors: str | None = None  # HALO mode: trained predictors (default: beside the model)
+    threads: int = 1  # the master's compute threads for its own share (halo-master --threads; its benchmark's too)
+
+    def __post_init__(self):
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"the master's compute threads must be a whole number from 1 to {MAX_THREADS}, "
+                              f"not {self.threads!r}")
 
 
 @dataclass
