@@ -72,6 +72,10 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["status", "--agents", "10.0.0.2:7070", "--timeout", "0"], "argument --timeout: must be > 0, got 0"),
     (["status"], "one of the arguments --agents --server is required"),
     (["serve", "--port", "70000"], "argument --port: must be from 0 to 65535, got 70000"),
+    # a --slots that could not apply was set to 1 without a word
+    (["serve", "--mode", "pipeline", "--local-agents", "1", "--slots", "4"],
+     "--slots 4: --mode pipeline serves one request at a time"),
+    (["serve", "--speculate", "2", "--slots", "4"], "--slots 4: --speculate serves one request at a time"),
     (["status", "--server", "http://127.0.0.1:1", "--watch", "--interval", "0"], "argument --interval: must be > 0, got 0"),
     (["keygen", "--out", "/proc/halo-test/cluster.key"], "cannot write the cluster key to /proc/halo-test/cluster.key"),
     (["plan", "--local-agents", "1", "--sync", "auto"], "--sync auto picks a mode when a session starts"),

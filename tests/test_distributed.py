@@ -55,6 +55,23 @@ def test_the_master_computes_its_share_on_the_threads_asked(stories_weights, kno
             MasterSettings(threads=bad)
 
 
+def test_serve_s_pipeline_head_sends_every_logit(monkeypatch, stories_weights):
+    """serve's requests bring their own temperature: a pipeline's head must send the whole logits (it sent the argmax,
+    so every request served by a pipeline was greedy whatever it asked); generate's greedy run sends the argmax."""
+    from contextlib import ExitStack
+
+    from halo.cli import master as cli
+
+    seen = []
+    monkeypatch.setattr("halo.distributed.connect", lambda *a, **kwargs: seen.append(kwargs["pipeline"]["head_top_k"]))
+    for argv in (["serve", "--mode", "pipeline", "--local-agents", "1"],
+                 ["generate", "--mode", "pipeline", "--local-agents", "1", "--temperature", "0"],
+                 ["generate", "--mode", "pipeline", "--local-agents", "1", "--temperature", "0.8", "--top-k", "5"]):
+        with ExitStack() as stack:
+            cli.open_model(cli.build_parser().parse_args(argv), stories_weights, stack)
+    assert seen == [0, 1, 5]
+
+
 def test_the_cli_gives_the_master_its_threads(monkeypatch):
     """generate --threads reaches the cluster's master (connect), and plan --threads its kernel benchmark."""
     import importlib

@@ -169,10 +169,10 @@ def _add_serve(sub) -> None:
     http.add_argument("--max-request-bytes", type=integer(1), default=1_000_000, metavar="N",
                       help="refuse request bodies larger than N bytes with 413 (default 1000000: a prompt longer than "
                            "any context fits)")
-    http.add_argument("--slots", type=integer(1, MAX_SLOTS), default=DEFAULT_SLOTS, metavar="N",
+    http.add_argument("--slots", type=integer(1, MAX_SLOTS), default=None, metavar="N",
                       help=f"requests decoded together (continuous batching): every device keeps a KV cache of "
                            f"--context positions for each, so the KV memory is N x --context (default {DEFAULT_SLOTS}; "
-                           "1: one request at a time; --speculate serves one at a time)")
+                           "1: one request at a time; --speculate and --mode pipeline serve one at a time)")
     http.add_argument("--max-queue", type=integer(0), default=32, metavar="N",
                       help="requests that may wait for a free slot; more get HTTP 429 with Retry-After (default 32)")
     http.add_argument("--request-timeout", type=number(0, low_open=True), default=300.0, metavar="S",
@@ -724,15 +724,21 @@ def open_model(args, weights, stack):
                    mode="pipeline" if pipeline_mode(args) else "tp", pipeline={
                        "browser_workers": args.browser_workers, "serve": args.serve_worker, "threads": args.threads,
                        "tls_cert": args.worker_tls_cert, "tls_key": args.worker_tls_key,
-                       "head_top_k": 1 if getattr(args, "temperature", 0) == 0 else getattr(args, "top_k", 0)})
+                       # generate's sampling lets the head send its top k (1: greedy); serve's requests each
+                       # bring their own, so its head sends every logit (it sent the argmax: every request greedy)
+                       "head_top_k": 1 if getattr(args, "temperature", None) == 0 else getattr(args, "top_k", 0)})
 
 
 def cmd_serve(args) -> int:
     from halo.serve.cli import serve
 
     check_model_and_cluster(args)
-    if args.speculate or args.draft or pipeline_mode(args):
-        args.slots = 1  # a pass verifies one request's drafts; a pipeline carries one sequence: one request at a time
+    # a pass verifies one request's drafts; a pipeline carries one sequence: one request at a time
+    alone = "--speculate" if args.speculate or args.draft else "--mode pipeline" if pipeline_mode(args) else None
+    if alone and args.slots not in (None, 1):
+        raise ConfigError(f"--slots {args.slots}: {alone} serves one request at a time; drop --slots (continuous "
+                          "batching needs tensor-parallel mode without --speculate)")
+    args.slots = 1 if alone else args.slots or DEFAULT_SLOTS
     return serve(args, open_model)
 
 
