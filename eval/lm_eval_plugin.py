@@ -272,16 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["halo-lm-eval", *argv]
-    from halo.errors import HaloError
+    from halo.errors import HaloError, interrupted, sigterm_as_interrupt
 
     try:
-        cli_evaluate()
+        with sigterm_as_interrupt():
+            cli_evaluate()
     except HaloError as e:  # a bad model_args value, model file or cluster: one line, as halo-master says it
         print(f"halo-lm-eval: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # (local agents are stopped on the way out)
-        print("halo-lm-eval: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # (local agents are stopped on the way out)
+        return interrupted("halo-lm-eval", e)
     return 0
 
 

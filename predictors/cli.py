@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from halo.arguments import integer
-from halo.errors import ConfigError, HaloError
+from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 
 EPILOG = """example (the bundled model and the shared TinyStories text; first 80 % train, last 20 % validation):
   halo-train-predictors --model models/my-model.gguf --data tinystories_valid_dev.txt --out models/predictors
@@ -118,14 +118,15 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-profile", action="store_true", help="keep the profiled activations in OUT/profile")
     args = parser.parse_args(argv)
     try:
-        manifest = train_predictors(args.model, args.data, args.out, args.hidden, args.epochs, args.seed, args.max_chars,
-                                    args.window, args.train_fraction, args.mlp_group_size, True, args.keep_profile)
+        with sigterm_as_interrupt():
+            manifest = train_predictors(args.model, args.data, args.out, args.hidden, args.epochs, args.seed,
+                                        args.max_chars, args.window, args.train_fraction, args.mlp_group_size, True,
+                                        args.keep_profile)
     except (HaloError, OSError, UnicodeDecodeError) as e:  # (an unreadable or non-UTF-8 --data, an unwritable --out)
         print(f"halo-train-predictors: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # the profile is removed on the way out
-        print("halo-train-predictors: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # the profile is removed on the way out
+        return interrupted("halo-train-predictors", e)
     from rich.console import Console
     from rich.table import Table
 

@@ -53,6 +53,24 @@ def test_fetch_verifies_caches_and_resolves(fake_model):
     assert str(models.resolve_model("./some/file.gguf")) == "some/file.gguf"  # paths pass through
 
 
+def test_a_fetch_writes_a_partial_no_other_fetch_shares(fake_model, tmp_path):
+    """Two fetches at once shared `<file>.partial`: the second truncated what the first had verified, and the first
+    then installed the damaged file as verified. Each now writes its own; another's is left alone."""
+    cache = models.cached_path(fake_model).parent
+    cache.mkdir(parents=True)
+    other = cache / "model.gguf.partial"  # another fetch's, mid-write (the old shared name)
+    other.write_bytes(b"half")
+    seen = []
+
+    def download(model, directory, progress):
+        seen.extend(p.name for p in cache.iterdir())
+        return downloader(PAYLOAD, [])(model, directory, progress)
+
+    path = models.fetch("tiny-test", progress=False, download=download)
+    assert path.read_bytes() == PAYLOAD and other.read_bytes() == b"half"
+    assert sorted(p.name for p in cache.iterdir()) == ["model.gguf", "model.gguf.partial"]  # its own partial is gone
+
+
 def test_a_damaged_cached_copy_is_refused_with_the_fetch_to_run(fake_model, monkeypatch, tmp_path):
     """Only the size was checked: a cached SmolLM2 with 4 MB overwritten mid-file decoded token 0 forever, exit 0."""
     import os
@@ -155,14 +173,23 @@ def test_a_model_is_hashed_once_per_file_identity_and_again_when_rewritten(monke
     assert loader.model_fingerprint(model) == expected and len(reads) == 3
 
 
-def test_a_cache_that_cannot_take_the_file_is_one_line(fake_model, tmp_path):
+def test_a_cache_that_cannot_take_the_file_is_one_line(fake_model, tmp_path, monkeypatch):
     """A full disk, or a directory where the model file belongs, was an OSError traceback after the download."""
+    import os
+    from pathlib import Path
+
     models.cache_dir().mkdir(parents=True)
     (models.cache_dir() / "model.gguf").mkdir()  # where the file belongs
     with pytest.raises(ConfigError, match=r"cannot write .*model.gguf: .*point HALO_CACHE_DIR"):
         models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))
     (models.cache_dir() / "model.gguf").rmdir()
-    (models.cache_dir() / "model.gguf.partial").symlink_to("/dev/full")  # no space left
+
+    def full_disk(dir, prefix, suffix):  # the fetch's partial lies on a disk with no space left
+        path = Path(dir) / f"{prefix}full{suffix}"
+        path.symlink_to("/dev/full")
+        return os.open(path, os.O_WRONLY), str(path)
+
+    monkeypatch.setattr(models.tempfile, "mkstemp", full_disk)
     with pytest.raises(ConfigError, match=r"No space left on device"):
         models.fetch("tiny-test", progress=False, download=downloader(PAYLOAD, []))
 

