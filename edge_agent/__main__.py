@@ -11,7 +11,7 @@ from pathlib import Path
 from halo.arguments import (DEFAULT_KEY, MAX_THREADS, OneLineParser, add_daemon_key_arguments, check_insecure,
                             check_integer, check_number, check_path, integer, listen_argument, number, parse_endpoint)
 from halo.compute.linear import FORMATS
-from halo.errors import ConfigError, HaloError
+from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 from halo.host.cores import usable_cores
 from halo.model.catalog import resolve_model
 from halo.transport.udp import BUSY_POLL_MODES
@@ -110,13 +110,15 @@ def prepare_main(argv: list[str]) -> int:
             raise ConfigError(f"{weights.source} has no compact blocks: --weights native is float32 here, which HALO "
                               "mode reads from the model file as it is; prepare --weights int8 instead")
         layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
-        with Progress(transient=True) as bar:
+        with Progress(transient=True) as bar, sigterm_as_interrupt():
             task = bar.add_task(f"preparing {Path(str(weights.source)).name} ({fmt})", total=weights.config.n_layers)
             out = prepare(weights, model_fingerprint(weights.source), fmt, layout, Path(args.out) if args.out else None,
                           progress=lambda done, total: bar.update(task, completed=done))
     except (HaloError, OSError) as e:
         print(f"halo-agent prepare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # (what it had written is removed on the way out)
+        return interrupted("halo-agent prepare", e)
     size = (out / "groups.bin").stat().st_size
     print(f"prepared {layout.n_mlp_groups} MLP groups x {weights.config.n_layers} layers ({size / 1e6:.1f} MB, {fmt}) "
           f"in {out}")

@@ -60,15 +60,22 @@ def _train(model, data, out: Path, work: Path, hidden, epochs, seed, max_chars, 
         iterator = tqdm(layers, desc="training", unit="layer")
     for layer in iterator:
         predictors.append(train_layer(work, layer, info.n_heads, settings))
-    export(predictors, out, meta, vars(settings))
-    runtime = PredictorSet(out)
-    worst = 0.0
-    for p in predictors:  # parity: torch vs onnxruntime on validation inputs
-        x_val, _ = load_split(work, "val", p.layer - 1)
-        sample = np.asarray(x_val[:512])
-        worst = max(worst, float(np.abs(runtime.scores(p.layer, sample) - torch_scores(p, sample)).max()))
-    if worst > 1e-5:
-        raise HaloError(f"ONNX export disagrees with torch by {worst:.2e} (> 1e-5): do not use these predictors")
+    # the manifest is what makes OUT loadable: none from here until the export has passed its check (one written
+    # before the check stayed when it failed or was interrupted, and halo-master used the predictors it refused)
+    (out / "manifest.json").unlink(missing_ok=True)
+    try:
+        export(predictors, out, meta, vars(settings))
+        runtime = PredictorSet(out)
+        worst = 0.0
+        for p in predictors:  # parity: torch vs onnxruntime on validation inputs
+            x_val, _ = load_split(work, "val", p.layer - 1)
+            sample = np.asarray(x_val[:512])
+            worst = max(worst, float(np.abs(runtime.scores(p.layer, sample) - torch_scores(p, sample)).max()))
+        if worst > 1e-5:
+            raise HaloError(f"ONNX export disagrees with torch by {worst:.2e} (> 1e-5): do not use these predictors")
+    except BaseException:
+        (out / "manifest.json").unlink(missing_ok=True)
+        raise
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["onnx_torch_max_abs_diff"] = worst
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))

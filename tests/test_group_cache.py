@@ -330,6 +330,29 @@ def test_prepare_never_replaces_a_directory_it_did_not_write(stories_weights, tm
     assert sorted(p.name for p in empty.iterdir()) == ["groups.bin", "manifest.json"]
 
 
+def test_prepare_writes_a_partial_of_its_own_and_removes_it_when_stopped(stories_weights, tmp_path):
+    """Two prepares at once shared `<dir>.partial` (a groups.bin of the right size and mixed bytes went in as valid);
+    Ctrl-C left the partial behind (tens of MB). Another's partial is now left alone, and its own is removed."""
+    from halo.compute.prepared import prepare
+    from halo.model.loader import model_fingerprint
+
+    layout, sha = GroupLayout.for_model(stories_weights.config), model_fingerprint(stories_weights.source)
+    other = tmp_path / "prepared.partial"  # another prepare's, mid-write (the old shared name)
+    other.mkdir()
+    (other / "groups.bin").write_bytes(b"half")
+
+    def stop(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared", progress=stop)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared.partial"]
+    assert prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared") == tmp_path / "prepared"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "prepared.partial"]
+    assert (other / "groups.bin").read_bytes() == b"half"
+
+
 def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):
     import json
 

@@ -148,6 +148,22 @@ def test_training_keeps_the_users_files_and_leaves_no_profile_behind(tmp_path, c
     assert "too short to profile" in capsys.readouterr().err and list(failed.iterdir()) == []
 
 
+def test_predictors_that_fail_their_export_check_are_left_unloadable(tmp_path, monkeypatch, capsys):
+    """The manifest was written before the ONNX-vs-torch check: when the check failed ("do not use these
+    predictors") or was interrupted, the folder still loaded, and halo-master used it."""
+    from halo.predictors.cli import main
+    from halo.predictors.runtime import PredictorSet
+
+    text = tmp_path / "text.txt"
+    text.write_text(DATA.read_text()[:20000] if DATA.exists() else SAMPLE)
+    monkeypatch.setattr("halo.predictors.trainer.torch_scores", lambda p, sample: np.full((len(sample), 1), 1e3))
+    assert main(["--data", str(text), "--out", str(tmp_path / "out"), "--hidden", "8", "--epochs", "1"]) == 2
+    assert "do not use these predictors" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    with pytest.raises(Exception):
+        PredictorSet(tmp_path / "out")
+
+
 @pytest.mark.parametrize("option, value", [("--epochs", "0"), ("--hidden", "0"), ("--window", "5"),
                                            ("--max-chars", "0"), ("--mlp-group-size", "0")])
 def test_training_options_out_of_range_are_refused_before_anything_runs(tmp_path, option, value, capsys):

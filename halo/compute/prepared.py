@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +82,40 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
     if foreign:  # prepare replaces the directory whole: never over somebody's files
         raise ConfigError(f"{out} holds files prepare did not write ({', '.join(foreign[:3])}"
                           f"{', ...' if len(foreign) > 3 else ''}): give a new or empty directory")
-    partial = out.with_name(out.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a name of its own (two prepares at once shared one partial: a groups.bin of the right size and the wrong bytes
+    # went in), removed if anything stops it (Ctrl-C left tens of MB)
+    partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    try:
+        at, groups = _write_groups(weights, fmt, layout, partial / "groups.bin", progress)
+        c = weights.config
+        manifest = {"version": VERSION, "model_sha256": sha256, "format": fmt, "mlp_group_size": layout.mlp_group_size,
+                    "n_layers": c.n_layers, "n_mlp_groups": layout.n_mlp_groups, "dim": c.dim, "bytes": at,
+                    "source": str(weights.source), "groups": groups}
+        (partial / "manifest.json").write_text(json.dumps(manifest))
+        if not out.is_dir():
+            try:
+                os.replace(partial, out)
+                return out
+            except OSError:
+                if not out.is_dir():
+                    raise  # (else another prepare made it meanwhile: its files are replaced below)
+        # empty, or prepare's own: its files replaced, the manifest (what makes it valid) last
+        (out / "manifest.json").unlink(missing_ok=True)
+        for name in PREPARED_FILES[::-1]:
+            os.replace(partial / name, out / name)
+        partial.rmdir()
+        return out
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _write_groups(weights: ModelWeights, fmt: str, layout: GroupLayout, path: Path, progress) -> tuple[int, list]:
+    """Every MLP group's kernels into `path`, group-major: (bytes written, the manifest's group entries)."""
     groups, at = [], 0
     c = weights.config
-    with open(partial / "groups.bin", "wb") as f:
+    with open(path, "wb") as f:
         for layer in range(c.n_layers):
             for g in range(layout.n_mlp_groups):
                 entry = {"offset": at, "kernels": []}
@@ -105,18 +136,7 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
                 groups.append(entry)
             if progress is not None:
                 progress(layer + 1, c.n_layers)
-    manifest = {"version": VERSION, "model_sha256": sha256, "format": fmt, "mlp_group_size": layout.mlp_group_size,
-                "n_layers": c.n_layers, "n_mlp_groups": layout.n_mlp_groups, "dim": c.dim, "bytes": at,
-                "source": str(weights.source), "groups": groups}
-    (partial / "manifest.json").write_text(json.dumps(manifest))
-    if out.is_dir():  # empty, or prepare's own: its files replaced, the manifest (what makes it valid) last
-        (out / "manifest.json").unlink(missing_ok=True)
-        for name in PREPARED_FILES[::-1]:
-            os.replace(partial / name, out / name)
-        partial.rmdir()
-    else:
-        os.replace(partial, out)
-    return out
+    return at, groups
 
 
 class PreparedGroups:
