@@ -50,6 +50,18 @@ SETTINGS = ("model", "tokenizer", "local_agents", "agents", "cluster", "plan", "
             "deadline_ceiling_ms", "critical_fraction", "inject_plr", "seed", "weights", "context", "predictors", "wire_partials")
 
 
+def check_knobs_read(settings, changed: list[str], predictors) -> None:
+    """model_args a cluster's sync mode does not read are refused, naming the modes that do (inject_plr=0.5 under
+    sync=tcp scored the lossless run as the lossy one, as halo-master refuses --inject-plr there)."""
+    from halo.sync.modes import KNOB_MODES
+
+    for name in changed + ["predictors"] * bool(predictors):
+        modes = KNOB_MODES.get(name, ("lossy", "halo", "halo-tcp"))  # (predictors: what ranks groups or places heads)
+        if settings.mode not in modes:
+            raise ConfigError(f"{name} does nothing under sync={settings.mode}: it applies to {' / '.join(modes)} "
+                              f"(add sync={modes[0]}, or drop it)")
+
+
 class HaloLM(LM):
     def __init__(self, model: str | None = None, tokenizer: str | None = None, local_agents: int = 0,
                  agents: str | None = None, cluster: str | None = None, plan: str | None = None,
@@ -81,11 +93,16 @@ class HaloLM(LM):
                                 deadline_ceiling_ms=float(deadline_ceiling_ms),
                                 critical_fraction=float(critical_fraction), inject_plr=float(inject_plr), seed=int(seed),
                                 wire_partials=str(wire_partials))
+        defaults = SyncSettings()
+        changed = [name for name in ("inject_plr", "critical_fraction", "deadline_floor_ms", "deadline_ceiling_ms",
+                                     "wire_partials") if getattr(settings, name) != getattr(defaults, name)]
         self._stack = ExitStack()
         agent_list = [a for a in str(agents).replace(";", " ").split() if a] if agents else None
         if local_agents or agent_list or cluster or plan:
             from halo.distributed import connect
             from halo.distributed.survive import SurvivalSettings
+
+            check_knobs_read(settings, changed, predictors)
 
             self.model = connect(self.weights, self._stack, model_path=model, local_agents=int(local_agents or 0),
                                  agents=agent_list, cluster=cluster, plan=plan, key=key, insecure=bool(insecure),
@@ -97,12 +114,9 @@ class HaloLM(LM):
         else:
             if sync is not None:
                 raise ConfigError(f"sync={sync} synchronizes agents: add local_agents=N, agents=... or cluster=...")
-            defaults = SyncSettings()
-            unused = [name for name in ("inject_plr", "critical_fraction", "deadline_floor_ms", "deadline_ceiling_ms",
-                                        "wire_partials") if getattr(settings, name) != getattr(defaults, name)]
-            if unused or predictors:  # accuracy "under 50 % loss" was the lossless figure, without a word
-                raise ConfigError(f"{', '.join(unused + ['predictors'] * bool(predictors))}: set how a cluster's agents "
-                                  "sync, and this run has none: add local_agents=N, agents=... or cluster=...")
+            if changed or predictors:  # accuracy "under 50 % loss" was the lossless figure, without a word
+                raise ConfigError(f"{', '.join(changed + ['predictors'] * bool(predictors))}: set how a cluster's "
+                                  "agents sync, and this run has none: add local_agents=N, agents=... or cluster=...")
             self.model = Transformer(self.weights, fmt=weights, max_seq_len=context)
         self.max_length = self.model.max_seq_len
         identity = {k: v for k, v in dict(model=model, tokenizer=tokenizer, local_agents=local_agents, agents=agents,

@@ -124,6 +124,13 @@ def test_bad_model_args_say_what_is_wrong():
         HaloLM(inject_plr=0.5, critical_fraction=0.0)
     with pytest.raises(ConfigError, match=r"predictors: set how"):
         HaloLM(predictors="/nonexistent")
+    # ... and with agents whose sync mode reads none of them (inject_plr=0.5 under tcp scored the lossless run)
+    for args, said in [(dict(sync="tcp", inject_plr=0.5), "inject_plr does nothing under sync=tcp: it applies to exact"),
+                       (dict(critical_fraction=0.9), "critical_fraction does nothing under sync=exact: it applies to halo"),
+                       (dict(sync="exact", predictors="/nonexistent"), "predictors does nothing under sync=exact"),
+                       (dict(sync="tcp", deadline_floor_ms=1.0), "deadline_floor_ms does nothing under sync=tcp")]:
+        with pytest.raises(ConfigError, match=said):
+            HaloLM(local_agents=1, **args)
 
 
 def test_a_continuation_longer_than_the_context_is_refused_with_the_limit():

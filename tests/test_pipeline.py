@@ -423,3 +423,42 @@ def test_a_pipeline_plan_refuses_what_only_tensor_parallel_planning_reads(tmp_pa
     out = subprocess.run([sys.executable, "-m", "halo.cli.master", "plan", "--cluster", str(cluster), "--mode", "pipeline",
                           *extra], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and f"{extra[0]}: tensor-parallel planning only" in out.stderr, out.stderr
+
+
+def test_a_pipeline_cluster_file_s_budgets_and_addresses_hold(stories_weights, tmp_path, monkeypatch):
+    """A cluster file's [cluster] context and weights, its plaintext addresses and --authorized-agents were ignored in
+    pipeline mode (a 64-token budget ran 100 tokens in a wider format; --insecure talked plaintext to a LAN address
+    without --insecure-lan; device keys were refused for want of the file given). Now as tensor-parallel mode."""
+    from contextlib import ExitStack
+
+    from halo.pipeline.connect import connect_pipeline
+
+    def cluster(weights: str, address: str = "local") -> str:
+        path = tmp_path / f"{weights}-{address.replace(':', '_')}.toml"
+        path.write_text(f'[cluster]\ncontext = 64\nweights = "{weights}"\n[[device]]\nname = "me"\naddress = "local"\n'
+                        f'memory_mb = 1000\ncompute_gflops = 10\nmaster = true\n'
+                        + (f'[[device]]\nname = "pi"\naddress = "{address}"\nmemory_mb = 1000\ncompute_gflops = 10\n'
+                           if address != "local" else ""))
+        return str(path)
+
+    with ExitStack() as stack:
+        model = connect_pipeline(stories_weights, stack, cluster=cluster("fp32"), insecure=True)
+        assert model.max_seq_len == 64  # the file's, where no --context is given
+    with ExitStack() as stack, pytest.raises(ConfigError, match="budgets a KV cache of 64 tokens and this run needs 100"):
+        connect_pipeline(stories_weights, stack, cluster=cluster("fp32"), insecure=True, context=100)
+    with ExitStack() as stack, pytest.raises(ConfigError, match="budgets memory for int4 weights and this run computes"):
+        connect_pipeline(stories_weights, stack, cluster=cluster("int4"), insecure=True)
+    with ExitStack() as stack, pytest.raises(ConfigError, match="192.0.2.10:7080, which is not a loopback address"):
+        connect_pipeline(stories_weights, stack, cluster=cluster("fp32", "192.0.2.10:7080"), insecure=True)
+
+    seen = []
+
+    def master_key(key, authorized_agents=None):
+        seen.append((key, authorized_agents))
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr("halo.transport.reliable.master_key", master_key)
+    with ExitStack() as stack, pytest.raises(ConfigError, match="stop here"):
+        connect_pipeline(stories_weights, stack, workers=["127.0.0.1:7399"], key="m.key",
+                         authorized_agents="agents.txt")
+    assert seen == [("m.key", "agents.txt")]

@@ -640,6 +640,7 @@ def check_sync_knobs(args) -> None:
     """The sync options given where nothing reads them are refused, naming where they apply (they were accepted and
     did nothing: --inject-plr without agents or under tcp, --critical-fraction under lossy, ...)."""
     from halo.sync import SyncSettings
+    from halo.sync.modes import KNOB_MODES
 
     d = SyncSettings()
     given = {"--inject-plr": args.inject_plr != 0, "--critical-fraction": args.critical_fraction != d.critical_fraction,
@@ -652,10 +653,10 @@ def check_sync_knobs(args) -> None:
         raise ConfigError(f"{', '.join(named)}: how tensor-parallel agents sync their partial sums, and this run has "
                           "none: add --local-agents N, --agents or --cluster (or drop them)")
     mode = args.sync or "exact"
-    only = {"--critical-fraction": ("halo", "halo-tcp"), "--no-pred-overlap": ("halo", "halo-tcp"),
-            "--no-load-overlap": ("halo", "halo-tcp"), "--wire-partials": ("lossy", "halo", "halo-tcp"),
-            "--inject-plr": ("exact", "lossy", "halo", "halo-tcp", "auto"),  # (tcp sends no datagrams to drop)
-            "--copies": ("exact", "lossy", "halo", "halo-tcp", "auto")}
+    only = {option: KNOB_MODES[knob] for option, knob in (
+        ("--critical-fraction", "critical_fraction"), ("--no-pred-overlap", "pred_overlap"),
+        ("--no-load-overlap", "load_overlap"), ("--wire-partials", "wire_partials"), ("--inject-plr", "inject_plr"),
+        ("--copies", "copies"), ("--deadline-floor", "deadline_floor_ms"), ("--deadline-ceiling", "deadline_ceiling_ms"))}
     for option in named:
         if option in only and mode not in only[option]:
             default = " (the default)" if args.sync is None else ", which picks exact" if mode == "auto" else ""

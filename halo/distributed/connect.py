@@ -210,11 +210,10 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if mode == "pipeline" or (plan and plan not in PLAN_KEYWORDS and plan_mode(plan) == "pipeline"):
         from halo.pipeline.connect import connect_pipeline
 
-        if slots != 1:
-            raise ConfigError("a pipeline carries one sequence at a time: --slots above 1 needs tensor-parallel mode")
         return connect_pipeline(weights, stack, model_path=model_path, local_workers=local_agents, workers=agents,
                                 cluster=cluster, plan=plan, key=key, insecure=insecure, context=context,
-                                timeout=timeout, fmt=fmt, survive=survive, **(pipeline or {}))
+                                timeout=timeout, fmt=fmt, survive=survive, insecure_lan=insecure_lan,
+                                authorized_agents=authorized_agents, slots=slots, **(pipeline or {}))
 
     layout = GroupLayout.for_model(weights.config)
     cluster_key, endpoints = None, None

@@ -10,6 +10,7 @@ overrides.
 
 from __future__ import annotations
 
+from halo.arguments import check_insecure
 from halo.errors import ConfigError
 
 from halo.pipeline.coordinator import PipelineModel, measure_profiles
@@ -42,16 +43,21 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
                      insecure: bool = False, context: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
                      fmt: str = "fp32", head_top_k: int = 1, threads: int = 1,
                      browser_timeout_s: float = 600.0, survive=None, tls_cert: str | None = None,
-                     tls_key: str | None = None) -> PipelineModel:
+                     tls_key: str | None = None, insecure_lan: bool = False,
+                     authorized_agents: str | None = None, slots: int = 1) -> PipelineModel:
     """A coordinator over stage workers; `stack` (an ExitStack) owns whatever this starts. `survive`:
-    halo/runtime/replanning.py's settings (None: a lost worker ends the generation, naming it)."""
+    halo/runtime/replanning.py's settings (None: a lost worker ends the generation, naming it). insecure (plaintext)
+    talks to loopback workers only, unless insecure_lan; authorized_agents: the workers' own public keys (device keys)."""
     import zmq
 
     from halo.model.config import DEFAULT_CONTEXT
     from halo.model.loader import model_fingerprint
-    from halo.transport.reliable import load_key
+    from halo.scheduler.profiles import check_plan_budget
+    from halo.transport.reliable import master_key
 
-    context = min(weights.config.max_seq_len, context or DEFAULT_CONTEXT)
+    if slots != 1:
+        raise ConfigError("a pipeline carries one sequence at a time: --slots above 1 needs tensor-parallel mode")
+    asked, context = context, min(weights.config.max_seq_len, context or DEFAULT_CONTEXT)
     sha = model_fingerprint(weights.source)
     zmq_context = zmq.Context()
     stack.callback(zmq_context.destroy, linger=0)
@@ -68,13 +74,17 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
             stages = even_stages(weights.config, local_workers)
     needs_key = not local_workers and (workers or cluster or plan)
     if needs_key and not insecure:
-        cluster_key = load_key(key)
+        cluster_key = master_key(key, authorized_agents)
     if workers:
         links += [NativeStage(zmq_context, _endpoint(a), cluster_key, insecure, timeout, sha) for a in workers]
     planned_names, browser_names = None, []
     if plan or cluster:
-        planned_names, browser_names = _add_cluster_links(weights, links, devices_by_name, zmq_context, plan, cluster,
-                                                          cluster_key, insecure, timeout, sha, threads)
+        cluster_file, planned_names = _load_cluster(weights, plan, cluster, fmt)
+        # its budgets hold: a run without --context takes the file's, one that needs more memory is refused
+        context = context if asked else min(context, cluster_file.context)
+        check_plan_budget(cluster_file, weights, fmt, context)
+        browser_names = _add_cluster_links(weights, links, devices_by_name, zmq_context, cluster_file, cluster_key,
+                                           insecure, timeout, sha, threads, insecure_lan)
         browser_workers += len(browser_names)
     if browser_workers:
         from halo.pipeline.browser import BrowserHub
@@ -102,30 +112,38 @@ def connect_pipeline(weights, stack, *, model_path: str | None = None, local_wor
     return model
 
 
-def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context, plan, cluster, cluster_key, insecure,
-                       timeout, sha, threads) -> tuple[list | None, list[str]]:
-    """Links to a plan's or cluster file's devices (appended to `links`); returns (the plan's stages by device
-    name or None, names of devices that are browser tabs)."""
+def _load_cluster(weights, plan, cluster, fmt: str):
+    """(the cluster file, the plan's stages by device name or None) of a pipeline plan or cluster file."""
+    from halo.compute.shares import planning_format
     from halo.scheduler import plan_io
     from halo.scheduler.profiles import check_plan_fits, load_cluster
 
-    planned_names, browser_names = None, []
-    if plan:
-        loaded = plan_io.load(plan)
-        if not isinstance(loaded, tuple):
-            raise ConfigError(f"{plan} is a tensor-parallel plan; --mode pipeline needs one written by "
-                              "`halo-master plan --mode pipeline --out`")
-        pipeline_plan, cluster_file, made_for = loaded
-        check_plan_fits(made_for, weights.config)  # layers and width: its stages' memory is that model's
-        if pipeline_plan.n_units != weights.config.n_layers + 2:
-            raise ConfigError(f"{plan} splits {pipeline_plan.n_units} units but this model has "
-                              f"{weights.config.n_layers + 2} (embedding, {weights.config.n_layers} layers, head)")
-        if not pipeline_plan.complete:
-            raise ConfigError(f"{plan} is a partial plan (units 0..{pipeline_plan.covered - 1} of "
-                              f"{pipeline_plan.n_units}): add workers to the cluster and plan again")
-        planned_names = [(cluster_file.devices[w].name, a, b) for w, a, b in pipeline_plan.stages]
-    else:
-        cluster_file = load_cluster(cluster)
+    if not plan:
+        return load_cluster(cluster, planning_format(fmt, weights)), None  # (no [cluster] weights: this run's)
+    loaded = plan_io.load(plan)
+    if not isinstance(loaded, tuple):
+        raise ConfigError(f"{plan} is a tensor-parallel plan; --mode pipeline needs one written by "
+                          "`halo-master plan --mode pipeline --out`")
+    pipeline_plan, cluster_file, made_for = loaded
+    check_plan_fits(made_for, weights.config)  # layers and width: its stages' memory is that model's
+    if pipeline_plan.n_units != weights.config.n_layers + 2:
+        raise ConfigError(f"{plan} splits {pipeline_plan.n_units} units but this model has "
+                          f"{weights.config.n_layers + 2} (embedding, {weights.config.n_layers} layers, head)")
+    if not pipeline_plan.complete:
+        raise ConfigError(f"{plan} is a partial plan (units 0..{pipeline_plan.covered - 1} of "
+                          f"{pipeline_plan.n_units}): add workers to the cluster and plan again")
+    return cluster_file, [(cluster_file.devices[w].name, a, b) for w, a, b in pipeline_plan.stages]
+
+
+def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context, cluster_file, cluster_key, insecure,
+                       timeout, sha, threads, insecure_lan: bool = False) -> list[str]:
+    """Links to a cluster file's devices (appended to `links`); returns the names of devices that are browser tabs.
+    Plaintext (insecure) only to loopback addresses unless insecure_lan, checked before any link opens (as
+    tensor-parallel mode checks a cluster file's)."""
+    browser_names = []
+    if insecure:
+        check_insecure([_endpoint(d.address) for d in cluster_file.devices if d.address not in ("", "local", "browser")],
+                       insecure_lan, "would talk plaintext to")
     for i, d in enumerate(cluster_file.devices):
         devices_by_name[d.name] = d
         if d.address in ("", "local") and i == cluster_file.master:
@@ -139,7 +157,7 @@ def _add_cluster_links(weights, links: list, devices_by_name: dict, zmq_context,
             raise ConfigError(f"device {d.name!r} has no address: set address = \"HOST:PORT\" (a halo-stage-worker), "
                               "\"browser\" (a tab on the worker page) or leave it empty on the master device")
         links[-1].device_name = d.name
-    return planned_names, browser_names
+    return browser_names
 
 
 def _stages_from_plan(planned_names, links) -> list[Stage]:
