@@ -16,6 +16,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
+from halo.errors import ConfigError
 from halo.scheduler.objective import transfer_seconds
 from halo.scheduler.plan import TP_KINDS, TensorParallelPlan
 from halo.scheduler.profiles import Cluster, ModelProfile
@@ -138,6 +139,15 @@ def solve_exact(cluster: Cluster, model: ModelProfile, time_limit_s: float = 10.
     optimal = res.status == 0
     objective = float(res.fun) + constant
     return MilpResult(program.plan(res.x), objective, objective if optimal else bound_s, optimal, res.message)
+
+
+def exact_plan(cluster: Cluster, model: ModelProfile) -> TensorParallelPlan:
+    """`--algorithm exact`: the solver's plan, or why there is none."""
+    result = solve_exact(cluster, model)
+    if result.plan is None:
+        raise ConfigError(f"the exact solver found no plan ({result.message}): where it is infeasible the devices' "
+                          "memory cannot hold the model; `--algorithm minmax` names the shortfall")
+    return result.plan
 
 
 def _integer_block_bound(compute: np.ndarray, flops: float, count: int) -> float:

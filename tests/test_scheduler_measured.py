@@ -96,6 +96,35 @@ def test_measured_plan_names_every_device_s_measured_memory(monkeypatch):
                               True)
 
 
+def test_plan_s_algorithm_reaches_a_measured_plan(monkeypatch):
+    """`plan --local-agents/--agents --algorithm X` planned with minmax whatever X was (and printed minmax)."""
+    import importlib
+
+    from halo.cli import master as cli
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.distributed.session import MasterSettings
+    from halo.model.loader import load_weights
+
+    connect = importlib.import_module("halo.distributed.connect")  # the module (the package exports a function)
+    weights = load_weights()
+    layout = GroupLayout.for_model(weights.config)
+    cluster = cluster_of([0.0, 0.0])
+    for algorithm in ("galaxy", "vanilla", "exact"):
+        plan, _ = connect.plan_measured(weights, layout, MasterSettings(), cluster, True, algorithm)
+        assert plan.algorithm == algorithm
+    seen = []
+
+    def plan_measured(*args):
+        seen.append(args[-1])
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(connect, "measure_cluster", lambda *a, **k: cluster)
+    monkeypatch.setattr(connect, "plan_measured", plan_measured)
+    assert cli.main(["plan", "--agents", "10.0.0.1:7070,10.0.0.2:7070", "--insecure", "--insecure-lan",
+                     "--algorithm", "greedy"]) == 2
+    assert seen == ["greedy"]
+
+
 def test_a_profile_without_a_probe_answer_is_refused():
     with pytest.raises(ConfigError, match="no probe of its link came back"):
         measured_device("pi", measured(1.0), {"plr": 1.0, "rtt_ms_p50": float("inf"), "rtt_ms_min": float("inf"),

@@ -857,7 +857,7 @@ def cmd_plan(args) -> int:
 
     from halo.model.loader import load_config
     from halo.scheduler import plan_io
-    from halo.scheduler.milp import solve_exact
+    from halo.scheduler.milp import exact_plan
     from halo.scheduler.pipeline import plan_pipeline
     from halo.scheduler.profiles import load_cluster, model_profile, named_config
     from halo.scheduler.tp_plan import plan_tp
@@ -893,11 +893,7 @@ def cmd_plan(args) -> int:
         document = plan_io.pipeline_plan_json(plan, cluster, model)
     else:
         if args.algorithm == "exact":
-            result = solve_exact(cluster, model)
-            if result.plan is None:
-                raise ConfigError(f"the exact solver found no plan ({result.message}): where it is infeasible the "
-                                  "devices' memory cannot hold the model; `--algorithm minmax` names the shortfall")
-            plan = result.plan
+            plan = exact_plan(cluster, model)
         else:
             plan = plan_tp(cluster, model, args.algorithm, select=not args.all_devices, mode=args.sync)
         print_tp_plan(console, plan, model, cluster, name, args.all_devices)
@@ -990,7 +986,7 @@ def _plan_measured(args) -> int:
             key = None if args.insecure else master_key(args.key, args.authorized_agents)
         plan, planning = measured_plan(weights, layout, settings, endpoints, key, args.insecure,
                                        select=not args.all_devices, fresh=args.rebenchmark, take_over=False,
-                                       same_machine=bool(args.local_agents))
+                                       same_machine=bool(args.local_agents), algorithm=args.algorithm)
     print_planning(planning, title=f"measured tensor-parallel plan ({plan.algorithm}): "
                                    f"{args.model or 'stories260K'}, {args.weights}, sync {args.sync}")
     if args.out:

@@ -83,10 +83,10 @@ def cluster_model(weights: ModelWeights, endpoints: list[str], key=None, *, plan
 
 def measured_plan(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, endpoints: list[str], key,
                   insecure: bool, select: bool = True, fresh: bool = False, take_over: bool = True,
-                  same_machine: bool = False):
+                  same_machine: bool = False, algorithm: str = "minmax"):
     """(plan, planning report) from measured profiles; the plan's participants carry their endpoints."""
     cluster = measure_cluster(weights, layout, settings, endpoints, key, insecure, fresh, take_over, same_machine)
-    return plan_measured(weights, layout, settings, cluster, select)
+    return plan_measured(weights, layout, settings, cluster, select, algorithm)
 
 
 def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], key, select: bool, same_machine: bool,
@@ -112,8 +112,10 @@ def auto_plan(weights: ModelWeights, layout: GroupLayout, endpoints: list[str], 
     return plan, chosen, planning
 
 
-def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, cluster, select: bool = True):
-    """(plan, planning report) over a measured cluster, for settings.sync's mode."""
+def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSettings, cluster, select: bool = True,
+                  algorithm: str = "minmax"):
+    """(plan, planning report) over a measured cluster, for settings.sync's mode (minmax chooses the participants
+    unless not select; another algorithm, `plan --algorithm`, plans over every device as the paper's do)."""
     from halo.compute.shares import planning_format
     from halo.scheduler.cost import estimate
     from halo.scheduler.plan_io import plan_summary
@@ -125,8 +127,13 @@ def plan_measured(weights: ModelWeights, layout: GroupLayout, settings: MasterSe
                             vocab_group_size=layout.vocab_group_size, rows=settings.slots)  # a batch's passes
     mode = settings.sync.mode
     try:
-        plan = (plan_tp(cluster, profile, mode=mode, sync=settings.sync) if select
-                else plan_everyone(cluster, profile, mode, settings.sync))
+        if algorithm == "exact":
+            from halo.scheduler.milp import exact_plan
+
+            plan = exact_plan(cluster, profile)
+        else:
+            plan = (plan_tp(cluster, profile, algorithm, mode=mode, sync=settings.sync)
+                    if select or algorithm != "minmax" else plan_everyone(cluster, profile, mode, settings.sync))
     except InsufficientMemory as e:
         available = ", ".join(f"{d.name} {d.memory_bytes / 1e6:.1f} MB" for d in cluster.devices)
         raise InsufficientMemory(f"{e} (measured for the plan: {available}: the available memory less "
