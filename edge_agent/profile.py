@@ -49,6 +49,8 @@ def measured_profile(agent, request, address: str | None = None) -> dict | str:
     if request.weights not in FORMATS:
         return f"unknown weight format {request.weights!r}; this agent computes in {', '.join(FORMATS)}"
     measured = measure_device(agent.weights, layout, request.weights, agent.threads, agent.name, fresh=request.fresh)
+    measured["memory_budget_bytes"] = agent.memory_budget  # what it will hold a share to (--memory-budget), not only
+    # what is free: a plan from free memory gave it a share it then refused
     if request.udp is not None:  # probes of this master's session are echoed from now on, under our own sender id
         agent.udp.join(request.udp.session, request.node_id, agent.session_key(request.udp))  # (each sender has its
         if address:  # own replay window there); the master's endpoint: the one address probes are echoed to

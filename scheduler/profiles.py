@@ -312,6 +312,8 @@ def measured_device(name: str, measured: dict, link: dict | None = None, address
     try:
         overhead = tuple(float(o) for o in measured["overhead_s"])
         memory = float(measured["memory_available_bytes"]) * MEMORY_HEADROOM
+        if measured.get("memory_budget_bytes") is not None:  # an agent's own budget (halo-agent --memory-budget)
+            memory = min(memory, float(measured["memory_budget_bytes"]))
         compute, message = float(measured["compute_flops"]), float(measured["message_s"])
         plr = latency = 0.0
         bandwidth = 1e9

@@ -125,6 +125,23 @@ def test_plan_s_algorithm_reaches_a_measured_plan(monkeypatch):
     assert seen == ["greedy"]
 
 
+def test_an_agent_s_memory_budget_caps_what_a_measured_plan_gives_it():
+    """halo-agent --memory-budget was enforced by the agent but never reported: a plan from its free memory gave it a
+    share it then refused ("share needs 0.3 MB ... budget 0.1 MB")."""
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.distributed.connect import measure_cluster
+    from halo.distributed.session import MasterSettings
+    from halo.model.loader import load_weights
+    from halo.runtime.local import LocalCluster
+
+    weights = load_weights()
+    with LocalCluster(1, extra_args=["--memory-budget", "0.25"]) as cluster:
+        planned = measure_cluster(weights, GroupLayout.for_model(weights.config), MasterSettings(), cluster.endpoints,
+                                  cluster.key, same_machine=True)
+    assert planned.devices[1].memory_bytes == 0.25e6 < planned.devices[0].memory_bytes
+    assert measured_device("pi", {**measured(1.0), "memory_budget_bytes": None}).memory_bytes == 4e9 * 0.85
+
+
 def test_a_profile_without_a_probe_answer_is_refused():
     with pytest.raises(ConfigError, match="no probe of its link came back"):
         measured_device("pi", measured(1.0), {"plr": 1.0, "rtt_ms_p50": float("inf"), "rtt_ms_min": float("inf"),
