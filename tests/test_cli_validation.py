@@ -63,6 +63,8 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
      "--critical-fraction does nothing under --sync lossy: it applies to halo / halo-tcp"),
     (["generate", "--local-agents", "2", "--sync", "tcp", "--inject-plr", "0.3"], "--inject-plr does nothing under --sync tcp"),
     (["generate", "--local-agents", "2", "--sync", "tcp", "--deadline-floor", "9"], "--deadline-floor does nothing under --sync tcp"),
+    (["generate", "--busy-poll", "on"], "--busy-poll: how tensor-parallel agents sync"),  # one process: no datagrams
+    (["generate", "--local-agents", "2", "--sync", "tcp", "--no-udp-gso"], "--no-udp-gso does nothing under --sync tcp"),
     (["generate", "--local-agents", "2", "--wire-partials", "fp16"],
      "--wire-partials does nothing under --sync exact (the default)"),  # (it named a --sync exact nobody typed)
     (["generate", "--local-agents", "2", "--sync", "auto", "--wire-partials", "fp16"], "under --sync auto, which picks exact"),

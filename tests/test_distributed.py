@@ -72,6 +72,29 @@ def test_serve_s_pipeline_head_sends_every_logit(monkeypatch, stories_weights):
     assert seen == [0, 1, 5]
 
 
+def test_local_agents_take_the_master_s_busy_poll(monkeypatch, stories_weights):
+    """--busy-poll's help says agents take the same option; the agents --local-agents starts never got it."""
+    import importlib
+    from contextlib import ExitStack
+
+    from halo.distributed import connect as package
+
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    def local_cluster(n, model_path, predictors=None, extra_args=()):
+        seen.append(tuple(extra_args))
+        raise Started
+
+    monkeypatch.setattr(importlib.import_module("halo.distributed.connect"), "LocalCluster", local_cluster)
+    for busy_poll in ("on", "auto"):
+        with ExitStack() as stack, pytest.raises(Started):
+            package(stories_weights, stack, local_agents=2, busy_poll=busy_poll)
+    assert seen == [("--busy-poll", "on"), ()]
+
+
 def test_the_cli_gives_the_master_its_threads(monkeypatch):
     """generate --threads reaches the cluster's master (connect), and plan --threads its kernel benchmark."""
     import importlib

@@ -376,7 +376,7 @@ def add_sync_arguments(parser) -> None:
                    help="spin while waiting for the agents' datagrams instead of sleeping: on, off, or auto = on where "
                         "this process was given cores of its own (taskset, systemd CPUAffinity=). A sleeping core wakes "
                         "tens of microseconds late at every round; processes that share cores must not spin "
-                        "(default auto; start agents with the same option)")
+                        "(default auto; --local-agents take it too, agents started by hand take the same option)")
     s.add_argument("--inject-plr", type=number(0, 1, high_open=True), default=0.0, metavar="P",
                    help="drop this fraction of UDP datagrams at every sender (seeded by --seed): reproducible "
                         "accuracy-under-loss runs without a lossy network (in --sync halo the deadlines decide what "
@@ -647,7 +647,8 @@ def check_sync_knobs(args) -> None:
              "--deadline-floor": args.deadline_floor != d.deadline_floor_ms,
              "--deadline-ceiling": args.deadline_ceiling != d.deadline_ceiling_ms,
              "--wire-partials": args.wire_partials != d.wire_partials, "--copies": args.copies is not None,
-             "--no-pred-overlap": args.no_pred_overlap, "--no-load-overlap": args.no_load_overlap}
+             "--no-pred-overlap": args.no_pred_overlap, "--no-load-overlap": args.no_load_overlap,
+             "--no-udp-gso": args.no_udp_gso, "--busy-poll": args.busy_poll != "auto"}
     named = [option for option, used in given.items() if used]
     if named and (not _distributed(args) or pipeline_mode(args)):
         raise ConfigError(f"{', '.join(named)}: how tensor-parallel agents sync their partial sums, and this run has "
@@ -656,7 +657,8 @@ def check_sync_knobs(args) -> None:
     only = {option: KNOB_MODES[knob] for option, knob in (
         ("--critical-fraction", "critical_fraction"), ("--no-pred-overlap", "pred_overlap"),
         ("--no-load-overlap", "load_overlap"), ("--wire-partials", "wire_partials"), ("--inject-plr", "inject_plr"),
-        ("--copies", "copies"), ("--deadline-floor", "deadline_floor_ms"), ("--deadline-ceiling", "deadline_ceiling_ms"))}
+        ("--copies", "copies"), ("--deadline-floor", "deadline_floor_ms"), ("--deadline-ceiling", "deadline_ceiling_ms"),
+        ("--no-udp-gso", "udp_gso"), ("--busy-poll", "busy_poll"))}
     for option in named:
         if option in only and mode not in only[option]:
             default = " (the default)" if args.sync is None else ", which picks exact" if mode == "auto" else ""
@@ -718,6 +720,7 @@ def open_model(args, weights, stack):
                    cluster=args.cluster, plan=args.plan, key=args.key, insecure=args.insecure,
                    insecure_lan=args.insecure_lan, authorized_agents=args.authorized_agents, context=args.context,
                    auto_sync=args.sync == "auto", slots=getattr(args, "slots", 1), threads=args.threads,
+                   busy_poll=args.busy_poll,
                    timeout=args.timeout, fmt=args.weights, sync=sync_settings(args), predictors=args.predictors,
                    survive=SurvivalSettings(rejoin_after_s=args.rejoin_after, rebalance_every_s=args.rebalance_every,
                                             sticky=args.replan == "sticky")

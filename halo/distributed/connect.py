@@ -196,7 +196,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
             timeout: float = DEFAULT_TIMEOUT_S, fmt: str = "fp32", sync: SyncSettings | None = None,
             predictors: str | None = None, mode: str = "tp", pipeline: dict | None = None,
             survive: SurvivalSettings | None = SurvivalSettings(), insecure_lan: bool = False,
-            authorized_agents: str | None = None, auto_sync: bool = False, slots: int = 1, threads: int = 1):
+            authorized_agents: str | None = None, auto_sync: bool = False, slots: int = 1, threads: int = 1,
+            busy_poll: str = "auto"):
     """A master over agents from one of: local_agents (started here, stopped when `stack` closes), agent
     addresses, a cluster file (planned here) or a saved plan. `stack` (an ExitStack) owns what it starts.
     plan: a plan file, or "measured" or a keyword of EVEN_PLANS. By default agents are measured and the scheduler plans
@@ -208,7 +209,7 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     authorized_agents: a file of the agents' public keys and addresses (needed with a device key).
     auto_sync: measure the agents and pick exact or HALO sync from their links (scheduler/sync_choice.py; `sync` gives
     the other settings); what was picked and why: model.sync_auto. slots: KV caches per sequence (halo/compute/batch.py);
-    threads: the master's compute threads for its own share."""
+    threads: the master's compute threads for its own share; busy_poll: local agents' (--busy-poll)."""
     from halo.transport.reliable import master_key
 
     if insecure and agents:  # (the tensor-parallel path checks the addresses of a plan or cluster file too, below)
@@ -227,9 +228,8 @@ def connect(weights: ModelWeights, stack, *, model_path: str | None = None, loca
     if local_agents:
         if local_agents < 0 or agents or cluster:
             raise ConfigError("--local-agents N starts its own agents: do not combine it with --agents or --cluster")
-        local = stack.enter_context(LocalCluster(local_agents, model_path, predictors=predictors))
+        local = start_local_agents(stack, local_agents, model_path, predictors, threads, busy_poll)
         endpoints, cluster_key = local.endpoints, local.key
-        warn_oversubscribed(threads, local_agents * local.threads)
     elif agents:
         endpoints = [a if a.startswith("tcp://") else f"tcp://{a}" for a in agents]
     if cluster_key is None and not insecure:
@@ -278,13 +278,17 @@ def check_plaintext(endpoints: list[str], insecure_lan: bool) -> None:
                 ", ".join(endpoints))
 
 
-def warn_oversubscribed(threads: int, agent_threads: int) -> None:
-    """A master with kernel threads beside local agents that need more cores than there are: its waiting threads
+def start_local_agents(stack, n: int, model_path, predictors, threads: int, busy_poll: str) -> LocalCluster:
+    """--local-agents N, started with the master's --busy-poll (its help says agents take the same), owned by `stack`.
+    A master with kernel threads beside agents that need more cores than there are is warned: its waiting threads
     spin on cores the agents need (measured: --threads 2 over 3 agents on 2 cores made a pass slower, not faster)."""
+    local = stack.enter_context(LocalCluster(n, model_path, predictors=predictors,
+                                             extra_args=("--busy-poll", busy_poll) if busy_poll != "auto" else ()))
     cores = os.cpu_count() or 1
-    if threads > 1 and threads + agent_threads > cores:
+    if threads > 1 and threads + n * local.threads > cores:
         log.warning("--threads %d beside local agents of %d thread(s) in all asks for more than this machine's %d "
-                    "cores: on a shared machine --threads 1 is faster", threads, agent_threads, cores)
+                    "cores: on a shared machine --threads 1 is faster", threads, n * local.threads, cores)
+    return local
 
 
 def run_context(weights: ModelWeights, asked: int | None, tp_plan, slots: int) -> int:

@@ -70,13 +70,14 @@ POLICIES: dict[str, ModePolicy] = {
 SYNC_MODES = tuple(POLICIES)
 WIRE_PARTIALS = {"fp32": wire.FLOAT32, "fp16": wire.FLOAT16}
 MAX_COPIES = 4
-# The modes that read each SyncSettings knob (the CLI and the lm-eval plugin refuse one set where none reads it:
-# --inject-plr under tcp measured a lossless run as "at 50 % loss"). auto may pick either, so what one of them reads.
+# The modes that read each sync knob (the CLI and the lm-eval plugin refuse one set where none reads it: --inject-plr
+# under tcp measured a lossless run as "at 50 % loss"). auto may pick either, so what one of them reads. busy_poll
+# (how a wait for datagrams waits) is the process's, not SyncSettings'.
 KNOB_MODES: dict[str, tuple[str, ...]] = {
     "critical_fraction": ("halo", "halo-tcp"), "pred_overlap": ("halo", "halo-tcp"), "load_overlap": ("halo", "halo-tcp"),
     "wire_partials": ("lossy", "halo", "halo-tcp"),
     **{k: ("exact", "lossy", "halo", "halo-tcp", "auto")  # tcp sends no datagrams: nothing to drop, copy or wait for
-       for k in ("inject_plr", "copies", "deadline_floor_ms", "deadline_ceiling_ms")}}
+       for k in ("inject_plr", "copies", "deadline_floor_ms", "deadline_ceiling_ms", "udp_gso", "busy_poll")}}
 UNKNOWN_SETTINGS = "unknown sync settings"  # how an agent refuses a hello's settings it does not know (a newer master's)
 RENAMED = {"reliable": "--sync reliable was renamed: use --sync exact (UDP, every packet recovered, the default) or "
                        "--sync tcp (the control connection)"}
