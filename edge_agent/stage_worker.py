@@ -198,7 +198,9 @@ class StageWorker(ControlServer):
 
 
 def _free_memory(engine: str) -> float:
-    if engine == "torch-cuda":
+    """What the engine's device has free: the GPU's for a CUDA engine (fp32 or fp16: "torch-cuda-fp16" was priced
+    by the host's RAM), the host's otherwise."""
+    if engine.startswith("torch-cuda"):
         import torch
 
         return float(torch.cuda.mem_get_info()[0])

@@ -462,3 +462,17 @@ def test_a_pipeline_cluster_file_s_budgets_and_addresses_hold(stories_weights, t
         connect_pipeline(stories_weights, stack, workers=["127.0.0.1:7399"], key="m.key",
                          authorized_agents="agents.txt")
     assert seen == [("m.key", "agents.txt")]
+
+
+def test_a_cuda_stage_in_fp16_is_priced_by_the_gpu_s_free_memory(monkeypatch):
+    """The fp16 CUDA engine ("torch-cuda-fp16", what --weights native/int8 run as on a GPU) reported the host's free
+    RAM as its memory: the pipeline planner priced a GPU stage by the wrong device."""
+    import sys
+    import types
+
+    from halo.edge_agent.stage_worker import _free_memory
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(mem_get_info=lambda: (123e6, 456e6)))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert _free_memory("torch-cuda-fp16") == _free_memory("torch-cuda") == 123e6
+    assert _free_memory("numpy-cpu") != 123e6
