@@ -92,7 +92,13 @@ def assert_one_line(code: int, err: str, expected: str) -> None:
     (["plan", "--cluster", "/nonexistent.toml", "--out", "/tmp"], "--out /tmp: is a directory"),
     (["plan", "--cluster", "/nonexistent.toml", "--mlp-group-size", "32", "--out", "p.json"], "--mlp-group-size with --out"),
     (["plan", "--cluster", "/nonexistent.toml", "--context", "100"], "a cluster file plans for its [cluster]"),
-    (["plan", "--cluster", "/nonexistent.toml", "--threads", "2"], "--threads are for measured plans"),
+    (["plan", "--cluster", "/nonexistent.toml", "--threads", "2"], "--threads: for measured plans"),
+    # accepted and ignored: a cluster file's plan measures and contacts nothing; status options of the other target
+    (["plan", "--cluster", "/nonexistent.toml", "--rebenchmark", "--insecure"], "--rebenchmark / --insecure: for measured"),
+    (["status", "--agents", "127.0.0.1:7070", "--watch", "--json"], "give one of them"),
+    (["status", "--agents", "127.0.0.1:7070", "--interval", "5"], "--interval is --watch's refresh period"),
+    (["status", "--agents", "127.0.0.1:7070", "--api-key", "k"], "--api-key is a running serve's"),
+    (["status", "--server", "http://127.0.0.1:1", "--insecure"], "--insecure: how a master reaches agents"),
     # checked before any planner runs (a cluster file's pipeline and exact planners never looked at --sync)
     (["plan", "--cluster", "/nonexistent.toml", "--mode", "pipeline", "--sync", "auto"], "--sync: tensor-parallel planning only"),
     (["plan", "--cluster", "/nonexistent.toml", "--algorithm", "exact", "--sync", "reliable"], "--sync reliable was"),

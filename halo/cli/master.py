@@ -9,13 +9,14 @@ import re
 import sys
 import time
 
-from halo.arguments import (MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path,
+from halo.arguments import (DEFAULT_KEY, MAX_THREADS, OneLineParser, add_master_key_arguments, check_insecure, check_path,
                             endpoints_argument, integer, number)
 from halo.compute.batch import DEFAULT_SLOTS, MAX_SLOTS
 from halo.compute.linear import FORMATS, resolve_format
 from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
+PLAN_TIMEOUT_S = 60.0  # plan --timeout: a first kernel benchmark of a big model on a slow device takes long
 
 EPILOG_GENERATE = """examples:
   halo-master generate --prompt "Once upon a time"              bundled stories260K model
@@ -115,7 +116,7 @@ def _add_plan(sub) -> None:
     measure.add_argument("--threads", type=integer(1, MAX_THREADS), default=None, help="the master's compute threads "
                          "(generate's --threads): its kernel benchmark is taken with them (default 1)")
     add_master_key_arguments(measure)
-    measure.add_argument("--timeout", type=float, default=60.0, metavar="S", help="per agent: a first kernel benchmark "
+    measure.add_argument("--timeout", type=float, default=PLAN_TIMEOUT_S, metavar="S", help="per agent: a first kernel benchmark "
                          "takes seconds for a small model, longer for a big one on a slow device (default 60)")
     measure.add_argument("--rebenchmark", action="store_true", help="ignore the devices' cached kernel benchmarks")
     source = p.add_mutually_exclusive_group()
@@ -392,7 +393,24 @@ def sync_settings(args):
                         wire_partials=args.wire_partials, udp_gso=not args.no_udp_gso, copies=args.copies or 0)
 
 
+def check_status_request(args) -> None:
+    """What `status` would ignore, refused: each option belongs to agents (--agents) or to a server (--server)."""
+    if args.watch and args.json:
+        raise ConfigError("--json prints one snapshot and --watch keeps a table on screen: give one of them")
+    if args.interval != 1.0 and not args.watch:
+        raise ConfigError("--interval is --watch's refresh period: add --watch, or drop --interval")
+    if args.server:
+        given = [option for option, used in (("--key", args.key != DEFAULT_KEY), ("--insecure", args.insecure or
+                 args.insecure_lan), ("--authorized-agents", args.authorized_agents)) if used]
+        if given:
+            raise ConfigError(f"{' / '.join(given)}: how a master reaches agents; --server asks a running serve over "
+                              "HTTP (its API key: --api-key)")
+    elif args.api_key or args.api_key_file:
+        raise ConfigError("--api-key is a running serve's (--server); agents (--agents) are reached with --key")
+
+
 def cmd_status(args) -> int:
+    check_status_request(args)
     if args.server:
         from halo.serve.cli import status_from_server
 
@@ -843,9 +861,15 @@ def check_plan_request(args) -> None:
         if given:
             raise ConfigError(f"{', '.join(given)}: tensor-parallel planning only; a pipeline plan gives workers "
                               "layer ranges by memory and speed (drop them, or plan --mode tp)")
-    if args.cluster and (args.weights or args.context or args.threads):  # the measuring options: a file states its own
-        raise ConfigError("--weights / --context / --threads are for measured plans; a cluster file plans for its "
-                          "[cluster] weights and context and its devices' stated compute (set them there)")
+    measuring = [option for option, given in (  # a cluster file states its own; nothing is measured or contacted
+        ("--weights", args.weights), ("--context", args.context), ("--threads", args.threads),
+        ("--rebenchmark", args.rebenchmark), ("--timeout", args.timeout != PLAN_TIMEOUT_S),
+        ("--key", args.key != DEFAULT_KEY), ("--authorized-agents", args.authorized_agents),
+        ("--insecure", args.insecure or args.insecure_lan)) if given]
+    if args.cluster and measuring:
+        raise ConfigError(f"{' / '.join(measuring)}: for measured plans (--agents, --local-agents); a cluster file "
+                          "plans for its [cluster] weights and context and its devices' stated compute, measuring "
+                          "nothing (set them there)")
     args.sync = plan_sync_mode(args)
     if args.out:
         plan_io.check_writable(args.out)  # before minutes of planning

@@ -162,7 +162,7 @@ def status_from_server(args) -> int:
     from halo.serve.view import render
 
     api_key = read_api_key(args)
-    timeout = max(args.timeout, 2.0)
+    timeout = args.timeout
     console = Console()
     if not args.watch:
         snapshot = fetch_cluster(args.server, api_key, timeout)
