@@ -101,12 +101,12 @@ class LossyTestbed:
             raise RuntimeError("build a bed with emulated links in the main thread: a link's forwarder ends with the "
                                "thread that started it (PR_SET_PDEATHSIG), and the link went silent with it")
         self._claim()  # before anything is removed: another process's live bed of this prefix is not a leftover
+        self._on_sigterm()  # before the build: a SIGTERM while building left its namespaces and links behind
         try:
             self._build()
         except BaseException:
             self.teardown()
             raise
-        self._on_sigterm()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -166,6 +166,23 @@ def test_sigterm_and_started_processes_leave_nothing_behind(tmp_path):
     assert PREFIX not in namespaces() and not os.path.exists(f"/proc/{child}")
 
 
+def test_sigterm_while_the_bed_is_built_leaves_nothing_behind():
+    """The SIGTERM handler came after the build: a SIGTERM while building left the namespaces, bridge and veths."""
+    import signal
+
+    script = (f"import os, signal\nfrom halo.rpi.testbed import LossyTestbed\n"
+              f"build = LossyTestbed._build\n"
+              f"def interrupted(self):\n"
+              f"    build(self)\n"
+              f"    os.kill(os.getpid(), signal.SIGTERM)  # (delivered before the build returns)\n"
+              f"LossyTestbed._build = interrupted\n"
+              f"with LossyTestbed(2, prefix={PREFIX!r}):\n"
+              f"    pass\n")
+    process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, process.stderr
+    assert PREFIX not in namespaces()
+
+
 def test_names_the_kernel_or_nft_would_refuse_are_refused_first():
     for kwargs, said in (({"prefix": "1rvw"}, "a letter"), ({"prefix": "abcdefghijklm"}, "15 characters"),
                          ({"rate_mbit": -5}, "rate_mbit"), ({"links": {"agent-2": "wifi-good"}}, "agent-2")):
