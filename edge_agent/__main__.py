@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import tomllib
@@ -102,7 +103,6 @@ def prepare_main(argv: list[str]) -> int:
         from halo.compute.neuron_groups import GroupLayout
         from halo.compute.prepared import prepare
         from halo.model.loader import load_weights, model_fingerprint
-        from rich.progress import Progress
 
         weights = load_weights(args.model)
         fmt = resolve_format(args.weights, weights)
@@ -110,10 +110,10 @@ def prepare_main(argv: list[str]) -> int:
             raise ConfigError(f"{weights.source} has no compact blocks: --weights native is float32 here, which HALO "
                               "mode reads from the model file as it is; prepare --weights int8 instead")
         layout = GroupLayout.for_model(weights.config, args.mlp_group_size)
-        with Progress(transient=True) as bar, sigterm_as_interrupt():
-            task = bar.add_task(f"preparing {Path(str(weights.source)).name} ({fmt})", total=weights.config.n_layers)
+        with layer_progress(f"preparing {Path(str(weights.source)).name} ({fmt})", weights.config.n_layers) as done, \
+                sigterm_as_interrupt():
             out = prepare(weights, model_fingerprint(weights.source), fmt, layout, Path(args.out) if args.out else None,
-                          progress=lambda done, total: bar.update(task, completed=done))
+                          progress=done)
     except (HaloError, OSError) as e:
         print(f"halo-agent prepare: error: {e}", file=sys.stderr)
         return 2
@@ -123,6 +123,21 @@ def prepare_main(argv: list[str]) -> int:
     print(f"prepared {layout.n_mlp_groups} MLP groups x {weights.config.n_layers} layers ({size / 1e6:.1f} MB, {fmt}) "
           f"in {out}")
     return 0
+
+
+@contextlib.contextmanager
+def layer_progress(title: str, layers: int):
+    """progress(done, total) for prepare: rich's bar where the coordinator's packages are installed, else (an edge
+    device's core install, which prepare runs on) a counting line on stderr."""
+    try:
+        from rich.progress import Progress
+    except ImportError:
+        yield lambda done, total: print(f"\r{title}: {done}/{total} layers", end="\n" if done == total else "",
+                                        file=sys.stderr, flush=True)
+        return
+    with Progress(transient=True) as bar:
+        task = bar.add_task(title, total=layers)
+        yield lambda done, total: bar.update(task, completed=done)
 
 
 def agent_parser() -> argparse.ArgumentParser:

@@ -41,9 +41,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
-from lm_eval.api.model import LM
 
 from halo.errors import ConfigError
+
+try:
+    from lm_eval.api.model import LM
+except ImportError:  # (no [eval] extra: `halo-lm-eval` says what to install instead of a traceback)
+    LM = None
 
 log = logging.getLogger("halo.lm_eval")
 SETTINGS = ("model", "tokenizer", "local_agents", "agents", "cluster", "plan", "sync", "deadline_floor_ms",
@@ -62,7 +66,7 @@ def check_knobs_read(settings, changed: list[str], predictors) -> None:
                               f"(add sync={modes[0]}, or drop it)")
 
 
-class HaloLM(LM):
+class HaloLM(LM or object):
     def __init__(self, model: str | None = None, tokenizer: str | None = None, local_agents: int = 0,
                  agents: str | None = None, cluster: str | None = None, plan: str | None = None,
                  key: str = "/etc/halo/cluster.key", insecure: bool = False, sync: str | None = None,
@@ -276,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     from halo.eval.lm_eval_tasks import TASKS_DIR
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if LM is None:
+        print("halo-lm-eval: error: lm-eval is not installed: pip install 'halo-edge[eval]'", file=sys.stderr)
+        return 2
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(__doc__)
         print("lm-eval's own options follow.\n")

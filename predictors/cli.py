@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -24,6 +25,9 @@ def train_predictors(model: str | None, data: str, out: str | Path, hidden: int 
                      max_chars: int | None = None, window: int = 256, train_fraction: float = 0.8,
                      mlp_group_size: int | None = None, progress: bool = True, keep_profile: bool = False) -> dict:
     """The whole pipeline; returns the manifest. Raises if ONNX and torch disagree by more than 1e-5."""
+    for package in ("torch", "sklearn"):  # before minutes of profiling (without them it ended in a traceback)
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"training needs {package}, which is not installed: pip install 'halo-edge[train]'")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: give a directory")

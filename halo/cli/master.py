@@ -16,6 +16,7 @@ from halo.compute.linear import FORMATS, resolve_format
 from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
+MASTER_PACKAGES = ("rich", "tqdm", "scipy", "tokenizers", "jinja2")  # pyproject.toml's [master] extra
 PLAN_TIMEOUT_S = 60.0  # plan --timeout: a first kernel benchmark of a big model on a slow device takes long
 
 EPILOG_GENERATE = """examples:
@@ -1069,6 +1070,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as e:
         return interrupted("halo-master", e)
+    except ModuleNotFoundError as e:  # an edge device's core install runs halo-agent; the coordinator needs more
+        package = (e.name or "").split(".")[0]
+        if package not in MASTER_PACKAGES:
+            raise
+        print(f"halo-master: error: this command needs {package}, one of the coordinator's packages: "
+              "pip install 'halo-edge[master]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `... | head`: the reader left; what it did not read is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (so the exit's flush is quiet too)
         return 0
