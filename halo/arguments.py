@@ -160,8 +160,8 @@ def check_integer(value, what: str = "", low: int | None = None, high: int | Non
 def check_number(value, what: str = "", low: float | None = None, high: float | None = None,
                  low_open: bool = False, high_open: bool = False) -> float:
     """A finite number within the bounds (each one open or closed)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(f"{what} must be a finite number, got {value!r}".lstrip())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
+        raise ConfigError(f"{what} must be a finite number, got {value!r:.40}".lstrip())
     too_low = low is not None and (value < low or (low_open and value == low))
     too_high = high is not None and (value > high or (high_open and value == high))
     if too_low or too_high:
@@ -173,6 +173,13 @@ def check_number(value, what: str = "", low: float | None = None, high: float | 
             bounds = f"{'<' if high_open else '<='} {high:g}"
         raise ConfigError(f"{what} must be {bounds}, got {value:g}".lstrip())
     return float(value)
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float (memory_mb = 1 and 400 zeros was an OverflowError traceback)
+        return False
 
 
 # ---- argparse ------------------------------------------------------------------------------------------------

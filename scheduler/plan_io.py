@@ -209,6 +209,8 @@ def _load_tp(doc: dict, cluster: Cluster, model: ModelProfile, where: str) -> Te
             given = given[:, None] if given.ndim == 2 else given
         _require(given.shape == expected.shape and np.array_equal(given, expected), where,
                  f"priority.{kind} ranges do not match the counts and link loss rates (overlapping or missing ranks)")
+    over = plan.memory_used() > np.array([d.memory_bytes for d in plan.profiles()]) * (1 + 1e-9)
+    plan.oom = [d.name for d, o in zip(plan.profiles(), over) if o]  # from the counts (the file's list was dropped)
     return plan
 
 

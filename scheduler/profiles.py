@@ -103,8 +103,8 @@ class Cluster:
             raise ConfigError(f"address {twice[0]} is given to more than one device: one agent serves one share")
         if self.weights not in BYTES_PER_WEIGHT:
             raise ConfigError(f"weights = {self.weights!r}: choose one of {', '.join(BYTES_PER_WEIGHT)}")
-        if self.context <= 0:
-            raise ConfigError(f"context must be positive, got {self.context}")
+        # a whole number of tokens, a plain int (a numpy integer could not be saved as JSON, 512.5 could not load)
+        object.__setattr__(self, "context", check_integer(self.context, "the cluster's context", 1))
 
     @property
     def master(self) -> int:

@@ -124,6 +124,10 @@ def build_plan(cluster: Cluster, model: ModelProfile, algorithm: str = "minmax",
                                  f"the embeddings and predictors ({fixed[0] / 1e6:.0f} MB): make a device with more "
                                  "memory the master (master = true in the cluster file)")
     usable = np.array([d.memory_bytes for d in profiles]) - fixed
+    unfit = [i for i, room in zip(devices[1:], usable[1:]) if room <= 0]
+    if prune and unfit:  # a device without room for its predictors takes no part (it was charged for them holding
+        # nothing, the repair had nothing to move, and every plan of the cluster failed)
+        return build_plan(cluster, model, algorithm, [i for i in devices if i not in unfit], prune)
     compute = whole_model_speed(profiles, model)
     ctx = cluster.context
     demand = model.total_bytes(ctx) - model.embedding_bytes

@@ -369,6 +369,10 @@ def _load_plan(weights: ModelWeights, layout: GroupLayout, plan: str | None, clu
         tp_plan = plan_io.load(plan)
         if isinstance(tp_plan, tuple):
             raise ConfigError(f"{plan} is a pipeline plan; generate needs a tensor-parallel (--mode tp) plan")
+        if tp_plan.oom:  # (--algorithm vanilla, the paper's baseline, ignores memory: a table, not a plan to run)
+            raise ConfigError(f"{plan} gives {', '.join(tp_plan.oom)} more than its memory budget (planned with "
+                              f"{tp_plan.algorithm or 'an algorithm'} that ignores memory): plan again with "
+                              "--algorithm minmax")
         return tp_plan
     if cluster:
         from halo.compute.shares import planning_format
