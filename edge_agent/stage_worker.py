@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     parser = OneLineParser(prog="halo-stage-worker", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                            description="Serve a contiguous range of a model's layers to a halo pipeline "
                                        "coordinator (halo-master generate --mode pipeline).")
-    parser.add_argument("--listen", type=listen_argument, default="tcp://0.0.0.0:7080", help="where to listen (port 0 = any free port)")
+    parser.add_argument("--listen", type=listen_argument, default="tcp://0.0.0.0:7080", help="where to listen (default tcp://0.0.0.0:7080: every interface; port 0 = any free port)")
     add_daemon_key_arguments(parser)
     parser.add_argument("--model", help="local copy of the model (default: the bundled stories260K)")
     parser.add_argument("--name", help="name shown to the coordinator (default: the host name)")

@@ -1,6 +1,6 @@
 """Accuracy under relaxed synchronization (HALO Table II / V / Fig. 7 in kind), simulated in one process.
 
-    python -m halo.eval.accuracy_halo [--model stories260K] [--predictors DIR] [--windows 64] [--prompts 16]
+    python -m halo.eval.accuracy_halo [--model MODEL] [--predictors DIR] [--windows 64] [--prompts 16]
 
 The bundled stories260K by default; `--model smollm2-135m-instruct` (with predictors trained for it:
 halo-train-predictors --model smollm2-135m-instruct --data TEXT --out DIR) runs the same study on a real

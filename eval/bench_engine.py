@@ -1,6 +1,6 @@
 """Single-process decode speed per weight format against the machine's memory bandwidth.
 
-    python -m halo.eval.bench_engine [--layers 22] [--tokens 16] [--out eval/results]
+    python -m halo.eval.bench_engine [--layers 22] [--tokens 32] [--out eval/results]
     python -m halo.eval.bench_engine --model smollm2-135m-instruct [--threads 1,2]
     python -m halo.eval.bench_engine --random-gguf Q4_0          (TinyLlama-1.1B shape, 4-bit random GGUF)
 

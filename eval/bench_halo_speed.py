@@ -1,8 +1,8 @@
 """HALO mode speed under real packet loss, straggling agents, and the overlap ablation.
 
-    python -m halo.eval.bench_halo_speed speed     [--agents 4,8] [--plr 0,0.01,0.02,0.05] [--tokens 12]
+    python -m halo.eval.bench_halo_speed speed     [--agents 3,7] [--plr 0,0.01,0.02,0.05] [--tokens 32]
     python -m halo.eval.bench_halo_speed straggler [--tokens 300]
-    python -m halo.eval.bench_halo_speed ablation  [--agents 4] [--plr 0.02]
+    python -m halo.eval.bench_halo_speed ablation  [--agents 3] [--plr 0.02]
 
 speed (HALO Table I / Fig. 8 in kind): the namespace test bed (rpi/testbed.py: silent nftables loss on
 every agent link, both directions), a TinyLlama-1.1B-shaped checkpoint with random weights cut to

@@ -1,6 +1,6 @@
 """Train a model's semantic-aware predictors and report how they rank.
 
-    python -m halo.eval.bench_predictors [--model stories260K] [--hidden 64] [--epochs 40] [--seed 0]
+    python -m halo.eval.bench_predictors [--model MODEL] [--hidden 64] [--epochs 40] [--seed 0]
     python -m halo.eval.bench_predictors --model smollm2-135m-instruct --hidden 128 --max-chars 400000
 
 Data: ../shared/data/tinystories_valid_dev.txt (or --data), first 80 % for training, last 20 % for

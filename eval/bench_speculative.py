@@ -1,6 +1,6 @@
 """Speculative decoding over a cluster: tokens/s with and without it, on a copy-heavy task and on chat prompts.
 
-    python -m halo.eval.bench_speculative [--plr 0.02] [--agents 3] [--drafts 4] [--copy 20] [--chat 50]
+    python -m halo.eval.bench_speculative [--plr 0.02] [--agents 3] [--drafts 8] [--copy 20] [--chat 50]
 
 SmolLM2-135M-Instruct (`halo-master fetch smollm2-135m-instruct`), master + N agents in the namespace test bed
 (rpi/testbed.py: nftables loss on every agent link, both ways), exact sync. Per prompt, interleaved: plain decoding,

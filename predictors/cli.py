@@ -15,8 +15,9 @@ import numpy as np
 from halo.arguments import integer
 from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
 
-EPILOG = """example (the bundled model and the shared TinyStories text; first 80 % train, last 20 % validation):
-  halo-train-predictors --model models/my-model.gguf --data tinystories_valid_dev.txt --out models/predictors
+EPILOG = """examples (a text's first 80 % trains, the last 20 % validates):
+  halo-train-predictors --data ../shared/data/tinystories_valid_dev.txt --out models/predictors   the bundled model
+  halo-train-predictors --model models/my-model.gguf --data my-text.txt --out models/my-model-predictors
   (halo-master and halo-agent look in predictors/ beside the model file, or where --predictors says)
 """
 

@@ -235,7 +235,7 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--weights", choices=FORMATS, default="native",
                         help="weight format in memory: native = the file's own (GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks "
                              "stay 4/8-bit; fp32/fp16/bf16 checkpoints run fp32) (default), fp32 (exact; blocks "
-                             "dequantized), int8 (per-block, ~3.5x smaller than fp32); in a cluster every agent "
+                             "dequantized), int8 (per-block, ~3.9x smaller than fp32); in a cluster every agent "
                              "uses it too")
     parser.add_argument("--context", type=integer(1), default=None, metavar="N",
                         help="KV-cache length in tokens (default: the model's, at most 2048)")
