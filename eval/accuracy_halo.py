@@ -201,4 +201,6 @@ def render(rows, command, args, base, model: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

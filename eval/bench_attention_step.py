@@ -123,4 +123,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

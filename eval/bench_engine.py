@@ -20,6 +20,7 @@ and the roofline: the file's tensor bytes (what a token must read) / one core's 
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core, before numpy loads BLAS
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -347,4 +348,6 @@ def gguf_table(result, rows, copy_bw, file_bytes, read_bytes) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

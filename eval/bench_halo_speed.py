@@ -616,4 +616,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

@@ -16,6 +16,7 @@ question (the JSON records its CPU).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -153,4 +154,6 @@ def median_run(decodes: list[dict], distance: int) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

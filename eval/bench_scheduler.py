@@ -206,4 +206,6 @@ def plot(table: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

@@ -14,6 +14,7 @@ stories260K, lm_eval_loss_<model>.{json,md} for another model (its own weight fo
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -82,4 +83,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -287,4 +288,6 @@ def _byte_alphabet() -> set[int]:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from halo.eval.report import run_script
+
+    sys.exit(run_script(main))

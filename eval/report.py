@@ -10,6 +10,18 @@ import sys
 from pathlib import Path
 
 
+def run_script(main) -> int:
+    """An eval script's exit: a HaloError (a model name the loader does not know, a bad cluster file) is one line and
+    exit code 2, as halo-master says it, not a traceback."""
+    from halo.errors import HaloError
+
+    try:
+        return main() or 0
+    except HaloError as e:
+        print(f"{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def cpu_model() -> str:
     """The CPU's model name as results record it (/proc/cpuinfo; elsewhere what platform knows): benchmarks of memory
     and kernels differ by host, so every file says which it ran on."""
@@ -107,4 +119,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_script(main))
