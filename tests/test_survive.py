@@ -178,6 +178,27 @@ def test_a_persistently_slow_agent_loses_its_work_to_the_others(stories_weights,
         assert groups_of(model, slow) < before, (before, groups_of(model, slow), rebalanced[0].cause)
 
 
+def test_a_rebalance_after_a_loss_plans_over_the_agents_left(stories_weights):
+    """The straggler re-plan planned over every device the first plan had, a lost agent too: with an even plan's
+    devices (no addresses) a KeyError ended the generation; with addresses it planned the dead agent back in."""
+    from types import SimpleNamespace
+
+    from halo.compute.neuron_groups import GroupLayout
+    from halo.distributed.connect import Replanner
+    from halo.scheduler.profiles import Cluster, DeviceProfile, model_profile
+    from halo.scheduler.tp_plan import build_plan
+
+    cluster = Cluster(tuple(DeviceProfile(name, 1e9, 1e9, is_master=name == "master")
+                            for name in ("master", "a", "lost")), 264, "fp32")
+    plan = build_plan(cluster, model_profile(stories_weights.config, "fp32", "s"), "minmax", [0, 1], prune=False)
+    model = SimpleNamespace(plan=plan, agents={1: SimpleNamespace(endpoint="tcp://127.0.0.1:7001")},
+                            estimates=SimpleNamespace(updated_cluster=lambda plan, mode, sync: plan.cluster))
+    planner = Replanner(stories_weights, GroupLayout.for_model(stories_weights.config), plan, False, False,
+                        SyncSettings(), 264)
+    new, endpoints, _, _ = planner.observed(model)
+    assert endpoints == ["tcp://127.0.0.1:7001"] and len(new.devices) == 2
+
+
 def groups_of(model, endpoint: str) -> int:
     rows = [r for r in model.report() if r["endpoint"] == endpoint]
     return rows[0]["heads"] + rows[0]["mlp_groups"] + rows[0]["vocab_groups"] if rows else 0

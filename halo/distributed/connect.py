@@ -345,16 +345,17 @@ class Replanner:
         from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
         plan = model.plan
-        cluster = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
-        endpoint_of = {index: model.agents[j].endpoint for j, index in enumerate(plan.devices) if j > 0}
-        endpoint_of.update({i: _address(d) for i, d in enumerate(cluster.devices) if d.address and i not in endpoint_of})
-        # every device carries its address, so that a later loss or join re-plans from these profiles (adopt)
-        cluster = replace(cluster, devices=tuple(replace(d, address=endpoint_of.get(i, d.address))
-                                                 for i, d in enumerate(cluster.devices)))
-        current = TensorParallelPlan(cluster, plan.model, plan.algorithm, plan.devices, plan.counts)
+        observed = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
+        # over the plan's participants only (an agent out of it, lost or waiting to rejoin, comes back through a
+        # join; planning over it crashed the generation with a KeyError), each carrying its address, so that a
+        # later loss or join re-plans from these profiles (adopt)
+        cluster = replace(observed, devices=tuple(
+            replace(observed.devices[index], address=model.agents[j].endpoint) if j else observed.devices[index]
+            for j, index in enumerate(plan.devices)))
+        current = TensorParallelPlan(cluster, plan.model, plan.algorithm, list(range(len(plan.devices))), plan.counts)
         new = (plan_tp(cluster, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
                else plan_everyone(cluster, plan.model, self.sync.mode, self.sync))
-        endpoints = [endpoint_of[i] for i in new.devices[1:]]
+        endpoints = [cluster.devices[i].address for i in new.devices[1:]]
         return new, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
             estimate(new, self.sync.mode, sync=self.sync).total_s
 
