@@ -252,3 +252,26 @@ def test_the_loss_report_covers_the_tokens_before_a_replan(stories_weights):
         generate(model, load_tokenizer(stories_weights), "", 60, on_text=on_text)
         assert len(model.recoveries) == 1 and len(seen) == 2
     assert seen[0] > 0 and seen[1] >= seen[0]  # (it fell back to the few partials since the re-plan)
+
+
+def test_each_failure_after_a_return_doubles_the_quarantine():
+    """A returning device's failure count was dropped: one that answered status and then refused every hello
+    (another model) came back at the same pace all generation long."""
+    from halo.runtime.replanning import Membership
+
+    class Answered:
+        def poll(self, timeout_ms):
+            return True
+
+        def close(self, linger=0):
+            pass
+
+    membership = Membership(SurvivalSettings(rejoin_after_s=5.0), lambda name: Answered())
+    waits = []
+    for _ in range(3):
+        membership.fail("pi")
+        waits.append(round(membership.absent["pi"].not_before - time.monotonic()))
+        membership.absent["pi"].not_before = 0.0  # its quarantine is over: asked, it answers, it returns
+        membership.returning()
+        assert membership.returning() == ["pi"] and "pi" not in membership.absent
+    assert waits == [5, 10, 20]

@@ -93,12 +93,15 @@ class Membership:
     settings: SurvivalSettings
     ask: object  # name -> socket with a status request in flight
     absent: dict[str, Absent] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # kept when a device returns: each failure after it
+    # doubles its quarantine (they were dropped on return, and an agent that answered status but refused every hello
+    # was taken back every rejoin_after_s: 39 re-plans in one generation)
 
     def fail(self, name: str) -> None:
         """`name` failed (again): out of the plan, asked again after its quarantine."""
         absent = self.absent.setdefault(name, Absent())
         self._drop_probe(absent)
-        absent.failures += 1
+        self.failures[name] = absent.failures = self.failures.get(name, 0) + 1
         absent.not_before = time.monotonic() + min(MAX_QUARANTINE_S,
                                                    self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
 
