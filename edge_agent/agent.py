@@ -357,7 +357,20 @@ class Agent(ControlServer):
         by transport/control.py)."""
         if model_sha256 != self.model_sha256:
             return (f"model mismatch: the master runs sha256 {model_sha256[:12]}..., this agent holds "
-                    f"{self.model_sha256[:12]}... ({self.weights.source})")
+                    f"{self.model_sha256[:12]}... ({self.weights.source}): start this agent with the master's model "
+                    "(halo-agent --model FILE, or a fetched name such as smollm2-135m-instruct), or the master with "
+                    "this agent's")
+        return None
+
+    def _format_refusal(self, fmt: str) -> str | None:
+        """Why this agent cannot compute in `fmt` (None: it can): asked at the profile request too, before a
+        benchmark in a format the hello would then refuse."""
+        if fmt not in FORMATS:
+            return f"unknown weight format {fmt!r}; this agent computes in {', '.join(FORMATS)}"
+        if self.only_format and resolve_format(fmt, self.weights) != resolve_format(self.only_format, self.weights):
+            return (f"this agent serves {self.only_format} weights only (its --weights, or weights in its config"
+                    f" file) and the master computes in {fmt}: start the master with --weights "
+                    f"{self.only_format}, or drop the agent's setting")
         return None
 
     def _profile(self, f: dict, peer: bytes, address: str | None = None) -> Message:
@@ -370,7 +383,7 @@ class Agent(ControlServer):
         except ControlError as e:
             request, reason = None, f"bad profile request: {e}"
         else:
-            reason = self._mismatch(request.model_sha256)
+            reason = self._mismatch(request.model_sha256) or self._format_refusal(request.weights)
         if reason is None and self.loading is not None:
             reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
@@ -403,12 +416,8 @@ class Agent(ControlServer):
                     raise HaloError(f"the plan's {name} groups {sorted(ids)[-3:]} (layer {layer}) are not distinct "
                                     f"groups of this model's {count}")
         fmt = hello.weights  # the master's choice, so the whole cluster computes alike
-        if fmt not in FORMATS:
-            raise HaloError(f"unknown weight format {fmt!r}")
-        if self.only_format and resolve_format(fmt, self.weights) != resolve_format(self.only_format, self.weights):
-            raise HaloError(f"this agent serves {self.only_format} weights only (its --weights, or weights in its config"
-                            f" file) and the master computes in {fmt}: start the master with --weights "
-                            f"{self.only_format}, or drop the agent's setting")
+        if self._format_refusal(fmt):
+            raise HaloError(self._format_refusal(fmt))
         sync = SyncSettings.from_json(hello.sync)
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")

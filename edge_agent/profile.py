@@ -39,15 +39,13 @@ def device_profile() -> dict:
 
 
 def measured_profile(agent, request, address: str | None = None) -> dict | str:
-    """The reply to a `profile` request (transport/control.py ProfileRequest), or why it cannot be served. address:
+    """The reply to a `profile` request (transport/control.py ProfileRequest; its model and format checked by the
+    agent), or why it cannot be served. address:
     the master's, from its control connection: its probes are echoed to (address, its UDP port) only."""
-    from halo.compute.linear import FORMATS
     from halo.compute.neuron_groups import GroupLayout
     from halo.runtime.measure import measure_device
 
     layout = GroupLayout.for_model(agent.weights.config, request.mlp_group_size, request.vocab_group_size)
-    if request.weights not in FORMATS:
-        return f"unknown weight format {request.weights!r}; this agent computes in {', '.join(FORMATS)}"
     measured = measure_device(agent.weights, layout, request.weights, agent.threads, agent.name, fresh=request.fresh)
     measured["memory_budget_bytes"] = agent.memory_budget  # what it will hold a share to (--memory-budget), not only
     # what is free: a plan from free memory gave it a share it then refused

@@ -143,3 +143,18 @@ def test_plan_measured_named_keeps_every_local_agent_as_the_default_does():
     assert result["planning"]["source"] == "measured"
     assert [a["name"] for a in result["agents"]] == ["local-1#1", "local-2#2"], result["agents"]
     assert "left out" not in out.stderr
+
+
+def test_an_agent_of_one_format_refuses_a_profile_in_another_before_benchmarking(stories_weights, tmp_path,
+                                                                                  monkeypatch):
+    """halo-agent --weights int8 benchmarked the master's other format, was planned for, and only refused at the
+    hello; a model mismatch named no fix."""
+    monkeypatch.setenv("HALO_DEVICE_CACHE_DIR", str(tmp_path))  # (the agent inherits it: its benchmarks land here)
+    request = ProfileRequest(model_fingerprint(stories_weights.source), "fp32", 22, 256, "test", False, False, 1,
+                             UdpSession(7, "ab" * wire.NONCE_BYTES, 9)).to_fields()
+    with LocalCluster(1, extra_args=["--weights", "int8"]) as cluster:
+        reply = ask(cluster.endpoints[0], cluster.key, "profile", request)
+        assert reply.kind == "refused" and "this agent serves int8 weights only" in reply.fields["reason"]
+        assert not list(tmp_path.iterdir())  # nothing benchmarked
+        reply = ask(cluster.endpoints[0], cluster.key, "profile", {**request, "model_sha256": "0" * 64})
+        assert reply.kind == "refused" and "start this agent with the master's model" in reply.fields["reason"]
