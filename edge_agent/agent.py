@@ -34,7 +34,7 @@ from halo.host.memory import memory_limit, read_mapped_files_at_random
 from halo.runtime.measure import MEMORY_SHARE, default_memory_budget
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
-from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
+from halo.transport.control import TAKEN_OVER, ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, PARTIALS_KEPT, kept_bytes, spin_readable
 
@@ -122,6 +122,7 @@ class Agent(ControlServer):
         self.memory_budget = default_memory_budget() if memory_budget is None else memory_budget
         self.session: Session | None = None
         self.dropped_idle = b""  # the master whose session ended for silence (told so if it comes back)
+        self.displaced = (b"", "", 0.0)  # (the master whose live session another took over, by whom, when)
         self.retired: tuple[DeviceWorker, float] | None = None  # the last session's worker, while RETAIN_S runs
         # a UDP endpoint beside the control socket: link probes, and the UDP rounds of the relaxed modes
         host = self.endpoint.split("://", 1)[-1].rsplit(":", 1)[0]
@@ -184,6 +185,12 @@ class Agent(ControlServer):
             self.loading.abandoned = True  # as after a bye: closed once its thread is done
         self._end_session()
 
+    def _take_over(self, peer: bytes, master: str) -> None:
+        """A master other than the live session's takes this agent: the old one is told so at its next message."""
+        if self.session is not None and peer != self.session.peer:
+            log.warning("master %s takes this agent over from %s", master[:64], self.session.master[:64])
+            self.displaced = (self.session.peer, master[:64], time.monotonic())
+
     def _end_session(self, retain: bool = False) -> None:
         """retain: keep the worker's shards for RETAIN_S (a master that re-plans says bye, then hello)."""
         if self.session is not None:
@@ -226,6 +233,10 @@ class Agent(ControlServer):
                 return Message("ok")
             return Message("error", {"reason": f"'{message.kind}' before this agent said ready: it is still loading "
                                                f"its share ({100 * self.loading.fraction:.0f} %)"})
+        if peer == self.displaced[0] and (self.session is None or peer != self.session.peer):
+            return Message("error", {"reason": f"master {self.displaced[1]} {TAKEN_OVER} "
+                                               f"{time.monotonic() - self.displaced[2]:.0f} s ago: this session is over "
+                                               "(two masters cannot share an agent)"})
         if self.session is None:
             if peer == self.dropped_idle:
                 return Message("error", {"reason": f"this agent ended the session after {IDLE_SESSION_S:.0f} s without "
@@ -254,7 +265,8 @@ class Agent(ControlServer):
             session = {"master": self.session.master, "attention_layers": sorted(w.attention),
                        "mlp_layers": sorted(l for l, g in enumerate(w.share.mlp) if g),
                        "lm_head": w.lm_head is not None, "heads": sum(map(len, w.share.attention)),
-                       "mlp_groups": sum(map(len, w.share.mlp)), "sync": self.session.sync.mode}
+                       "mlp_groups": sum(map(len, w.share.mlp)), "sync": self.session.sync.mode,
+                       "idle_s": round(time.monotonic() - self.session.last_seen, 1)}
             if self.session.sync.policy.uses_udp:
                 session["udp"] = self.udp.stats[MASTER].to_json()
                 session["udp_gso"] = self.udp.segmenting
@@ -301,6 +313,7 @@ class Agent(ControlServer):
             return refuse(str(e))
         except (KeyError, TypeError, ValueError) as e:
             return refuse(f"bad hello: {e}")
+        self._take_over(peer, hello.master)
         self._end_session(retain=True)  # a new master replaces the old session now; its kernels wait for the build
         loading = Loading(hello.master, peer, hello, address, sync, hello.node_id)
 
@@ -388,9 +401,13 @@ class Agent(ControlServer):
             reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
             if request.take_over:
+                self._take_over(peer, request.master)
                 self._end_session()  # the master that asks will say hello next: the old session is over
             else:
-                reason = f"busy: serving master {self.session.master}; profile it when it is idle"
+                idle = time.monotonic() - self.session.last_seen
+                reason = (f"busy: serving master {self.session.master} (its last message {idle:.0f} s ago; a session "
+                          f"silent for {IDLE_SESSION_S:.0f} s ends, this one in {max(0.0, IDLE_SESSION_S - idle):.0f} s)"
+                          ": profile it when it is idle (generate takes it over)")
         try:
             answer = reason or measured_profile(self, request, address)
         except (KeyError, TypeError, ValueError, HaloError) as e:

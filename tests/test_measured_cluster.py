@@ -109,9 +109,11 @@ def test_profile_requests_are_validated_and_a_busy_agent_is_not_taken_over(stori
     try:
         busy = ask(cluster.endpoints[0], cluster.key, "profile", request)
         assert busy.kind == "refused" and "busy" in busy.fields["reason"]
+        assert "s ago; a session silent for 60 s ends, this one in" in busy.fields["reason"]  # (it said neither)
         model.forward([1, 2])
         model.forward([3])
         status = ask(cluster.endpoints[0], cluster.key, "status", {})
+        assert 0 <= status.fields["session"]["idle_s"] < 30
         estimates = status.fields["session"]["estimates"]
         assert estimates["attention"]["blocks"] > 0 and estimates["attention"]["ms_per_block"] > 0
     finally:
@@ -158,3 +160,24 @@ def test_an_agent_of_one_format_refuses_a_profile_in_another_before_benchmarking
         assert not list(tmp_path.iterdir())  # nothing benchmarked
         reply = ask(cluster.endpoints[0], cluster.key, "profile", {**request, "model_sha256": "0" * 64})
         assert reply.kind == "refused" and "start this agent with the master's model" in reply.fields["reason"]
+
+
+def test_a_master_whose_agent_another_master_took_is_told_so(stories_weights):
+    """Two masters on one agent: the first was told "not in session" or "before hello", took the agent for dead,
+    and took it back; it is now told who took it over and that its session is over."""
+    from halo.distributed import AgentError
+
+    with LocalCluster(1) as cluster:
+        first = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT, sync=SyncSettings(mode="tcp"))
+        try:
+            first.forward([1, 2])
+            second = cluster_model(stories_weights, cluster.endpoints, cluster.key, context=CONTEXT,
+                                   sync=SyncSettings(mode="tcp"))  # its hello takes the agent over
+            try:
+                with pytest.raises(AgentError, match=r"took this agent over \d+ s ago: this session is over"):
+                    first.forward([3])
+                second.forward([1, 2])
+            finally:
+                second.close()
+        finally:
+            first.close()

@@ -8,7 +8,7 @@ import random
 import signal
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 
 import pytest
 
@@ -275,3 +275,20 @@ def test_each_failure_after_a_return_doubles_the_quarantine():
         membership.returning()
         assert membership.returning() == ["pi"] and "pi" not in membership.absent
     assert waits == [5, 10, 20]
+
+
+def test_an_agent_another_master_took_over_is_not_taken_back(stories_weights):
+    """Two masters on one agent took it from each other all run long: each took "not in session" for a failure and
+    took the agent back when it answered status. The one taken over now plans without it and leaves it be."""
+    from halo.distributed import cluster_model
+
+    with LocalCluster(1) as cluster, ExitStack() as stack:
+        first = survivor(stories_weights, cluster, stack, "tcp", rejoin_after_s=0.01)
+        first.forward([1, 2])
+        second = stack.enter_context(closing(cluster_model(stories_weights, cluster.endpoints, cluster.key,
+                                                           context=64, sync=SyncSettings(mode="tcp"))))
+        for position, token in enumerate(range(3, 9), start=2):
+            first.forward([token], position)
+            time.sleep(0.02)  # (quarantines of 0.01 s are over)
+        assert first.in_plan() == [] and first.survival_report()["absent"][cluster.endpoints[0]]["asked_again_in_s"] is None
+        second.forward([1, 2])  # still its own
