@@ -42,10 +42,15 @@ from halo.edge_agent.daemon import ControlServer
 from halo.edge_agent.rounds import MASTER, AgentRounds
 
 log = logging.getLogger("halo.agent")
+ABANDONED_STOP_S = 5.0  # how long a hello waits for an abandoned build to stop (it does at its next block)
 IDLE_SESSION_S = 60.0  # a session with no message for this long is over (the master is gone)
 RETAIN_S = 30.0  # an ended session's shards wait this long for the next hello, which keeps those whose groups stay
 BUSY_WINDOW_S = 0.05  # busy polling spins while the last UDP round is at most this old (a decode is running)
 LOADING_REPORT_S = 1.0  # while a share loads, the master hears how far it got this often
+
+
+class LoadAbandoned(Exception):
+    """Raised in a build thread whose master said bye (or whose agent recovered): the build stops at its next block."""
 
 
 @dataclass
@@ -72,6 +77,9 @@ class Loading:
         self.reported = self.started
 
     def progress(self, done: int, total: int) -> None:
+        """Called by the build after each block: where it is, and the end of a build its master abandoned."""
+        if self.abandoned:
+            raise LoadAbandoned
         self.done, self.total = done, total
 
     @property
@@ -304,6 +312,10 @@ class Agent(ControlServer):
         mismatch = self._mismatch(hello.model_sha256)
         if mismatch:
             return refuse(mismatch)
+        if self.loading is not None and self.loading.abandoned:  # (a master that gave up on a hello, re-planning: the
+            self.loading.thread.join(ABANDONED_STOP_S)  # build stops at its next block; it refused every hello till
+            if not self.loading.thread.is_alive():  # the whole share was built)
+                self._tend_loading()
         if self.loading is not None:
             return refuse(f"busy: loading a share for master {self.loading.master} "
                           f"({100 * self.loading.fraction:.0f} %); say hello again when it is ready")
@@ -320,6 +332,8 @@ class Agent(ControlServer):
         def run() -> None:
             try:
                 loading.worker = build(loading.progress)
+            except LoadAbandoned:
+                pass
             except HaloError as e:
                 loading.error = str(e)
             except Exception as e:  # a bug must not leave the master waiting: it hears why

@@ -93,6 +93,19 @@ def test_a_stalled_load_is_given_up_with_how_far_it_got(slow_agent, stories_weig
     model.close()
 
 
+def test_a_hello_after_an_abandoned_load_is_taken_at_once(slow_agent, stories_weights):
+    """A build its master gave up on went on to the end of the share, and every hello meanwhile was refused as
+    busy (a re-planning master that had said bye to a healthy agent then planned without it). The build stops at
+    its next block; the hello waits for that."""
+    agent, pace = slow_agent
+    pace["step_s"], pace["stall_after"], pace["stall_s"] = 0.4, 2, 1.0
+    with pytest.raises(AgentError, match="built nothing of its share"):
+        cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT, hello_timeout_s=0.5)
+    pace["step_s"] = 0.0
+    model = cluster_model(stories_weights, [agent.endpoint], insecure=True, context=CONTEXT)
+    model.close()
+
+
 def test_a_hello_while_loading_is_refused_as_busy(slow_agent, stories_weights):
     agent, pace = slow_agent
     pace["step_s"] = 0.3
