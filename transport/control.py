@@ -22,8 +22,7 @@ from halo.errors import HaloError
 from halo.transport import wire
 
 MAX_NAME = 256  # characters of a device or master name
-TAKEN_OVER = "took this agent over"  # an agent's word to a master whose session another master took: it is gone for
-# good (a master that took it for a failure took it back, and the two masters took it from each other all run long)
+TAKEN_OVER = "took this agent over"  # an agent's word to a master whose live session another master's hello took
 
 
 class ControlError(HaloError):

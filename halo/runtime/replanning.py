@@ -16,7 +16,6 @@ at most, not one per token.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -98,15 +97,11 @@ class Membership:
     # doubles its quarantine (they were dropped on return, and an agent that answered status but refused every hello
     # was taken back every rejoin_after_s: 39 re-plans in one generation)
 
-    def fail(self, name: str, for_good: bool = False) -> None:
-        """`name` failed (again): out of the plan, asked again after its quarantine (for_good: never; another
-        master took it over)."""
+    def fail(self, name: str) -> None:
+        """`name` failed (again): out of the plan, asked again after its quarantine."""
         absent = self.absent.setdefault(name, Absent())
         self._drop_probe(absent)
         self.failures[name] = absent.failures = self.failures.get(name, 0) + 1
-        if for_good:
-            absent.not_before = math.inf
-            return
         absent.not_before = time.monotonic() + min(MAX_QUARANTINE_S,
                                                    self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
 
@@ -129,8 +124,7 @@ class Membership:
 
     def report(self) -> dict:
         now = time.monotonic()
-        return {name: {"failures": a.failures, "asked_again_in_s": round(max(0.0, a.not_before - now), 1)
-                       if math.isfinite(a.not_before) else None}
+        return {name: {"failures": a.failures, "asked_again_in_s": round(max(0.0, a.not_before - now), 1)}
                 for name, a in self.absent.items()}
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from halo.arguments import is_loopback
-from halo.errors import ConfigError
+from halo.errors import ConfigError, Terminated
 
 log = logging.getLogger("halo.serve")
 
@@ -182,5 +182,7 @@ def status_from_server(args) -> int:
                 except ConfigError as e:  # the server restarts: keep watching
                     live.update(Text(f"{e} (retrying)", style="red"), refresh=True)
                 time.sleep(args.interval)
-    except KeyboardInterrupt:
+    except Terminated:  # (SIGTERM ends a run as such: exit 143)
+        raise
+    except KeyboardInterrupt:  # Ctrl-C is how a watch ends
         return 0
