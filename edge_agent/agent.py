@@ -312,9 +312,11 @@ class Agent(ControlServer):
         mismatch = self._mismatch(hello.model_sha256)
         if mismatch:
             return refuse(mismatch)
-        if self.loading is not None and self.loading.abandoned:  # (a master that gave up on a hello, re-planning: the
-            self.loading.thread.join(ABANDONED_STOP_S)  # build stops at its next block; it refused every hello till
-            if not self.loading.thread.is_alive():  # the whole share was built)
+        if self.loading is not None and self.loading.abandoned:
+            # a build its master gave up on stops at its next block: wait for that (it refused every hello until the
+            # whole share was built, and a master re-planning after its bye planned without this agent)
+            self.loading.thread.join(ABANDONED_STOP_S)
+            if not self.loading.thread.is_alive():
                 self._tend_loading()
         if self.loading is not None:
             return refuse(f"busy: loading a share for master {self.loading.master} "
@@ -414,8 +416,10 @@ class Agent(ControlServer):
         if reason is None and self.loading is not None:
             reason = f"busy: loading a share for master {self.loading.master}; profile it when it is ready"
         if reason is None and self.session is not None and peer != self.session.peer:
-            if request.take_over:  # (the old master hears "no session": a profile alone may not be followed by a
-                self._end_session()  # hello, so it is not told it was taken over) the asking master says hello next
+            if request.take_over:
+                # the asking master says hello next; the old one hears "no session", not "taken over" (a profile
+                # need not be followed by a hello)
+                self._end_session()
             else:
                 idle = time.monotonic() - self.session.last_seen
                 reason = (f"busy: serving master {self.session.master} (its last message {idle:.0f} s ago; a session "
@@ -446,8 +450,9 @@ class Agent(ControlServer):
                     raise HaloError(f"the plan's {name} groups {sorted(ids)[-3:]} (layer {layer}) are not distinct "
                                     f"groups of this model's {count}")
         fmt = hello.weights  # the master's choice, so the whole cluster computes alike
-        if self._format_refusal(fmt):
-            raise HaloError(self._format_refusal(fmt))
+        refusal = self._format_refusal(fmt)
+        if refusal:
+            raise HaloError(refusal)
         sync = SyncSettings.from_json(hello.sync)
         if sync.policy.uses_udp and (hello.udp is None or hello.node_id == 0):
             raise HaloError(f"--sync {sync.mode} runs over UDP, but the hello opens no UDP session (or node id 0)")
