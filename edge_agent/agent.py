@@ -34,7 +34,7 @@ from halo.host.memory import memory_limit, read_mapped_files_at_random
 from halo.runtime.measure import MEMORY_SHARE, default_memory_budget
 from halo.sync import Status, SyncSettings, Transport, ranks_next_layer_itself
 from halo.transport import wire
-from halo.transport.control import TAKEN_OVER, ControlError, Hello, ProfileRequest, Ready, UdpSession
+from halo.transport.control import ControlError, Hello, ProfileRequest, Ready, UdpSession
 from halo.transport.reliable import ClusterKey, Message, udp_base_key
 from halo.transport.udp import BUSY_POLL_S, PARTIALS_KEPT, kept_bytes, spin_readable
 
@@ -242,7 +242,7 @@ class Agent(ControlServer):
             return Message("error", {"reason": f"'{message.kind}' before this agent said ready: it is still loading "
                                                f"its share ({100 * self.loading.fraction:.0f} %)"})
         if peer == self.displaced[0] and (self.session is None or peer != self.session.peer):
-            return Message("error", {"reason": f"master {self.displaced[1]} {TAKEN_OVER} "
+            return Message("error", {"reason": f"master {self.displaced[1]} took this agent over "
                                                f"{time.monotonic() - self.displaced[2]:.0f} s ago: this session is over "
                                                "(two masters cannot share an agent)"})
         if self.session is None:

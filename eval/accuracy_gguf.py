@@ -26,7 +26,7 @@ from halo.compute.transformer import Transformer
 from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 
@@ -123,6 +123,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

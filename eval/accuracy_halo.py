@@ -33,7 +33,7 @@ from halo.compute.tracing import TracingTransformer
 from halo.model.loader import load_tokenizer, load_weights
 from halo.predictors.profiler import split_text
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 POLICIES = ("none", "random", "static", "halo", "oracle-low", "oracle-high")
@@ -201,6 +201,4 @@ def render(rows, command, args, base, model: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories_valid_dev.txt"
 CHAT_PROMPTS = Path(__file__).with_name("chat_prompts.txt")
@@ -417,6 +417,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

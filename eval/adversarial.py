@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 CAPTURED_KEPT = 2000
 
@@ -182,6 +182,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from halo.eval.bench_churn import add_model_argument, model_file
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 
 def load_build(path: str):
@@ -123,6 +123,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

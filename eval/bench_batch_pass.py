@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from halo.eval.report import command_line, host, write_report
+from halo.eval.report import command_line, host, run_script, write_report
 
 PHASES = ("own_compute", "send", "sync_wait", "slowest_agent_compute")
 
@@ -167,6 +167,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

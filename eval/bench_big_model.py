@@ -30,7 +30,7 @@ from pathlib import Path
 
 from halo.eval.bench_halo_speed import run_master, summarize
 from halo.eval.bench_memory_bounded import WORK, agent_copies, one_run, prepare_copies, prepared_root
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 MB = 1 << 20
 
@@ -221,6 +221,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

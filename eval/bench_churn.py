@@ -38,7 +38,7 @@ import numpy as np
 
 from halo.runtime.local import module_command
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
            "The sun was shining", "Sam had a red ball", "There was a cat who", "Mom said"]
@@ -366,6 +366,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -17,7 +17,7 @@ import numpy as np
 
 from halo.transport import wire
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 NAMES = {wire.FLOAT32: "fp32", wire.FLOAT16: "fp16", wire.INT8: "int8 (64-value blocks)"}
 
@@ -66,6 +66,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

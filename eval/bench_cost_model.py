@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from halo.eval.accuracy_runtime import held_out_windows, teacher_forced
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 from halo.runtime.local import module_command
 
 CHECKPOINT = Path(tempfile.gettempdir()) / "halo-bench-costmodel-2048"
@@ -540,6 +540,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

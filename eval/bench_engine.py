@@ -38,7 +38,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_gguf, write_random_llama  # noqa: E402
-from halo.eval.report import command_line, host, write_report  # noqa: E402
+from halo.eval.report import command_line, host, run_script, write_report  # noqa: E402
 from halo.runtime.local import module_command
 
 FORMATS = ("fp32", "int8")
@@ -348,6 +348,4 @@ def gguf_table(result, rows, copy_bw, file_bytes, read_bytes) -> list[str]:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 from halo.generation.generate import prefill
 from halo.runtime.local import module_command
 from halo.scheduler.even import EVEN_PLANS
@@ -616,6 +616,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -26,7 +26,7 @@ import numpy as np
 from halo.compute.linear import _nbits, pack
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_engine import stream_copy_bandwidth
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, cpu_model, run_script, write_report
 
 ROWS, COLUMNS, BLOCK = 11264, 2048, 32  # TinyLlama's gate and up rows, its hidden size; GGUF's blocks of 32
 FORMATS = {"Q4_0": (4, False), "Q4_1": (4, True), "Q8_0": (8, False)}  # bits, offsets (float16 scales, as GGUF's)
@@ -154,6 +154,4 @@ def median_run(decodes: list[dict], distance: int) -> float:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -42,7 +42,7 @@ import numpy as np
 
 from halo.eval.bench_churn import TINYLLAMA_Q4, add_model_argument
 from halo.eval.bench_halo_speed import run_master, summarize
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 WORK = Path(tempfile.gettempdir()) / "halo-memory-bounded"
 
@@ -382,6 +382,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

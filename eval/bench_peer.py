@@ -44,7 +44,7 @@ import numpy as np
 
 from halo.eval.bench_halo_speed import add_profile_argument, profile_sentence, MODES, PLANS, WARMUP, Cluster, agents_at_work, cell, median_runs, mode_settings, run_master, summarize, with_testbed
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 
 
@@ -508,6 +508,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -32,7 +32,7 @@ from halo.sync import SyncSettings
 from halo.compute.linear import FORMATS
 
 from halo.eval.bench_churn import q4_checkpoint
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975]
 
@@ -293,6 +293,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -26,7 +26,7 @@ import numpy as np
 
 from halo.eval.accuracy_gguf import DATA
 from halo.eval.bench_churn import add_model_argument, model_file
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 
 # A worker: seconds per prompt length in one process (a model loaded once, every prompt the first n tokens of the
@@ -136,6 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

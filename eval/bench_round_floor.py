@@ -40,7 +40,7 @@ import numpy as np
 
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_halo_speed import decode, median_runs
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 CONTEXT = 256
 FLOATS_PER_DATAGRAM = 350  # 1,400 bytes of payload: one Ethernet frame, as halo's chunks
@@ -492,6 +492,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from halo.eval.report import command_line, host, write_report
+from halo.eval.report import command_line, host, run_script, write_report
 
 STEPS = ("master: frame + send input", "agent: take the input whole", "agent: frame + send partial",
          "master: gather the partial", "master: read the partial")
@@ -98,6 +98,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

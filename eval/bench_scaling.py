@@ -42,7 +42,7 @@ import numpy as np
 
 from halo.eval.bench_churn import add_model_argument, model_file
 from halo.eval.bench_halo_speed import add_profile_argument
-from halo.eval.report import command_line, host, write_report
+from halo.eval.report import command_line, host, run_script, write_report
 
 CONTEXT = 256
 START_TIMEOUT_S = 120.0
@@ -408,6 +408,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

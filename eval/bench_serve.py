@@ -46,7 +46,7 @@ import numpy as np
 
 from halo.errors import HaloError
 from halo.eval.bench_halo_speed import add_profile_argument
-from halo.eval.report import command_line, host, host_line, write_report
+from halo.eval.report import command_line, host, host_line, run_script, write_report
 from halo.runtime.local import AgentProcess, module_command
 
 PROMPTS = ("Once upon a time", "One day, a little girl named Lily", "The cat and the dog", "Tom wanted to",
@@ -355,6 +355,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from halo.eval.bench_halo_speed import Cluster, add_profile_argument, with_testbed
-from halo.eval.report import command_line, cpu_model, write_report
+from halo.eval.report import command_line, cpu_model, run_script, write_report
 from halo.runtime.local import module_command
 
 HERE = Path(__file__).resolve().parent
@@ -227,6 +227,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -27,7 +27,7 @@ from halo.model.loader import load_tokenizer, load_weights
 from halo.sync import SyncSettings
 
 from halo.eval.random_checkpoint import TINYLLAMA_1_1B, write_random_llama
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 
 def measure(model_path, agents: list[int], tokens: int, context: int, sync: str) -> list[dict]:
@@ -111,6 +111,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from halo.errors import ConfigError
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "eval" / "results"
@@ -140,6 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from halo.eval.report import command_line, write_report
+from halo.eval.report import command_line, run_script, write_report
 
 TASKS = ["tinystories_ppl", "tinystories_cloze"]
 METRICS = [("tinystories_ppl", "word_perplexity,none", "word ppl"), ("tinystories_ppl", "bits_per_byte,none", "bits/byte"),
@@ -83,6 +83,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -17,7 +17,7 @@ import argparse
 import sys
 from dataclasses import asdict, dataclass
 
-from halo.eval.report import command_line, host_line, write_report
+from halo.eval.report import command_line, host_line, run_script, write_report
 
 # published peak bandwidth: bus width x transfer rate
 BOARDS = {"Raspberry Pi 4 (Cortex-A72, LPDDR4-3200, 32-bit)": 3200e6 * 4,
@@ -81,6 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

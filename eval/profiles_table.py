@@ -21,7 +21,7 @@ from pathlib import Path
 from halo.rpi.links import PROFILES
 
 from halo.eval.bench_peer import LLAMACPP
-from halo.eval.report import write_report
+from halo.eval.report import run_script, write_report
 
 ORDER = ("ethernet", "wifi-good", "wifi-busy", "wifi-bad")
 
@@ -105,6 +105,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from halo.eval.report import run_script
-
     sys.exit(run_script(main))

@@ -22,7 +22,6 @@ from halo.errors import HaloError
 from halo.transport import wire
 
 MAX_NAME = 256  # characters of a device or master name
-TAKEN_OVER = "took this agent over"  # an agent's word to a master whose live session another master's hello took
 
 
 class ControlError(HaloError):

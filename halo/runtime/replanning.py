@@ -77,7 +77,6 @@ def recovery_kind(cause: str) -> str:
 class Absent:
     """A device outside the current plan, and when to ask it again."""
 
-    failures: int = 0
     not_before: float = 0.0
     probe: object = None  # a zmq socket with a status request in flight
     asked_at: float = 0.0
@@ -101,9 +100,9 @@ class Membership:
         """`name` failed (again): out of the plan, asked again after its quarantine."""
         absent = self.absent.setdefault(name, Absent())
         self._drop_probe(absent)
-        self.failures[name] = absent.failures = self.failures.get(name, 0) + 1
+        self.failures[name] = self.failures.get(name, 0) + 1
         absent.not_before = time.monotonic() + min(MAX_QUARANTINE_S,
-                                                   self.settings.rejoin_after_s * 2 ** (absent.failures - 1))
+                                                   self.settings.rejoin_after_s * 2 ** (self.failures[name] - 1))
 
     def returning(self) -> list[str]:
         """Devices that answered a status request since the last call (they leave the absent set); probes
@@ -124,7 +123,7 @@ class Membership:
 
     def report(self) -> dict:
         now = time.monotonic()
-        return {name: {"failures": a.failures, "asked_again_in_s": round(max(0.0, a.not_before - now), 1)}
+        return {name: {"failures": self.failures[name], "asked_again_in_s": round(max(0.0, a.not_before - now), 1)}
                 for name, a in self.absent.items()}
 
     def close(self) -> None:
